@@ -1,0 +1,3 @@
+"""ortserve package."""
+
+__all__: list[str] = []
