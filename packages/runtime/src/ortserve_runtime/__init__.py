@@ -1,3 +1,41 @@
-"""ortserve package."""
+"""ortserve-runtime: ONNX Runtime GenAI inference with batching, streaming and cancellation.
 
-__all__: list[str] = []
+No HTTP here: plain Python types in, async event streams and NumPy arrays out.
+"""
+
+from ._chat import ChatTemplate, Message
+from ._config import ModelConfig
+from ._errors import (
+    ContextLengthError,
+    EngineClosedError,
+    EngineError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
+from ._generation import FinishReason, GenerationEvent, GenerationStream, GenerativeModel, Usage
+from ._registry import ModelKind, ModelRegistry, ModelState, ModelStatus, detect_model_kind
+from ._sampling import GenerationOptions
+
+__all__ = [
+    "ChatTemplate",
+    "ContextLengthError",
+    "EngineClosedError",
+    "EngineError",
+    "FinishReason",
+    "GenerationEvent",
+    "GenerationOptions",
+    "GenerationStream",
+    "GenerativeModel",
+    "InvalidRequestError",
+    "Message",
+    "ModelConfig",
+    "ModelKind",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "ModelRegistry",
+    "ModelState",
+    "ModelStatus",
+    "Usage",
+    "detect_model_kind",
+]

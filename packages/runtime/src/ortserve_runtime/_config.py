@@ -1,0 +1,33 @@
+"""Configuration of how models are loaded and run. Plain data; no HTTP concerns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["ModelConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """How a model is run. One config may serve many models."""
+
+    provider: Literal["cpu", "cuda", "dml"] = "cpu"
+    """Execution provider. The continuous-batching text engine runs on the CPU provider."""
+    provider_options: dict[str, str] = field(default_factory=dict)
+    """Options passed to the execution provider (for example ``device_id``)."""
+    session_options: dict[str, str] = field(default_factory=dict)
+    """onnxruntime session config entries (``SessionOptions.add_session_config_entry``)."""
+    intra_op_threads: int | None = None
+    """Threads per onnxruntime call; ``None`` lets onnxruntime use every physical core."""
+    max_batch_size: int = 8
+    """Requests decoded together in one step; more wait in a queue."""
+    max_sequence_length: int | None = 4096
+    """Prompt plus completion tokens per request, capped by the model's context length.
+    The key/value cache holds ``max_batch_size`` rows of this many tokens."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if self.max_sequence_length is not None and self.max_sequence_length < 2:
+            raise ValueError("max_sequence_length must be at least 2")

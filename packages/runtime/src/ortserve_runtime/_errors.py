@@ -1,0 +1,62 @@
+"""Errors of the runtime.
+
+```
+EngineError                 root: anything the runtime raises on purpose
+├── ModelLoadError          a folder that is missing, not a model, or corrupt (has .path)
+├── ModelNotFoundError      a name the registry does not know (has .name)
+├── InvalidRequestError     bad input caught before it reaches onnxruntime (has .param)
+│   └── ContextLengthError  prompt (plus max_tokens) longer than the model's context
+└── EngineClosedError       the model was unloaded or closed while a request waited
+```
+
+The server maps these onto HTTP statuses; nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "ContextLengthError",
+    "EngineClosedError",
+    "EngineError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+]
+
+
+class EngineError(Exception):
+    """Root of every error the runtime raises on purpose."""
+
+
+class ModelLoadError(EngineError):
+    """A model folder could not be loaded; the message names the path."""
+
+    def __init__(self, message: str, *, path: Path | str) -> None:
+        super().__init__(message)
+        self.path = Path(path)
+
+
+class ModelNotFoundError(EngineError):
+    """The registry has no model of that name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"model {name!r} does not exist")
+        self.name = name
+
+
+class InvalidRequestError(EngineError):
+    """Input rejected before it reaches the engine; ``param`` names the field at fault."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or prompt plus requested tokens, does not fit the model's context."""
+
+
+class EngineClosedError(EngineError):
+    """The model was closed (unloaded or shutting down) before the request finished."""

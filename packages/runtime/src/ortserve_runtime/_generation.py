@@ -1,0 +1,530 @@
+"""Generative models: continuous batching over an onnxruntime-genai model folder.
+
+Why not ``og.Engine`` or a batched ``og.Generator`` on the CPU (measured with
+onnxruntime-genai 0.18, see README): the static Engine batches at most 4 requests and a
+new request waits for the whole batch; a batched Generator takes every prompt at once and
+its left padding gives wrong results for the padded rows of GQA models. So the decoder ONNX
+graph the genai builder writes is driven directly with onnxruntime:
+
+* one owner thread per model runs every session call; asyncio callers never block;
+* each request owns one row of a key/value cache shared between past and present
+  (GroupQueryAttention's share-buffer mode, as onnxruntime-genai does it), so a request
+  joins the running batch after its own prefill and leaves it the step it finishes or is
+  cancelled, freeing its row at once (continuous batching);
+* sampling, stop strings and EOS handling run per request on the host, so requests with
+  different options share one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+from tokenizers import Tokenizer, decoders
+
+from ._chat import ChatTemplate, Message
+from ._config import ModelConfig
+from ._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
+from ._sampling import GenerationOptions, Sampler
+from ._stops import StopMatcher
+
+__all__ = ["FinishReason", "GenerationEvent", "GenerationStream", "GenerativeModel", "Usage"]
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEvent:
+    """One step of a generation: a token and its text, or the end (``finish_reason`` set)."""
+
+    token_id: int | None
+    """The sampled token, or ``None`` on a final event that carries no token."""
+    text: str
+    """Newly decoded text that is safe to show (may be empty while text is held back)."""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    """Set on the final event only."""
+
+
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_request_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class _Request:
+    """Everything the owner thread keeps about one request."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stops: StopMatcher
+    deliver: Any  # Callable[[GenerationEvent | BaseException], None], thread-safe
+    id: int = field(default_factory=lambda: next(_request_ids))
+    tokens: list[int] = field(default_factory=list)
+    decoder: Any = field(default_factory=lambda: decoders.DecodeStream(skip_special_tokens=True))
+    cancelled: bool = False
+    row: int = -1
+
+    @property
+    def length(self) -> int:
+        """Tokens in this request's cache row."""
+        return len(self.prompt) + len(self.tokens)
+
+
+class GenerationStream:
+    """Async iterator of :class:`GenerationEvent` for one request.
+
+    The request reaches the engine on the first ``__anext__``. Leaving early (``break``,
+    ``aclose()``, or cancelling the consuming task) cancels it in the engine and frees its
+    batch row; :meth:`cancel` ends it with a final ``"cancelled"`` event instead.
+    """
+
+    def __init__(self, model: GenerativeModel, request: _Request) -> None:
+        self._model = model
+        self._request = request
+        self._queue: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
+        self._started = False
+        self._done = False
+        self.prompt_tokens = len(request.prompt)
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        if not self._started:
+            self._started = True
+            loop = asyncio.get_running_loop()
+            queue = self._queue
+
+            def deliver(item: GenerationEvent | BaseException) -> None:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                except RuntimeError:  # the consumer's loop is gone: nobody wants the rest
+                    self._request.cancelled = True
+
+            self._request.deliver = deliver
+            self._model._submit(self._request)
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self._abandon()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+        return item
+
+    def cancel(self) -> None:
+        """Stop generating; the stream then ends with a ``"cancelled"`` event."""
+        if self._started and not self._done:
+            self._model._cancel(self._request)
+
+    async def aclose(self) -> None:
+        """Stop consuming; the engine drops the request at its next step."""
+        self._abandon()
+
+    def _abandon(self) -> None:
+        if self._started and not self._done:
+            self._done = True
+            self._model._cancel(self._request)
+
+    async def collect(self) -> tuple[str, list[int], FinishReason, Usage]:
+        """Run to the end and return text, token ids, finish reason and usage."""
+        text: list[str] = []
+        tokens: list[int] = []
+        async for event in self:
+            text.append(event.text)
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+            if event.finish_reason is not None:
+                assert event.usage is not None
+                return "".join(text), tokens, event.finish_reason, event.usage
+        raise EngineClosedError("the generation ended without a final event")
+
+
+class _DecoderGraph:
+    """The decoder ONNX graph and the names genai_config.json gives its inputs/outputs."""
+
+    def __init__(self, folder: Path, genai: Mapping[str, Any], config: ModelConfig) -> None:
+        decoder = genai["model"]["decoder"]
+        self.layers = int(decoder["num_hidden_layers"])
+        self.kv_heads = int(decoder.get("num_key_value_heads", decoder["num_attention_heads"]))
+        self.head_size = int(decoder["head_size"])
+        names = decoder.get("inputs", {})
+        outputs = decoder.get("outputs", {})
+        past_key = names.get("past_key_names", "past_key_values.%d.key")
+        past_value = names.get("past_value_names", "past_key_values.%d.value")
+        present_key = outputs.get("present_key_names", "present.%d.key")
+        present_value = outputs.get("present_value_names", "present.%d.value")
+        self.cache_names = [
+            (past_key % i, present_key % i, past_value % i, present_value % i) for i in range(self.layers)
+        ]
+        self.input_ids = names.get("input_ids", "input_ids")
+        self.attention_mask = names.get("attention_mask", "attention_mask")
+        self.position_ids = names.get("position_ids", "position_ids")
+        self.logits = outputs.get("logits", "logits")
+
+        model_path = folder / decoder.get("filename", "model.onnx")
+        if not model_path.exists():
+            raise ModelLoadError(f"{model_path} does not exist", path=model_path)
+        options = ort.SessionOptions()
+        if config.intra_op_threads is not None:
+            options.intra_op_num_threads = config.intra_op_threads
+        options.inter_op_num_threads = 1
+        for key, value in config.session_options.items():
+            options.add_session_config_entry(key, value)
+        try:
+            self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
+            raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        needed = [self.input_ids, self.attention_mask, self.cache_names[0][0]]
+        missing = [n for n in needed if n not in inputs]
+        if missing:
+            raise ModelLoadError(
+                f"{model_path} is not a decoder this runtime can drive (missing inputs {missing})", path=model_path
+            )
+        self.has_position_ids = self.position_ids in inputs
+        self.ids_dtype = np.int32 if inputs[self.input_ids].type == "tensor(int32)" else np.int64
+        self.mask_dtype = np.int32 if inputs[self.attention_mask].type == "tensor(int32)" else np.int64
+        cache_type = inputs[self.cache_names[0][0]].type
+        if cache_type not in _DTYPES:
+            raise ModelLoadError(
+                f"{model_path} has a key/value cache of unsupported type {cache_type}", path=model_path
+            )
+        self.cache_dtype = _DTYPES[cache_type]
+
+
+class GenerativeModel:
+    """A text generation model served with continuous batching (see the module docstring).
+
+    Create it with :meth:`load`; use :meth:`generate` from asyncio code; call :meth:`close`.
+    """
+
+    kind: Literal["generative"] = "generative"
+
+    def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
+        self.name = name
+        self.folder = folder
+        self.config = config
+        genai = _read_json(folder / "genai_config.json")
+        try:
+            model = genai["model"]
+            self.context_length = int(model["context_length"])
+            eos = model.get("eos_token_id", [])
+            self.eos_token_ids = frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+            self.vocab_size = int(model["vocab_size"])
+            model_type = str(model.get("type", ""))
+            if "vision" in model or "speech" in model or "encoder" in model:
+                raise ModelLoadError(
+                    f"{folder} is a multimodal or encoder-decoder model ({model_type}); "
+                    "only decoder-only text models are supported",
+                    path=folder,
+                )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{folder / 'genai_config.json'} lacks a required field: {exc}", path=folder) from exc
+        tokenizer_path = folder / "tokenizer.json"
+        if not tokenizer_path.exists():
+            raise ModelLoadError(f"{tokenizer_path} does not exist", path=tokenizer_path)
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as exc:  # tokenizers raises plain Exception on bad files
+            raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
+        self.chat_template = ChatTemplate.from_folder(folder)
+        self._graph = _DecoderGraph(folder, genai, config)
+        self.max_sequence_length = min(self.context_length, config.max_sequence_length or self.context_length)
+        self.max_batch_size = config.max_batch_size
+        shape = (self.max_batch_size, self._graph.kv_heads, self.max_sequence_length, self._graph.head_size)
+        # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
+        self._cache = [
+            (np.zeros(shape, self._graph.cache_dtype), np.zeros(shape, self._graph.cache_dtype))
+            for _ in range(self._graph.layers)
+        ]
+        self._cond = threading.Condition()
+        self._inbox: deque[_Request] = deque()
+        self._cancels: set[_Request] = set()
+        self._rows: list[_Request] = []
+        self._closing = False
+        self.steps = 0
+        """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
+        self._thread = threading.Thread(target=self._run, name=f"ortserve-{name}", daemon=True)
+        self._thread.start()
+
+    # -- public API (any thread / asyncio) -------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests holding a batch row now."""
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a free row."""
+        return len(self._inbox)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens"
+            )
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text the model's own template makes of ``messages`` (and ``tools``)."""
+        if self.chat_template is None:
+            raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
+        return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+    def tokenize_chat(
+        self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of the chat prompt (the template writes any special tokens itself)."""
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: GenerationOptions | None = None,
+    ) -> GenerationStream:
+        """Start a generation from text, token ids, or chat messages.
+
+        Everything is validated here, before anything reaches the engine: bad options,
+        an empty prompt, token ids outside the vocabulary and prompts that do not fit the
+        context raise :class:`InvalidRequestError` (or :class:`ContextLengthError`).
+        """
+        options = options or GenerationOptions()
+        options.validate()
+        if self._closing:
+            raise EngineClosedError(f"model {self.name!r} is closed")
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give either a prompt or messages", param="prompt")
+        if messages is not None:
+            ids = self.tokenize_chat(messages, tools=tools)
+        elif isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt or ()]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="messages" if messages is not None else "prompt")
+        room = self.max_sequence_length - len(ids)
+        if room < 1 or (options.max_tokens is not None and options.max_tokens > room):
+            asked = f" plus max_tokens {options.max_tokens}" if options.max_tokens is not None else ""
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens{asked}, more than this model's limit of "
+                f"{self.max_sequence_length} tokens",
+                param="max_tokens" if room >= 1 else ("messages" if messages is not None else "prompt"),
+            )
+        request = _Request(
+            prompt=ids,
+            max_tokens=options.max_tokens if options.max_tokens is not None else room,
+            sampler=Sampler(options, self.eos_token_ids),
+            stops=StopMatcher(options.stop),
+            deliver=None,
+        )
+        return GenerationStream(self, request)
+
+    async def close(self) -> None:
+        """Finish: pending requests get :class:`EngineClosedError`; the thread exits."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    # -- bridge ----------------------------------------------------------------------------
+
+    def _submit(self, request: _Request) -> None:
+        with self._cond:
+            if self._closing:
+                request.deliver(EngineClosedError(f"model {self.name!r} is closed"))
+                return
+            self._inbox.append(request)
+            self._cond.notify()
+
+    def _cancel(self, request: _Request) -> None:
+        with self._cond:
+            request.cancelled = True
+            self._cancels.add(request)
+            self._cond.notify()
+
+    # -- owner thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._rows or self._closing or self._cancels):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                cancels, self._cancels = self._cancels, set()
+                admitted: list[_Request] = []
+                for request in cancels:
+                    if request in self._inbox:
+                        self._inbox.remove(request)
+                        request.deliver(self._final(request, "cancelled", ""))
+                while self._inbox and len(self._rows) + len(admitted) < self.max_batch_size:
+                    admitted.append(self._inbox.popleft())
+            for request in cancels:
+                if request.row >= 0:
+                    self._finish(request, "cancelled", "")
+            try:
+                for request in admitted:
+                    self._prefill(request)
+                if self._rows:
+                    self._decode_step()
+            except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail the requests it touched
+                for request in [*admitted, *self._rows]:
+                    if request.row >= 0:
+                        self._release(request)
+                    request.deliver(EngineClosedError(f"generation failed: {exc}"))
+        error = EngineClosedError(f"model {self.name!r} was closed")
+        for request in [*self._inbox, *self._rows]:
+            request.deliver(error)
+        self._inbox.clear()
+        self._rows.clear()
+
+    def _bind(self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any) -> Any:
+        graph = self._graph
+        binding = graph.session.io_binding()
+        binding.bind_cpu_input(graph.input_ids, input_ids)
+        binding.bind_cpu_input(graph.attention_mask, mask)
+        if graph.has_position_ids:
+            binding.bind_cpu_input(graph.position_ids, positions)
+        for (past_k, present_k, past_v, present_v), (keys, values) in zip(graph.cache_names, self._cache, strict=True):
+            # The same buffer as past and present: GQA appends in place (share-buffer mode).
+            key_value = ort.OrtValue.ortvalue_from_numpy(keys[rows])
+            value_value = ort.OrtValue.ortvalue_from_numpy(values[rows])
+            binding.bind_ortvalue_input(past_k, key_value)
+            binding.bind_ortvalue_output(present_k, key_value)
+            binding.bind_ortvalue_input(past_v, value_value)
+            binding.bind_ortvalue_output(present_v, value_value)
+        binding.bind_output(graph.logits)
+        graph.session.run_with_iobinding(binding)
+        self.steps += 1
+        logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()
+        return logits
+
+    def _prefill(self, request: _Request) -> None:
+        if request.cancelled:
+            request.deliver(self._final(request, "cancelled", ""))
+            return
+        request.row = len(self._rows)
+        self._rows.append(request)
+        graph = self._graph
+        length = len(request.prompt)
+        ids = np.asarray([request.prompt], dtype=graph.ids_dtype)
+        mask = np.ones((1, length), dtype=graph.mask_dtype)
+        positions = np.arange(length, dtype=graph.ids_dtype)[None, :]
+        logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions)
+        self._accept(request, logits[0, -1])
+
+    def _decode_step(self) -> None:
+        graph = self._graph
+        rows = list(self._rows)
+        lengths = np.fromiter((r.length for r in rows), dtype=np.int64, count=len(rows))
+        ids = np.fromiter((r.tokens[-1] for r in rows), dtype=graph.ids_dtype, count=len(rows))[:, None]
+        # Each row's new token sits right after its own cached tokens (right-aligned cache).
+        width = int(lengths.max())
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(graph.mask_dtype)
+        positions = (lengths - 1).astype(graph.ids_dtype)[:, None]
+        logits = self._bind(slice(0, len(rows)), ids, mask, positions)
+        for request, row_logits in zip(rows, logits[:, -1], strict=True):
+            if not request.cancelled:
+                self._accept(request, row_logits)
+
+    def _accept(self, request: _Request, logits: npt.NDArray[np.float32]) -> None:
+        """Sample the next token of ``request`` and tell its consumer."""
+        sampler = request.sampler
+        history = request.prompt + request.tokens if sampler.options.repetition_penalty != 1.0 else []
+        token = sampler.choose(logits, history, len(request.tokens))
+        if token in self.eos_token_ids:
+            request.tokens.append(token)
+            self._finish(request, "stop", request.stops.flush())
+            return
+        request.tokens.append(token)
+        piece = request.decoder.step(self.tokenizer, token) or ""
+        text, stopped = request.stops.feed(piece)
+        if stopped:
+            self._finish(request, "stop", text, token)
+        elif len(request.tokens) >= request.max_tokens:
+            self._finish(request, "length", text + request.stops.flush(), token)
+        else:
+            request.deliver(GenerationEvent(token_id=token, text=text))
+
+    def _final(self, request: _Request, reason: FinishReason, text: str, token: int | None = None) -> GenerationEvent:
+        usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.tokens))
+        return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage)
+
+    def _finish(self, request: _Request, reason: FinishReason, text: str, token: int | None = None) -> None:
+        self._release(request)
+        request.deliver(self._final(request, reason, text, token))
+
+    def _release(self, request: _Request) -> None:
+        """Free the request's row; the last row moves into the hole so rows stay dense."""
+        row = request.row
+        if row < 0:
+            return
+        last = self._rows.pop()
+        if last is not request:
+            length = last.length
+            for keys, values in self._cache:
+                keys[row, :, :length] = keys[last.row, :, :length]
+                values[row, :, :length] = values[last.row, :, :length]
+            self._rows[row] = last
+            last.row = row
+        request.row = -1
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ModelLoadError(f"{path} does not exist", path=path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}", path=path) from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object", path=path)
+    return data
