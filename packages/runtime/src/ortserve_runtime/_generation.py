@@ -233,6 +233,12 @@ class GenerativeModel:
         self.name = name
         self.folder = folder
         self.config = config
+        if config.provider != "cpu":
+            raise ModelLoadError(
+                f"cannot load {folder} on provider {config.provider!r}: the text engine runs on the CPU "
+                "provider only in this release",
+                path=folder,
+            )
         genai = _read_json(folder / "genai_config.json")
         try:
             model = genai["model"]

@@ -98,6 +98,10 @@ class ModelRegistry:
             result.append(ModelStatus(entry.name, entry.path, entry.kind, state, entry.error))
         return result
 
+    def loaded(self, name: str) -> Any:
+        """The model if it is loaded now, else ``None`` (never loads)."""
+        return self._entry(name).model
+
     async def load(self, name: str) -> Any:
         """Load ``name`` (once, however many callers wait) and return the model."""
         entry = self._entry(name)

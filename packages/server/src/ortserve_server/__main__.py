@@ -1,0 +1,7 @@
+"""``python -m ortserve_server`` is the ``ortserve`` command."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""Mounting: the Litestar plugin, a router, a standalone ASGI app, and hooks for other hosts.
+
+One :class:`OrtServe` object holds what the routes share (the model registry, metrics,
+the configuration). Models load on first use, so an app that is mounted somewhere that
+never runs its lifespan (Starlette sub-apps, WSGI hosts) still works; the lifespan, where
+it runs, loads models up front and closes them at shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from litestar import Litestar, Router
+from litestar.config.app import AppConfig
+from litestar.di import Provide
+from litestar.plugins import InitPlugin
+
+from ._config import ServerConfig
+from ._errors import exception_handlers
+from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler
+from ._state import OrtServe
+
+__all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespan", "wsgi_app"]
+
+logger = logging.getLogger("ortserve.server")
+
+
+def _routers(state: OrtServe) -> list[Router]:
+    config = state.config
+    provide = {"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)}
+    routers = [
+        Router(
+            path=config.path,
+            route_handlers=api_route_handlers,
+            dependencies=provide,
+            guards=[make_auth_guard(config.api_key)] if config.api_key else [],
+            exception_handlers=exception_handlers,
+            request_max_body_size=config.max_body_size,
+        )
+    ]
+    extras = [(config.health_path, health_handler), (config.metrics_path, metrics_handler)]
+    routers += [
+        Router(path=path, route_handlers=[handler], dependencies=provide, exception_handlers=exception_handlers)
+        for path, handler in extras
+        if path is not None
+    ]
+    return routers
+
+
+def create_router(config: ServerConfig | OrtServe) -> Router:
+    """One Router (at ``/``) holding the API at ``config.path`` plus health and metrics.
+
+    For hosts that compose routers by hand; such a host must enter :func:`lifespan` (or
+    accept lazy model loading and no orderly close).
+    """
+    state = config if isinstance(config, OrtServe) else OrtServe(config)
+    router = Router(path="/", route_handlers=list(_routers(state)))
+    router.ortserve = state  # type: ignore[attr-defined]
+    return router
+
+
+class OrtServePlugin(InitPlugin):
+    """Adds ortserve to a Litestar app: routes, the lifespan that loads and closes models,
+    and OpenAI-style error handlers scoped to ortserve's own routes."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.state = OrtServe(config)
+
+    def on_app_init(self, app_config: AppConfig) -> AppConfig:
+        app_config.route_handlers.extend(_routers(self.state))
+        app_config.lifespan.append(self.state.lifespan)
+        return app_config
+
+
+def create_app(config: ServerConfig, *, debug: bool = False) -> Litestar:
+    """A standalone ASGI app serving only ortserve (what ``ortserve serve`` runs).
+
+    Unlike the plugin, it also answers unknown routes with an OpenAI-shaped 404.
+    """
+    plugin = OrtServePlugin(config)
+    app = Litestar(
+        plugins=[plugin],
+        exception_handlers=exception_handlers,
+        request_max_body_size=config.max_body_size,
+        debug=debug,
+    )
+    app.state.ortserve = plugin.state
+    return app
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Litestar | Router | OrtServe) -> AsyncIterator[None]:
+    """Enter ortserve's lifespan from a host that does not run a mounted app's lifespan.
+
+    Starlette and FastAPI do not start the lifespan of an app mounted with ``app.mount``;
+    call this from the host's own lifespan with the app (or router) you mounted.
+    """
+    state = _state_of(app)
+    async with state.lifespan():
+        yield
+
+
+def wsgi_app(config: ServerConfig) -> Any:
+    """A WSGI callable for Flask/Django hosts (models load on first use).
+
+    Uses a2wsgi, which runs the ASGI app on its own event loop thread and streams
+    responses chunk by chunk, so server-sent events still stream.
+    """
+    from a2wsgi import ASGIMiddleware
+
+    config.load_on_startup = False
+    return ASGIMiddleware(create_app(config))  # type: ignore[arg-type]  # a2wsgi's narrower ASGI types
+
+
+def _state_of(app: Litestar | Router | OrtServe | Sequence[Any]) -> OrtServe:
+    if isinstance(app, OrtServe):
+        return app
+    if isinstance(app, Litestar):
+        state = app.state.get("ortserve")
+        if isinstance(state, OrtServe):
+            return state
+    state = getattr(app, "ortserve", None)
+    if isinstance(state, OrtServe):
+        return state
+    raise TypeError("expected an app from create_app(), a router from create_router(), or an OrtServe")

@@ -1,0 +1,239 @@
+"""The ``ortserve`` command: ``serve``, ``pull`` and ``ls``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+PARENT_PID_ENV = "ORTSERVE_PARENT_PID"
+logger = logging.getLogger("ortserve.server")
+
+
+def demo_models() -> dict[str, Path]:
+    """Models served when ``serve`` gets none: the tiny test model of a source checkout,
+    or the folders named by ``ORTSERVE_DEMO_MODELS`` (``name=path,name=path``)."""
+    configured = os.environ.get("ORTSERVE_DEMO_MODELS")
+    if configured:
+        return dict(_parse_model(item) for item in configured.split(",") if item)
+    root = Path(__file__).resolve().parents[4]
+    found = {}
+    tiny = root / "tests" / "fixtures" / "tiny-qwen2"
+    if (tiny / "genai_config.json").exists():
+        found["tiny-qwen2"] = tiny
+    return found
+
+
+def _parse_model(value: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep:
+        path = name
+        name = Path(path).name
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, Path(path)
+
+
+def _resolve_model(name: str, source: Path) -> Path:
+    """A local folder as given, or ``hf:REPO[/SUBFOLDER]`` downloaded through the client."""
+    text = str(source)
+    if not text.startswith("hf:"):
+        return source
+    from ortserve_client import pull
+
+    owner, _, rest = text[3:].partition("/")
+    repo, _, subfolder = rest.partition("/")
+    owner_repo = f"{owner}/{repo}"
+    print(f"downloading {owner_repo} {subfolder} for model {name!r}", file=sys.stderr)
+    return Path(pull(owner_repo, subfolder=subfolder or None))
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ortserve", description="Serve ONNX Runtime GenAI models (OpenAI API).")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP server")
+    serve.add_argument(
+        "--model",
+        action="append",
+        type=_parse_model,
+        default=[],
+        metavar="NAME=PATH",
+        help="a model folder (or hf:OWNER/REPO[/SUBFOLDER]); repeatable",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--api-key", default=os.environ.get("ORTSERVE_API_KEY"), help="or ORTSERVE_API_KEY")
+    serve.add_argument("--provider", choices=["cpu", "cuda", "dml"], default="cpu")
+    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--max-sequence-length", type=int, default=4096)
+    serve.add_argument("--max-queued", type=int, default=64)
+    serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight work gets on SIGTERM")
+    serve.add_argument(
+        "--ready-json",
+        action="store_true",
+        help='print {"event": "ready", "port": ..., "pid": ...} on stdout once accepting connections',
+    )
+    serve.add_argument("--log-level", default="warning")
+
+    pull_cmd = commands.add_parser("pull", help="download a model from Hugging Face")
+    pull_cmd.add_argument("repo", help="OWNER/REPO[/SUBFOLDER]")
+    pull_cmd.add_argument("--revision", default=None)
+
+    commands.add_parser("ls", help="list local models (demo models and the Hugging Face cache)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "pull":
+        return _pull(args)
+    return _ls()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from ortserve_runtime import ModelConfig, ModelLoadError
+
+    from ._app import create_app
+    from ._config import ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    models = dict(args.model) if args.model else demo_models()
+    if not models:
+        print("ortserve: no models: pass --model NAME=PATH", file=sys.stderr)
+        return 2
+    try:
+        resolved = {name: _resolve_model(name, path) for name, path in models.items()}
+        config = ServerConfig(
+            models=dict(resolved),
+            api_key=args.api_key or None,
+            max_queued=args.max_queued,
+            model_config=ModelConfig(
+                provider=args.provider,
+                max_batch_size=args.max_batch_size,
+                max_sequence_length=args.max_sequence_length,
+                intra_op_threads=args.threads,
+            ),
+        )
+        app = create_app(config)
+    except (ModelLoadError, ValueError, OSError) as exc:
+        print(f"ortserve: {exc}", file=sys.stderr)
+        return 2
+
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"ortserve: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.grace_period,
+            lifespan="on",
+        )
+    )
+    try:
+        asyncio.run(_run(server, sock, port, args.ready_json))
+    except ModelLoadError as exc:
+        print(f"ortserve: {exc}", file=sys.stderr)
+        return 2
+    return 0 if server.started else 1
+
+
+async def _run(server: object, sock: socket.socket, port: int, ready_json: bool) -> None:
+    import uvicorn
+
+    assert isinstance(server, uvicorn.Server)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    watchdog = asyncio.create_task(_watch_parent(server))
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()  # re-raise a startup failure
+                return
+            await asyncio.sleep(0.01)
+        line = {"event": "ready", "host": sock.getsockname()[0], "port": port, "pid": os.getpid()}
+        if ready_json:
+            print(json.dumps(line), flush=True)
+        else:
+            print(f"ortserve listening on http://{line['host']}:{port}/v1", file=sys.stderr, flush=True)
+        await serving
+    finally:
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+
+
+async def _watch_parent(server: object) -> None:
+    """Exit when the process that spawned us dies (a sidecar must not outlive its host)."""
+    recorded = os.environ.get(PARENT_PID_ENV)
+    if not recorded:
+        return
+    parent = int(recorded)
+    while True:
+        await asyncio.sleep(0.5)
+        if os.getppid() != parent and not _alive(parent):
+            logger.warning("parent process %s is gone; shutting down", parent)
+            server.should_exit = True  # type: ignore[attr-defined]
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from ortserve_client import OrtServeError, pull
+
+    repo, _, rest = args.repo.partition("/")
+    name, _, subfolder = rest.partition("/")
+    try:
+        path = pull(f"{repo}/{name}", subfolder=subfolder or None, revision=args.revision)
+    except OrtServeError as exc:
+        print(f"ortserve: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def _ls() -> int:
+    rows = [(name, str(path)) for name, path in demo_models().items()]
+    with contextlib.suppress(Exception):  # no cache yet, or an unreadable one: nothing to list
+        from huggingface_hub import scan_cache_dir
+
+        for repo in scan_cache_dir().repos:
+            for revision in repo.revisions:
+                for config in Path(revision.snapshot_path).rglob("genai_config.json"):
+                    rows.append(
+                        (f"{repo.repo_id}/{config.parent.relative_to(revision.snapshot_path)}", str(config.parent))
+                    )
+    for name, path in rows:
+        print(f"{name}\t{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

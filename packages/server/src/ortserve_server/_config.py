@@ -1,0 +1,37 @@
+"""Server configuration: which models, where to mount, and the limits that protect it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ortserve_runtime import ModelConfig
+
+__all__ = ["ServerConfig"]
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything the HTTP layer needs. Defaults suit a local, single-user server."""
+
+    models: dict[str, str | Path] = field(default_factory=dict)
+    """Model name -> model folder (a genai folder or an embedding model folder)."""
+    path: str = "/v1"
+    """Where the OpenAI-compatible routes are mounted."""
+    health_path: str | None = "/health"
+    """Liveness/readiness route (never behind the API key); ``None`` leaves it out."""
+    metrics_path: str | None = "/metrics"
+    """Prometheus text metrics; ``None`` leaves it out."""
+    api_key: str | None = None
+    """When set, every API route needs ``Authorization: Bearer <api_key>``."""
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    load_on_startup: bool = True
+    """Load every model when the app starts (else on first use)."""
+    max_body_size: int = 16 * 1024 * 1024
+    """Largest request body in bytes; larger ones get 413."""
+    max_queued: int = 64
+    """Requests waiting for a batch row per model before new ones get 503 + Retry-After."""
+    max_tokens_limit: int | None = None
+    """Upper bound on ``max_tokens`` a request may ask for (``None``: the model's context)."""
+    max_n: int = 8
+    """Largest ``n`` (choices per request)."""

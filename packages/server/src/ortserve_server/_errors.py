@@ -1,0 +1,161 @@
+"""Errors of the HTTP layer and their translation into OpenAI's error body.
+
+```
+ServerError                  root; carries status_code, type, param, code
+├── BadRequestError          400 invalid_request_error
+├── AuthenticationError      401
+├── ModelNotFoundHTTPError   404 (unknown model)
+├── PayloadTooLargeError     413
+├── OverloadedError          503 + Retry-After (queue full)
+└── UnsupportedParameterError 400 for a parameter this server cannot honour
+```
+
+Every error that leaves our routes has the shape
+``{"error": {"message", "type", "param", "code"}}``; anything unexpected becomes a 500
+whose message reveals nothing internal.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
+from litestar.status_codes import HTTP_413_REQUEST_ENTITY_TOO_LARGE
+from litestar.types import ExceptionHandlersMap
+from ortserve_client.protocol import ErrorDetail, ErrorResponse
+from ortserve_runtime import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelNotFoundError
+
+__all__ = [
+    "AuthenticationError",
+    "BadRequestError",
+    "ModelNotFoundHTTPError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "ServerError",
+    "UnsupportedParameterError",
+    "error_response",
+    "exception_handlers",
+]
+
+logger = logging.getLogger("ortserve.server")
+
+
+class ServerError(Exception):
+    """Root of the errors our routes raise on purpose."""
+
+    status_code: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+class BadRequestError(ServerError):
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class UnsupportedParameterError(BadRequestError):
+    code = "unsupported_parameter"
+
+
+class AuthenticationError(ServerError):
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFoundHTTPError(ServerError):
+    status_code = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLargeError(ServerError):
+    status_code = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class OverloadedError(ServerError):
+    status_code = 503
+    type = "server_error"
+    code = "server_overloaded"
+
+
+def error_response(
+    status: int, message: str, *, type: str, param: str | None = None, code: str | None = None, headers: Any = None
+) -> Response[ErrorResponse]:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
+    return Response(body, status_code=status, headers=headers)
+
+
+def _server_error(_: Request[Any, Any, Any], exc: ServerError) -> Response[ErrorResponse]:
+    return error_response(
+        exc.status_code, exc.message, type=exc.type, param=exc.param, code=exc.code, headers=exc.headers
+    )
+
+
+def _engine_error(_: Request[Any, Any, Any], exc: EngineError) -> Response[ErrorResponse]:
+    if isinstance(exc, ModelNotFoundError):
+        return error_response(404, str(exc), type="invalid_request_error", param="model", code="model_not_found")
+    if isinstance(exc, InvalidRequestError):
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+        return error_response(400, str(exc), type="invalid_request_error", param=exc.param, code=code)
+    if isinstance(exc, EngineClosedError):
+        return error_response(503, "the model is shutting down", type="server_error", headers={"Retry-After": "1"})
+    logger.error("engine error: %s", exc)
+    return error_response(500, "the model failed to process the request", type="server_error")
+
+
+def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
+    if isinstance(exc, ValidationException):
+        message, param = _validation_detail(exc)
+        return error_response(400, message, type="invalid_request_error", param=param)
+    if isinstance(exc, NotAuthorizedException):
+        return error_response(401, exc.detail, type="authentication_error", code="invalid_api_key")
+    if isinstance(exc, NotFoundException):
+        return error_response(404, f"no route {request.method} {request.url.path}", type="invalid_request_error")
+    if exc.status_code == HTTP_413_REQUEST_ENTITY_TOO_LARGE:
+        return error_response(
+            413, "the request body is too large", type="invalid_request_error", code="payload_too_large"
+        )
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(exc.status_code, exc.detail, type=kind, headers=exc.headers)
+
+
+def _unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal server error", type="server_error")
+
+
+def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:
+    """Message and offending field of a body that failed to decode or validate."""
+    extra = exc.extra
+    if not (isinstance(extra, list) and extra and isinstance(extra[0], dict)):
+        return str(exc.detail), None
+    message = str(extra[0].get("message", exc.detail))
+    key = extra[0].get("key")
+    if key in (None, "data", "body"):  # a problem with the body as a whole, e.g. a missing field
+        missing = _MISSING_FIELD.search(message)
+        key = missing.group(1) if missing else None
+    return (f"{message} (field {key!r})" if key else message), key
+
+
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+exception_handlers: ExceptionHandlersMap = {
+    ServerError: _server_error,
+    EngineError: _engine_error,
+    HTTPException: _http_exception,
+    Exception: _unexpected,
+}
+"""Scoped to our own routers, so a host app's handlers stay in charge of its routes."""

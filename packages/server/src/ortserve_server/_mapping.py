@@ -1,0 +1,205 @@
+"""Mapping from OpenAI request Structs to runtime calls, and the checks on the way.
+
+A parameter this server cannot honour is refused with a 400 naming it, never ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+from ortserve_client import protocol as p
+from ortserve_runtime import GenerationOptions, GenerationStream, GenerativeModel, InvalidRequestError
+
+from ._config import ServerConfig
+from ._errors import BadRequestError, ModelNotFoundHTTPError, OverloadedError, UnsupportedParameterError
+from ._state import OrtServe
+
+__all__ = [
+    "chat_messages",
+    "check_chat_request",
+    "check_completion_request",
+    "completion_prompts",
+    "generation_options",
+    "new_id",
+    "require_model",
+    "start_generations",
+]
+
+MAX_STOP = 4
+T = TypeVar("T")
+D = TypeVar("D")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _given(value: Any) -> bool:
+    return not isinstance(value, msgspec.UnsetType) and value is not None
+
+
+def _or(value: T | msgspec.UnsetType | None, default: D) -> T | D:
+    """``value`` unless the request left it out or sent null."""
+    return default if value is None or isinstance(value, msgspec.UnsetType) else value
+
+
+async def require_model(state: OrtServe, name: str) -> GenerativeModel:
+    """The loaded generative model called ``name``, or a 404/400/503 that says why not."""
+    registry = state.registry
+    if name not in registry.names():
+        raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
+    if registry.kind(name) != "generative":
+        raise BadRequestError(f"model {name!r} is an embedding model; use /v1/embeddings", param="model")
+    model: GenerativeModel = await registry.get(name)
+    if model.queued >= state.config.max_queued:
+        raise OverloadedError(
+            f"model {name!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
+        )
+    return model
+
+
+def _refuse(param: str, why: str = "is not supported by this server") -> UnsupportedParameterError:
+    return UnsupportedParameterError(f"'{param}' {why}", param=param)
+
+
+def _check_common(data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig) -> None:
+    if _given(data.logit_bias) and data.logit_bias:
+        raise _refuse("logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(data, name)
+        if _given(value) and value != 0:
+            raise _refuse(name, "is not supported; use repetition_penalty")
+    n = data.n if _given(data.n) else 1
+    if not isinstance(n, int) or n < 1 or n > config.max_n:
+        raise BadRequestError(f"'n' must be between 1 and {config.max_n}", param="n")
+    stop = data.stop
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise BadRequestError(f"'stop' allows at most {MAX_STOP} strings", param="stop")
+    for name in ("guided_regex", "guided_grammar", "guided_choice"):
+        if _given(getattr(data, name, None)):
+            raise _refuse(name, "(structured output) is not supported yet")
+
+
+def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> None:
+    """Refuse what we cannot honour, naming the parameter."""
+    _check_common(data, config)
+    if data.logprobs is True or _given(data.top_logprobs):
+        raise _refuse("logprobs" if data.logprobs is True else "top_logprobs")
+    if _given(data.tools) and data.tools:
+        raise _refuse("tools", "(tool calling) is not supported yet")
+    if _given(data.tool_choice) and data.tool_choice != "none":
+        raise _refuse("tool_choice", "(tool calling) is not supported yet")
+    if _given(data.response_format) and not isinstance(data.response_format, p.ResponseFormatText):
+        raise _refuse("response_format", "(structured output) is not supported yet; only 'text'")
+    if not data.messages:
+        raise BadRequestError("'messages' must not be empty", param="messages")
+
+
+def check_completion_request(data: p.CompletionRequest, config: ServerConfig) -> None:
+    _check_common(data, config)
+    if _given(data.logprobs):
+        raise _refuse("logprobs")
+    if data.echo is True:
+        raise _refuse("echo")
+    if _given(data.suffix) and data.suffix:
+        raise _refuse("suffix")
+    if _given(data.best_of) and data.best_of != 1:
+        raise _refuse("best_of")
+
+
+def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, Any]]:
+    """Protocol messages as the plain dicts chat templates expect."""
+    result: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if isinstance(part, p.TextContentPart):
+                    texts.append(part.text)
+                else:
+                    raise BadRequestError(
+                        f"messages[{index}]: content of type {part.__struct_config__.tag!r} needs a multimodal model",
+                        param=f"messages[{index}].content",
+                    )
+            text: str | None = "".join(texts)
+        else:
+            text = content if isinstance(content, str) else None
+        role = message.__struct_config__.tag
+        # "developer" is OpenAI's newer name for the system role; templates know "system".
+        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text or ""}
+        tool_calls = getattr(message, "tool_calls", None)
+        if _given(tool_calls) and tool_calls:
+            item["tool_calls"] = [msgspec.to_builtins(call) for call in tool_calls]
+        for key in ("tool_call_id", "name"):
+            value = getattr(message, key, None)
+            if _given(value):
+                item[key] = value
+        result.append(item)
+    return result
+
+
+def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """The four prompt forms of the completions API as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequestError("'prompt' must not be empty", param="prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [[int(x) for x in prompt]]  # type: ignore[arg-type]
+    if all(isinstance(x, str) for x in prompt):
+        return [str(x) for x in prompt]
+    if all(isinstance(x, list) for x in prompt):
+        return [list(x) for x in prompt]  # type: ignore[arg-type]
+    raise BadRequestError(
+        "'prompt' must be a string, strings, token ids or lists of token ids, not a mix", param="prompt"
+    )
+
+
+def start_generations(
+    model: GenerativeModel, prompts: Sequence[str | list[int]], options: Sequence[GenerationOptions], param: str
+) -> list[GenerationStream]:
+    """One stream per prompt and choice; prompt errors name ``param`` (the request's field)."""
+    try:
+        return [model.generate(prompt, options=o) for prompt in prompts for o in options]
+    except InvalidRequestError as exc:
+        if exc.param == "prompt" and param != "prompt":
+            raise type(exc)(str(exc), param=param) from exc
+        raise
+
+
+def generation_options(
+    data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig, n: int
+) -> list[GenerationOptions]:
+    """Runtime options for each of the ``n`` choices (seeds differ per choice)."""
+    max_tokens = _or(getattr(data, "max_completion_tokens", None), None)
+    if max_tokens is None:
+        max_tokens = _or(data.max_tokens, None)
+    limit = config.max_tokens_limit
+    if max_tokens is not None and limit is not None and max_tokens > limit:
+        raise BadRequestError(f"max_tokens may be at most {limit} on this server", param="max_tokens")
+    if max_tokens is None:
+        max_tokens = limit
+    stop = data.stop
+    stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+    top_k = _or(data.top_k, 0)
+    seed = _or(data.seed, None)
+    options = [
+        GenerationOptions(
+            max_tokens=max_tokens,
+            temperature=_or(data.temperature, 1.0),
+            top_p=_or(data.top_p, 1.0),
+            top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
+            repetition_penalty=_or(data.repetition_penalty, 1.0),
+            min_tokens=_or(data.min_tokens, 0),
+            seed=None if seed is None else seed + i,
+            stop=stops,
+        )
+        for i in range(n)
+    ]
+    for o in options:
+        o.validate()
+    return options

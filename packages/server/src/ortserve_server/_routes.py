@@ -1,0 +1,388 @@
+"""Route handlers: OpenAI requests in, runtime calls, OpenAI responses out.
+
+All mapping between the wire protocol (``ortserve_client.protocol``) and the runtime
+(``ortserve_runtime``) lives in this module and ``_mapping``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.di import NamedDependency
+from litestar.handlers import BaseRouteHandler
+from litestar.params import FromPath, JSONBody
+from litestar.response import Stream
+from ortserve_client import protocol as p
+from ortserve_runtime import GenerationEvent, GenerationStream, GenerativeModel, Usage
+
+from ._errors import AuthenticationError, BadRequestError, ServerError
+from ._mapping import (
+    chat_messages,
+    check_chat_request,
+    check_completion_request,
+    completion_prompts,
+    generation_options,
+    new_id,
+    require_model,
+    start_generations,
+)
+from ._state import OrtServe
+
+__all__ = ["api_route_handlers", "health_handler", "make_auth_guard", "metrics_handler"]
+
+_encode = msgspec.json.Encoder().encode
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def make_auth_guard(api_key: str) -> Any:
+    """A guard that wants ``Authorization: Bearer <api_key>``, compared in constant time."""
+    expected = api_key.encode()
+
+    def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        scheme, _sep, given = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+    return auth_guard
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + _encode(payload) + b"\n\n"
+
+
+async def _merge(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """Events of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: GenerationStream) -> None:
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+            await queue.put((index, None))
+        except BaseException as exc:  # noqa: BLE001  # handed to the consumer below
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+class _Tracker:
+    """Metrics for one generation request: time to first token, tokens, outcome."""
+
+    def __init__(self, state: OrtServe, endpoint: str, model: GenerativeModel) -> None:
+        self.metrics = state.metrics
+        self.endpoint = endpoint
+        self.model = model
+        self.start = time.perf_counter()
+        self.first = True
+
+    def event(self, event: GenerationEvent) -> None:
+        if self.first and event.token_id is not None:
+            self.first = False
+            self.metrics.time_to_first_token.labels(self.model.name).observe(time.perf_counter() - self.start)
+
+    def done(self, usage: Usage) -> None:
+        self.metrics.prompt_tokens.labels(self.model.name).inc(usage.prompt_tokens)
+        self.metrics.completion_tokens.labels(self.model.name).inc(usage.completion_tokens)
+
+    def status(self, code: int) -> None:
+        self.metrics.requests.labels(self.endpoint, self.model.name, str(code)).inc()
+        if code >= 400:
+            self.metrics.errors.labels(self.endpoint, str(code)).inc()
+
+
+def _stream_error(exc: BaseException) -> bytes:
+    message = str(exc) if isinstance(exc, ServerError) else "the generation failed"
+    return _sse(p.ErrorResponse(error=p.ErrorDetail(message=message, type="server_error", param=None, code=None)))
+
+
+@post("/chat/completions", status_code=200, summary="Create a chat completion")
+async def chat_completions(
+    data: JSONBody[p.ChatCompletionRequest], ortserve: NamedDependency[OrtServe]
+) -> Response[Any]:
+    state = ortserve
+    model = await require_model(state, data.model)
+    check_chat_request(data, state.config)
+    messages = chat_messages(data.messages)
+    tools = None
+    n = data.n if isinstance(data.n, int) else 1
+    base = generation_options(data, state.config, n)
+    prompt = model.tokenize_chat(messages, tools=tools)
+    streams = start_generations(model, [prompt], base, "messages")
+    tracker = _Tracker(state, "chat.completions", model)
+    response_id, created = new_id("chatcmpl"), int(time.time())
+    include_usage = bool(
+        not isinstance(data.stream_options, msgspec.UnsetType)
+        and data.stream_options is not None
+        and data.stream_options.include_usage
+    )
+    if data.stream is True:
+        return Stream(
+            _chat_stream(streams, tracker, response_id, created, data.model, n, include_usage),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    texts = [""] * n
+    finish: list[str | None] = [None] * n
+    completion_tokens = 0
+    async for index, event in _merge(streams):
+        tracker.event(event)
+        texts[index] += event.text
+        if event.finish_reason is not None:
+            finish[index] = event.finish_reason
+            assert event.usage is not None
+            completion_tokens += event.usage.completion_tokens
+    usage = Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens)
+    tracker.done(usage)
+    tracker.status(200)
+    return Response(
+        p.ChatCompletion(
+            id=response_id,
+            created=created,
+            model=data.model,
+            choices=[
+                p.ChatCompletionChoice(
+                    index=i,
+                    message=p.ChatCompletionMessage(role="assistant", content=texts[i]),
+                    finish_reason=finish[i] or "stop",
+                )
+                for i in range(n)
+            ],
+            usage=p.CompletionUsage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+            ),
+        )
+    )
+
+
+async def _chat_stream(
+    streams: list[GenerationStream],
+    tracker: _Tracker,
+    response_id: str,
+    created: int,
+    model_name: str,
+    n: int,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    def chunk(choices: list[p.ChatCompletionChunkChoice], usage: p.CompletionUsage | None = None) -> bytes:
+        return _sse(
+            p.ChatCompletionChunk(id=response_id, created=created, model=model_name, choices=choices, usage=usage)
+        )
+
+    completion_tokens = 0
+    for index in range(n):
+        yield chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(role="assistant", content=""))])
+    try:
+        async for index, event in _merge(streams):
+            tracker.event(event)
+            if event.text:
+                yield chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(content=event.text))])
+            if event.finish_reason is not None:
+                assert event.usage is not None
+                completion_tokens += event.usage.completion_tokens
+                yield chunk(
+                    [p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(), finish_reason=event.finish_reason)]
+                )
+    except Exception as exc:  # noqa: BLE001  # headers are sent: report in-band, as OpenAI does
+        tracker.status(500)
+        yield _stream_error(exc)
+        yield b"data: [DONE]\n\n"
+        return
+    usage = Usage(prompt_tokens=streams[0].prompt_tokens, completion_tokens=completion_tokens)
+    tracker.done(usage)
+    tracker.status(200)
+    if include_usage:
+        yield chunk(
+            [],
+            p.CompletionUsage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+            ),
+        )
+    yield b"data: [DONE]\n\n"
+
+
+@post("/completions", status_code=200, summary="Create a (legacy) text completion")
+async def completions(data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe]) -> Response[Any]:
+    state = ortserve
+    model = await require_model(state, data.model)
+    check_completion_request(data, state.config)
+    prompts = completion_prompts(data.prompt)
+    n = data.n if isinstance(data.n, int) else 1
+    options = generation_options(data, state.config, n)
+    streams = start_generations(model, prompts, options, "prompt")
+    tracker = _Tracker(state, "completions", model)
+    response_id, created = new_id("cmpl"), int(time.time())
+    prompt_tokens = sum(s.prompt_tokens for s in streams) // n
+    include_usage = bool(
+        not isinstance(data.stream_options, msgspec.UnsetType)
+        and data.stream_options is not None
+        and data.stream_options.include_usage
+    )
+    if data.stream is True:
+        return Stream(
+            _completion_stream(streams, tracker, response_id, created, data.model, prompt_tokens, include_usage),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    texts = [""] * len(streams)
+    finish: list[str] = ["stop"] * len(streams)
+    completion_tokens = 0
+    async for index, event in _merge(streams):
+        tracker.event(event)
+        texts[index] += event.text
+        if event.finish_reason is not None:
+            finish[index] = event.finish_reason
+            assert event.usage is not None
+            completion_tokens += event.usage.completion_tokens
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    tracker.done(usage)
+    tracker.status(200)
+    return Response(
+        p.Completion(
+            id=response_id,
+            created=created,
+            model=data.model,
+            choices=[p.CompletionChoice(index=i, text=texts[i], finish_reason=finish[i]) for i in range(len(streams))],
+            usage=p.CompletionUsage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+            ),
+        )
+    )
+
+
+async def _completion_stream(
+    streams: list[GenerationStream],
+    tracker: _Tracker,
+    response_id: str,
+    created: int,
+    model_name: str,
+    prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:
+        return _sse(p.Completion(id=response_id, created=created, model=model_name, choices=choices, usage=usage))
+
+    completion_tokens = 0
+    try:
+        async for index, event in _merge(streams):
+            tracker.event(event)
+            if event.text or event.finish_reason is not None:
+                yield chunk([p.CompletionChoice(index=index, text=event.text, finish_reason=event.finish_reason)])
+            if event.usage is not None:
+                completion_tokens += event.usage.completion_tokens
+    except Exception as exc:  # noqa: BLE001  # headers are sent: report in-band
+        tracker.status(500)
+        yield _stream_error(exc)
+        yield b"data: [DONE]\n\n"
+        return
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    tracker.done(usage)
+    tracker.status(200)
+    if include_usage:
+        yield chunk(
+            [],
+            p.CompletionUsage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+            ),
+        )
+    yield b"data: [DONE]\n\n"
+
+
+@get("/models", summary="List models")
+async def list_models(ortserve: NamedDependency[OrtServe]) -> p.ModelList:
+    return p.ModelList(data=[_model_card(ortserve, name) for name in ortserve.registry.names()])
+
+
+@get("/models/{model_id:path}", summary="Retrieve a model")
+async def retrieve_model(model_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> p.Model:
+    name = model_id.lstrip("/")
+    if name not in ortserve.registry.names():
+        from ._errors import ModelNotFoundHTTPError
+
+        raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
+    return _model_card(ortserve, name)
+
+
+def _model_card(state: OrtServe, name: str) -> p.Model:
+    return p.Model(id=name, created=state.created, owned_by="ortserve")
+
+
+@post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (extension)")
+async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.TokenizeResponse:
+    model = await require_model(ortserve, data.model)
+    has_prompt = not isinstance(data.prompt, msgspec.UnsetType)
+    has_messages = not isinstance(data.messages, msgspec.UnsetType)
+    if has_prompt == has_messages:
+        raise BadRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
+    if has_messages:
+        assert not isinstance(data.messages, msgspec.UnsetType)
+        text = model.apply_chat_template(chat_messages(data.messages), add_generation_prompt=data.add_generation_prompt)
+        tokens = model.encode(text, add_special_tokens=False)
+    else:
+        assert isinstance(data.prompt, str)
+        tokens = model.encode(data.prompt)
+    return p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_sequence_length)
+
+
+@post("/detokenize", status_code=200, summary="Turn token ids back into text (extension)")
+async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.DetokenizeResponse:
+    model = await require_model(ortserve, data.model)
+    return p.DetokenizeResponse(prompt=model.decode(data.tokens))
+
+
+@get("/", summary="Liveness and readiness", include_in_schema=True)
+async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Health]:
+    statuses = ortserve.registry.status()
+    overall = "ok"
+    if any(s.state == "loading" for s in statuses) or not ortserve.started:
+        overall = "loading"
+    elif any(s.state == "error" for s in statuses):
+        overall = "error"
+    body = p.Health(status=overall, models=[p.HealthModel(id=s.name, status=s.state) for s in statuses])
+    return Response(body, status_code=200 if overall == "ok" else 503)
+
+
+@get("/", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
+async def metrics_handler(ortserve: NamedDependency[OrtServe]) -> bytes:
+    for name in ortserve.registry.names():
+        model = ortserve.registry.loaded(name)
+        if model is not None and isinstance(model, GenerativeModel):
+            ortserve.metrics.queue_depth.labels(name).set(model.queued)
+            ortserve.metrics.active.labels(name).set(model.active)
+    return ortserve.metrics.render()
+
+
+api_route_handlers = [chat_completions, completions, list_models, retrieve_model, tokenize, detokenize]

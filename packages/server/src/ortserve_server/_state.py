@@ -1,0 +1,46 @@
+"""The state the routes share; one per mounted ortserve."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ortserve_runtime import ModelRegistry
+
+from ._config import ServerConfig
+from ._metrics import Metrics
+
+__all__ = ["OrtServe"]
+
+
+class OrtServe:
+    """The state our routes share: configuration, model registry and metrics."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.registry = ModelRegistry(config.model_config)
+        for name, path in config.models.items():
+            self.registry.add(name, path)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.started = False
+
+    async def startup(self) -> None:
+        if self.config.load_on_startup:
+            for name in self.registry.names():
+                await self.registry.load(name)
+        self.started = True
+
+    async def shutdown(self) -> None:
+        await self.registry.close()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: Any = None) -> AsyncIterator[None]:
+        """Load models up front, close them at the end."""
+        await self.startup()
+        try:
+            yield
+        finally:
+            await self.shutdown()

@@ -1,0 +1,316 @@
+"""The HTTP API through a real uvicorn server, with the official openai SDK as the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from ortserve_runtime import ModelConfig
+from ortserve_server import ServerConfig, create_app
+from serving import TINY_MODEL, running
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def app_state() -> Iterator[tuple[str, object]]:
+    config = ServerConfig(
+        models={"tiny": TINY_MODEL},
+        max_body_size=64 * 1024,
+        model_config=ModelConfig(max_batch_size=8, max_sequence_length=512),
+    )
+    app = create_app(config)
+    with running(app) as url:
+        yield url, app.state.ortserve
+
+
+@pytest.fixture(scope="module")
+def base_url(app_state: tuple[str, object]) -> str:
+    return app_state[0]
+
+
+@pytest.fixture
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def aclient(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+HELLO = [{"role": "user", "content": "Tell me about the iterable in sorted order"}]
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    model = client.models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model" and model.owned_by == "ortserve"
+    assert abs(model.created - time.time()) < 3600
+
+
+def test_chat_plain_and_usage(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12, temperature=0)
+    assert result.object == "chat.completion"
+    assert result.id.startswith("chatcmpl-")
+    choice = result.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in {"stop", "length"}
+    assert result.usage is not None
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    assert result.usage.completion_tokens <= 12
+
+
+def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_completion_tokens=5, temperature=0, extra_body={"min_tokens": 5}
+    )
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage is not None and result.usage.completion_tokens == 5
+
+
+def test_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=20, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=HELLO,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_stream_raw_sse_shape(base_url: str) -> None:
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    first = json.loads(lines[0][6:])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["choices"][0]["finish_reason"] is None
+    last = json.loads(lines[-2][6:])
+    assert last["choices"][0]["finish_reason"] in {"stop", "length"}
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=8, n=3, temperature=1.0, seed=7)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert len({c.message.content for c in result.choices}) > 1
+    again = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=8, n=3, temperature=1.0, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in result.choices]
+
+
+def test_n_choices_streamed(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=6, n=2, temperature=0, stream=True)
+    )
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_stop_string(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=30, temperature=0)
+    text = full.choices[0].message.content or ""
+    assert len(text) > 10
+    stop = text[5:9]
+    cut = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=30, temperature=0, stop=[stop, "zzzz"]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    streamed = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=30, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    result = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=6, temperature=0)
+    assert result.object == "text_completion"
+    assert result.choices[0].text
+    batch = client.completions.create(model="tiny", prompt=["one", "two"], max_tokens=3, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    assert ids.usage is not None and ids.usage.prompt_tokens == 3
+    streamed = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == result.choices[0].text
+
+
+def test_tokenize_round_trip(base_url: str) -> None:
+    text = "Return a new list, héllo 你好"
+    tokens = httpx.post(f"{base_url}/v1/tokenize", json={"model": "tiny", "prompt": text}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 3
+    assert tokens["max_model_len"] == 512
+    back = httpx.post(f"{base_url}/v1/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}).json()
+    assert back["prompt"] == text
+    chat = httpx.post(f"{base_url}/v1/tokenize", json={"model": "tiny", "messages": HELLO}).json()
+    decoded = httpx.post(f"{base_url}/v1/detokenize", json={"model": "tiny", "tokens": chat["tokens"]}).json()["prompt"]
+    assert "Tell me about the iterable" in decoded
+
+
+def test_health_and_metrics(base_url: str, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2)
+    health = httpx.get(f"{base_url}/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "models": [{"id": "tiny", "status": "ready"}]}
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert 'ortserve_requests_total{endpoint="chat.completions",model="tiny",status="200"}' in metrics
+    assert "ortserve_time_to_first_token_seconds_count" in metrics
+    assert 'ortserve_queue_depth{model="tiny"} 0.0' in metrics
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in response.text
+    error: dict[str, object] = body["error"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "tiny"}, "messages"),
+        ({"model": "tiny", "messages": "hi"}, "messages"),
+        ({"model": "tiny", "messages": HELLO, "max_tokens": "ten"}, "max_tokens"),
+        ({"model": "tiny", "messages": HELLO, "temperature": 3}, "temperature"),
+        ({"model": "tiny", "messages": HELLO, "top_p": 0}, "top_p"),
+        ({"model": "tiny", "messages": HELLO, "max_tokens": 0}, "max_tokens"),
+        ({"model": "tiny", "messages": HELLO, "n": 0}, "n"),
+        ({"model": "tiny", "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": "tiny", "messages": []}, "messages"),
+        ({"model": "tiny", "messages": HELLO, "logprobs": True}, "logprobs"),
+        ({"model": "tiny", "messages": HELLO, "max_tokens": 100000}, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+            },
+            "messages[0].content",
+        ),
+    ],
+)
+def test_bad_requests_name_the_field(base_url: str, body: dict[str, object], param: str) -> None:
+    error = _error(httpx.post(f"{base_url}/v1/chat/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param or param in str(error["message"])
+
+
+def test_malformed_json(base_url: str) -> None:
+    response = httpx.post(
+        f"{base_url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    _error(response, 400)
+
+
+def test_unknown_model_and_route(base_url: str, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=HELLO)
+    error = _error(httpx.post(f"{base_url}/v1/chat/completions", json={"model": "nope", "messages": HELLO}), 404)
+    assert error["code"] == "model_not_found"
+    _error(httpx.get(f"{base_url}/v1/models/nope"), 404)
+    _error(httpx.get(f"{base_url}/v1/nothing-here"), 404)
+
+
+def test_oversized_body(base_url: str) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 100_000}]}
+    _error(httpx.post(f"{base_url}/v1/chat/completions", json=body), 413)
+
+
+def test_openai_sdk_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=HELLO, temperature=5)
+    assert "temperature" in str(info.value)
+
+
+async def test_disconnect_mid_stream_frees_the_slot(base_url: str, app_state: tuple[str, object]) -> None:
+    state = app_state[1]
+    model = state.registry.loaded("tiny")  # type: ignore[attr-defined]
+    async with httpx.AsyncClient(timeout=30) as http:
+        body = {"model": "tiny", "messages": HELLO, "max_tokens": 400, "stream": True, "extra": 1}
+        async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                    break
+        # The connection is closed: the engine must drop the request promptly.
+        deadline = time.monotonic() + 5
+        while model.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert model.active == 0
+        after = await http.post(
+            f"{base_url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 3}
+        )
+        assert after.status_code == 200
+
+
+async def test_sixteen_concurrent_streams(aclient: openai.AsyncOpenAI) -> None:
+    prompts = [[{"role": "user", "content": f"question number {i} about lists"}] for i in range(16)]
+
+    async def one(messages: list[dict[str, str]], stream: bool) -> str:
+        if not stream:
+            result = await aclient.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=10 + len(messages[0]["content"]) % 7, temperature=0
+            )
+            return result.choices[0].message.content or ""
+        chunks = await aclient.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10 + len(messages[0]["content"]) % 7,
+            temperature=0,
+            stream=True,
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+    together = await asyncio.gather(*(one(m, True) for m in prompts))
+    alone = [await one(m, False) for m in prompts]
+    assert together == alone
+    await aclient.close()
+
+
+def test_server_keeps_serving_after_errors(client: openai.OpenAI, base_url: str) -> None:
+    for _ in range(3):
+        httpx.post(f"{base_url}/v1/chat/completions", content=b"\x00\xff")
+    threads = [threading.Thread(target=lambda: httpx.post(f"{base_url}/v1/completions", json={})) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2).choices
