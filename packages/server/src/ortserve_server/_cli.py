@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -149,6 +150,10 @@ def _serve(args: argparse.Namespace) -> int:
             lifespan="on",
         )
     )
+    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then re-raises the signal
+    # under the handlers it found; with these no-op handlers that ends in a clean exit 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
     try:
         asyncio.run(_run(server, sock, port, args.ready_json))
     except ModelLoadError as exc:

@@ -1,0 +1,116 @@
+"""The `ortserve` command as a real process: ready line, requests, SIGTERM, `ls`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+TINY_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
+
+
+def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ortserve_server", "serve", "--port", "0", "--ready-json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        _, err = process.communicate(timeout=10)
+        raise AssertionError(f"server exited {process.returncode}: {err}")
+    return process, json.loads(line)
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    process, ready = start_server("--model", f"tiny={TINY_MODEL}")
+    try:
+        yield process, f"http://127.0.0.1:{ready['port']}"
+    finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate(timeout=10)
+
+
+def test_ready_line_and_chat(server: tuple[subprocess.Popen[str], str]) -> None:
+    _, url = server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_sigterm_finishes_in_flight_work_and_exits_zero(server: tuple[subprocess.Popen[str], str]) -> None:
+    process, url = server
+    result: dict[str, object] = {}
+
+    def long_request() -> None:
+        response = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 300, "min_tokens": 300},
+            timeout=60,
+        )
+        result["status"] = response.status_code
+        result["tokens"] = response.json()["usage"]["completion_tokens"]
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.3)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    thread.join(timeout=30)
+    assert result == {"status": 200, "tokens": 300}
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
+
+
+def test_bad_model_path_exits_with_a_message() -> None:
+    process = subprocess.run(
+        [sys.executable, "-m", "ortserve_server", "serve", "--model", "x=/no/such/folder"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert process.returncode == 2
+    assert "/no/such/folder" in process.stderr
+    assert "Traceback" not in process.stderr
+
+
+def test_ls_lists_demo_models() -> None:
+    listing = subprocess.run(
+        [sys.executable, "-m", "ortserve_server", "ls"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert f"tiny-qwen2\t{TINY_MODEL}" in listing
+
+
+def test_serve_without_models_uses_the_demo() -> None:
+    process, ready = start_server()
+    try:
+        models = httpx.get(f"http://127.0.0.1:{ready['port']}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny-qwen2"]
+        assert ready["pid"] == process.pid
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+    finally:
+        stop(process)

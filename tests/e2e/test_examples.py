@@ -1,0 +1,74 @@
+"""Each mounting example runs as a script, keeps its own route, and streams a chat."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize(
+    ("script", "prefix"), [("litestar_host.py", ""), ("starlette_host.py", "/llm"), ("flask_host.py", "/llm")]
+)
+def test_example_serves_a_streamed_chat(script: str, prefix: str) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / script)],
+        env={**os.environ, "PORT": str(port)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    root = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{root}/hello").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "the example did not start"
+            time.sleep(0.1)
+        assert httpx.get(f"{root}/hello").json() == {"message": "the host's own route"}
+        with openai.OpenAI(base_url=f"{root}{prefix}/v1", api_key="x", max_retries=0) as client:
+            chunks = list(
+                client.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                )
+            )
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            plain = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+            )
+        assert len(chunks) > 3
+        assert streamed == plain.choices[0].message.content
+        assert httpx.get(f"{root}{prefix}/health").json()["status"] == "ok"
+    finally:
+        process.terminate()
+        try:
+            process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()

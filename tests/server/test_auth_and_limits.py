@@ -1,0 +1,85 @@
+"""API keys, the queue limit and the body limit, through a real server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from ortserve_runtime import ModelConfig
+from ortserve_server import ServerConfig, create_app
+from serving import TINY_MODEL, running
+
+HELLO = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[str]:
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, api_key="s3cret"))) as url:
+        yield url
+
+
+def test_api_key_required(keyed: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        response = httpx.get(f"{keyed}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    ok = httpx.get(f"{keyed}/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+
+
+def test_health_stays_open(keyed: str) -> None:
+    assert httpx.get(f"{keyed}/health").status_code == 200
+
+
+def test_openai_sdk_with_key(keyed: str) -> None:
+    with openai.OpenAI(base_url=f"{keyed}/v1", api_key="s3cret", max_retries=0) as client:
+        assert client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2).choices
+    with (
+        openai.OpenAI(base_url=f"{keyed}/v1", api_key="nope", max_retries=0) as client,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        client.models.list()
+
+
+def test_full_queue_gets_503_with_retry_after() -> None:
+    config = ServerConfig(
+        models={"tiny": TINY_MODEL},
+        max_queued=1,
+        model_config=ModelConfig(max_batch_size=1, max_sequence_length=1024),
+    )
+    app = create_app(config)
+    with running(app) as url:
+        model_ready = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert model_ready.status_code == 200
+        model = app.state.ortserve.registry.loaded("tiny")
+        long_body = {"model": "tiny", "prompt": "a b c", "max_tokens": 900, "min_tokens": 900}
+        background = [
+            threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=long_body, timeout=120))
+            for _ in range(2)
+        ]
+        for thread in background:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while (model.active, model.queued) != (1, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (model.active, model.queued) == (1, 1)
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'ortserve_queue_depth{model="tiny"} 1.0' in metrics
+        for thread in background:
+            thread.join()
+
+
+def test_max_tokens_limit() -> None:
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, max_tokens_limit=4))) as url:
+        too_many = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
+        capped = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "min_tokens": 4})
+        assert capped.json()["usage"]["completion_tokens"] == 4
