@@ -1,0 +1,128 @@
+"""HTTP overhead of ortserve-server against the runtime called directly, in one run.
+
+    uv run python benchmarks/bench_server.py [--model DIR]
+
+Prints a table:
+- tokens/s of one SSE stream over HTTP vs the runtime called directly on the 0.5B-shaped
+  model (build it with `tests/fixtures/build_fixtures.py --bench`);
+- the per-token overhead of HTTP+SSE in microseconds on the tiny model (where the model
+  step is cheap, so the overhead shows);
+- requests/s and p95 latency for 8 and 32 concurrent short chat requests (tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from ortserve_runtime import GenerationOptions, ModelConfig, ModelRegistry
+from ortserve_server import ServerConfig, create_app
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from serving import TINY_MODEL, running
+
+BENCH_MODEL = Path.home() / ".cache" / "ortserve" / "bench-qwen2.5-0.5b-shape"
+PROMPT = "word " * 31
+
+
+async def runtime_tokens_per_s(model_dir: Path, new_tokens: int) -> float:
+    registry = ModelRegistry(ModelConfig(max_sequence_length=512))
+    registry.add("m", model_dir)
+    model = await registry.get("m")
+    options = GenerationOptions(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0)
+    await model.generate(PROMPT, options=options).collect()  # warm-up
+    start = time.perf_counter()
+    _, tokens, _, _ = await model.generate(PROMPT, options=options).collect()
+    elapsed = time.perf_counter() - start
+    await registry.close()
+    return len(tokens) / elapsed
+
+
+async def http_tokens_per_s(url: str, new_tokens: int) -> float:
+    body = {
+        "model": "m",
+        "prompt": PROMPT,
+        "max_tokens": new_tokens,
+        "min_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(timeout=600) as http:
+        for _ in range(2):  # the first is a warm-up
+            start = time.perf_counter()
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                async for _line in response.aiter_lines():
+                    pass
+            elapsed = time.perf_counter() - start
+    return new_tokens / elapsed
+
+
+async def concurrent_chat(url: str, concurrency: int, rounds: int = 3) -> tuple[float, float]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0}
+    latencies: list[float] = []
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
+
+        async def one() -> None:
+            start = time.perf_counter()
+            response = await http.post(f"{url}/v1/chat/completions", json=body)
+            response.raise_for_status()
+            latencies.append(time.perf_counter() - start)
+
+        await asyncio.gather(*(one() for _ in range(concurrency)))  # warm-up
+        latencies.clear()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            await asyncio.gather(*(one() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    p95 = statistics.quantiles(latencies, n=20)[-1]
+    return concurrency * rounds / elapsed, p95
+
+
+def serve(model_dir: Path) -> object:
+    return running(create_app(ServerConfig(models={"m": model_dir}, model_config=ModelConfig(max_sequence_length=512))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=BENCH_MODEL)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    rows: list[tuple[str, str]] = []
+    if (args.model / "genai_config.json").exists():
+        direct = asyncio.run(runtime_tokens_per_s(args.model, args.tokens))
+        with serve(args.model) as url:  # type: ignore[attr-defined]
+            over_http = asyncio.run(http_tokens_per_s(url, args.tokens))
+        rows += [
+            ("0.5B-shape: runtime direct, tokens/s", f"{direct:.1f}"),
+            ("0.5B-shape: one SSE stream over HTTP, tokens/s", f"{over_http:.1f}"),
+            ("0.5B-shape: HTTP / direct", f"{over_http / direct:.2f}x"),
+        ]
+    else:
+        print(f"(no benchmark model at {args.model}: build it with tests/fixtures/build_fixtures.py --bench)")
+    tiny_tokens = 400
+    direct = asyncio.run(runtime_tokens_per_s(TINY_MODEL, tiny_tokens))
+    with serve(TINY_MODEL) as url:  # type: ignore[attr-defined]
+        over_http = asyncio.run(http_tokens_per_s(url, tiny_tokens))
+        overhead_us = (1 / over_http - 1 / direct) * 1e6
+        rows += [
+            ("tiny: runtime direct, tokens/s", f"{direct:.0f}"),
+            ("tiny: one SSE stream over HTTP, tokens/s", f"{over_http:.0f}"),
+            ("tiny: HTTP+SSE overhead per token, us", f"{overhead_us:.0f}"),
+        ]
+        for concurrency in (8, 32):
+            rps, p95 = asyncio.run(concurrent_chat(url, concurrency))
+            rows.append((f"tiny: {concurrency} concurrent chats (16 tokens), requests/s", f"{rps:.1f}"))
+            rows.append((f"tiny: {concurrency} concurrent chats, p95 latency s", f"{p95:.3f}"))
+    width = max(len(name) for name, _ in rows)
+    print(f"{'measure':<{width}}  value")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()
