@@ -8,16 +8,17 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-import uvicorn
-
-TINY_MODEL = __import__("pathlib").Path(__file__).resolve().parent / "fixtures" / "tiny-qwen2"
+TINY_MODEL = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen2"
 
 
 @contextlib.contextmanager
 def running(app: Any) -> Iterator[str]:
     """Serve ``app`` on 127.0.0.1:<free port>; yields ``http://127.0.0.1:PORT``."""
+    import uvicorn  # here, so that model-only tests run without the server installed
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

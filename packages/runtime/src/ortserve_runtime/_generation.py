@@ -86,6 +86,8 @@ class _Request:
     decoder: Any = field(default_factory=lambda: decoders.DecodeStream(skip_special_tokens=True))
     cancelled: bool = False
     row: int = -1
+    decoded_chars: int = 0
+    """Characters the streaming decoder produced so far."""
 
     @property
     def length(self) -> int:
@@ -486,12 +488,14 @@ class GenerativeModel:
         sampler = request.sampler
         history = request.prompt + request.tokens if sampler.options.repetition_penalty != 1.0 else []
         token = sampler.choose(logits, history, len(request.tokens))
-        if token in self.eos_token_ids:
-            request.tokens.append(token)
-            self._finish(request, "stop", request.stops.flush())
-            return
         request.tokens.append(token)
+        if token in self.eos_token_ids:
+            self._finish(request, "stop", request.stops.feed(self._tail(request))[0] + request.stops.flush())
+            return
         piece = request.decoder.step(self.tokenizer, token) or ""
+        request.decoded_chars += len(piece)
+        if len(request.tokens) >= request.max_tokens:
+            piece += self._tail(request)
         text, stopped = request.stops.feed(piece)
         if stopped:
             self._finish(request, "stop", text, token)
@@ -499,6 +503,12 @@ class GenerativeModel:
             self._finish(request, "length", text + request.stops.flush(), token)
         else:
             request.deliver(GenerationEvent(token_id=token, text=text))
+
+    def _tail(self, request: _Request) -> str:
+        """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),
+        rendered the way a full decode renders it."""
+        tokens = [t for t in request.tokens if t not in self.eos_token_ids]
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))[request.decoded_chars :]
 
     def _final(self, request: _Request, reason: FinishReason, text: str, token: int | None = None) -> GenerationEvent:
         usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.tokens))

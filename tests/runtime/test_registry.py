@@ -1,0 +1,101 @@
+"""The model registry: recognising folders, typed errors naming the path, load/unload."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from ortserve_runtime import EngineClosedError, ModelLoadError, ModelNotFoundError, ModelRegistry, detect_model_kind
+from serving import TINY_MODEL
+
+pytestmark = pytest.mark.anyio
+
+
+def test_detects_a_genai_folder() -> None:
+    assert detect_model_kind(TINY_MODEL) == "generative"
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        ModelRegistry().add("x", tmp_path / "nowhere")
+    assert info.value.path == tmp_path / "nowhere"
+    assert str(tmp_path / "nowhere") in str(info.value)
+
+
+def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a model folder") as info:
+        ModelRegistry().add("x", tmp_path)
+    assert info.value.path == tmp_path
+    with pytest.raises(ModelLoadError, match="not a folder"):
+        ModelRegistry().add("x", tmp_path / "notes.txt")
+
+
+@pytest.mark.parametrize(
+    ("damage", "culprit"),
+    [
+        (lambda d: (d / "model.onnx").write_bytes(b"garbage, not a protobuf"), "model.onnx"),
+        (lambda d: (d / "genai_config.json").write_text("{not json"), "genai_config.json"),
+        (lambda d: (d / "genai_config.json").write_text('{"model": {}}'), "genai_config.json"),
+        (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json"),
+        (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json"),
+    ],
+)
+async def test_corrupt_model_names_the_path(tmp_path: Path, damage: object, culprit: str) -> None:
+    folder = tmp_path / "broken"
+    shutil.copytree(TINY_MODEL, folder)
+    damage(folder)  # type: ignore[operator]
+    registry = ModelRegistry()
+    registry.add("broken", folder)
+    with pytest.raises(ModelLoadError) as info:
+        await registry.get("broken")
+    assert str(folder) in str(info.value)
+    assert culprit in str(info.value)
+    [status] = registry.status()
+    assert status.state == "error" and status.error is not None and culprit in status.error
+
+
+async def test_load_unload_status() -> None:
+    registry = ModelRegistry()
+    assert registry.add("tiny", TINY_MODEL) == "generative"
+    with pytest.raises(ValueError, match="already"):
+        registry.add("tiny", TINY_MODEL)
+    assert [(s.name, s.kind, s.state) for s in registry.status()] == [("tiny", "generative", "unloaded")]
+    assert registry.loaded("tiny") is None
+    model = await registry.load("tiny")
+    assert await registry.get("tiny") is model
+    assert registry.status()[0].state == "ready"
+    await registry.unload("tiny")
+    assert registry.status()[0].state == "unloaded"
+    with pytest.raises(EngineClosedError):
+        model.generate("hello")
+    reloaded = await registry.get("tiny")
+    assert reloaded is not model
+    await registry.close()
+
+
+async def test_concurrent_loads_share_one_model() -> None:
+    import asyncio
+
+    registry = ModelRegistry()
+    registry.add("tiny", TINY_MODEL)
+    a, b = await asyncio.gather(registry.get("tiny"), registry.get("tiny"))
+    assert a is b
+    await registry.close()
+
+
+async def test_unknown_name() -> None:
+    registry = ModelRegistry()
+    with pytest.raises(ModelNotFoundError) as info:
+        await registry.get("nope")
+    assert info.value.name == "nope"
+
+
+async def test_other_providers_are_refused_clearly(tmp_path: Path) -> None:
+    from ortserve_runtime import ModelConfig
+
+    registry = ModelRegistry(ModelConfig(provider="cuda"))
+    registry.add("tiny", TINY_MODEL)
+    with pytest.raises(ModelLoadError, match="cuda"):
+        await registry.get("tiny")
