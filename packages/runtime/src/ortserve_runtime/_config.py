@@ -26,6 +26,9 @@ class ModelConfig:
     """Prompt plus completion tokens per request, capped by the model's context length.
     The key/value cache holds ``max_batch_size`` rows of this many tokens."""
 
+    last_position_logits: bool = True
+    """Compute logits for the last prompt position only (faster prefill; see _generation)."""
+
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")

@@ -29,6 +29,9 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+import onnx
+import onnx.helper
+import onnx.numpy_helper
 import onnxruntime as ort
 from tokenizers import Tokenizer, decoders
 
@@ -202,8 +205,8 @@ class _DecoderGraph:
         for key, value in config.session_options.items():
             options.add_session_config_entry(key, value)
         try:
-            self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own untyped errors for corrupt files
+            self.session = _open_session(model_path, options, self.logits, last_only=config.last_position_logits)
+        except Exception as exc:  # onnx/onnxruntime raise their own untyped errors for corrupt files
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
         inputs = {i.name: i for i in self.session.get_inputs()}
         needed = [self.input_ids, self.attention_mask, self.cache_names[0][0]]
@@ -532,6 +535,37 @@ class GenerativeModel:
             self._rows[row] = last
             last.row = row
         request.row = -1
+
+
+def _open_session(
+    model_path: Path, options: ort.SessionOptions, logits: str, *, last_only: bool
+) -> ort.InferenceSession:
+    """An onnxruntime session for the decoder, computing logits of the last position only.
+
+    Sampling needs only the last position's logits, yet the builder's graphs project every
+    prompt position through the vocabulary-sized LM head (a quarter of the prefill work
+    for a 0.5B model, measured). A Gather of the last position in front of the node that
+    writes the logits removes that work; decode steps (one position) are unchanged.
+    """
+    providers = ["CPUExecutionProvider"]
+    if not last_only:
+        return ort.InferenceSession(str(model_path), options, providers=providers)
+    graph_model = onnx.load(str(model_path), load_external_data=False)
+    graph = graph_model.graph
+    producers = [node for node in graph.node if logits in node.output]
+    outputs = [o for o in graph.output if o.name == logits]
+    if len(producers) != 1 or len(outputs) != 1 or len(outputs[0].type.tensor_type.shape.dim) != 3:
+        return ort.InferenceSession(str(model_path), options, providers=providers)
+    head = producers[0]
+    index_name, hidden_name = "ortserve/last_position", "ortserve/last_position_hidden"
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], dtype=np.int64), name=index_name))
+    gather = onnx.helper.make_node("Gather", [head.input[0], index_name], [hidden_name], axis=1, name=hidden_name)
+    head.input[0] = hidden_name
+    graph.node.insert(list(graph.node).index(head), gather)
+    outputs[0].type.tensor_type.shape.dim[1].dim_value = 1
+    # Weights stay in the external data file beside the original model.
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    return ort.InferenceSession(graph_model.SerializeToString(), options, providers=providers)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
