@@ -1,3 +1,49 @@
-"""ortserve package."""
+"""ortserve-client: the OpenAI wire protocol as msgspec Structs, a typed async client,
+Hugging Face downloads, and a managed local ortserve server.
 
-__all__: list[str] = []
+Light by design: no onnxruntime, no litestar. ``ortserve_client.protocol`` holds the
+Structs; everything else is re-exported here.
+"""
+
+from ._client import AsyncClient, AsyncStream
+from ._errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    DownloadError,
+    InternalServerError,
+    NotFoundError,
+    OrtServeError,
+    PayloadTooLargeError,
+    PortInUseError,
+    RateLimitError,
+    ServerExited,
+    ServerLifecycleError,
+    ServerStartupTimeout,
+    ServiceUnavailableError,
+    StreamError,
+)
+
+__all__ = [
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncClient",
+    "AsyncStream",
+    "AuthenticationError",
+    "BadRequestError",
+    "DownloadError",
+    "InternalServerError",
+    "NotFoundError",
+    "OrtServeError",
+    "PayloadTooLargeError",
+    "PortInUseError",
+    "RateLimitError",
+    "ServerExited",
+    "ServerLifecycleError",
+    "ServerStartupTimeout",
+    "ServiceUnavailableError",
+    "StreamError",
+]

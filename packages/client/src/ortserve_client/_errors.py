@@ -1,0 +1,193 @@
+"""Errors of the client.
+
+```
+OrtServeError                    root of everything this package raises
+├── APIConnectionError           the server could not be reached
+│   └── APITimeoutError          it did not answer in time
+├── APIStatusError               the server answered 4xx/5xx (status_code, body, request_id)
+│   ├── BadRequestError          400
+│   ├── AuthenticationError      401
+│   ├── NotFoundError            404
+│   ├── PayloadTooLargeError     413
+│   ├── RateLimitError           429
+│   ├── InternalServerError      500
+│   └── ServiceUnavailableError  503
+├── StreamError                  an error reported in the middle of a stream
+├── DownloadError                a model download failed (names repo, revision, file)
+└── ServerLifecycleError         a local server could not be started, attached or stopped
+    ├── ServerStartupTimeout     it did not become ready in time (the log tail is attached)
+    ├── ServerExited             it exited before it was ready (returncode)
+    └── PortInUseError           something else holds the port
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+
+from .protocol import ErrorResponse
+
+__all__ = [
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AuthenticationError",
+    "BadRequestError",
+    "DownloadError",
+    "InternalServerError",
+    "NotFoundError",
+    "OrtServeError",
+    "PayloadTooLargeError",
+    "PortInUseError",
+    "RateLimitError",
+    "ServerExited",
+    "ServerLifecycleError",
+    "ServerStartupTimeout",
+    "ServiceUnavailableError",
+    "StreamError",
+    "status_error",
+    "translate_transport_errors",
+]
+
+
+class OrtServeError(Exception):
+    """Root of every error this package raises."""
+
+
+class APIConnectionError(OrtServeError):
+    """The server could not be reached."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class APITimeoutError(APIConnectionError):
+    """The server did not answer within the timeout."""
+
+
+class APIStatusError(OrtServeError):
+    """The server answered with an error status; ``body`` is its decoded error body."""
+
+    status_code: int = 0
+
+    def __init__(self, message: str, *, status_code: int, body: ErrorResponse | None, request_id: str | None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+        self.request_id = request_id
+
+
+class BadRequestError(APIStatusError):
+    status_code = 400
+
+
+class AuthenticationError(APIStatusError):
+    status_code = 401
+
+
+class NotFoundError(APIStatusError):
+    status_code = 404
+
+
+class PayloadTooLargeError(APIStatusError):
+    status_code = 413
+
+
+class RateLimitError(APIStatusError):
+    status_code = 429
+
+
+class InternalServerError(APIStatusError):
+    status_code = 500
+
+
+class ServiceUnavailableError(APIStatusError):
+    status_code = 503
+
+
+class StreamError(OrtServeError):
+    """The server reported an error after the stream had started."""
+
+    def __init__(self, message: str, *, body: ErrorResponse | None = None) -> None:
+        super().__init__(message)
+        self.body = body
+
+
+class DownloadError(OrtServeError):
+    """A model download failed; the message names the repo, revision and file if known."""
+
+    def __init__(self, message: str, *, repo_id: str, revision: str | None = None, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.repo_id = repo_id
+        self.revision = revision
+        self.filename = filename
+
+
+class ServerLifecycleError(OrtServeError):
+    """A local server could not be started, attached to, or stopped."""
+
+
+class ServerStartupTimeout(ServerLifecycleError):
+    """The server did not become ready within ``startup_timeout`` (log tail in the notes)."""
+
+
+class ServerExited(ServerLifecycleError):
+    """The server process exited before it was ready."""
+
+    def __init__(self, message: str, *, returncode: int | None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+class PortInUseError(ServerLifecycleError):
+    """Something that is not an ortserve server holds the port."""
+
+
+_BY_STATUS: dict[int, type[APIStatusError]] = {
+    cls.status_code: cls
+    for cls in (
+        BadRequestError,
+        AuthenticationError,
+        NotFoundError,
+        PayloadTooLargeError,
+        RateLimitError,
+        InternalServerError,
+        ServiceUnavailableError,
+    )
+}
+_decode_error = msgspec.json.Decoder(ErrorResponse).decode
+
+
+def status_error(response: httpx.Response, content: bytes) -> APIStatusError:
+    """The :class:`APIStatusError` subclass for ``response`` with its decoded body."""
+    body: ErrorResponse | None
+    try:
+        body = _decode_error(content)
+    except msgspec.DecodeError:
+        body = None
+    detail = body.error.message if body is not None else content[:200].decode(errors="replace")
+    cls = _BY_STATUS.get(response.status_code, APIStatusError)
+    return cls(
+        f"{response.status_code} from {response.request.method} {response.request.url}: {detail}",
+        status_code=response.status_code,
+        body=body,
+        request_id=response.headers.get("x-request-id"),
+    )
+
+
+@contextlib.contextmanager
+def translate_transport_errors(url: str) -> Iterator[None]:
+    """The one place where httpx's transport errors become this package's errors."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise APITimeoutError(f"the ortserve server at {url} did not answer in time ({exc})", url=url) from exc
+    except httpx.TransportError as exc:
+        raise APIConnectionError(
+            f"could not connect to the ortserve server at {url}: is it running? ({exc})", url=url
+        ) from exc
