@@ -102,13 +102,14 @@ def test_ls_lists_demo_models() -> None:
         [sys.executable, "-m", "ortserve_server", "ls"], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert f"tiny-qwen2\t{TINY_MODEL}" in listing
+    assert "all-minilm-l6-v2\t" in listing
 
 
 def test_serve_without_models_uses_the_demo() -> None:
     process, ready = start_server()
     try:
         models = httpx.get(f"http://127.0.0.1:{ready['port']}/v1/models").json()
-        assert [m["id"] for m in models["data"]] == ["tiny-qwen2"]
+        assert [m["id"] for m in models["data"]] == ["tiny-qwen2", "all-minilm-l6-v2"]
         assert ready["pid"] == process.pid
         process.terminate()
         assert process.wait(timeout=30) == 0

@@ -4,7 +4,8 @@ No HTTP here: plain Python types in, async event streams and NumPy arrays out.
 """
 
 from ._chat import ChatTemplate, Message
-from ._config import ModelConfig
+from ._config import EmbeddingConfig, ModelConfig
+from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (
     ContextLengthError,
     EngineClosedError,
@@ -20,6 +21,10 @@ from ._sampling import GenerationOptions
 __all__ = [
     "ChatTemplate",
     "ContextLengthError",
+    "EmbeddingConfig",
+    "EmbeddingInput",
+    "EmbeddingModel",
+    "EmbeddingResult",
     "EngineClosedError",
     "EngineError",
     "FinishReason",
@@ -36,6 +41,7 @@ __all__ = [
     "ModelRegistry",
     "ModelState",
     "ModelStatus",
+    "Pooling",
     "Usage",
     "detect_model_kind",
 ]

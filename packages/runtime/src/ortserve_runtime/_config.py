@@ -5,7 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["ModelConfig"]
+__all__ = ["EmbeddingConfig", "ModelConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingConfig:
+    """How embedding models batch, pool and normalise."""
+
+    max_batch_size: int = 32
+    """Inputs per session run; concurrent requests are merged up to this."""
+    max_wait_ms: float = 2.0
+    """How long the batcher waits for more requests once one has arrived."""
+    pooling: Literal["mean", "cls", "last"] | None = None
+    """``None``: from the folder's 1_Pooling/config.json, else mean."""
+    normalize: bool = True
+    """L2-normalise the vectors (what sentence-transformers models expect)."""
+    truncate: bool = False
+    """Cut inputs longer than the model's limit instead of refusing them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +42,7 @@ class ModelConfig:
     """Prompt plus completion tokens per request, capped by the model's context length.
     The key/value cache holds ``max_batch_size`` rows of this many tokens."""
 
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     last_position_logits: bool = True
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
 

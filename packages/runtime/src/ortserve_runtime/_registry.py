@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ._config import ModelConfig
+from ._embeddings import EmbeddingModel
 from ._errors import ModelLoadError, ModelNotFoundError
 from ._generation import GenerativeModel
 
@@ -141,12 +142,10 @@ class ModelRegistry:
         return model
 
     @staticmethod
-    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], Any]:
+    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], GenerativeModel | EmbeddingModel]:
         if kind == "generative":
             return GenerativeModel
-        from ._embeddings import EmbeddingModel
-
-        return EmbeddingModel.from_registry
+        return EmbeddingModel
 
     def _entry(self, name: str) -> _Entry:
         try:

@@ -14,24 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._demo import demo_models
+
 __all__ = ["main"]
 
 PARENT_PID_ENV = "ORTSERVE_PARENT_PID"
 logger = logging.getLogger("ortserve.server")
-
-
-def demo_models() -> dict[str, Path]:
-    """Models served when ``serve`` gets none: the tiny test model of a source checkout,
-    or the folders named by ``ORTSERVE_DEMO_MODELS`` (``name=path,name=path``)."""
-    configured = os.environ.get("ORTSERVE_DEMO_MODELS")
-    if configured:
-        return dict(_parse_model(item) for item in configured.split(",") if item)
-    root = Path(__file__).resolve().parents[4]
-    found = {}
-    tiny = root / "tests" / "fixtures" / "tiny-qwen2"
-    if (tiny / "genai_config.json").exists():
-        found["tiny-qwen2"] = tiny
-    return found
 
 
 def _parse_model(value: str) -> tuple[str, Path]:

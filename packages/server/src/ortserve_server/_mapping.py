@@ -11,7 +11,14 @@ from typing import Any, TypeVar
 
 import msgspec
 from ortserve_client import protocol as p
-from ortserve_runtime import GenerationOptions, GenerationStream, GenerativeModel, InvalidRequestError
+from ortserve_runtime import (
+    EmbeddingModel,
+    GenerationOptions,
+    GenerationStream,
+    GenerativeModel,
+    InvalidRequestError,
+    ModelKind,
+)
 
 from ._config import ServerConfig
 from ._errors import BadRequestError, ModelNotFoundHTTPError, OverloadedError, UnsupportedParameterError
@@ -24,6 +31,7 @@ __all__ = [
     "completion_prompts",
     "generation_options",
     "new_id",
+    "require_embedding_model",
     "require_model",
     "start_generations",
 ]
@@ -48,17 +56,28 @@ def _or(value: T | msgspec.UnsetType | None, default: D) -> T | D:
 
 async def require_model(state: OrtServe, name: str) -> GenerativeModel:
     """The loaded generative model called ``name``, or a 404/400/503 that says why not."""
-    registry = state.registry
-    if name not in registry.names():
-        raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
-    if registry.kind(name) != "generative":
-        raise BadRequestError(f"model {name!r} is an embedding model; use /v1/embeddings", param="model")
-    model: GenerativeModel = await registry.get(name)
+    model: GenerativeModel = await _loaded(state, name, "generative")
     if model.queued >= state.config.max_queued:
         raise OverloadedError(
             f"model {name!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
         )
     return model
+
+
+async def require_embedding_model(state: OrtServe, name: str) -> EmbeddingModel:
+    """The loaded embedding model called ``name``, or a 404/400 that says why not."""
+    model: EmbeddingModel = await _loaded(state, name, "embedding")
+    return model
+
+
+async def _loaded(state: OrtServe, name: str, kind: ModelKind) -> Any:
+    registry = state.registry
+    if name not in registry.names():
+        raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
+    if registry.kind(name) != kind:
+        use = "/v1/embeddings" if kind == "generative" else "/v1/chat/completions or /v1/completions"
+        raise BadRequestError(f"model {name!r} is a {registry.kind(name)} model; use {use}", param="model")
+    return await registry.get(name)
 
 
 def _refuse(param: str, why: str = "is not supported by this server") -> UnsupportedParameterError:

@@ -7,6 +7,7 @@ All mapping between the wire protocol (``ortserve_client.protocol``) and the run
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from ._mapping import (
     completion_prompts,
     generation_options,
     new_id,
+    require_embedding_model,
     require_model,
     start_generations,
 )
@@ -321,6 +323,28 @@ async def _completion_stream(
     yield b"data: [DONE]\n\n"
 
 
+@post("/embeddings", status_code=200, summary="Create embeddings")
+async def embeddings(
+    data: JSONBody[p.EmbeddingRequest], ortserve: NamedDependency[OrtServe]
+) -> Response[p.CreateEmbeddingResponse]:
+    model = await require_embedding_model(ortserve, data.model)
+    truncate = data.truncate if isinstance(data.truncate, bool) else None
+    dimensions = data.dimensions if isinstance(data.dimensions, int) else None
+    result = await model.embed(data.input, truncate=truncate, dimensions=dimensions)
+    as_base64 = data.encoding_format == "base64"
+    items = [
+        p.Embedding(
+            index=i,
+            embedding=base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist(),
+        )
+        for i, vector in enumerate(result.vectors)
+    ]
+    ortserve.metrics.requests.labels("embeddings", data.model, "200").inc()
+    ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
+    usage = p.EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
+    return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))
+
+
 @get("/models", summary="List models")
 async def list_models(ortserve: NamedDependency[OrtServe]) -> p.ModelList:
     return p.ModelList(data=[_model_card(ortserve, name) for name in ortserve.registry.names()])
@@ -385,4 +409,4 @@ async def metrics_handler(ortserve: NamedDependency[OrtServe]) -> bytes:
     return ortserve.metrics.render()
 
 
-api_route_handlers = [chat_completions, completions, list_models, retrieve_model, tokenize, detokenize]
+api_route_handlers = [chat_completions, completions, embeddings, list_models, retrieve_model, tokenize, detokenize]

