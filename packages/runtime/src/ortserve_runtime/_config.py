@@ -12,8 +12,11 @@ __all__ = ["EmbeddingConfig", "ModelConfig"]
 class EmbeddingConfig:
     """How embedding models batch, pool and normalise."""
 
-    max_batch_size: int = 32
-    """Inputs per session run; concurrent requests are merged up to this."""
+    max_batch_size: int = 64
+    """Inputs the batcher merges from concurrent requests before it runs them."""
+    run_tokens: int = 256
+    """Padded tokens per session run: merged inputs are sorted by length and cut into
+    runs of at most this many (an input longer than this runs alone)."""
     max_wait_ms: float = 2.0
     """How long the batcher waits for more requests once one has arrived."""
     pooling: Literal["mean", "cls", "last"] | None = None
