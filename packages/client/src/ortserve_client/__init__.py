@@ -6,6 +6,7 @@ Structs; everything else is re-exported here.
 """
 
 from ._client import AsyncClient, AsyncStream
+from ._download import DownloadComplete, DownloadEvent, DownloadProgress, apull, pull
 from ._errors import (
     APIConnectionError,
     APIStatusError,
@@ -34,7 +35,10 @@ __all__ = [
     "AsyncStream",
     "AuthenticationError",
     "BadRequestError",
+    "DownloadComplete",
     "DownloadError",
+    "DownloadEvent",
+    "DownloadProgress",
     "InternalServerError",
     "NotFoundError",
     "OrtServeError",
@@ -46,4 +50,6 @@ __all__ = [
     "ServerStartupTimeout",
     "ServiceUnavailableError",
     "StreamError",
+    "apull",
+    "pull",
 ]
