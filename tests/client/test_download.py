@@ -133,3 +133,46 @@ async def test_async_pull(endpoint: str, tmp_path: Path) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def test_server_cli_serves_a_model_from_the_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ortserve serve --model NAME=hf:OWNER/REPO/SUBFOLDER` downloads, then serves it."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
+    files = {f"cpu/{p.name}": p.read_bytes() for p in tiny.iterdir()}
+    hub = FakeHub(repos={"acme/tiny-qwen2": files})
+    with running(hub.app()) as url:
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "0"}
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ortserve_server",
+                "serve",
+                "--port",
+                "0",
+                "--ready-json",
+                "--model",
+                "tiny=hf:acme/tiny-qwen2/cpu",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert process.stdout is not None
+            ready = json.loads(process.stdout.readline())
+            base = f"http://127.0.0.1:{ready['port']}/v1"
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            assert httpx.post(f"{base}/chat/completions", json=body).status_code == 200
+        finally:
+            process.terminate()
+            process.communicate(timeout=30)
+    assert list(tmp_path.rglob("genai_config.json"))
+    del monkeypatch

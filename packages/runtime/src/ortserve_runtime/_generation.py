@@ -18,8 +18,10 @@ graph the genai builder writes is driven directly with onnxruntime:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import mmap
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -563,9 +565,25 @@ def _open_session(
     head.input[0] = hidden_name
     graph.node.insert(list(graph.node).index(head), gather)
     outputs[0].type.tensor_type.shape.dim[1].dim_value = 1
-    # Weights stay in the external data file beside the original model.
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
-    return ort.InferenceSession(graph_model.SerializeToString(), options, providers=providers)
+    # Weights stay in their external data files: handed to onnxruntime as memory maps, which
+    # also works where they are symlinks out of the folder (the Hugging Face cache).
+    locations = sorted(
+        {
+            entry.value
+            for tensor in graph.initializer
+            if tensor.data_location == onnx.TensorProto.EXTERNAL
+            for entry in tensor.external_data
+            if entry.key == "location"
+        }
+    )
+    with contextlib.ExitStack() as stack:
+        maps = []
+        for location in locations:
+            handle = stack.enter_context((model_path.parent / location).open("rb"))
+            maps.append(stack.enter_context(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)))
+        if maps:
+            options.add_external_initializers_from_files_in_memory(locations, maps, [len(m) for m in maps])
+        return ort.InferenceSession(graph_model.SerializeToString(), options, providers=providers)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

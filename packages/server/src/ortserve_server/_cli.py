@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from ._demo import demo_models
@@ -143,17 +143,22 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
     try:
-        asyncio.run(_run(server, sock, port, args.ready_json))
+        # Models load before the server starts, so a broken model is one clear line here
+        # rather than a failed lifespan inside uvicorn.
+        asyncio.run(_run(server, sock, port, args.ready_json, app.state.ortserve.startup))
     except ModelLoadError as exc:
         print(f"ortserve: {exc}", file=sys.stderr)
         return 2
     return 0 if server.started else 1
 
 
-async def _run(server: object, sock: socket.socket, port: int, ready_json: bool) -> None:
+async def _run(
+    server: object, sock: socket.socket, port: int, ready_json: bool, load_models: Callable[[], Awaitable[None]]
+) -> None:
     import uvicorn
 
     assert isinstance(server, uvicorn.Server)
+    await load_models()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_watch_parent(server))
     try:
