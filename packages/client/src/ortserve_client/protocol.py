@@ -202,14 +202,11 @@ class StreamOptions(_Request):
 # -- chat completions ----------------------------------------------------------------------
 
 
-class ChatCompletionRequest(_Request):
-    """``POST /v1/chat/completions``. ``top_k``, ``repetition_penalty``, ``min_tokens`` and
-    the ``guided_*`` fields are extensions that vLLM and others accept too."""
+class _GenerationRequest(_Request):
+    """Fields chat and text completions share. ``top_k``, ``repetition_penalty`` and
+    ``min_tokens`` are extensions that vLLM and others accept too."""
 
-    model: str
-    messages: list[ChatMessage]
     max_tokens: int | UnsetType | None = UNSET
-    max_completion_tokens: int | UnsetType | None = UNSET
     temperature: float | UnsetType | None = UNSET
     top_p: float | UnsetType | None = UNSET
     top_k: int | UnsetType | None = UNSET
@@ -223,9 +220,17 @@ class ChatCompletionRequest(_Request):
     user: str | UnsetType = UNSET
     presence_penalty: float | UnsetType | None = UNSET
     frequency_penalty: float | UnsetType | None = UNSET
+    logit_bias: dict[str, float] | UnsetType | None = UNSET
+
+
+class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+    """``POST /v1/chat/completions``; the ``guided_*`` fields are vLLM's extensions."""
+
+    model: str
+    messages: list[ChatMessage]
+    max_completion_tokens: int | UnsetType | None = UNSET
     logprobs: bool | UnsetType | None = UNSET
     top_logprobs: int | UnsetType | None = UNSET
-    logit_bias: dict[str, float] | UnsetType | None = UNSET
     tools: list[Tool] | UnsetType | None = UNSET
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | UnsetType | None = UNSET
     parallel_tool_calls: bool | UnsetType | None = UNSET
@@ -305,32 +310,17 @@ class ChatCompletionChunk(_Response):
 # -- legacy completions --------------------------------------------------------------------
 
 
-class CompletionRequest(_Request):
-    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or lists of ids."""
+class CompletionRequest(_GenerationRequest, kw_only=True):
+    """``POST /v1/completions`` (legacy)."""
 
     model: str
     prompt: str | list[str | int | list[int]]
     """One string, strings, token ids, or lists of token ids (msgspec allows one list type
     per union; the server checks that the list is not mixed)."""
-    max_tokens: int | UnsetType | None = UNSET
-    temperature: float | UnsetType | None = UNSET
-    top_p: float | UnsetType | None = UNSET
-    top_k: int | UnsetType | None = UNSET
-    repetition_penalty: float | UnsetType | None = UNSET
-    min_tokens: int | UnsetType | None = UNSET
-    n: int | UnsetType | None = UNSET
-    stream: bool | UnsetType | None = UNSET
-    stream_options: StreamOptions | UnsetType | None = UNSET
-    stop: str | list[str] | UnsetType | None = UNSET
-    seed: int | UnsetType | None = UNSET
     echo: bool | UnsetType | None = UNSET
     suffix: str | UnsetType | None = UNSET
     best_of: int | UnsetType | None = UNSET
     logprobs: int | UnsetType | None = UNSET
-    user: str | UnsetType = UNSET
-    presence_penalty: float | UnsetType | None = UNSET
-    frequency_penalty: float | UnsetType | None = UNSET
-    logit_bias: dict[str, float] | UnsetType | None = UNSET
 
 
 class CompletionChoice(_Response):

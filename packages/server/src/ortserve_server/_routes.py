@@ -10,7 +10,7 @@ import asyncio
 import base64
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -21,7 +21,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from ortserve_client import protocol as p
-from ortserve_runtime import GenerationEvent, GenerationStream, GenerativeModel, Usage
+from ortserve_runtime import GenerationEvent, GenerationStream, GenerativeModel
 
 from ._errors import AuthenticationError, BadRequestError, ServerError
 from ._mapping import (
@@ -93,234 +93,160 @@ async def _merge(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, Ge
             await stream.aclose()
 
 
-class _Tracker:
-    """Metrics for one generation request: time to first token, tokens, outcome."""
+class _Generation:
+    """The streams of one generation request, with its metrics (time to first token,
+    tokens, outcome) and the two ways to deliver it: collected, or as SSE chunks."""
 
-    def __init__(self, state: OrtServe, endpoint: str, model: GenerativeModel) -> None:
+    def __init__(self, state: OrtServe, endpoint: str, model: GenerativeModel, streams: list[GenerationStream]) -> None:
         self.metrics = state.metrics
         self.endpoint = endpoint
         self.model = model
+        self.streams = streams
+        self.prompt_tokens = sum(s.prompt_tokens for s in streams)
         self.start = time.perf_counter()
         self.first = True
 
-    def event(self, event: GenerationEvent) -> None:
+    def _observe(self, event: GenerationEvent) -> None:
         if self.first and event.token_id is not None:
             self.first = False
             self.metrics.time_to_first_token.labels(self.model.name).observe(time.perf_counter() - self.start)
 
-    def done(self, usage: Usage) -> None:
-        self.metrics.prompt_tokens.labels(self.model.name).inc(usage.prompt_tokens)
-        self.metrics.completion_tokens.labels(self.model.name).inc(usage.completion_tokens)
+    def _done(self, completion_tokens: int, status: int = 200) -> p.CompletionUsage:
+        name = self.model.name
+        self.metrics.requests.labels(self.endpoint, name, str(status)).inc()
+        if status >= 400:
+            self.metrics.errors.labels(self.endpoint, str(status)).inc()
+        self.metrics.prompt_tokens.labels(name).inc(self.prompt_tokens)
+        self.metrics.completion_tokens.labels(name).inc(completion_tokens)
+        return p.CompletionUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.prompt_tokens + completion_tokens,
+        )
 
-    def status(self, code: int) -> None:
-        self.metrics.requests.labels(self.endpoint, self.model.name, str(code)).inc()
-        if code >= 400:
-            self.metrics.errors.labels(self.endpoint, str(code)).inc()
+    async def collect(self) -> tuple[list[str], list[str], p.CompletionUsage]:
+        """Every stream to the end: texts, finish reasons, usage."""
+        texts = [""] * len(self.streams)
+        finish = ["stop"] * len(self.streams)
+        completion_tokens = 0
+        async for index, event in _merge(self.streams):
+            self._observe(event)
+            texts[index] += event.text
+            if event.usage is not None:
+                completion_tokens += event.usage.completion_tokens
+            if event.finish_reason is not None:
+                finish[index] = event.finish_reason
+        return texts, finish, self._done(completion_tokens)
+
+    async def sse(
+        self,
+        events: Callable[[int, GenerationEvent], list[bytes]],
+        usage_chunk: Callable[[p.CompletionUsage], bytes] | None,
+        opening: list[bytes] = [],  # noqa: B006  # read only
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: ``opening``, the chunks ``events`` makes of each event, the
+        usage chunk when asked for, then ``[DONE]``. Errors after the headers went out are
+        reported in-band, as OpenAI does."""
+        for chunk in opening:
+            yield chunk
+        completion_tokens = 0
+        try:
+            async for index, event in _merge(self.streams):
+                self._observe(event)
+                if event.usage is not None:
+                    completion_tokens += event.usage.completion_tokens
+                for chunk in events(index, event):
+                    yield chunk
+        except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band
+            self._done(completion_tokens, 500)
+            message = str(exc) if isinstance(exc, ServerError) else "the generation failed"
+            yield _sse(p.ErrorResponse(error=p.ErrorDetail(message=message, type="server_error")))
+        else:
+            usage = self._done(completion_tokens)
+            if usage_chunk is not None:
+                yield usage_chunk(usage)
+        yield b"data: [DONE]\n\n"
 
 
-def _stream_error(exc: BaseException) -> bytes:
-    message = str(exc) if isinstance(exc, ServerError) else "the generation failed"
-    return _sse(p.ErrorResponse(error=p.ErrorDetail(message=message, type="server_error", param=None, code=None)))
+def _include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:
+    return isinstance(options, p.StreamOptions) and options.include_usage
+
+
+def _stream_response(chunks: AsyncIterator[bytes]) -> Stream:
+    return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 @post("/chat/completions", status_code=200, summary="Create a chat completion")
 async def chat_completions(
     data: JSONBody[p.ChatCompletionRequest], ortserve: NamedDependency[OrtServe]
 ) -> Response[Any]:
-    state = ortserve
-    model = await require_model(state, data.model)
-    check_chat_request(data, state.config)
-    messages = chat_messages(data.messages)
-    tools = None
+    model = await require_model(ortserve, data.model)
+    check_chat_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
-    base = generation_options(data, state.config, n)
-    prompt = model.tokenize_chat(messages, tools=tools)
-    streams = start_generations(model, [prompt], base, "messages")
-    tracker = _Tracker(state, "chat.completions", model)
+    prompt = model.tokenize_chat(chat_messages(data.messages))
+    options = generation_options(data, ortserve.config, n)
+    run = _Generation(ortserve, "chat.completions", model, start_generations(model, [prompt], options, "messages"))
+    run.prompt_tokens = len(prompt)  # the n choices share one prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
-    include_usage = bool(
-        not isinstance(data.stream_options, msgspec.UnsetType)
-        and data.stream_options is not None
-        and data.stream_options.include_usage
-    )
-    if data.stream is True:
-        return Stream(
-            _chat_stream(streams, tracker, response_id, created, data.model, n, include_usage),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
-    texts = [""] * n
-    finish: list[str | None] = [None] * n
-    completion_tokens = 0
-    async for index, event in _merge(streams):
-        tracker.event(event)
-        texts[index] += event.text
-        if event.finish_reason is not None:
-            finish[index] = event.finish_reason
-            assert event.usage is not None
-            completion_tokens += event.usage.completion_tokens
-    usage = Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens)
-    tracker.done(usage)
-    tracker.status(200)
-    return Response(
-        p.ChatCompletion(
-            id=response_id,
-            created=created,
-            model=data.model,
-            choices=[
-                p.ChatCompletionChoice(
-                    index=i,
-                    message=p.ChatCompletionMessage(role="assistant", content=texts[i]),
-                    finish_reason=finish[i] or "stop",
-                )
-                for i in range(n)
-            ],
-            usage=p.CompletionUsage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                total_tokens=usage.total_tokens,
-            ),
-        )
-    )
 
-
-async def _chat_stream(
-    streams: list[GenerationStream],
-    tracker: _Tracker,
-    response_id: str,
-    created: int,
-    model_name: str,
-    n: int,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
     def chunk(choices: list[p.ChatCompletionChunkChoice], usage: p.CompletionUsage | None = None) -> bytes:
         return _sse(
-            p.ChatCompletionChunk(id=response_id, created=created, model=model_name, choices=choices, usage=usage)
+            p.ChatCompletionChunk(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
         )
 
-    completion_tokens = 0
-    for index in range(n):
-        yield chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(role="assistant", content=""))])
-    try:
-        async for index, event in _merge(streams):
-            tracker.event(event)
-            if event.text:
-                yield chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(content=event.text))])
-            if event.finish_reason is not None:
-                assert event.usage is not None
-                completion_tokens += event.usage.completion_tokens
-                yield chunk(
-                    [p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(), finish_reason=event.finish_reason)]
-                )
-    except Exception as exc:  # noqa: BLE001  # headers are sent: report in-band, as OpenAI does
-        tracker.status(500)
-        yield _stream_error(exc)
-        yield b"data: [DONE]\n\n"
-        return
-    usage = Usage(prompt_tokens=streams[0].prompt_tokens, completion_tokens=completion_tokens)
-    tracker.done(usage)
-    tracker.status(200)
-    if include_usage:
-        yield chunk(
-            [],
-            p.CompletionUsage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                total_tokens=usage.total_tokens,
-            ),
+    def events(index: int, event: GenerationEvent) -> list[bytes]:
+        out = []
+        if event.text:
+            out.append(chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(content=event.text))]))
+        if event.finish_reason is not None:
+            finish = p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(), finish_reason=event.finish_reason)
+            out.append(chunk([finish]))
+        return out
+
+    if data.stream is True:
+        opening = [
+            chunk([p.ChatCompletionChunkChoice(index=i, delta=p.ChoiceDelta(role="assistant", content=""))])
+            for i in range(n)
+        ]
+        usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
+        return _stream_response(run.sse(events, usage_chunk, opening))
+    texts, finish, usage = await run.collect()
+    choices = [
+        p.ChatCompletionChoice(
+            index=i, message=p.ChatCompletionMessage(role="assistant", content=text), finish_reason=reason
         )
-    yield b"data: [DONE]\n\n"
+        for i, (text, reason) in enumerate(zip(texts, finish, strict=True))
+    ]
+    return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
 @post("/completions", status_code=200, summary="Create a (legacy) text completion")
 async def completions(data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe]) -> Response[Any]:
-    state = ortserve
-    model = await require_model(state, data.model)
-    check_completion_request(data, state.config)
-    prompts = completion_prompts(data.prompt)
+    model = await require_model(ortserve, data.model)
+    check_completion_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
-    options = generation_options(data, state.config, n)
-    streams = start_generations(model, prompts, options, "prompt")
-    tracker = _Tracker(state, "completions", model)
+    options = generation_options(data, ortserve.config, n)
+    streams = start_generations(model, completion_prompts(data.prompt), options, "prompt")
+    run = _Generation(ortserve, "completions", model, streams)
+    run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     response_id, created = new_id("cmpl"), int(time.time())
-    prompt_tokens = sum(s.prompt_tokens for s in streams) // n
-    include_usage = bool(
-        not isinstance(data.stream_options, msgspec.UnsetType)
-        and data.stream_options is not None
-        and data.stream_options.include_usage
-    )
-    if data.stream is True:
-        return Stream(
-            _completion_stream(streams, tracker, response_id, created, data.model, prompt_tokens, include_usage),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
-    texts = [""] * len(streams)
-    finish: list[str] = ["stop"] * len(streams)
-    completion_tokens = 0
-    async for index, event in _merge(streams):
-        tracker.event(event)
-        texts[index] += event.text
-        if event.finish_reason is not None:
-            finish[index] = event.finish_reason
-            assert event.usage is not None
-            completion_tokens += event.usage.completion_tokens
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
-    tracker.done(usage)
-    tracker.status(200)
-    return Response(
-        p.Completion(
-            id=response_id,
-            created=created,
-            model=data.model,
-            choices=[p.CompletionChoice(index=i, text=texts[i], finish_reason=finish[i]) for i in range(len(streams))],
-            usage=p.CompletionUsage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                total_tokens=usage.total_tokens,
-            ),
-        )
-    )
 
-
-async def _completion_stream(
-    streams: list[GenerationStream],
-    tracker: _Tracker,
-    response_id: str,
-    created: int,
-    model_name: str,
-    prompt_tokens: int,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
     def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:
-        return _sse(p.Completion(id=response_id, created=created, model=model_name, choices=choices, usage=usage))
+        return _sse(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
-    completion_tokens = 0
-    try:
-        async for index, event in _merge(streams):
-            tracker.event(event)
-            if event.text or event.finish_reason is not None:
-                yield chunk([p.CompletionChoice(index=index, text=event.text, finish_reason=event.finish_reason)])
-            if event.usage is not None:
-                completion_tokens += event.usage.completion_tokens
-    except Exception as exc:  # noqa: BLE001  # headers are sent: report in-band
-        tracker.status(500)
-        yield _stream_error(exc)
-        yield b"data: [DONE]\n\n"
-        return
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
-    tracker.done(usage)
-    tracker.status(200)
-    if include_usage:
-        yield chunk(
-            [],
-            p.CompletionUsage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                total_tokens=usage.total_tokens,
-            ),
-        )
-    yield b"data: [DONE]\n\n"
+    def events(index: int, event: GenerationEvent) -> list[bytes]:
+        if not event.text and event.finish_reason is None:
+            return []
+        return [chunk([p.CompletionChoice(index=index, text=event.text, finish_reason=event.finish_reason)])]
+
+    if data.stream is True:
+        usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
+        return _stream_response(run.sse(events, usage_chunk))
+    texts, finish, usage = await run.collect()
+    choices = [
+        p.CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(zip(texts, finish, strict=True))
+    ]
+    return Response(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
 @post("/embeddings", status_code=200, summary="Create embeddings")
