@@ -57,9 +57,16 @@ def create_router(config: ServerConfig | OrtServe) -> Router:
     accept lazy model loading and no orderly close).
     """
     state = config if isinstance(config, OrtServe) else OrtServe(config)
-    router = Router(path="/", route_handlers=list(_routers(state)))
-    router.ortserve = state  # type: ignore[attr-defined]
+    router = _StatefulRouter(path="/", route_handlers=list(_routers(state)))
+    router.ortserve = state
     return router
+
+
+class _StatefulRouter(Router):
+    """A Router that remembers its ortserve state, for :func:`lifespan` (Litestar
+    deep-copies a router's ``opt``, so the state cannot travel there)."""
+
+    ortserve: OrtServe
 
 
 class OrtServePlugin(InitPlugin):
@@ -124,7 +131,6 @@ def _state_of(app: Litestar | Router | OrtServe | Sequence[Any]) -> OrtServe:
         state = app.state.get("ortserve")
         if isinstance(state, OrtServe):
             return state
-    state = getattr(app, "ortserve", None)
-    if isinstance(state, OrtServe):
-        return state
+    if isinstance(app, _StatefulRouter):
+        return app.ortserve
     raise TypeError("expected an app from create_app(), a router from create_router(), or an OrtServe")

@@ -27,6 +27,11 @@ class OrtServe:
         self.created = int(time.time())
         self.started = False
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OrtServe:
+        # Litestar deep-copies routers when it registers them; the models, threads and
+        # metrics behind them are one shared service, never copied.
+        return self
+
     async def startup(self) -> None:
         if self.config.load_on_startup:
             for name in self.registry.names():
