@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from ortserve_runtime import (
     EngineClosedError,
     GenerationOptions,
     GenerativeModel,
+    Grammar,
     InvalidRequestError,
     ModelConfig,
     ModelRegistry,
@@ -299,3 +301,15 @@ async def test_a_closed_model_refuses_work() -> None:
             pass
     with pytest.raises(EngineClosedError):
         model.generate("hello")
+
+
+async def test_grammar_constrains_the_output(tiny: GenerativeModel) -> None:
+    regex = GenerationOptions(max_tokens=50, temperature=1.0, seed=4, grammar=Grammar("regex", r"[a-c]{2}\d{2,3}"))
+    text, _, reason, _ = await tiny.generate("pick", options=regex).collect()
+    assert reason == "stop"
+    assert re.fullmatch(r"[a-c]{2}\d{2,3}", text)
+    with pytest.raises(InvalidRequestError) as info:
+        tiny.generate("x", options=GenerationOptions(grammar=Grammar("regex", "(unclosed")))
+    assert info.value.param == "grammar"
+    with pytest.raises(InvalidRequestError, match="schema"):
+        tiny.generate("x", options=GenerationOptions(grammar=Grammar("json_schema", {"type": 5})))

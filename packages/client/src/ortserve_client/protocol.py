@@ -221,10 +221,17 @@ class _GenerationRequest(_Request):
     presence_penalty: float | UnsetType | None = UNSET
     frequency_penalty: float | UnsetType | None = UNSET
     logit_bias: dict[str, float] | UnsetType | None = UNSET
+    response_format: ResponseFormat | UnsetType | None = UNSET
+    """Structured output: ``json_object`` or ``json_schema`` (constrained decoding)."""
+    guided_regex: str | UnsetType | None = UNSET
+    """vLLM's extensions: output matching a regular expression, a Lark grammar, or one of
+    the given strings."""
+    guided_grammar: str | UnsetType | None = UNSET
+    guided_choice: list[str] | UnsetType | None = UNSET
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
-    """``POST /v1/chat/completions``; the ``guided_*`` fields are vLLM's extensions."""
+    """``POST /v1/chat/completions``."""
 
     model: str
     messages: list[ChatMessage]
@@ -234,10 +241,6 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     tools: list[Tool] | UnsetType | None = UNSET
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | UnsetType | None = UNSET
     parallel_tool_calls: bool | UnsetType | None = UNSET
-    response_format: ResponseFormat | UnsetType | None = UNSET
-    guided_regex: str | UnsetType | None = UNSET
-    guided_grammar: str | UnsetType | None = UNSET
-    guided_choice: list[str] | UnsetType | None = UNSET
 
 
 class CompletionUsage(_Response):

@@ -5,6 +5,7 @@ No HTTP here: plain Python types in, async event streams and NumPy arrays out.
 
 from ._chat import ChatTemplate, Message
 from ._config import EmbeddingConfig, ModelConfig
+from ._constraints import Grammar
 from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (
     ContextLengthError,
@@ -32,6 +33,7 @@ __all__ = [
     "GenerationOptions",
     "GenerationStream",
     "GenerativeModel",
+    "Grammar",
     "InvalidRequestError",
     "Message",
     "ModelConfig",

@@ -39,6 +39,7 @@ from tokenizers import Tokenizer, decoders
 
 from ._chat import ChatTemplate, Message
 from ._config import ModelConfig
+from ._constraints import Constraint, GrammarCompiler
 from ._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
@@ -89,6 +90,7 @@ class _Request:
     id: int = field(default_factory=lambda: next(_request_ids))
     tokens: list[int] = field(default_factory=list)
     decoder: Any = field(default_factory=lambda: decoders.DecodeStream(skip_special_tokens=True))
+    constraint: Constraint | None = None
     cancelled: bool = False
     row: int = -1
     decoded_chars: int = 0
@@ -270,6 +272,7 @@ class GenerativeModel:
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
         self.chat_template = ChatTemplate.from_folder(folder)
+        self.grammars = GrammarCompiler(tokenizer_path.read_text(encoding="utf-8"), self.vocab_size, self.eos_token_ids)
         self._graph = _DecoderGraph(folder, genai, config)
         self.max_sequence_length = min(self.context_length, config.max_sequence_length or self.context_length)
         self.max_batch_size = config.max_batch_size
@@ -371,8 +374,10 @@ class GenerativeModel:
                 f"{self.max_sequence_length} tokens",
                 param="max_tokens" if room >= 1 else ("messages" if messages is not None else "prompt"),
             )
+        constraint = self.grammars.constraint(options.grammar) if options.grammar is not None else None
         request = _Request(
             prompt=ids,
+            constraint=constraint,
             max_tokens=options.max_tokens if options.max_tokens is not None else room,
             sampler=Sampler(options, self.eos_token_ids),
             stops=StopMatcher(options.stop),
@@ -492,18 +497,23 @@ class GenerativeModel:
         """Sample the next token of ``request`` and tell its consumer."""
         sampler = request.sampler
         history = request.prompt + request.tokens if sampler.options.repetition_penalty != 1.0 else []
+        if request.constraint is not None:
+            logits = request.constraint.mask(logits)
         token = sampler.choose(logits, history, len(request.tokens))
         request.tokens.append(token)
+        complete = request.constraint is not None and request.constraint.advance(token)
         if token in self.eos_token_ids:
             self._finish(request, "stop", request.stops.feed(self._tail(request))[0] + request.stops.flush())
             return
         piece = request.decoder.step(self.tokenizer, token) or ""
         request.decoded_chars += len(piece)
-        if len(request.tokens) >= request.max_tokens:
+        if complete or len(request.tokens) >= request.max_tokens:
             piece += self._tail(request)
         text, stopped = request.stops.feed(piece)
         if stopped:
             self._finish(request, "stop", text, token)
+        elif complete:
+            self._finish(request, "stop", text + request.stops.flush(), token)
         elif len(request.tokens) >= request.max_tokens:
             self._finish(request, "length", text + request.stops.flush(), token)
         else:

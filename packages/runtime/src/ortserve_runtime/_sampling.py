@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from ._constraints import Grammar
 from ._errors import InvalidRequestError
 
 __all__ = ["GenerationOptions", "Sampler"]
@@ -38,6 +39,8 @@ class GenerationOptions:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     """Text that ends generation; neither it nor anything after it is ever emitted."""
+    grammar: Grammar | None = None
+    """Constrain the output to a JSON schema, regular expression or Lark grammar."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first option out of range."""
@@ -93,7 +96,10 @@ class Sampler:
                 values > 0, values / options.repetition_penalty, values * options.repetition_penalty
             )
         if generated < options.min_tokens and self._eos.size:
+            kept = scores[self._eos].copy()
             scores[self._eos] = -np.inf
+            if not np.isfinite(scores).any():  # a grammar allows only the end: let it end
+                scores[self._eos] = kept
         if options.greedy:
             return int(np.argmax(scores))
         scores /= options.temperature

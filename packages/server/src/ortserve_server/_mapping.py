@@ -5,8 +5,9 @@ A parameter this server cannot honour is refused with a 400 naming it, never ign
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -16,6 +17,7 @@ from ortserve_runtime import (
     GenerationOptions,
     GenerationStream,
     GenerativeModel,
+    Grammar,
     InvalidRequestError,
     ModelKind,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "check_completion_request",
     "completion_prompts",
     "generation_options",
+    "grammar_of",
     "new_id",
     "require_embedding_model",
     "require_model",
@@ -97,9 +100,6 @@ def _check_common(data: p.ChatCompletionRequest | p.CompletionRequest, config: S
     stop = data.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise BadRequestError(f"'stop' allows at most {MAX_STOP} strings", param="stop")
-    for name in ("guided_regex", "guided_grammar", "guided_choice"):
-        if _given(getattr(data, name, None)):
-            raise _refuse(name, "(structured output) is not supported yet")
 
 
 def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> None:
@@ -111,8 +111,6 @@ def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> N
         raise _refuse("tools", "(tool calling) is not supported yet")
     if _given(data.tool_choice) and data.tool_choice != "none":
         raise _refuse("tool_choice", "(tool calling) is not supported yet")
-    if _given(data.response_format) and not isinstance(data.response_format, p.ResponseFormatText):
-        raise _refuse("response_format", "(structured output) is not supported yet; only 'text'")
     if not data.messages:
         raise BadRequestError("'messages' must not be empty", param="messages")
 
@@ -178,15 +176,47 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
     )
 
 
+def grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Grammar, str] | None:
+    """The output constraint a request asks for, with the field that asked for it."""
+    asked: list[tuple[Grammar, str]] = []
+    response_format = data.response_format
+    if isinstance(response_format, p.ResponseFormatJSONObject):
+        asked.append((Grammar("json_schema", {"type": "object"}), "response_format"))
+    elif isinstance(response_format, p.ResponseFormatJSONSchema):
+        schema = response_format.json_schema.schema
+        if not isinstance(schema, dict):
+            raise BadRequestError("response_format.json_schema.schema is required", param="response_format")
+        asked.append((Grammar("json_schema", schema), "response_format"))
+    if _given(data.guided_regex):
+        asked.append((Grammar("regex", str(data.guided_regex)), "guided_regex"))
+    if _given(data.guided_grammar):
+        asked.append((Grammar("lark", str(data.guided_grammar)), "guided_grammar"))
+    if isinstance(data.guided_choice, list):
+        if not data.guided_choice or not all(data.guided_choice):
+            raise BadRequestError("guided_choice needs non-empty strings", param="guided_choice")
+        # Lark string literals share JSON's escapes, so json.dumps quotes each choice.
+        lark = "start: " + " | ".join(json.dumps(choice) for choice in data.guided_choice)
+        asked.append((Grammar("lark", lark), "guided_choice"))
+    if len(asked) > 1:
+        raise BadRequestError(
+            f"ask for one output constraint, not {' and '.join(field for _, field in asked)}", param=asked[1][1]
+        )
+    return asked[0] if asked else None
+
+
 def start_generations(
-    model: GenerativeModel, prompts: Sequence[str | list[int]], options: Sequence[GenerationOptions], param: str
+    model: GenerativeModel,
+    prompts: Sequence[str | list[int]],
+    options: Sequence[GenerationOptions],
+    fields: Mapping[str, str],
 ) -> list[GenerationStream]:
-    """One stream per prompt and choice; prompt errors name ``param`` (the request's field)."""
+    """One stream per prompt and choice. ``fields`` renames the runtime's ``param`` of an
+    error to the request's field (``prompt`` -> ``messages``, ``grammar`` -> ...)."""
     try:
         return [model.generate(prompt, options=o) for prompt in prompts for o in options]
     except InvalidRequestError as exc:
-        if exc.param == "prompt" and param != "prompt":
-            raise type(exc)(str(exc), param=param) from exc
+        if exc.param is not None and exc.param in fields:
+            raise type(exc)(str(exc), param=fields[exc.param]) from exc
         raise
 
 
@@ -205,6 +235,8 @@ def generation_options(
     stop = data.stop
     stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
     top_k = _or(data.top_k, 0)
+    constraint = grammar_of(data)
+    grammar = constraint[0] if constraint else None
     seed = _or(data.seed, None)
     options = [
         GenerationOptions(
@@ -216,6 +248,7 @@ def generation_options(
             min_tokens=_or(data.min_tokens, 0),
             seed=None if seed is None else seed + i,
             stop=stops,
+            grammar=grammar,
         )
         for i in range(n)
     ]

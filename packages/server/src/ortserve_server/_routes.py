@@ -30,6 +30,7 @@ from ._mapping import (
     check_completion_request,
     completion_prompts,
     generation_options,
+    grammar_of,
     new_id,
     require_embedding_model,
     require_model,
@@ -168,6 +169,11 @@ class _Generation:
         yield b"data: [DONE]\n\n"
 
 
+def _grammar_field(data: p.ChatCompletionRequest | p.CompletionRequest) -> str:
+    constraint = grammar_of(data)
+    return constraint[1] if constraint else "grammar"
+
+
 def _include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:
     return isinstance(options, p.StreamOptions) and options.include_usage
 
@@ -185,7 +191,8 @@ async def chat_completions(
     n = data.n if isinstance(data.n, int) else 1
     prompt = model.tokenize_chat(chat_messages(data.messages))
     options = generation_options(data, ortserve.config, n)
-    run = _Generation(ortserve, "chat.completions", model, start_generations(model, [prompt], options, "messages"))
+    fields = {"prompt": "messages", "grammar": _grammar_field(data)}
+    run = _Generation(ortserve, "chat.completions", model, start_generations(model, [prompt], options, fields))
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
 
@@ -226,7 +233,8 @@ async def completions(data: JSONBody[p.CompletionRequest], ortserve: NamedDepend
     check_completion_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
     options = generation_options(data, ortserve.config, n)
-    streams = start_generations(model, completion_prompts(data.prompt), options, "prompt")
+    fields = {"grammar": _grammar_field(data)}
+    streams = start_generations(model, completion_prompts(data.prompt), options, fields)
     run = _Generation(ortserve, "completions", model, streams)
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     response_id, created = new_id("cmpl"), int(time.time())

@@ -1,0 +1,97 @@
+"""Grammar-constrained decoding with llguidance, on the host side of each request.
+
+Every step the request's matcher says which tokens may come next; the others are masked
+out of that request's logits before sampling, so the output always matches: JSON that
+parses and validates against a schema, a regular expression, or a Lark grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+import numpy as np
+import numpy.typing as npt
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from ._errors import InvalidRequestError
+
+__all__ = ["Constraint", "Grammar", "GrammarCompiler"]
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """What the output must match. ``json_schema`` takes a schema dict (``{"type":
+    "object"}`` for any JSON object); ``regex`` and ``lark`` take their source text."""
+
+    kind: Literal["json_schema", "regex", "lark"]
+    source: str | dict[str, Any]
+
+
+class Constraint:
+    """One request's matcher: masks logits, follows the tokens actually chosen."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._vocab = vocab_size
+        self._bitmask = allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """A copy of ``logits`` where every token the grammar forbids is -inf."""
+        fill_next_token_bitmask(self._matcher, self._bitmask)
+        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
+        return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def advance(self, token: int) -> bool:
+        """Feed the chosen token; True once the grammar is complete (generation must end)."""
+        self._matcher.consume_token(token)
+        return bool(self._matcher.is_stopped() or self._matcher.is_error())
+
+
+class GrammarCompiler:
+    """Checks grammars against one model's tokenizer and makes matchers for them."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:  # built on first use: about a second for a large vocabulary
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos
+                )
+            return self._tokenizer
+
+    def constraint(self, grammar: Grammar) -> Constraint:
+        """A fresh matcher for ``grammar``; an invalid one raises :class:`InvalidRequestError`."""
+        text = _grammar_text(grammar)
+        tokenizer = self._llg_tokenizer()
+        error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+        if error:
+            raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
+        return Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size)
+
+
+def _grammar_text(grammar: Grammar) -> str:
+    try:
+        if grammar.kind == "json_schema":
+            schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("a JSON schema must be an object", param="grammar")
+            # Without this the model may emit whitespace between tokens until max_tokens.
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
+        if grammar.kind == "regex":
+            return str(llguidance.LLMatcher.grammar_from_regex(str(grammar.source)))
+        return str(llguidance.LLMatcher.grammar_from_lark(str(grammar.source)))
+    except InvalidRequestError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {exc}", param="grammar") from exc
