@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
 
 ASK = [{"role": "user", "content": "Give me data"}]
 SCHEMAS = [
@@ -47,23 +44,11 @@ SCHEMAS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as base:
-        yield base
-
-
-@pytest.fixture
-def client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
-        yield c
-
-
 @pytest.mark.parametrize("seed", [1, 5])
-def test_json_object_always_parses(client: openai.OpenAI, seed: int) -> None:
+def test_json_object_always_parses(tiny_client: openai.OpenAI, seed: int) -> None:
     # A random-weight model rarely closes a free-form string, so these seeds are ones where
     # it ends within max_tokens (a JSON object has no length bound; the schemas below do).
-    result = client.chat.completions.create(
+    result = tiny_client.chat.completions.create(
         model="tiny", messages=ASK, response_format={"type": "json_object"}, max_tokens=400, seed=seed
     )
     assert result.choices[0].finish_reason == "stop"
@@ -72,8 +57,8 @@ def test_json_object_always_parses(client: openai.OpenAI, seed: int) -> None:
 
 @pytest.mark.parametrize("schema", SCHEMAS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_json_schema_validates(client: openai.OpenAI, schema: dict[str, object], temperature: float) -> None:
-    result = client.chat.completions.create(
+def test_json_schema_validates(tiny_client: openai.OpenAI, schema: dict[str, object], temperature: float) -> None:
+    result = tiny_client.chat.completions.create(
         model="tiny",
         messages=ASK,
         max_tokens=300,
@@ -84,12 +69,12 @@ def test_json_schema_validates(client: openai.OpenAI, schema: dict[str, object],
     jsonschema.validate(json.loads(result.choices[0].message.content or ""), schema)
 
 
-def test_streamed_json_schema_equals_non_streamed(client: openai.OpenAI) -> None:
+def test_streamed_json_schema_equals_non_streamed(tiny_client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "d", "schema": SCHEMAS[1]}}
-    plain = client.chat.completions.create(
+    plain = tiny_client.chat.completions.create(
         model="tiny", messages=ASK, max_tokens=300, temperature=0, response_format=fmt
     )
-    chunks = client.chat.completions.create(
+    chunks = tiny_client.chat.completions.create(
         model="tiny", messages=ASK, max_tokens=300, temperature=0, response_format=fmt, stream=True
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -97,8 +82,8 @@ def test_streamed_json_schema_equals_non_streamed(client: openai.OpenAI) -> None
     jsonschema.validate(json.loads(text), SCHEMAS[1])
 
 
-def test_max_tokens_cutting_the_json_says_length(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(
+def test_max_tokens_cutting_the_json_says_length(tiny_client: openai.OpenAI) -> None:
+    result = tiny_client.chat.completions.create(
         model="tiny",
         messages=ASK,
         max_tokens=3,
@@ -107,10 +92,10 @@ def test_max_tokens_cutting_the_json_says_length(client: openai.OpenAI) -> None:
     assert result.choices[0].finish_reason == "length"
 
 
-def test_guided_regex_choice_and_grammar(url: str) -> None:
+def test_guided_regex_choice_and_grammar(tiny_url: str) -> None:
     def ask(**extra: object) -> str:
         body = {"model": "tiny", "prompt": "answer:", "max_tokens": 40, "seed": 3, **extra}
-        response = httpx.post(f"{url}/v1/completions", json=body)
+        response = httpx.post(f"{tiny_url}/v1/completions", json=body)
         assert response.status_code == 200, response.text
         text: str = response.json()["choices"][0]["text"]
         return text
@@ -134,8 +119,8 @@ def test_guided_regex_choice_and_grammar(url: str) -> None:
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ],
 )
-def test_invalid_constraints_are_400_naming_the_field(url: str, extra: dict[str, object], param: str) -> None:
-    response = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **extra})
+def test_invalid_constraints_are_400_naming_the_field(tiny_url: str, extra: dict[str, object], param: str) -> None:
+    response = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **extra})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param

@@ -18,6 +18,7 @@ from ._errors import (
 from ._generation import FinishReason, GenerationEvent, GenerationStream, GenerativeModel, Usage
 from ._registry import ModelKind, ModelRegistry, ModelState, ModelStatus, detect_model_kind
 from ._sampling import GenerationOptions
+from ._tools import ToolCall, ToolCallFormat, ToolCallParser, detect_tool_format, forced_tool_grammar
 
 __all__ = [
     "ChatTemplate",
@@ -44,6 +45,11 @@ __all__ = [
     "ModelState",
     "ModelStatus",
     "Pooling",
+    "ToolCall",
+    "ToolCallFormat",
+    "ToolCallParser",
     "Usage",
     "detect_model_kind",
+    "detect_tool_format",
+    "forced_tool_grammar",
 ]

@@ -41,6 +41,7 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source
         self._template = env.from_string(source)
         self._special_tokens = dict(special_tokens)
 

@@ -43,6 +43,7 @@ from ._constraints import Constraint, GrammarCompiler
 from ._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
+from ._tools import ToolCallFormat, detect_tool_format
 
 __all__ = ["FinishReason", "GenerationEvent", "GenerationStream", "GenerativeModel", "Usage"]
 
@@ -272,6 +273,10 @@ class GenerativeModel:
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
         self.chat_template = ChatTemplate.from_folder(folder)
+        self.tool_format: ToolCallFormat | None = detect_tool_format(
+            self.chat_template.source if self.chat_template else None
+        )
+        """How this model writes tool calls (from its chat template), or None."""
         self.grammars = GrammarCompiler(tokenizer_path.read_text(encoding="utf-8"), self.vocab_size, self.eos_token_ids)
         self._graph = _DecoderGraph(folder, genai, config)
         self.max_sequence_length = min(self.context_length, config.max_sequence_length or self.context_length)

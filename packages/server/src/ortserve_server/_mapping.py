@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -20,6 +21,8 @@ from ortserve_runtime import (
     Grammar,
     InvalidRequestError,
     ModelKind,
+    ToolCallFormat,
+    forced_tool_grammar,
 )
 
 from ._config import ServerConfig
@@ -37,6 +40,7 @@ __all__ = [
     "require_embedding_model",
     "require_model",
     "start_generations",
+    "tool_plan",
 ]
 
 MAX_STOP = 4
@@ -107,10 +111,6 @@ def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> N
     _check_common(data, config)
     if data.logprobs is True or _given(data.top_logprobs):
         raise _refuse("logprobs" if data.logprobs is True else "top_logprobs")
-    if _given(data.tools) and data.tools:
-        raise _refuse("tools", "(tool calling) is not supported yet")
-    if _given(data.tool_choice) and data.tool_choice != "none":
-        raise _refuse("tool_choice", "(tool calling) is not supported yet")
     if not data.messages:
         raise BadRequestError("'messages' must not be empty", param="messages")
 
@@ -220,8 +220,48 @@ def start_generations(
         raise
 
 
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a chat request's ``tools``/``tool_choice`` mean for this model."""
+
+    definitions: list[dict[str, Any]] | None = None
+    """Tool schemas for the chat template (``None``: no tools in the prompt)."""
+    format: ToolCallFormat | None = None
+    """Parse the output for calls in this format (``None``: plain content)."""
+    grammar: Grammar | None = None
+    """Force a call (``required`` or a named function)."""
+
+
+def tool_plan(data: p.ChatCompletionRequest, model: GenerativeModel) -> ToolPlan:
+    tools = data.tools if isinstance(data.tools, list) and data.tools else None
+    choice = data.tool_choice if _given(data.tool_choice) else ("auto" if tools else "none")
+    if tools is None:
+        if choice not in ("none", "auto"):
+            raise BadRequestError("tool_choice needs tools", param="tool_choice")
+        return ToolPlan()
+    definitions = [msgspec.to_builtins(tool) for tool in tools]
+    if choice == "none":
+        return ToolPlan(definitions=definitions)
+    if model.tool_format is None:
+        raise BadRequestError(f"model {model.name!r} has no known tool-call format in its chat template", param="tools")
+    if choice == "auto":
+        return ToolPlan(definitions, model.tool_format)
+    name = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
+    if name is not None and name not in {t.function.name for t in tools}:
+        raise BadRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    if grammar_of(data) is not None:
+        raise BadRequestError("a forced tool call cannot be combined with structured output", param="tool_choice")
+    grammar = forced_tool_grammar(model.tool_format, definitions, name, model.tokenizer.token_to_id)
+    if grammar is None:
+        raise BadRequestError(
+            f"forcing tool calls is not supported for {model.tool_format}-format models; use tool_choice auto",
+            param="tool_choice",
+        )
+    return ToolPlan(definitions, model.tool_format, grammar)
+
+
 def generation_options(
-    data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig, n: int
+    data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig, n: int, forced: Grammar | None = None
 ) -> list[GenerationOptions]:
     """Runtime options for each of the ``n`` choices (seeds differ per choice)."""
     max_tokens = _or(getattr(data, "max_completion_tokens", None), None)
@@ -236,7 +276,7 @@ def generation_options(
     stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
     top_k = _or(data.top_k, 0)
     constraint = grammar_of(data)
-    grammar = constraint[0] if constraint else None
+    grammar = forced or (constraint[0] if constraint else None)
     seed = _or(data.seed, None)
     options = [
         GenerationOptions(

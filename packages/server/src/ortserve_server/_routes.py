@@ -10,6 +10,7 @@ import asyncio
 import base64
 import hmac
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from ortserve_client import protocol as p
-from ortserve_runtime import GenerationEvent, GenerationStream, GenerativeModel
+from ortserve_runtime import GenerationEvent, GenerationStream, GenerativeModel, ToolCall, ToolCallParser
 
 from ._errors import AuthenticationError, BadRequestError, ServerError
 from ._mapping import (
@@ -35,6 +36,7 @@ from ._mapping import (
     require_embedding_model,
     require_model,
     start_generations,
+    tool_plan,
 )
 from ._state import OrtServe
 
@@ -98,11 +100,20 @@ class _Generation:
     """The streams of one generation request, with its metrics (time to first token,
     tokens, outcome) and the two ways to deliver it: collected, or as SSE chunks."""
 
-    def __init__(self, state: OrtServe, endpoint: str, model: GenerativeModel, streams: list[GenerationStream]) -> None:
+    def __init__(
+        self,
+        state: OrtServe,
+        endpoint: str,
+        model: GenerativeModel,
+        streams: list[GenerationStream],
+        tool_parsers: list[ToolCallParser] | None = None,
+    ) -> None:
         self.metrics = state.metrics
         self.endpoint = endpoint
         self.model = model
         self.streams = streams
+        self.tool_parsers = tool_parsers
+        self.calls_made = [0] * len(streams)
         self.prompt_tokens = sum(s.prompt_tokens for s in streams)
         self.start = time.perf_counter()
         self.first = True
@@ -111,6 +122,21 @@ class _Generation:
         if self.first and event.token_id is not None:
             self.first = False
             self.metrics.time_to_first_token.labels(self.model.name).observe(time.perf_counter() - self.start)
+
+    def _split(self, index: int, event: GenerationEvent) -> tuple[str, list[ToolCall], str | None]:
+        """The event as content, completed tool calls and finish reason (``tool_calls``
+        when the choice called a tool)."""
+        if self.tool_parsers is None:
+            return event.text, [], event.finish_reason
+        parser = self.tool_parsers[index]
+        text, calls = parser.feed(event.text)
+        if event.finish_reason is not None:
+            rest, more = parser.finish()
+            text, calls = text + rest, calls + more
+        self.calls_made[index] += len(calls)
+        if event.finish_reason == "stop" and self.calls_made[index]:
+            return text, calls, "tool_calls"
+        return text, calls, event.finish_reason
 
     def _done(self, completion_tokens: int, status: int = 200) -> p.CompletionUsage:
         name = self.model.name
@@ -125,27 +151,31 @@ class _Generation:
             total_tokens=self.prompt_tokens + completion_tokens,
         )
 
-    async def collect(self) -> tuple[list[str], list[str], p.CompletionUsage]:
-        """Every stream to the end: texts, finish reasons, usage."""
+    async def collect(self) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
+        """Every stream to the end: texts, tool calls, finish reasons, usage."""
         texts = [""] * len(self.streams)
+        calls: list[list[ToolCall]] = [[] for _ in self.streams]
         finish = ["stop"] * len(self.streams)
         completion_tokens = 0
         async for index, event in _merge(self.streams):
             self._observe(event)
-            texts[index] += event.text
+            text, made, reason = self._split(index, event)
+            texts[index] += text
+            calls[index] += made
             if event.usage is not None:
                 completion_tokens += event.usage.completion_tokens
-            if event.finish_reason is not None:
-                finish[index] = event.finish_reason
-        return texts, finish, self._done(completion_tokens)
+            if reason is not None:
+                finish[index] = reason
+        return texts, calls, finish, self._done(completion_tokens)
 
     async def sse(
         self,
-        events: Callable[[int, GenerationEvent], list[bytes]],
+        events: Callable[[int, str, list[ToolCall], str | None], list[bytes]],
         usage_chunk: Callable[[p.CompletionUsage], bytes] | None,
         opening: list[bytes] = [],  # noqa: B006  # read only
     ) -> AsyncIterator[bytes]:
-        """Server-sent events: ``opening``, the chunks ``events`` makes of each event, the
+        """Server-sent events: ``opening``, the chunks ``events`` makes of each event (as
+        content, tool calls and finish reason), the
         usage chunk when asked for, then ``[DONE]``. Errors after the headers went out are
         reported in-band, as OpenAI does."""
         for chunk in opening:
@@ -156,7 +186,7 @@ class _Generation:
                 self._observe(event)
                 if event.usage is not None:
                     completion_tokens += event.usage.completion_tokens
-                for chunk in events(index, event):
+                for chunk in events(index, *self._split(index, event)):
                     yield chunk
         except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band
             self._done(completion_tokens, 500)
@@ -189,41 +219,64 @@ async def chat_completions(
     model = await require_model(ortserve, data.model)
     check_chat_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
-    prompt = model.tokenize_chat(chat_messages(data.messages))
-    options = generation_options(data, ortserve.config, n)
-    fields = {"prompt": "messages", "grammar": _grammar_field(data)}
-    run = _Generation(ortserve, "chat.completions", model, start_generations(model, [prompt], options, fields))
+    tools = tool_plan(data, model)
+    prompt = model.tokenize_chat(chat_messages(data.messages), tools=tools.definitions)
+    options = generation_options(data, ortserve.config, n, forced=tools.grammar)
+    fields = {"prompt": "messages", "grammar": "tool_choice" if tools.grammar else _grammar_field(data)}
+    streams = start_generations(model, [prompt], options, fields)
+    parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
+    run = _Generation(ortserve, "chat.completions", model, streams, parsers)
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
+    call_ids: dict[tuple[int, int], str] = {}
+
+    def call_id(choice: int, number: int) -> str:
+        return call_ids.setdefault((choice, number), "call_" + uuid.uuid4().hex[:24])
 
     def chunk(choices: list[p.ChatCompletionChunkChoice], usage: p.CompletionUsage | None = None) -> bytes:
         return _sse(
             p.ChatCompletionChunk(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
         )
 
-    def events(index: int, event: GenerationEvent) -> list[bytes]:
-        out = []
-        if event.text:
-            out.append(chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(content=event.text))]))
-        if event.finish_reason is not None:
-            finish = p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(), finish_reason=event.finish_reason)
+    def delta(index: int, **fields: Any) -> bytes:
+        return chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(**fields))])
+
+    def events(index: int, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
+        out = [delta(index, content=text)] if text else []
+        first = run.calls_made[index] - len(calls)
+        for number, call in enumerate(calls, start=first):
+            # OpenAI's shape: id, type and name first, then the arguments as fragments.
+            opening = p.ChoiceDeltaToolCall(
+                index=number,
+                id=call_id(index, number),
+                type="function",
+                function=p.ChoiceDeltaFunctionCall(name=call.name, arguments=""),
+            )
+            out.append(delta(index, tool_calls=[opening]))
+            arguments = p.ChoiceDeltaFunctionCall(arguments=call.arguments)
+            out.append(delta(index, tool_calls=[p.ChoiceDeltaToolCall(index=number, function=arguments)]))
+        if reason is not None:
+            finish = p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(), finish_reason=reason)
             out.append(chunk([finish]))
         return out
 
     if data.stream is True:
-        opening = [
-            chunk([p.ChatCompletionChunkChoice(index=i, delta=p.ChoiceDelta(role="assistant", content=""))])
-            for i in range(n)
-        ]
+        opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk, opening))
-    texts, finish, usage = await run.collect()
-    choices = [
-        p.ChatCompletionChoice(
-            index=i, message=p.ChatCompletionMessage(role="assistant", content=text), finish_reason=reason
+    texts, calls, finish, usage = await run.collect()
+    choices = []
+    for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
+        tool_calls = [
+            p.ToolCall(id=call_id(i, k), function=p.FunctionCall(name=c.name, arguments=c.arguments))
+            for k, c in enumerate(made)
+        ]
+        message = p.ChatCompletionMessage(
+            role="assistant",
+            content=text if text or not tool_calls else None,
+            tool_calls=tool_calls or msgspec.UNSET,
         )
-        for i, (text, reason) in enumerate(zip(texts, finish, strict=True))
-    ]
+        choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason))
     return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
@@ -242,15 +295,15 @@ async def completions(data: JSONBody[p.CompletionRequest], ortserve: NamedDepend
     def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:
         return _sse(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
-    def events(index: int, event: GenerationEvent) -> list[bytes]:
-        if not event.text and event.finish_reason is None:
+    def events(index: int, text: str, _: list[ToolCall], reason: str | None) -> list[bytes]:
+        if not text and reason is None:
             return []
-        return [chunk([p.CompletionChoice(index=index, text=event.text, finish_reason=event.finish_reason)])]
+        return [chunk([p.CompletionChoice(index=index, text=text, finish_reason=reason)])]
 
     if data.stream is True:
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk))
-    texts, finish, usage = await run.collect()
+    texts, _, finish, usage = await run.collect()
     choices = [
         p.CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(zip(texts, finish, strict=True))
     ]

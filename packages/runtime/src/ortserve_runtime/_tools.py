@@ -1,0 +1,204 @@
+"""Tool calls in model output: the formats of the model families served on
+onnxruntime-genai, a streaming parser, and grammars that force a well-formed call.
+
+The format follows from the model's chat template, never from the caller:
+
+- ``hermes`` (Qwen 2/2.5/3, Hermes, many fine-tunes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+- ``llama3``: the whole reply is ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``)
+- ``phi4`` (Phi-4-mini): ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|>``
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
+
+Malformed markup is never an error: it stays in the content as the model wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._constraints import Grammar
+
+__all__ = ["ToolCall", "ToolCallFormat", "ToolCallParser", "detect_tool_format", "forced_tool_grammar"]
+
+ToolCallFormat = Literal["hermes", "llama3", "phi4", "mistral"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One parsed call; ``arguments`` is a JSON object as text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Markers:
+    start: str
+    end: str | None  # None: the call runs to the end of the output
+    many: bool  # a JSON list of calls between the markers (else one object per block)
+    arguments_key: str
+
+
+_FORMATS: dict[ToolCallFormat, _Markers] = {
+    "hermes": _Markers("<tool_call>", "</tool_call>", many=False, arguments_key="arguments"),
+    "phi4": _Markers("<|tool_call|>", "<|/tool_call|>", many=True, arguments_key="arguments"),
+    "mistral": _Markers("[TOOL_CALLS]", None, many=True, arguments_key="arguments"),
+    "llama3": _Markers("<|python_tag|>", None, many=False, arguments_key="parameters"),
+}
+
+
+def detect_tool_format(template_source: str | None) -> ToolCallFormat | None:
+    """The tool-call format a chat template teaches its model, if any."""
+    if not template_source:
+        return None
+    if "<tool_call>" in template_source:
+        return "hermes"
+    if "<|tool_call|>" in template_source:
+        return "phi4"
+    if "[TOOL_CALLS]" in template_source:
+        return "mistral"
+    if "<|python_tag|>" in template_source or "ipython" in template_source:
+        return "llama3"
+    return None
+
+
+class ToolCallParser:
+    """Splits streamed text into content and tool calls.
+
+    ``feed`` returns the content that is safe to show now and the calls completed so far;
+    text that may be the start of a call is held back until it is decided. ``finish``
+    settles what is left. Feeding everything at once gives exactly what streaming gives.
+    """
+
+    def __init__(self, format: ToolCallFormat) -> None:
+        self.format = format
+        self._markers = _FORMATS[format]
+        self._buffer = ""
+        self._in_call = False
+        self._seen_content = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buffer += text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        markers = self._markers
+        while self._buffer:
+            if not self._in_call:
+                start = self._buffer.find(markers.start)
+                if start < 0 and self.format == "llama3" and not self._seen_content:
+                    if not self._buffer.strip():
+                        break  # only whitespace so far: a bare JSON call may still follow
+                    start = self._bare_json_start()
+                if start < 0:
+                    safe = self._buffer[: len(self._buffer) - _held(self._buffer, markers.start)]
+                    self._note_content(safe)
+                    content.append(safe)
+                    self._buffer = self._buffer[len(safe) :]
+                    break
+                self._note_content(self._buffer[:start])
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start:]
+                self._in_call = True
+            if markers.end is None:
+                break  # the call runs to the end of the output: decided in finish()
+            end = self._buffer.find(markers.end)
+            if end < 0:
+                break
+            block = self._buffer[: end + len(markers.end)]
+            self._buffer = self._buffer[end + len(markers.end) :]
+            self._in_call = False
+            parsed = self._parse(block[len(markers.start) : end])
+            if parsed is None:
+                content.append(block)  # malformed: the model's text, as written
+            else:
+                calls.extend(parsed)
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buffer = self._buffer, ""
+        if not self._in_call:
+            return rest, []
+        self._in_call = False
+        body = rest.removeprefix(self._markers.start)
+        parsed = self._parse(body)
+        return ("", parsed) if parsed is not None else (rest, [])
+
+    def _bare_json_start(self) -> int:
+        """Llama 3 may answer with the call's JSON alone; only a leading ``{`` counts."""
+        stripped = self._buffer.lstrip()
+        return len(self._buffer) - len(stripped) if stripped.startswith("{") else -1
+
+    def _note_content(self, text: str) -> None:
+        if text.strip():
+            self._seen_content = True
+
+    def _parse(self, body: str) -> list[ToolCall] | None:
+        try:
+            value = json.loads(body.strip())
+        except ValueError:
+            return None
+        items = value if isinstance(value, list) and self._markers.many else [value]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            arguments = item.get(self._markers.arguments_key, item.get("arguments", {}))
+            if isinstance(arguments, str):  # some models double-encode
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    return None
+            if not isinstance(arguments, dict):
+                return None
+            calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+        return calls or None
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that starts ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+def forced_tool_grammar(
+    format: ToolCallFormat,
+    tools: Sequence[Mapping[str, Any]],
+    name: str | None = None,
+    token_id: Callable[[str], int | None] = lambda _: None,
+) -> Grammar | None:
+    """A grammar that admits exactly one well-formed call (to ``name``, or to any tool)
+    whose arguments validate against the tool's parameters schema; ``None`` if this format
+    has no such grammar here. ``token_id`` finds markers that are single (added) tokens:
+    the grammar must name those by id, as no string of bytes produces them."""
+    if format != "hermes":
+        return None
+    options = []
+    for tool in tools:
+        function = tool.get("function", {})
+        if name is not None and function.get("name") != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function.get("name")}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    if not options:
+        return None
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    markers = _FORMATS[format]
+
+    def literal(text: str) -> str:
+        token = token_id(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text)
+
+    start, end = literal(markers.start), literal(markers.end or "")
+    return Grammar("lark", f'start: {start} "\\n" call "\\n" {end}\ncall: %json {json.dumps(schema)}')

@@ -1,0 +1,114 @@
+"""Tool-call parsing on recorded outputs of each family's format, malformed ones included."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ortserve_runtime import ToolCall, ToolCallParser, detect_tool_format, forced_tool_grammar
+from serving import TINY_MODEL
+
+WEATHER = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "c"}))
+ADD = ToolCall("add", json.dumps({"a": 1, "b": 2}))
+
+RECORDED = [
+    # Qwen 2.5 / Hermes, with content before the call and two parallel calls
+    (
+        "hermes",
+        (
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        ),
+        "Let me check.\n\n",
+        [WEATHER, ADD],
+    ),
+    # the model ended (EOS) before the closing tag, with the JSON complete: still a call
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "", [ADD]),
+    # Llama 3.1/3.2 JSON tool calls: bare JSON, and after <|python_tag|>
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}', "", [WEATHER]),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [ADD]),
+    # Phi-4-mini: a JSON list between tool-call tokens
+    (
+        "phi4",
+        (
+            '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+            '{"name": "add", "arguments": {"a": 1, "b": 2}}]<|/tool_call|>'
+        ),
+        "",
+        [WEATHER, ADD],
+    ),
+    # Mistral: [TOOL_CALLS] then a JSON list to the end; arguments double-encoded
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}]', "", [ADD]),
+]
+
+MALFORMED = [
+    ("hermes", "<tool_call>\n{not json}\n</tool_call> and more"),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments not an object
+    ("phi4", '<|tool_call|>[{"name": 3}]<|/tool_call|>'),
+    ("mistral", "[TOOL_CALLS] sorry, no JSON here"),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": '),
+]
+
+
+def parse(format: str, text: str, step: int | None = None) -> tuple[str, list[ToolCall]]:
+    parser = ToolCallParser(format)  # type: ignore[arg-type]
+    pieces = [text] if step is None else [text[i : i + step] for i in range(0, len(text), step)]
+    content, calls = "", []
+    for piece in pieces:
+        more, made = parser.feed(piece)
+        content += more
+        calls += made
+    rest, made = parser.finish()
+    return content + rest, calls + made
+
+
+@pytest.mark.parametrize(("format", "text", "content", "calls"), RECORDED)
+def test_recorded_outputs(format: str, text: str, content: str, calls: list[ToolCall]) -> None:
+    assert parse(format, text) == (content, calls)
+
+
+@pytest.mark.parametrize(("format", "text", "content", "calls"), RECORDED)
+@pytest.mark.parametrize("step", [1, 2, 7])
+def test_streaming_in_pieces_gives_the_same(
+    format: str, text: str, content: str, calls: list[ToolCall], step: int
+) -> None:
+    assert parse(format, text, step) == (content, calls)
+
+
+@pytest.mark.parametrize(("format", "text"), MALFORMED)
+@pytest.mark.parametrize("step", [None, 1, 3])
+def test_malformed_markup_falls_back_to_content(format: str, text: str, step: int | None) -> None:
+    assert parse(format, text, step) == (text, [])
+
+
+def test_markup_is_never_shown_early() -> None:
+    parser = ToolCallParser("hermes")
+    assert parser.feed("Hello <tool_") == ("Hello ", [])  # might be a call: held back
+    assert parser.feed('call>{"name": "add", "arguments": {"a": 1, "b": 2}}') == ("", [])
+    assert parser.feed("</tool_call> bye") == (" bye", [ADD])
+    assert ToolCallParser("hermes").feed("a <b>") == ("a <b>", [])
+
+
+def test_plain_text_is_content() -> None:
+    for format in ("hermes", "llama3", "phi4", "mistral"):
+        assert parse(format, "Just an answer, no tools.") == ("Just an answer, no tools.", [])
+
+
+def test_format_follows_the_chat_template() -> None:
+    tiny_template = (TINY_MODEL / "chat_template.jinja").read_text()
+    assert detect_tool_format(tiny_template) == "hermes"
+    assert detect_tool_format("{{ '<|tool_call|>' }}") == "phi4"
+    assert detect_tool_format("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect_tool_format("{%- if message.role == 'ipython' %}") == "llama3"
+    assert detect_tool_format("{{ messages }}") is None
+    assert detect_tool_format(None) is None
+
+
+def test_forced_grammar_names_marker_tokens_by_id() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    grammar = forced_tool_grammar("hermes", tools, token_id={"<tool_call>": 7, "</tool_call>": 8}.get)
+    assert grammar is not None and grammar.kind == "lark"
+    assert str(grammar.source).startswith('start: <[7]> "\\n" call "\\n" <[8]>')
+    assert forced_tool_grammar("hermes", tools, name="missing") is None
+    assert forced_tool_grammar("mistral", tools) is None

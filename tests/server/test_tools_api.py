@@ -1,0 +1,139 @@
+"""Tool calling through the HTTP API with the openai SDK, on the tiny (random) model: a
+forced call is well-formed only because the output is constrained."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD_PARAMS = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "add", "description": "Sum", "parameters": ADD_PARAMS}},
+]
+PARAMS = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def reassemble(chunks: list[Any]) -> tuple[str, list[dict[str, str]], str | None]:
+    """Content, calls and finish reason from streamed deltas, as an OpenAI client does."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "add"}}], ids=["required", "named"]
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_calls_are_valid_streamed_or_not(
+    tiny_client: openai.OpenAI, tool_choice: Any, temperature: float
+) -> None:
+    kwargs: dict[str, Any] = {
+        "model": "tiny",
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": 200,
+        "temperature": temperature,
+        "seed": 11,
+    }
+    result = tiny_client.chat.completions.create(**kwargs)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+    content, calls, finish = reassemble(list(tiny_client.chat.completions.create(stream=True, **kwargs)))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_stream_puts_id_and_name_first_then_arguments(tiny_client: openai.OpenAI) -> None:
+    chunks = list(
+        tiny_client.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0, stream=True
+        )
+    )
+    deltas = [d for c in chunks for ch in c.choices for d in (ch.delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name
+    assert deltas[0].function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert all(not (ch.delta.content or "").strip() for c in chunks for ch in c.choices)  # no markup leaks
+
+
+def test_auto_lets_the_model_answer(tiny_client: openai.OpenAI) -> None:
+    result = tiny_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=12, temperature=0)
+    choice = result.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert "<tool_call>" not in choice.message.content
+
+
+def test_history_with_tool_calls_and_results(tiny_client: openai.OpenAI, tiny_url: str) -> None:
+    history: list[Any] = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    prompt = httpx.post(f"{tiny_url}/v1/tokenize", json={"model": "tiny", "messages": history}).json()["tokens"]
+    text = httpx.post(f"{tiny_url}/v1/detokenize", json={"model": "tiny", "tokens": prompt}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
+    result = tiny_client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=5)
+    assert result.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_bad_tool_requests(tiny_url: str, extra: dict[str, Any], param: str) -> None:
+    response = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **extra})
+    assert response.status_code == 400, response.text
+    assert param in (response.json()["error"]["param"] or response.json()["error"]["message"])
