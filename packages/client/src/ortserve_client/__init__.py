@@ -5,7 +5,7 @@ Light by design: no onnxruntime, no litestar. ``ortserve_client.protocol`` holds
 Structs; everything else is re-exported here.
 """
 
-from ._client import AsyncClient, AsyncStream
+from ._client import AsyncClient
 from ._download import DownloadComplete, DownloadEvent, DownloadProgress, apull, pull
 from ._errors import (
     APIConnectionError,
@@ -27,6 +27,10 @@ from ._errors import (
     StreamError,
 )
 from ._sidecar import Attached, Exited, LocalServer, LogLine, Ready, ServerEvent, Spawned
+from ._streaming import AsyncStream
+
+# The client (_client, _streaming, _errors), downloads (_download) and the sidecar (_sidecar).
+# Keep this list additive: new names go in alphabetically; none is dropped without a deprecation.
 
 __all__ = [
     "APIConnectionError",

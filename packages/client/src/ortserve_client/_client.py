@@ -7,9 +7,10 @@ import base64
 import os
 import random
 import struct
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, Literal, Self, TypeVar, overload
+from typing import Any, Literal, Self, TypeVar, Unpack, overload
 
 import httpx
 import msgspec
@@ -17,10 +18,11 @@ import msgspec
 from ._errors import (
     APIConnectionError,
     OrtServeError,
-    StreamError,
     status_error,
     translate_transport_errors,
 )
+from ._params import ChatCompletionParams, CompletionParams, EmbeddingParams, MessageParam, PromptParam
+from ._streaming import AsyncStream
 from .protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -31,67 +33,32 @@ from .protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
-    ErrorResponse,
     Health,
     Model,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    Transcription,
+    TranscriptionVerbose,
 )
 
-__all__ = ["AsyncClient", "AsyncStream"]
+__all__ = ["AsyncClient"]
 
 T = TypeVar("T", bound=msgspec.Struct)
 RETRY_STATUSES = frozenset({429, 503})
+"""Statuses worth another try: the server asks the caller to come back later."""
+_NOT_RETRIED = (httpx.ReadTimeout, httpx.WriteTimeout)
+"""Transport errors after which the request may be running already: a retry would repeat it."""
 _encode = msgspec.json.Encoder().encode
-
-
-class AsyncStream(Generic[T]):
-    """Chunks of a streamed response. Leaving early (``break``, ``aclose``, the ``async
-    with`` block) closes the HTTP response, which cancels the generation on the server."""
-
-    def __init__(self, response: httpx.Response, chunk_type: type[T]) -> None:
-        self.response = response
-        self._decoder = msgspec.json.Decoder(chunk_type)
-        self._error_decoder = msgspec.json.Decoder(ErrorResponse)
-        self._iterator = self._chunks()
-
-    def __aiter__(self) -> AsyncIterator[T]:
-        return self._iterator
-
-    async def __anext__(self) -> T:
-        return await self._iterator.__anext__()
-
-    async def _chunks(self) -> AsyncIterator[T]:
-        try:
-            with translate_transport_errors(str(self.response.request.url)):
-                async for line in self.response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # comments, event names, keep-alives
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    payload = data.encode()
-                    if payload.startswith(b'{"error"'):
-                        body = self._error_decoder.decode(payload)
-                        raise StreamError(f"the server reported an error mid-stream: {body.error.message}", body=body)
-                    yield self._decoder.decode(payload)
-        finally:
-            await self.response.aclose()
-
-    async def aclose(self) -> None:
-        await self._iterator.aclose()  # type: ignore[attr-defined]
-        await self.response.aclose()
-
-    async def __aenter__(self) -> AsyncStream[T]:
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        await self.aclose()
+_sleep = asyncio.sleep  # a seam for the tests
 
 
 def _request(struct_type: type[T], fields: Mapping[str, Any]) -> T:
-    """Build a request Struct from keyword arguments, with a clear error for bad ones."""
+    """Build a request Struct from keyword arguments (nested values may be Structs or
+    dicts), with a clear ``TypeError`` for unknown or ill-typed ones."""
+    unknown = sorted(set(fields) - set(struct_type.__struct_fields__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) for {struct_type.__name__}: {', '.join(unknown)}")
     try:
         return msgspec.convert({k: v for k, v in fields.items() if v is not msgspec.UNSET}, struct_type)
     except msgspec.ValidationError as exc:
@@ -120,7 +87,7 @@ class AsyncClient:
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
         key = api_key if api_key is not None else os.environ.get("ORTSERVE_API_KEY")
-        all_headers = {"content-type": "application/json", **(headers or {})}
+        all_headers = dict(headers or {})
         if key:
             all_headers["authorization"] = f"Bearer {key}"
         self._http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=all_headers)
@@ -128,6 +95,7 @@ class AsyncClient:
         self.completions = _Completions(self)
         self.embeddings = _Embeddings(self)
         self.models = _Models(self)
+        self.audio = _Audio(self)
 
     async def __aenter__(self) -> Self:
         return self
@@ -150,9 +118,11 @@ class AsyncClient:
         *,
         model: str,
         prompt: str | None = None,
-        messages: Sequence[Any] | None = None,
+        messages: Sequence[MessageParam] | None = None,
         add_generation_prompt: bool = True,
     ) -> TokenizeResponse:
+        """``POST /tokenize`` (extension): the token ids of ``prompt``, or of ``messages``
+        formatted by the model's chat template."""
         body = _request(
             TokenizeRequest,
             {
@@ -165,14 +135,21 @@ class AsyncClient:
         return await self._send("POST", f"{self.base_url}/tokenize", body, TokenizeResponse)
 
     async def detokenize(self, *, model: str, tokens: Sequence[int]) -> DetokenizeResponse:
+        """``POST /detokenize`` (extension): the text of ``tokens``."""
         body = DetokenizeRequest(model=model, tokens=list(tokens))
         return await self._send("POST", f"{self.base_url}/detokenize", body, DetokenizeResponse)
 
     async def health(self) -> Health:
-        """``GET /health``; a 503 while models load is returned, not raised."""
+        """``GET /health`` at the server root; a 503 with a health body (models still
+        loading) is returned, not raised, and not retried."""
         url = f"{self.root_url}/health"
         response = await self._response("GET", url, None, stream=False, ok_statuses=frozenset({503}))
-        return msgspec.json.decode(response.content, type=Health)
+        try:
+            return msgspec.json.decode(response.content, type=Health)
+        except msgspec.DecodeError as exc:
+            if response.is_success:
+                raise OrtServeError(f"unexpected response from {url}: {exc}") from exc
+            raise status_error(response, response.content) from None
 
     # -- transport -------------------------------------------------------------------------
 
@@ -195,18 +172,24 @@ class AsyncClient:
         *,
         stream: bool,
         ok_statuses: frozenset[int] = frozenset(),
+        form: tuple[dict[str, str], dict[str, tuple[str, bytes]]] | None = None,
     ) -> httpx.Response:
+        """Send with retries; ``form`` (fields, files) sends multipart instead of JSON."""
         content = _encode(body) if body is not None else None
         attempt = 0
         while True:
             try:
                 with translate_transport_errors(url):
-                    request = self._http.build_request(method, url, content=content)
+                    if form is not None:
+                        request = self._http.build_request(method, url, data=form[0], files=form[1])
+                    else:
+                        headers = {"content-type": "application/json"} if content is not None else None
+                        request = self._http.build_request(method, url, content=content, headers=headers)
                     response = await self._http.send(request, stream=stream)
-            except APIConnectionError:
-                if attempt >= self.max_retries:
+            except APIConnectionError as exc:
+                if attempt >= self.max_retries or isinstance(exc.__cause__, _NOT_RETRIED):
                     raise
-                await asyncio.sleep(_backoff(attempt, None))
+                await _sleep(_backoff(attempt, None))
                 attempt += 1
                 continue
             if response.is_success or response.status_code in ok_statuses:
@@ -214,13 +197,15 @@ class AsyncClient:
             raw = await response.aread()
             await response.aclose()
             if response.status_code in RETRY_STATUSES and attempt < self.max_retries:
-                await asyncio.sleep(_backoff(attempt, response.headers.get("retry-after")))
+                await _sleep(_backoff(attempt, response.headers.get("retry-after")))
                 attempt += 1
                 continue
             raise status_error(response, raw)
 
 
 def _backoff(attempt: int, retry_after: str | None) -> float:
+    """Seconds to wait: ``Retry-After`` (seconds, at most a minute) when the server sent
+    it, else 0.25 s doubling per attempt up to 8 s, with ±25 % jitter."""
     if retry_after is not None:
         try:
             return min(max(float(retry_after), 0.0), 60.0)
@@ -235,19 +220,45 @@ class _ChatCompletions:
 
     @overload
     async def create(
-        self, *, model: str, messages: Sequence[Any], stream: Literal[False] = False, **options: Any
+        self,
+        *,
+        model: str,
+        messages: Sequence[MessageParam],
+        stream: Literal[False] = False,
+        **options: Unpack[ChatCompletionParams],
     ) -> ChatCompletion: ...
 
     @overload
     async def create(
-        self, *, model: str, messages: Sequence[Any], stream: Literal[True], **options: Any
+        self,
+        *,
+        model: str,
+        messages: Sequence[MessageParam],
+        stream: Literal[True],
+        **options: Unpack[ChatCompletionParams],
     ) -> AsyncStream[ChatCompletionChunk]: ...
 
+    @overload
     async def create(
-        self, *, model: str, messages: Sequence[Any], stream: bool = False, **options: Any
+        self,
+        *,
+        model: str,
+        messages: Sequence[MessageParam],
+        stream: bool,
+        **options: Unpack[ChatCompletionParams],
+    ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]: ...
+
+    async def create(
+        self,
+        *,
+        model: str,
+        messages: Sequence[MessageParam],
+        stream: bool = False,
+        **options: Unpack[ChatCompletionParams],
     ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
-        """``POST /chat/completions``; ``options`` are the request's other fields
-        (``max_tokens``, ``temperature``, ``stop``, ``seed``, ``stream_options``, ...)."""
+        """``POST /chat/completions``. ``options`` are the request's other fields
+        (``max_tokens``, ``temperature``, ``stop``, ``tools``, ``response_format``, ...).
+        With ``stream=True``, an :class:`AsyncStream` of chunks."""
         body = _request(ChatCompletionRequest, {"model": model, "messages": messages, "stream": stream, **options})
         url = f"{self._client.base_url}/chat/completions"
         if stream:
@@ -266,18 +277,44 @@ class _Completions:
 
     @overload
     async def create(
-        self, *, model: str, prompt: str | Sequence[Any], stream: Literal[False] = False, **options: Any
+        self,
+        *,
+        model: str,
+        prompt: PromptParam,
+        stream: Literal[False] = False,
+        **options: Unpack[CompletionParams],
     ) -> Completion: ...
 
     @overload
     async def create(
-        self, *, model: str, prompt: str | Sequence[Any], stream: Literal[True], **options: Any
+        self,
+        *,
+        model: str,
+        prompt: PromptParam,
+        stream: Literal[True],
+        **options: Unpack[CompletionParams],
     ) -> AsyncStream[Completion]: ...
 
+    @overload
     async def create(
-        self, *, model: str, prompt: str | Sequence[Any], stream: bool = False, **options: Any
+        self,
+        *,
+        model: str,
+        prompt: PromptParam,
+        stream: bool,
+        **options: Unpack[CompletionParams],
+    ) -> Completion | AsyncStream[Completion]: ...
+
+    async def create(
+        self,
+        *,
+        model: str,
+        prompt: PromptParam,
+        stream: bool = False,
+        **options: Unpack[CompletionParams],
     ) -> Completion | AsyncStream[Completion]:
-        """``POST /completions`` (legacy): prompt as text, texts, token ids or lists of ids."""
+        """``POST /completions`` (legacy): prompt as text, texts, token ids or lists of ids.
+        Streamed chunks have the shape of :class:`~ortserve_client.protocol.Completion`."""
         body = _request(CompletionRequest, {"model": model, "prompt": prompt, "stream": stream, **options})
         url = f"{self._client.base_url}/completions"
         if stream:
@@ -293,21 +330,97 @@ class _Embeddings:
         self,
         *,
         model: str,
-        input: str | Sequence[Any],
+        input: PromptParam,
         encoding_format: Literal["float", "base64"] = "float",
-        **options: Any,
+        **options: Unpack[EmbeddingParams],
     ) -> CreateEmbeddingResponse:
         """``POST /embeddings``. With ``encoding_format="base64"`` the vectors travel as
-        little-endian float32 and are returned decoded, as lists of floats."""
+        base64 little-endian float32 (a third of the JSON) and are returned decoded, as
+        lists of floats."""
         body = _request(
             EmbeddingRequest, {"model": model, "input": input, "encoding_format": encoding_format, **options}
         )
         result = await self._client._send("POST", f"{self._client.base_url}/embeddings", body, CreateEmbeddingResponse)
         for item in result.data:
             if isinstance(item.embedding, str):
-                raw = base64.b64decode(item.embedding)
-                item.embedding = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+                item.embedding = _decode_base64_floats(item.embedding)
         return result
+
+
+def _decode_base64_floats(data: str) -> list[float]:
+    raw = base64.b64decode(data)
+    if len(raw) % 4:
+        raise OrtServeError(f"a base64 embedding of {len(raw)} bytes is not a whole number of float32 values")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+
+
+class _Transcriptions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        file: bytes | str | os.PathLike[str] | tuple[str, bytes],
+        response_format: Literal["json"] = "json",
+        **options: Any,
+    ) -> Transcription: ...
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        file: bytes | str | os.PathLike[str] | tuple[str, bytes],
+        response_format: Literal["verbose_json"],
+        **options: Any,
+    ) -> TranscriptionVerbose: ...
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        file: bytes | str | os.PathLike[str] | tuple[str, bytes],
+        response_format: Literal["text"],
+        **options: Any,
+    ) -> str: ...
+
+    async def create(
+        self,
+        *,
+        model: str,
+        file: bytes | str | os.PathLike[str] | tuple[str, bytes],
+        response_format: Literal["json", "verbose_json", "text"] = "json",
+        **options: Any,
+    ) -> Transcription | TranscriptionVerbose | str:
+        """``POST /audio/transcriptions``: ``file`` as bytes, a path, or (name, bytes);
+        ``options``: ``language``, ``prompt``, ``temperature``."""
+        if isinstance(file, tuple):
+            filename, data = file
+        elif isinstance(file, bytes):
+            filename, data = "audio", file
+        else:
+            path = Path(file)
+            filename, data = path.name, path.read_bytes()
+        fields = {"model": model, "response_format": response_format}
+        fields.update({k: str(v) for k, v in options.items() if v is not None})
+        url = f"{self._client.base_url}/audio/transcriptions"
+        response = await self._client._response(
+            "POST", url, None, stream=False, form=(fields, {"file": (filename, data)})
+        )
+        if response_format == "text":
+            return response.text
+        if response_format == "verbose_json":
+            return msgspec.json.decode(response.content, type=TranscriptionVerbose)
+        return msgspec.json.decode(response.content, type=Transcription)
+
+
+class _Audio:
+    def __init__(self, client: AsyncClient) -> None:
+        self.transcriptions = _Transcriptions(client)
 
 
 class _Models:

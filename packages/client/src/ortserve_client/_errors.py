@@ -4,7 +4,8 @@
 OrtServeError                    root of everything this package raises
 ├── APIConnectionError           the server could not be reached
 │   └── APITimeoutError          it did not answer in time
-├── APIStatusError               the server answered 4xx/5xx (status_code, body, request_id)
+├── APIStatusError               the server answered 4xx/5xx (status_code, body, request_id,
+│   │                            response); raised as is for the statuses not listed below
 │   ├── BadRequestError          400
 │   ├── AuthenticationError      401
 │   ├── NotFoundError            404
@@ -71,42 +72,70 @@ class APITimeoutError(APIConnectionError):
 
 
 class APIStatusError(OrtServeError):
-    """The server answered with an error status; ``body`` is its decoded error body."""
+    """The server answered with an error status.
+
+    ``body`` is the decoded OpenAI error body (``None`` when the server sent something
+    else), ``request_id`` the ``x-request-id`` response header, ``response`` the (closed)
+    ``httpx.Response``. Subclasses name the common statuses as a class attribute.
+    """
 
     status_code: int = 0
 
-    def __init__(self, message: str, *, status_code: int, body: ErrorResponse | None, request_id: str | None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        body: ErrorResponse | None,
+        request_id: str | None,
+        response: httpx.Response | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.body = body
         self.request_id = request_id
+        self.response = response
 
 
 class BadRequestError(APIStatusError):
+    """400: the request is invalid (``body.error.param`` names the field)."""
+
     status_code = 400
 
 
 class AuthenticationError(APIStatusError):
+    """401: the API key is missing or wrong."""
+
     status_code = 401
 
 
 class NotFoundError(APIStatusError):
+    """404: no such model (``code`` ``model_not_found``) or route."""
+
     status_code = 404
 
 
 class PayloadTooLargeError(APIStatusError):
+    """413: the request body, or the prompt in tokens, is too large."""
+
     status_code = 413
 
 
 class RateLimitError(APIStatusError):
+    """429: too many requests; retried (``max_retries``) before it is raised."""
+
     status_code = 429
 
 
 class InternalServerError(APIStatusError):
+    """500: the server failed; never retried."""
+
     status_code = 500
 
 
 class ServiceUnavailableError(APIStatusError):
+    """503: the server is busy or still loading; retried before it is raised."""
+
     status_code = 503
 
 
@@ -177,6 +206,7 @@ def status_error(response: httpx.Response, content: bytes) -> APIStatusError:
         status_code=response.status_code,
         body=body,
         request_id=response.headers.get("x-request-id"),
+        response=response,
     )
 
 
@@ -187,7 +217,11 @@ def translate_transport_errors(url: str) -> Iterator[None]:
         yield
     except httpx.TimeoutException as exc:
         raise APITimeoutError(f"the ortserve server at {url} did not answer in time ({exc})", url=url) from exc
-    except httpx.TransportError as exc:
+    except (httpx.ConnectError, httpx.UnsupportedProtocol) as exc:
         raise APIConnectionError(
             f"could not connect to the ortserve server at {url}: is it running? ({exc})", url=url
         ) from exc
+    except httpx.TransportError as exc:  # the connection broke after it was made
+        raise APIConnectionError(f"lost the connection to the ortserve server at {url} ({exc})", url=url) from exc
+    except httpx.RequestError as exc:  # a body that does not decode, too many redirects
+        raise OrtServeError(f"the request to {url} failed: {exc}") from exc

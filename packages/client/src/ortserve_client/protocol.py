@@ -4,6 +4,12 @@ Requests use ``UNSET`` for absent optional fields (absent differs from ``null``)
 them when encoded. Responses always carry the fields OpenAI always sends (``null``
 included). Decoding tolerates unknown fields, so the client also works against other
 OpenAI-compatible servers and the server accepts SDKs that send newer fields.
+
+Unions are tagged as in OpenAI's JSON: messages by ``role`` (:data:`ChatMessage`),
+content parts and ``response_format`` by ``type`` (:data:`ContentPart`,
+:data:`ResponseFormat`). Decode a request with a reusable decoder, for example
+``msgspec.json.Decoder(ChatCompletionRequest).decode(body)``; a ``msgspec.ValidationError``
+names the offending path (``$.messages[0].role``).
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolMessage",
+    "Transcription",
+    "TranscriptionSegment",
+    "TranscriptionVerbose",
     "UnsetType",
     "UserMessage",
 ]
@@ -82,25 +91,35 @@ class _Response(msgspec.Struct, kw_only=True):
 
 
 class TextContentPart(_Request, tag_field="type", tag="text"):
+    """``{"type": "text", "text": ...}``."""
+
     text: str
 
 
 class ImageURL(_Request):
+    """An ``http(s)`` URL or a ``data:image/...;base64,`` URL."""
+
     url: str
     detail: Literal["auto", "low", "high"] | UnsetType = UNSET
 
 
 class ImageContentPart(_Request, tag_field="type", tag="image_url"):
+    """``{"type": "image_url", "image_url": {"url", "detail"}}``."""
+
     image_url: ImageURL
 
 
 class InputAudio(_Request):
+    """Audio inline: base64 ``data`` and its ``format`` (``wav``, ``mp3``, ...)."""
+
     data: str
     """Base64-encoded audio bytes."""
     format: str
 
 
 class InputAudioContentPart(_Request, tag_field="type", tag="input_audio"):
+    """``{"type": "input_audio", "input_audio": {"data", "format"}}``."""
+
     input_audio: InputAudio
 
 
@@ -108,33 +127,45 @@ ContentPart = TextContentPart | ImageContentPart | InputAudioContentPart
 
 
 class FunctionCall(_Response):
+    """The function a tool call invokes."""
+
     name: str
     arguments: str
     """The arguments as a JSON string, as OpenAI sends them."""
 
 
 class ToolCall(_Response):
+    """A complete tool call, in an assistant message (request) or a reply (response)."""
+
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"
 
 
 class SystemMessage(_Request, tag_field="role", tag="system"):
+    """``role: system``."""
+
     content: str | list[TextContentPart]
     name: str | UnsetType = UNSET
 
 
 class DeveloperMessage(_Request, tag_field="role", tag="developer"):
+    """``role: developer`` (what newer OpenAI models call the system message)."""
+
     content: str | list[TextContentPart]
     name: str | UnsetType = UNSET
 
 
 class UserMessage(_Request, tag_field="role", tag="user"):
+    """``role: user``: text, or text, image and audio parts."""
+
     content: str | list[ContentPart]
     name: str | UnsetType = UNSET
 
 
 class AssistantMessage(_Request, tag_field="role", tag="assistant"):
+    """``role: assistant``: an earlier reply; ``content`` is ``null`` beside ``tool_calls``."""
+
     content: str | list[TextContentPart] | None = None
     tool_calls: list[ToolCall] | UnsetType = UNSET
     name: str | UnsetType = UNSET
@@ -142,6 +173,8 @@ class AssistantMessage(_Request, tag_field="role", tag="assistant"):
 
 
 class ToolMessage(_Request, tag_field="role", tag="tool"):
+    """``role: tool``: the result of the tool call ``tool_call_id``."""
+
     content: str | list[TextContentPart]
     tool_call_id: str
 
@@ -153,6 +186,8 @@ ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage 
 
 
 class FunctionDefinition(_Request):
+    """A callable function: ``parameters`` is its arguments' JSON schema."""
+
     name: str
     description: str | UnsetType = UNSET
     parameters: dict[str, Any] | UnsetType = UNSET
@@ -160,20 +195,28 @@ class FunctionDefinition(_Request):
 
 
 class Tool(_Response):
+    """``{"type": "function", "function": {...}}`` (``type`` is always encoded)."""
+
     function: FunctionDefinition
     type: Literal["function"] = "function"
 
 
 class NamedToolChoiceFunction(_Request):
+    """The function a named ``tool_choice`` forces."""
+
     name: str
 
 
 class NamedToolChoice(_Response):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
     function: NamedToolChoiceFunction
     type: Literal["function"] = "function"
 
 
 class JSONSchema(_Request):
+    """``response_format.json_schema``: the schema the reply must match."""
+
     name: str
     description: str | UnsetType = UNSET
     schema: dict[str, Any] | UnsetType = UNSET
@@ -181,14 +224,16 @@ class JSONSchema(_Request):
 
 
 class ResponseFormatText(_Request, tag_field="type", tag="text"):
-    pass
+    """Free text (the default)."""
 
 
 class ResponseFormatJSONObject(_Request, tag_field="type", tag="json_object"):
-    pass
+    """Any JSON object."""
 
 
 class ResponseFormatJSONSchema(_Request, tag_field="type", tag="json_schema"):
+    """JSON that matches ``json_schema.schema``."""
+
     json_schema: JSONSchema
 
 
@@ -196,6 +241,8 @@ ResponseFormat = ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJ
 
 
 class StreamOptions(_Request):
+    """``include_usage``: a last chunk with ``usage`` and no choices."""
+
     include_usage: bool = False
 
 
@@ -244,12 +291,16 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
 
 class CompletionUsage(_Response):
+    """Token counts of a completion."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
 class ChatCompletionMessage(_Response):
+    """The reply: ``content`` is ``null`` when the model called tools."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
@@ -257,13 +308,18 @@ class ChatCompletionMessage(_Response):
 
 
 class ChatCompletionChoice(_Response):
+    """One of the ``n`` replies."""
+
     index: int
     message: ChatCompletionMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
+    """Always ``null`` from ortserve; other servers' log-probabilities decode as a dict."""
 
 
 class ChatCompletion(_Response):
+    """The response of ``POST /v1/chat/completions`` (not streamed)."""
+
     id: str
     created: int
     model: str
@@ -274,11 +330,16 @@ class ChatCompletion(_Response):
 
 
 class ChoiceDeltaFunctionCall(_Request):
+    """The part of a tool call's function that this chunk adds."""
+
     name: str | UnsetType = UNSET
     arguments: str | UnsetType = UNSET
 
 
 class ChoiceDeltaToolCall(_Request):
+    """A tool call in pieces: ``id``, ``type`` and ``name`` come first, then ``arguments``
+    in fragments; ``index`` says which call a fragment belongs to."""
+
     index: int
     id: str | UnsetType = UNSET
     type: Literal["function"] | UnsetType = UNSET
@@ -294,13 +355,17 @@ class ChoiceDelta(_Request):
 
 
 class ChatCompletionChunkChoice(_Response):
+    """A choice's delta; ``finish_reason`` is ``null`` until its last chunk."""
+
     index: int
     delta: ChoiceDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(_Response):
+    """One ``data:`` event of a streamed chat completion."""
+
     id: str
     created: int
     model: str
@@ -327,10 +392,12 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 
 
 class CompletionChoice(_Response):
+    """One of the ``n`` texts (or, streamed, the piece this chunk adds)."""
+
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(_Response):
@@ -361,6 +428,8 @@ class EmbeddingRequest(_Request):
 
 
 class Embedding(_Response):
+    """One input's vector."""
+
     index: int
     embedding: list[float] | str
     """Floats, or little-endian float32 bytes in base64 when asked for ``base64``."""
@@ -368,11 +437,15 @@ class Embedding(_Response):
 
 
 class EmbeddingUsage(_Response):
+    """Token counts of an embeddings request."""
+
     prompt_tokens: int
     total_tokens: int
 
 
 class CreateEmbeddingResponse(_Response):
+    """The response of ``POST /v1/embeddings``, vectors in input order."""
+
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
@@ -383,6 +456,8 @@ class CreateEmbeddingResponse(_Response):
 
 
 class Model(_Response):
+    """A served model, as ``GET /v1/models`` lists it."""
+
     id: str
     created: int
     owned_by: str
@@ -390,6 +465,8 @@ class Model(_Response):
 
 
 class ModelList(_Response):
+    """``GET /v1/models``."""
+
     data: list[Model]
     object: Literal["list"] = "list"
 
@@ -404,21 +481,29 @@ class TokenizeRequest(_Request):
 
 
 class TokenizeResponse(_Response):
+    """The token ids, their ``count`` and the model's context length."""
+
     tokens: list[int]
     count: int
     max_model_len: int
 
 
 class DetokenizeRequest(_Request):
+    """``POST /v1/detokenize`` (extension): token ids to text."""
+
     model: str
     tokens: list[int]
 
 
 class DetokenizeResponse(_Response):
+    """The decoded text."""
+
     prompt: str
 
 
 class HealthModel(_Response):
+    """One model's state in :class:`Health`."""
+
     id: str
     status: str
     """``unloaded`` (loads on first use), ``loading``, ``ready`` or ``error``."""
@@ -431,7 +516,36 @@ class Health(_Response):
     models: list[HealthModel]
 
 
+class Transcription(_Response):
+    """``POST /v1/audio/transcriptions`` with ``response_format`` ``json``."""
+
+    text: str
+
+
+class TranscriptionSegment(_Response):
+    """A stretch of the transcript."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+
+
+class TranscriptionVerbose(_Response):
+    """``response_format`` ``verbose_json``: one segment (no timestamps are decoded)."""
+
+    text: str
+    language: str
+    duration: float | None
+    segments: list[TranscriptionSegment]
+    task: Literal["transcribe"] = "transcribe"
+
+
 class ErrorDetail(_Response):
+    """OpenAI's error object: ``type`` (``invalid_request_error``, ...), the ``param`` at
+    fault and a machine-readable ``code`` (``model_not_found``, ...)."""
+
     message: str
     type: str
     param: str | None = None

@@ -18,6 +18,7 @@ from ._errors import (
 from ._generation import FinishReason, GenerationEvent, GenerationStream, GenerativeModel, Usage
 from ._registry import ModelKind, ModelRegistry, ModelState, ModelStatus, detect_model_kind
 from ._sampling import GenerationOptions
+from ._speech import SpeechModel, Transcription
 from ._tools import ToolCall, ToolCallFormat, ToolCallParser, detect_tool_format, forced_tool_grammar
 
 __all__ = [
@@ -45,9 +46,11 @@ __all__ = [
     "ModelState",
     "ModelStatus",
     "Pooling",
+    "SpeechModel",
     "ToolCall",
     "ToolCallFormat",
     "ToolCallParser",
+    "Transcription",
     "Usage",
     "detect_model_kind",
     "detect_tool_format",

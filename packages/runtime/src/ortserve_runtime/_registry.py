@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +13,11 @@ from ._config import ModelConfig
 from ._embeddings import EmbeddingModel
 from ._errors import ModelLoadError, ModelNotFoundError
 from ._generation import GenerativeModel
+from ._speech import SpeechModel
 
 __all__ = ["ModelKind", "ModelRegistry", "ModelState", "ModelStatus", "detect_model_kind"]
 
-ModelKind = Literal["generative", "embedding"]
+ModelKind = Literal["generative", "embedding", "speech"]
 ModelState = Literal["unloaded", "loading", "ready", "error"]
 
 
@@ -36,13 +38,18 @@ def detect_model_kind(folder: Path) -> ModelKind:
         raise ModelLoadError(f"model folder {folder} does not exist", path=folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is not a folder", path=folder)
-    if (folder / "genai_config.json").exists():
-        return "generative"
+    config_path = folder / "genai_config.json"
+    if config_path.exists():
+        try:
+            model_type = json.loads(config_path.read_text(encoding="utf-8")).get("model", {}).get("type")
+        except (OSError, ValueError, AttributeError):
+            return "generative"  # loading it reports what is wrong, naming the file
+        return "speech" if model_type == "whisper" else "generative"
     has_onnx = (folder / "model.onnx").exists() or (folder / "onnx" / "model.onnx").exists()
     if has_onnx and ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
         return "embedding"
     raise ModelLoadError(
-        f"{folder} is not a model folder: expected genai_config.json (generative model) "
+        f"{folder} is not a model folder: expected genai_config.json (generative or speech model) "
         "or an ONNX encoder with tokenizer.json (embedding model)",
         path=folder,
     )
@@ -142,10 +149,10 @@ class ModelRegistry:
         return model
 
     @staticmethod
-    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], GenerativeModel | EmbeddingModel]:
-        if kind == "generative":
-            return GenerativeModel
-        return EmbeddingModel
+    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], GenerativeModel | EmbeddingModel | SpeechModel]:
+        factories: dict[ModelKind, Callable[[str, Path, ModelConfig], GenerativeModel | EmbeddingModel | SpeechModel]]
+        factories = {"generative": GenerativeModel, "embedding": EmbeddingModel, "speech": SpeechModel}
+        return factories[kind]
 
     def _entry(self, name: str) -> _Entry:
         try:

@@ -21,6 +21,7 @@ from ortserve_runtime import (
     Grammar,
     InvalidRequestError,
     ModelKind,
+    SpeechModel,
     ToolCallFormat,
     forced_tool_grammar,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "new_id",
     "require_embedding_model",
     "require_model",
+    "require_speech_model",
     "start_generations",
     "tool_plan",
 ]
@@ -77,13 +79,26 @@ async def require_embedding_model(state: OrtServe, name: str) -> EmbeddingModel:
     return model
 
 
+async def require_speech_model(state: OrtServe, name: str) -> SpeechModel:
+    """The loaded speech-to-text model called ``name``, or a 404/400/503 that says why not."""
+    model: SpeechModel = await _loaded(state, name, "speech")
+    if model.queued >= state.config.max_queued:
+        raise OverloadedError(f"model {name!r} has {model.queued} requests waiting", headers={"Retry-After": "1"})
+    return model
+
+
 async def _loaded(state: OrtServe, name: str, kind: ModelKind) -> Any:
     registry = state.registry
     if name not in registry.names():
         raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
-    if registry.kind(name) != kind:
-        use = "/v1/embeddings" if kind == "generative" else "/v1/chat/completions or /v1/completions"
-        raise BadRequestError(f"model {name!r} is a {registry.kind(name)} model; use {use}", param="model")
+    actual = registry.kind(name)
+    if actual != kind:
+        use = {
+            "generative": "/v1/chat/completions or /v1/completions",
+            "embedding": "/v1/embeddings",
+            "speech": "/v1/audio/transcriptions",
+        }[actual]
+        raise BadRequestError(f"model {name!r} is a {actual} model; use {use}", param="model")
     return await registry.get(name)
 
 

@@ -12,14 +12,16 @@ import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from litestar import Response, get, post
 from litestar.connection import ASGIConnection
+from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, JSONBody, MultipartBody
 from litestar.response import Stream
 from ortserve_client import protocol as p
 from ortserve_runtime import GenerationEvent, GenerationStream, GenerativeModel, ToolCall, ToolCallParser
@@ -35,6 +37,7 @@ from ._mapping import (
     new_id,
     require_embedding_model,
     require_model,
+    require_speech_model,
     start_generations,
     tool_plan,
 )
@@ -332,6 +335,44 @@ async def embeddings(
     return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))
 
 
+@dataclass
+class TranscriptionForm:
+    """The multipart form of ``POST /v1/audio/transcriptions``."""
+
+    model: str
+    file: UploadFile | None = None
+    language: str | None = None
+    prompt: str | None = None
+    response_format: str = "json"
+    temperature: float = 0.0
+
+
+@post("/audio/transcriptions", status_code=200, summary="Transcribe audio (speech-to-text models)")
+async def transcriptions(data: MultipartBody[TranscriptionForm], ortserve: NamedDependency[OrtServe]) -> Response[Any]:
+    model = await require_speech_model(ortserve, data.model)
+    if data.response_format not in ("json", "text", "verbose_json"):
+        raise BadRequestError(
+            f"response_format {data.response_format!r} is not supported; use json, text or verbose_json",
+            param="response_format",
+        )
+    if data.file is None:
+        raise BadRequestError("'file' is required: the audio to transcribe, as a multipart file", param="file")
+    audio = await data.file.read()
+    result = await model.transcribe(audio, language=data.language, prompt=data.prompt, temperature=data.temperature)
+    ortserve.metrics.requests.labels("audio.transcriptions", data.model, "200").inc()
+    ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
+    if data.response_format == "text":
+        return Response(result.text, media_type="text/plain")
+    if data.response_format == "verbose_json":
+        end = result.duration or 0.0
+        segment = p.TranscriptionSegment(id=0, start=0.0, end=end, text=result.text, tokens=[])
+        verbose = p.TranscriptionVerbose(
+            text=result.text, language=result.language, duration=result.duration, segments=[segment]
+        )
+        return Response(verbose)
+    return Response(p.Transcription(text=result.text))
+
+
 @get("/models", summary="List models")
 async def list_models(ortserve: NamedDependency[OrtServe]) -> p.ModelList:
     return p.ModelList(data=[_model_card(ortserve, name) for name in ortserve.registry.names()])
@@ -396,4 +437,13 @@ async def metrics_handler(ortserve: NamedDependency[OrtServe]) -> bytes:
     return ortserve.metrics.render()
 
 
-api_route_handlers = [chat_completions, completions, embeddings, list_models, retrieve_model, tokenize, detokenize]
+api_route_handlers = [
+    chat_completions,
+    completions,
+    embeddings,
+    transcriptions,
+    list_models,
+    retrieve_model,
+    tokenize,
+    detokenize,
+]

@@ -1,0 +1,184 @@
+"""Speech-to-text models (Whisper) on onnxruntime-genai's ``og.Generator``.
+
+Encoder-decoder models do not run on ``og.Engine`` ("Expected a decoder-only model"), so
+requests queue for one worker thread that owns the model and runs one generator at a
+time; a cancelled request leaves the queue at once, or stops at its next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import queue
+import threading
+import wave
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import onnxruntime_genai as og
+from tokenizers import Tokenizer
+
+from ._config import ModelConfig
+from ._errors import EngineClosedError, InvalidRequestError, ModelLoadError
+
+__all__ = ["SpeechModel", "Transcription"]
+
+MAX_NEW_TOKENS = 440  # Whisper's decoder holds 448 positions, the prompt takes a few
+
+
+@dataclass(frozen=True, slots=True)
+class Transcription:
+    text: str
+    language: str
+    duration: float | None
+    """Seconds of audio, when the container says (WAV); ``None`` otherwise."""
+    tokens: int
+
+
+@dataclass(eq=False)
+class _Job:
+    audio: bytes
+    prompt: str
+    max_tokens: int
+    temperature: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[int]]
+    cancelled: bool = field(default=False)
+
+
+class SpeechModel:
+    """A Whisper-style model: ``await transcribe(audio_bytes, language=...)``."""
+
+    kind: Literal["speech"] = "speech"
+
+    def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
+        self.name = name
+        self.folder = folder
+        if config.provider != "cpu":
+            raise ModelLoadError(f"cannot load {folder} on provider {config.provider!r}: CPU only", path=folder)
+        try:
+            self._model = og.Model(str(folder))
+            self._processor = self._model.create_multimodal_processor()
+            self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+            self.context_length = int(genai["model"]["context_length"])
+        except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
+            raise ModelLoadError(f"{folder} could not be loaded as a speech model: {exc}", path=folder) from exc
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name=f"ortserve-speech-{name}", daemon=True)
+        self._worker.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    async def transcribe(
+        self,
+        audio: bytes,
+        *,
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float = 0.0,
+        max_tokens: int | None = None,
+    ) -> Transcription:
+        """Text of ``audio`` (any container og.Audios reads: WAV, MP3, FLAC...).
+
+        ``prompt`` is earlier text that guides spelling and style, as in OpenAI's API.
+        """
+        if not audio:
+            raise InvalidRequestError("the audio file is empty", param="file")
+        if not 0.0 <= temperature <= 1.0:
+            raise InvalidRequestError("temperature must be in [0, 1]", param="temperature")
+        language = (language or "en").lower()
+        if self.tokenizer.token_to_id(f"<|{language}|>") is None:
+            raise InvalidRequestError(f"language {language!r} is not one this model knows", param="language")
+        text_prompt = f"<|startoftranscript|><|{language}|><|transcribe|><|notimestamps|>"
+        if prompt:
+            text_prompt = f"<|startofprev|>{prompt}{text_prompt}"
+        if self._closed:
+            raise EngineClosedError(f"model {self.name!r} is closed")
+        loop = asyncio.get_running_loop()
+        job = _Job(
+            audio,
+            text_prompt,
+            min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
+            temperature,
+            loop,
+            loop.create_future(),
+        )
+        self._queue.put(job)
+        try:
+            tokens = await job.future
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
+        text = str(self.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
+        return Transcription(text=text, language=language, duration=_wav_duration(audio), tokens=len(tokens))
+
+    async def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+        await asyncio.to_thread(self._worker.join)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if job.cancelled:
+                continue
+            try:
+                result: list[int] | BaseException = self._generate(job)
+            except (InvalidRequestError, EngineClosedError) as exc:
+                result = exc
+            except Exception as exc:  # noqa: BLE001  # any other failure fails this request only
+                result = EngineClosedError(f"transcription failed: {exc}")
+            _resolve(job, result)
+        while not self._queue.empty():
+            pending = self._queue.get_nowait()
+            if pending is not None:
+                _resolve(pending, EngineClosedError(f"model {self.name!r} was closed"))
+
+    def _generate(self, job: _Job) -> list[int]:
+        try:
+            inputs = self._processor(job.prompt, audios=og.Audios.open_bytes(job.audio))
+        except RuntimeError as exc:  # og reports undecodable or empty audio as RuntimeError
+            raise InvalidRequestError(f"the audio could not be decoded: {exc}", param="file") from exc
+        params = og.GeneratorParams(self._model)
+        prompt_length = len(self.tokenizer.encode(job.prompt, add_special_tokens=False).ids)
+        if prompt_length >= self.context_length:
+            raise InvalidRequestError("the prompt leaves no room to transcribe", param="prompt")
+        max_length = min(prompt_length + job.max_tokens, self.context_length)
+        options: dict[str, Any] = {"max_length": max_length, "do_sample": job.temperature > 0}
+        if job.temperature > 0:
+            options["temperature"] = job.temperature
+        params.set_search_options(**options)
+        generator = og.Generator(self._model, params)
+        generator.set_inputs(inputs)
+        tokens: list[int] = []
+        while not generator.is_done() and not job.cancelled and len(tokens) < job.max_tokens:
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        return [t for t in tokens if t < self.tokenizer.get_vocab_size(with_added_tokens=True)]
+
+
+def _resolve(job: _Job, result: list[int] | BaseException) -> None:
+    def apply() -> None:
+        if job.future.done():
+            return
+        if isinstance(result, BaseException):
+            job.future.set_exception(result)
+        else:
+            job.future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+        job.loop.call_soon_threadsafe(apply)
+
+
+def _wav_duration(audio: bytes) -> float | None:
+    try:
+        with wave.open(io.BytesIO(audio)) as reader:
+            return round(float(reader.getnframes()) / float(reader.getframerate()), 3)
+    except (wave.Error, EOFError, ZeroDivisionError):
+        return None

@@ -1,0 +1,66 @@
+"""The speech model (tiny random Whisper built from the real Whisper tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from audio import TINY_WHISPER, tone_wav
+from ortserve_runtime import InvalidRequestError, ModelRegistry, SpeechModel, detect_model_kind
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def whisper() -> AsyncIterator[SpeechModel]:
+    registry = ModelRegistry()
+    registry.add("whisper", TINY_WHISPER)
+    model: SpeechModel = await registry.get("whisper")
+    yield model
+    await registry.close()
+
+
+def test_recognised_as_speech() -> None:
+    assert detect_model_kind(TINY_WHISPER) == "speech"
+
+
+async def test_transcribes_deterministically(whisper: SpeechModel) -> None:
+    first = await whisper.transcribe(tone_wav(1.0), max_tokens=12)
+    again = await whisper.transcribe(tone_wav(1.0), max_tokens=12)
+    assert first == again
+    assert first.text and first.tokens == 12 and first.language == "en" and first.duration == 1.0
+    other = await whisper.transcribe(tone_wav(1.0, hertz=150.0), max_tokens=12)
+    assert other.text != first.text  # the audio reaches the model
+
+
+async def test_concurrent_requests_all_complete(whisper: SpeechModel) -> None:
+    alone = await whisper.transcribe(tone_wav(0.5), max_tokens=6)
+    together = await asyncio.gather(*(whisper.transcribe(tone_wav(0.5), max_tokens=6) for _ in range(4)))
+    assert together == [alone] * 4
+
+
+async def test_cancelled_request_leaves_the_queue(whisper: SpeechModel) -> None:
+    tasks = [asyncio.create_task(whisper.transcribe(tone_wav(2.0))) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert (await whisper.transcribe(tone_wav(0.5), max_tokens=3)).tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("audio", "options", "param"),
+    [
+        (b"", {}, "file"),
+        (b"definitely not audio", {}, "file"),
+        (b"RIFF\x00\x00\x00\x00WAVEfmt ", {}, "file"),
+        (tone_wav(0.2), {"language": "xx"}, "language"),
+        (tone_wav(0.2), {"temperature": 3.0}, "temperature"),
+    ],
+)
+async def test_bad_input(whisper: SpeechModel, audio: bytes, options: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await whisper.transcribe(audio, **options)  # type: ignore[arg-type]
+    assert info.value.param == param
+    assert (await whisper.transcribe(tone_wav(0.2), max_tokens=2)).tokens == 2  # still serving

@@ -1,0 +1,102 @@
+"""`POST /v1/audio/transcriptions` through a real server, with the openai SDK and ours."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from audio import TINY_WHISPER, tone_wav
+from ortserve_client import AsyncClient, BadRequestError
+from ortserve_server import ServerConfig, create_app
+from serving import TINY_MODEL, running
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    config = ServerConfig(models={"whisper": TINY_WHISPER, "tiny": TINY_MODEL}, max_body_size=200_000)
+    with running(create_app(config)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def test_each_response_format(client: openai.OpenAI) -> None:
+    audio = ("tone.wav", tone_wav(1.0))
+    as_json = client.audio.transcriptions.create(model="whisper", file=audio)
+    assert as_json.text
+    as_text = client.audio.transcriptions.create(model="whisper", file=audio, response_format="text")
+    assert as_text.strip() == as_json.text
+    verbose = client.audio.transcriptions.create(model="whisper", file=audio, response_format="verbose_json")
+    assert verbose.text == as_json.text
+    assert verbose.language == "en" and verbose.duration == 1.0
+    assert verbose.segments is not None and verbose.segments[0].text == as_json.text
+
+
+def test_language_and_prompt_are_used(client: openai.OpenAI) -> None:
+    audio = ("tone.wav", tone_wav(1.0))
+    plain = client.audio.transcriptions.create(model="whisper", file=audio).text
+    prompted = client.audio.transcriptions.create(model="whisper", file=audio, prompt="Earlier words").text
+    german = client.audio.transcriptions.create(model="whisper", file=audio, language="de").text
+    assert len({plain, prompted, german}) > 1
+
+
+@pytest.mark.parametrize(
+    ("files", "data", "status", "param"),
+    [
+        ({"file": ("x.wav", b"not audio at all")}, {"model": "whisper"}, 400, "file"),
+        ({"file": ("x.wav", tone_wav(0.3))}, {"model": "whisper", "language": "xx"}, 400, "language"),
+        ({"file": ("x.wav", tone_wav(0.3))}, {"model": "whisper", "response_format": "srt"}, 400, "response_format"),
+        ({"file": ("x.wav", tone_wav(0.3))}, {"model": "tiny"}, 400, "model"),
+        ({"file": ("x.wav", tone_wav(0.3))}, {"model": "nope"}, 404, "model"),
+        ({"notes": ("notes.txt", b"no audio here")}, {"model": "whisper"}, 400, "file"),
+    ],
+)
+def test_bad_requests(url: str, files: dict[str, object], data: dict[str, str], status: int, param: str) -> None:
+    response = httpx.post(f"{url}/v1/audio/transcriptions", files=files, data=data)  # type: ignore[arg-type]
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param or param in error["message"]
+
+
+def test_oversize_file_is_413(url: str) -> None:
+    response = httpx.post(
+        f"{url}/v1/audio/transcriptions", files={"file": ("big.wav", tone_wav(8.0))}, data={"model": "whisper"}
+    )
+    assert response.status_code == 413
+
+
+def test_audio_to_a_chat_model_is_refused(url: str) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]}
+        ],
+    }
+    response = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "input_audio" in response.json()["error"]["message"]
+
+
+def test_our_client_and_concurrency(url: str) -> None:
+    async def run() -> list[str]:
+        async with AsyncClient(f"{url}/v1") as client:
+            results = await asyncio.gather(
+                *(client.audio.transcriptions.create(model="whisper", file=tone_wav(0.5)) for _ in range(4))
+            )
+            text = await client.audio.transcriptions.create(model="whisper", file=tone_wav(0.5), response_format="text")
+            verbose = await client.audio.transcriptions.create(
+                model="whisper", file=("a.wav", tone_wav(0.5)), response_format="verbose_json"
+            )
+            assert verbose.duration == 0.5 and verbose.text == text.strip()
+            with pytest.raises(BadRequestError):
+                await client.audio.transcriptions.create(model="whisper", file=b"garbage")
+            return [r.text for r in results]
+
+    texts = asyncio.run(run())
+    assert len(set(texts)) == 1 and texts[0]
