@@ -33,11 +33,6 @@ BASE = "http://testserver/v1"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[AsyncClient]:
     async with AsyncClient(BASE, max_retries=2) as c:
         yield c
@@ -291,46 +286,12 @@ async def test_api_key_header(monkeypatch: pytest.MonkeyPatch) -> None:
     assert route.calls.last.request.headers["authorization"] == "Bearer from-env"
 
 
-def test_protocol_round_trip_tolerates_unknown_fields() -> None:
-    decoded = msgspec.json.decode(json.dumps(chat_json()).encode(), type=p.ChatCompletion)
-    assert decoded.choices[0].message.content == "hi there"
-    encoded = json.loads(msgspec.json.encode(decoded))
-    expected = chat_json()
-    del expected["some_future_field"]
-    expected["system_fingerprint"] = None
-    assert encoded == expected
-    request = msgspec.json.decode(
-        b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"new_option":1}',
-        type=p.ChatCompletionRequest,
-    )
-    assert isinstance(request.messages[0], p.UserMessage)
-
-
-def test_chunk_encodes_like_openai() -> None:
-    first = p.ChatCompletionChunk(
-        id="c",
-        created=1,
-        model="m",
-        choices=[p.ChatCompletionChunkChoice(index=0, delta=p.ChoiceDelta(role="assistant", content=""))],
-    )
-    assert json.loads(msgspec.json.encode(first)) == {
-        "id": "c",
-        "created": 1,
-        "model": "m",
-        "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
-        ],
-        "usage": None,
-        "object": "chat.completion.chunk",
-        "system_fingerprint": None,
-    }
-
-
 # -- contract with the real server -------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
+    pytest.importorskip("ortserve_server", reason="the contract test needs the server installed")
     from ortserve_server import ServerConfig, create_app
     from serving import TINY_MODEL, running
 

@@ -83,3 +83,21 @@ def test_max_tokens_limit() -> None:
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
         capped = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "min_tokens": 4})
         assert capped.json()["usage"]["completion_tokens"] == 4
+
+
+def test_unexpected_errors_are_500_without_internals(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortserve_runtime import GenerativeModel
+
+    def broken(*_: object, **__: object) -> list[int]:
+        raise RuntimeError("secret internal detail /srv/models/x")
+
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as url:
+        monkeypatch.setattr(GenerativeModel, "tokenize_chat", broken)
+        response = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO})
+        assert response.status_code == 500
+        assert response.json() == {
+            "error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}
+        }
+        monkeypatch.undo()
+        ok = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
+        assert ok.status_code == 200

@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from ortserve_runtime import ToolCall
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -137,3 +138,22 @@ def test_bad_tool_requests(tiny_url: str, extra: dict[str, Any], param: str) -> 
     response = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **extra})
     assert response.status_code == 400, response.text
     assert param in (response.json()["error"]["param"] or response.json()["error"]["message"])
+
+
+def test_parallel_tool_calls_false_keeps_the_first(tiny_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two calls in the output; with parallel_tool_calls=false only the first comes back."""
+    from ortserve_runtime import ToolCallParser
+
+    two = [ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("add", '{"a": 3, "b": 4}')]
+    original = ToolCallParser.finish
+
+    def finish(self: ToolCallParser) -> tuple[str, list[ToolCall]]:
+        rest, _ = original(self)
+        return rest, list(two)
+
+    monkeypatch.setattr(ToolCallParser, "finish", finish)
+    body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 3}
+    both = httpx.post(f"{tiny_url}/v1/chat/completions", json=body).json()["choices"][0]["message"]["tool_calls"]
+    one = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
+    assert len(both) == 2
+    assert [c["function"]["arguments"] for c in one["choices"][0]["message"]["tool_calls"]] == ['{"a": 1, "b": 2}']

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import os
 import random
 import struct
@@ -69,9 +70,12 @@ class AsyncClient:
     """Async client for an OpenAI-compatible API (ortserve's by default).
 
     ``base_url`` ends with the API prefix (``http://127.0.0.1:8000/v1``); ``health()``
-    goes to the server root. The API key comes from the argument or ``ORTSERVE_API_KEY``.
-    Retries (``max_retries``) happen only for connection errors, 429 and 503, with
-    exponential backoff that honours ``Retry-After``.
+    goes to the server root (:attr:`root_url`). The API key comes from the argument or
+    ``ORTSERVE_API_KEY``. Retries (``max_retries``; 0 disables them) happen only when the
+    request cannot have run (connection refused or broken before an answer, not a read
+    timeout) or the server answers 429 or 503; the backoff is exponential with jitter and
+    honours ``Retry-After``. Use it as ``async with AsyncClient(...) as client:`` or call
+    :meth:`aclose`.
     """
 
     def __init__(
@@ -106,12 +110,15 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the connections (open streams should be closed first)."""
         await self._http.aclose()
 
     @property
     def root_url(self) -> str:
-        """The server root (``base_url`` without its API prefix)."""
-        return httpx.URL(self.base_url).copy_with(path="/").__str__().rstrip("/")
+        """The server root: ``base_url`` without its last path segment, the API prefix
+        (``http://h:8000/v1`` -> ``http://h:8000``; mounted: ``http://h/llm/v1`` -> ``http://h/llm``)."""
+        url = httpx.URL(self.base_url)
+        return str(url.copy_with(path=url.path.rstrip("/").rpartition("/")[0] or "/")).rstrip("/")
 
     async def tokenize(
         self,
@@ -208,9 +215,11 @@ def _backoff(attempt: int, retry_after: str | None) -> float:
     it, else 0.25 s doubling per attempt up to 8 s, with ±25 % jitter."""
     if retry_after is not None:
         try:
-            return min(max(float(retry_after), 0.0), 60.0)
+            seconds = float(retry_after)
         except ValueError:
-            pass
+            seconds = math.nan  # an HTTP date: fall back to the backoff
+        if math.isfinite(seconds):
+            return min(max(seconds, 0.0), 60.0)
     return float(min(0.25 * 2**attempt, 8.0) * (0.75 + random.random() / 2))
 
 

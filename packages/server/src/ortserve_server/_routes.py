@@ -110,12 +110,14 @@ class _Generation:
         model: GenerativeModel,
         streams: list[GenerationStream],
         tool_parsers: list[ToolCallParser] | None = None,
+        parallel_calls: bool = True,
     ) -> None:
         self.metrics = state.metrics
         self.endpoint = endpoint
         self.model = model
         self.streams = streams
         self.tool_parsers = tool_parsers
+        self.parallel_calls = parallel_calls
         self.calls_made = [0] * len(streams)
         self.prompt_tokens = sum(s.prompt_tokens for s in streams)
         self.start = time.perf_counter()
@@ -136,6 +138,8 @@ class _Generation:
         if event.finish_reason is not None:
             rest, more = parser.finish()
             text, calls = text + rest, calls + more
+        if not self.parallel_calls:  # parallel_tool_calls=false: the first call only
+            calls = calls[: max(0, 1 - self.calls_made[index])]
         self.calls_made[index] += len(calls)
         if event.finish_reason == "stop" and self.calls_made[index]:
             return text, calls, "tool_calls"
@@ -228,7 +232,7 @@ async def chat_completions(
     fields = {"prompt": "messages", "grammar": "tool_choice" if tools.grammar else _grammar_field(data)}
     streams = start_generations(model, [prompt], options, fields)
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
-    run = _Generation(ortserve, "chat.completions", model, streams, parsers)
+    run = _Generation(ortserve, "chat.completions", model, streams, parsers, data.parallel_tool_calls is not False)
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
     call_ids: dict[tuple[int, int], str] = {}
