@@ -71,10 +71,10 @@ class AsyncClient:
 
     ``base_url`` ends with the API prefix (``http://127.0.0.1:8000/v1``); ``health()``
     goes to the server root (:attr:`root_url`). The API key comes from the argument or
-    ``ORTSERVE_API_KEY``. Retries (``max_retries``; 0 disables them) happen only when the
-    request cannot have run (connection refused or broken before an answer, not a read
-    timeout) or the server answers 429 or 503; the backoff is exponential with jitter and
-    honours ``Retry-After``. Use it as ``async with AsyncClient(...) as client:`` or call
+    ``ORTSERVE_API_KEY``. Retries (``max_retries``; 0 disables them) happen only after a
+    connection error (not after a read or write timeout, when the request may be running
+    already) or a 429 or 503 answer; the backoff is exponential with jitter and honours
+    ``Retry-After``. Use it as ``async with AsyncClient(...) as client:`` or call
     :meth:`aclose`.
     """
 
