@@ -72,3 +72,22 @@ def test_example_serves_a_streamed_chat(script: str, prefix: str) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.communicate()
+
+
+def test_sidecar_example_starts_chats_and_stops() -> None:
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "sidecar.py")],
+        env={**os.environ, "PORT": str(port)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("Spawned(") for line in lines)
+    assert any(line.startswith("Ready(") for line in lines)
+    assert any(line.startswith("reply: ") and len(line) > len("reply: ") for line in lines)
+    assert any(line.startswith("streamed: ") and len(line) > len("streamed: ") for line in lines)
+    assert "Exited(returncode=0)" in lines
