@@ -313,3 +313,55 @@ async def test_grammar_constrains_the_output(tiny: GenerativeModel) -> None:
     assert info.value.param == "grammar"
     with pytest.raises(InvalidRequestError, match="schema"):
         tiny.generate("x", options=GenerationOptions(grammar=Grammar("json_schema", {"type": 5})))
+
+
+async def chunked(chunk: int, max_batch_size: int = 8) -> tuple[ModelRegistry, GenerativeModel]:
+    registry = ModelRegistry(ModelConfig(prefill_chunk_tokens=chunk, max_batch_size=max_batch_size))
+    registry.add("tiny", TINY_MODEL)
+    return registry, await registry.get("tiny")
+
+
+async def test_chunked_prefill_gives_the_same_tokens(tiny: GenerativeModel) -> None:
+    registry, small_chunks = await chunked(5, max_batch_size=4)
+    jobs = [
+        (f"{PROMPTS[i % 4]} {'more words here ' * (i % 6)}{i}", GenerationOptions(max_tokens=4 + 3 * i, temperature=0))
+        for i in range(12)
+    ]
+    # Rows finish and compact while other prompts are half-way into the cache.
+    together = await asyncio.gather(*(small_chunks.generate(p, options=o).collect() for p, o in jobs))
+    reference = [await tiny.generate(p, options=o).collect() for p, o in jobs]
+    assert together == reference
+    await registry.close()
+
+
+async def test_a_long_prompt_does_not_stall_running_streams() -> None:
+    registry, model = await chunked(16)
+    running = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=900, min_tokens=900))
+    await running.__anext__()
+    long_prompt = model.encode("word " * 300)
+    seen_meanwhile = 0
+    waiting = asyncio.create_task(model.generate(long_prompt, options=GenerationOptions(max_tokens=1)).collect())
+    while not waiting.done():
+        await running.__anext__()
+        seen_meanwhile += 1
+    assert seen_meanwhile >= 20, f"the running stream got {seen_meanwhile} tokens during a 600-token prefill"
+    assert (await waiting)[2] == "length"
+    await running.aclose()
+    await registry.close()
+
+
+async def test_cancelling_during_a_chunked_prefill() -> None:
+    registry, model = await chunked(8)
+    keeper = asyncio.create_task(
+        model.generate(PROMPTS[1], options=GenerationOptions(max_tokens=300, min_tokens=300)).collect()
+    )
+    await asyncio.sleep(0.05)
+    stream = model.generate(model.encode("word " * 500), options=GenerationOptions(max_tokens=5))
+    first = asyncio.create_task(stream.__anext__())
+    await asyncio.sleep(0.01)
+    stream.cancel()
+    assert (await first).finish_reason == "cancelled"
+    result = await keeper
+    assert result[2] == "length" and len(result[1]) == 300
+    await wait_idle(model)
+    await registry.close()

@@ -45,6 +45,9 @@ class ModelConfig:
     """Prompt plus completion tokens per request, capped by the model's context length.
     The key/value cache holds ``max_batch_size`` rows of this many tokens."""
 
+    prefill_chunk_tokens: int = 512
+    """Prompts longer than this are prefilled in chunks, with decode steps of the running
+    requests in between (a long prompt does not stall the other streams)."""
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     last_position_logits: bool = True
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
@@ -52,5 +55,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be at least 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError("max_sequence_length must be at least 2")

@@ -94,6 +94,8 @@ class _Request:
     constraint: Constraint | None = None
     cancelled: bool = False
     row: int = -1
+    prefilled: int = 0
+    """Prompt tokens already in the cache (prompts are prefilled in chunks)."""
     decoded_chars: int = 0
     """Characters the streaming decoder produced so far."""
 
@@ -291,6 +293,9 @@ class GenerativeModel:
         self._inbox: deque[_Request] = deque()
         self._cancels: set[_Request] = set()
         self._rows: list[_Request] = []
+        self._prefilling: _Request | None = None
+        """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
+        self.prefill_chunk = config.prefill_chunk_tokens
         self._closing = False
         self.steps = 0
         """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
@@ -301,8 +306,8 @@ class GenerativeModel:
 
     @property
     def active(self) -> int:
-        """Requests holding a batch row now."""
-        return len(self._rows)
+        """Requests holding a batch row now (decoding, or having their prompt prefilled)."""
+        return len(self._rows) + (self._prefilling is not None)
 
     @property
     def queued(self) -> int:
@@ -418,36 +423,67 @@ class GenerativeModel:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._rows or self._closing or self._cancels):
+                while not (self._inbox or self._rows or self._prefilling or self._closing or self._cancels):
                     self._cond.wait()
                 if self._closing:
                     break
                 cancels, self._cancels = self._cancels, set()
-                admitted: list[_Request] = []
                 for request in cancels:
                     if request in self._inbox:
                         self._inbox.remove(request)
                         request.deliver(self._final(request, "cancelled", ""))
-                while self._inbox and len(self._rows) + len(admitted) < self.max_batch_size:
-                    admitted.append(self._inbox.popleft())
             for request in cancels:
-                if request.row >= 0:
+                if request is self._prefilling:
+                    self._prefilling, request.row = None, -1
+                    request.deliver(self._final(request, "cancelled", ""))
+                elif request.row >= 0:
                     self._finish(request, "cancelled", "")
             try:
-                for request in admitted:
-                    self._prefill(request)
+                self._prefill_work()
                 if self._rows:
                     self._decode_step()
             except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail the requests it touched
-                for request in [*admitted, *self._rows]:
-                    if request.row >= 0:
+                failed = [*self._rows, *([self._prefilling] if self._prefilling else [])]
+                self._prefilling = None
+                for request in failed:
+                    if request in self._rows:
                         self._release(request)
+                    request.row = -1
                     request.deliver(EngineClosedError(f"generation failed: {exc}"))
         error = EngineClosedError(f"model {self.name!r} was closed")
-        for request in [*self._inbox, *self._rows]:
+        for request in [*self._inbox, *self._rows, *([self._prefilling] if self._prefilling else [])]:
             request.deliver(error)
         self._inbox.clear()
         self._rows.clear()
+        self._prefilling = None
+
+    def _prefill_work(self) -> None:
+        """Put waiting prompts into the cache, one chunk at a time.
+
+        Prompts that fit in a chunk are admitted back to back (low time to first token
+        when many arrive together). A longer prompt takes one chunk per engine step, with
+        a decode step of the running requests in between, so their streams keep flowing.
+        """
+        while True:
+            if self._prefilling is None:
+                with self._cond:
+                    if not self._inbox or len(self._rows) >= self.max_batch_size:
+                        return
+                    request = self._inbox.popleft()
+                if request.cancelled:
+                    request.deliver(self._final(request, "cancelled", ""))
+                    continue
+                request.row, request.prefilled = len(self._rows), 0
+                self._prefilling = request
+            request = self._prefilling
+            logits = self._prefill_chunk(request)
+            if logits is None:
+                if self._rows:
+                    return  # a long prompt: let the running requests take a step
+                continue
+            self._prefilling = None
+            self._rows.append(request)
+            self._accept(request, logits)
 
     def _bind(self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any) -> Any:
         graph = self._graph
@@ -470,19 +506,18 @@ class GenerativeModel:
         logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()
         return logits
 
-    def _prefill(self, request: _Request) -> None:
-        if request.cancelled:
-            request.deliver(self._final(request, "cancelled", ""))
-            return
-        request.row = len(self._rows)
-        self._rows.append(request)
+    def _prefill_chunk(self, request: _Request) -> npt.NDArray[np.float32] | None:
+        """Cache the next chunk of the prompt; the last chunk returns the logits."""
         graph = self._graph
-        length = len(request.prompt)
-        ids = np.asarray([request.prompt], dtype=graph.ids_dtype)
-        mask = np.ones((1, length), dtype=graph.mask_dtype)
-        positions = np.arange(length, dtype=graph.ids_dtype)[None, :]
+        start = request.prefilled
+        end = min(len(request.prompt), start + self.prefill_chunk)
+        ids = np.asarray([request.prompt[start:end]], dtype=graph.ids_dtype)
+        # The mask spans everything cached so far: GQA appends the chunk after it.
+        mask = np.ones((1, end), dtype=graph.mask_dtype)
+        positions = np.arange(start, end, dtype=graph.ids_dtype)[None, :]
         logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions)
-        self._accept(request, logits[0, -1])
+        request.prefilled = end
+        return logits[0, -1] if end == len(request.prompt) else None
 
     def _decode_step(self) -> None:
         graph = self._graph
@@ -545,13 +580,20 @@ class GenerativeModel:
             return
         last = self._rows.pop()
         if last is not request:
-            length = last.length
-            for keys, values in self._cache:
-                keys[row, :, :length] = keys[last.row, :, :length]
-                values[row, :, :length] = values[last.row, :, :length]
+            self._copy_row(last.row, row, last.length)
             self._rows[row] = last
             last.row = row
         request.row = -1
+        pending = self._prefilling
+        if pending is not None and pending.row != len(self._rows):
+            # The prompt being prefilled sits right after the running rows: follow them down.
+            self._copy_row(pending.row, len(self._rows), pending.prefilled)
+            pending.row = len(self._rows)
+
+    def _copy_row(self, source: int, target: int, length: int) -> None:
+        for keys, values in self._cache:
+            keys[target, :, :length] = keys[source, :, :length]
+            values[target, :, :length] = values[source, :, :length]
 
 
 def _open_session(
