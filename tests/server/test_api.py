@@ -186,9 +186,12 @@ def test_health_and_metrics(base_url: str, client: openai.OpenAI) -> None:
     assert health.status_code == 200
     assert health.json() == {"status": "ok", "models": [{"id": "tiny", "status": "ready"}]}
     metrics = httpx.get(f"{base_url}/metrics").text
-    assert 'ortserve_requests_total{endpoint="chat.completions",model="tiny",status="200"}' in metrics
+    assert 'ortserve_requests_total{endpoint="/v1/chat/completions",model="tiny",status="200"}' in metrics
     assert "ortserve_time_to_first_token_seconds_count" in metrics
     assert 'ortserve_queue_depth{model="tiny"} 0.0' in metrics
+    httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "temperature": 7})
+    errors = httpx.get(f"{base_url}/metrics").text
+    assert 'ortserve_errors_total{endpoint="/v1/chat/completions",status="400"}' in errors
 
 
 # -- errors --------------------------------------------------------------------------------

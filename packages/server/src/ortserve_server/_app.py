@@ -19,7 +19,7 @@ from litestar.di import Provide
 from litestar.plugins import InitPlugin
 
 from ._config import ServerConfig
-from ._errors import exception_handlers
+from ._errors import METRICS_OPT, exception_handlers
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler
 from ._state import OrtServe
 
@@ -39,6 +39,7 @@ def _routers(state: OrtServe) -> list[Router]:
             guards=[make_auth_guard(config.api_key)] if config.api_key else [],
             exception_handlers=exception_handlers,
             request_max_body_size=config.max_body_size,
+            opt={METRICS_OPT: state.metrics},
         )
     ]
     extras = [(config.health_path, health_handler), (config.metrics_path, metrics_handler)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Request, Response
@@ -152,10 +153,26 @@ def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
+def _counted(handler: Callable[[Request[Any, Any, Any], Any], Response[ErrorResponse]]) -> Any:
+    """Count every error response in the metrics of the ortserve mount that produced it."""
+
+    def counting(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+        response = handler(request, exc)
+        metrics = request.route_handler.opt.get(METRICS_OPT) if request.scope.get("route_handler") else None
+        if metrics is not None:
+            metrics.errors.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    return counting
+
+
+METRICS_OPT = "ortserve_metrics"
+"""The route option under which our routers carry their Metrics (for the handlers above)."""
+
 exception_handlers: ExceptionHandlersMap = {
-    ServerError: _server_error,
-    EngineError: _engine_error,
-    HTTPException: _http_exception,
-    Exception: _unexpected,
+    ServerError: _counted(_server_error),
+    EngineError: _counted(_engine_error),
+    HTTPException: _counted(_http_exception),
+    Exception: _counted(_unexpected),
 }
 """Scoped to our own routers, so a host app's handlers stay in charge of its routes."""

@@ -38,5 +38,9 @@ class Metrics:
             "ortserve_active_requests", "Requests holding a batch row", ["model"], registry=self.registry
         )
 
+    def __deepcopy__(self, memo: dict[int, object]) -> Metrics:
+        # Litestar deep-copies route options; the registry is shared, never copied.
+        return self
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -232,7 +232,14 @@ async def chat_completions(
     fields = {"prompt": "messages", "grammar": "tool_choice" if tools.grammar else _grammar_field(data)}
     streams = start_generations(model, [prompt], options, fields)
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
-    run = _Generation(ortserve, "chat.completions", model, streams, parsers, data.parallel_tool_calls is not False)
+    run = _Generation(
+        ortserve,
+        f"{ortserve.config.path}/chat/completions",
+        model,
+        streams,
+        parsers,
+        data.parallel_tool_calls is not False,
+    )
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
     call_ids: dict[tuple[int, int], str] = {}
@@ -295,7 +302,7 @@ async def completions(data: JSONBody[p.CompletionRequest], ortserve: NamedDepend
     options = generation_options(data, ortserve.config, n)
     fields = {"grammar": _grammar_field(data)}
     streams = start_generations(model, completion_prompts(data.prompt), options, fields)
-    run = _Generation(ortserve, "completions", model, streams)
+    run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     response_id, created = new_id("cmpl"), int(time.time())
 
@@ -333,7 +340,7 @@ async def embeddings(
         )
         for i, vector in enumerate(result.vectors)
     ]
-    ortserve.metrics.requests.labels("embeddings", data.model, "200").inc()
+    ortserve.metrics.requests.labels(f"{ortserve.config.path}/embeddings", data.model, "200").inc()
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
     usage = p.EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
     return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))
@@ -363,7 +370,7 @@ async def transcriptions(data: MultipartBody[TranscriptionForm], ortserve: Named
         raise BadRequestError("'file' is required: the audio to transcribe, as a multipart file", param="file")
     audio = await data.file.read()
     result = await model.transcribe(audio, language=data.language, prompt=data.prompt, temperature=data.temperature)
-    ortserve.metrics.requests.labels("audio.transcriptions", data.model, "200").inc()
+    ortserve.metrics.requests.labels(f"{ortserve.config.path}/audio/transcriptions", data.model, "200").inc()
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
     if data.response_format == "text":
         return Response(result.text, media_type="text/plain")
