@@ -75,7 +75,10 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero(server: tuple[subprocess
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while 'ortserve_active_requests{model="tiny"} 1.0' not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
     thread.join(timeout=30)

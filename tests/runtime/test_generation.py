@@ -358,7 +358,8 @@ async def test_cancelling_during_a_chunked_prefill() -> None:
     await asyncio.sleep(0.05)
     stream = model.generate(model.encode("word " * 500), options=GenerationOptions(max_tokens=5))
     first = asyncio.create_task(stream.__anext__())
-    await asyncio.sleep(0.01)
+    while not (model.queued or model.active > 1):  # submitted; 63 chunks to go
+        await asyncio.sleep(0)
     stream.cancel()
     assert (await first).finish_reason == "cancelled"
     result = await keeper
