@@ -1,11 +1,11 @@
-"""Fixtures for the runtime tests: the tiny generative model, loaded once per module."""
+"""Fixtures for the runtime tests: the tiny generative model, loaded fresh per test."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 import pytest
-from ortserve_runtime import GenerativeModel, ModelConfig, ModelRegistry
+from ortserve_runtime import GenerativeModel, ModelRegistry
 from serving import TINY_MODEL
 
 
@@ -16,7 +16,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 async def tiny() -> AsyncIterator[GenerativeModel]:
-    registry = ModelRegistry(ModelConfig(max_sequence_length=1024))
+    """The tiny model with the default config (its context, 1024 tokens, is the limit)."""
+    registry = ModelRegistry()
     registry.add("tiny", TINY_MODEL)
     model: GenerativeModel = await registry.get("tiny")
     yield model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -36,6 +37,10 @@ def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
     ("damage", "culprit"),
     [
         (lambda d: (d / "model.onnx").write_bytes(b"garbage, not a protobuf"), "model.onnx"),
+        (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes()[:7000]), "model.onnx"),
+        (lambda d: (d / "model.onnx.data").write_bytes((d / "model.onnx.data").read_bytes()[:300_000]), "model.onnx"),
+        (lambda d: (d / "model.onnx.data").unlink(), "model.onnx"),
+        (lambda d: (d / "model.onnx").unlink(), "model.onnx"),
         (lambda d: (d / "genai_config.json").write_text("{not json"), "genai_config.json"),
         (lambda d: (d / "genai_config.json").write_text('{"model": {}}'), "genai_config.json"),
         (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json"),
@@ -52,6 +57,7 @@ async def test_corrupt_model_names_the_path(tmp_path: Path, damage: object, culp
         await registry.get("broken")
     assert str(folder) in str(info.value)
     assert culprit in str(info.value)
+    assert info.value.path.is_relative_to(folder)
     [status] = registry.status()
     assert status.state == "error" and status.error is not None and culprit in status.error
 
@@ -63,11 +69,17 @@ async def test_load_unload_status() -> None:
         registry.add("tiny", TINY_MODEL)
     assert [(s.name, s.kind, s.state) for s in registry.status()] == [("tiny", "generative", "unloaded")]
     assert registry.loaded("tiny") is None
-    model = await registry.load("tiny")
+    loading = asyncio.create_task(registry.load("tiny"))
+    await asyncio.sleep(0)
+    assert registry.status()[0].state == "loading"
+    model = await loading
+    assert registry.loaded("tiny") is model
     assert await registry.get("tiny") is model
     assert registry.status()[0].state == "ready"
+    assert [(s.name, s.path, s.state, s.error) for s in registry.status()] == [("tiny", TINY_MODEL, "ready", None)]
     await registry.unload("tiny")
     assert registry.status()[0].state == "unloaded"
+    assert registry.loaded("tiny") is None
     with pytest.raises(EngineClosedError):
         model.generate("hello")
     reloaded = await registry.get("tiny")
@@ -76,8 +88,6 @@ async def test_load_unload_status() -> None:
 
 
 async def test_concurrent_loads_share_one_model() -> None:
-    import asyncio
-
     registry = ModelRegistry()
     registry.add("tiny", TINY_MODEL)
     a, b = await asyncio.gather(registry.get("tiny"), registry.get("tiny"))
@@ -89,7 +99,13 @@ async def test_unknown_name() -> None:
     registry = ModelRegistry()
     with pytest.raises(ModelNotFoundError) as info:
         await registry.get("nope")
-    assert info.value.name == "nope"
+    assert info.value.name == "nope" and "nope" in str(info.value)
+    with pytest.raises(ModelNotFoundError):
+        await registry.unload("nope")
+    with pytest.raises(ModelNotFoundError):
+        registry.kind("nope")
+    with pytest.raises(ModelNotFoundError):
+        registry.loaded("nope")
 
 
 async def test_other_providers_are_refused_clearly(tmp_path: Path) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import pytest
+from ortserve_runtime import InvalidRequestError
 from ortserve_runtime._sampling import GenerationOptions, Sampler
 from ortserve_runtime._stops import StopMatcher
 
@@ -15,17 +19,43 @@ def logits(best: int, size: int = 8) -> np.ndarray:
     return row
 
 
+# -- Sampler ---------------------------------------------------------------------------------
+
+
 def test_greedy_takes_the_argmax() -> None:
     assert Sampler(GenerationOptions(temperature=0), EOS).choose(logits(5), [], 0) == 5
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(20, 50)).astype(np.float32)
+    greedy = Sampler(GenerationOptions(temperature=0), EOS)
+    assert [greedy.choose(r, [], 0) for r in rows] == [int(np.argmax(r)) for r in rows]
 
 
 def test_min_tokens_suppresses_eos() -> None:
     sampler = Sampler(GenerationOptions(temperature=0, min_tokens=2), EOS)
-    row = logits(3)
+    row = logits(3)  # EOS is the argmax
     row[6] = 5.0
     assert sampler.choose(row, [], 0) == 6
     assert sampler.choose(row, [], 1) == 6
-    assert sampler.choose(row, [], 2) == 3
+    assert sampler.choose(row, [], 2) == 3  # min_tokens reached: EOS may win again
+
+
+def test_min_tokens_suppresses_every_eos_id_when_sampling() -> None:
+    eos = frozenset({2, 5})
+    row = np.full(8, -2.0, dtype=np.float32)
+    row[[2, 5]] = 20.0  # the two EOS ids hold practically all the probability mass
+    sampler = Sampler(GenerationOptions(temperature=1.0, min_tokens=10, seed=0), eos)
+    picks = {sampler.choose(row, [], i % 10) for i in range(300)}
+    assert picks.isdisjoint(eos)
+    assert len(picks) > 1  # still sampling among the rest
+    after = Sampler(GenerationOptions(temperature=1.0, min_tokens=10, seed=0), eos)
+    assert after.choose(row, [], 10) in eos
+
+
+def test_min_tokens_lets_eos_through_when_it_is_the_only_choice() -> None:
+    # A grammar that only allows the end masks everything else to -inf.
+    row = np.full(8, -np.inf, dtype=np.float32)
+    row[3] = 0.0
+    assert Sampler(GenerationOptions(temperature=0, min_tokens=5), EOS).choose(row, [], 0) == 3
 
 
 def test_repetition_penalty_follows_the_definition() -> None:
@@ -34,16 +64,55 @@ def test_repetition_penalty_follows_the_definition() -> None:
     # token 1 was seen: its positive logit is divided (4 -> 2) so token 2 now wins.
     assert sampler.choose(row, [1], 0) == 2
     assert Sampler(GenerationOptions(temperature=0), EOS).choose(row, [1], 0) == 1
+    # Seen twice is penalised once (4 / 2 = 2 still beats 3.5 / 2 = 1.75, not 4 / 4 = 1).
+    assert sampler.choose(row, [1, 1, 2], 0) == 1
+    # Negative logits are multiplied: -1 * 2 = -2 loses to -1.5, which was not seen.
+    negative = np.array([-1.0, -1.5, -3.0], dtype=np.float32)
+    assert Sampler(GenerationOptions(temperature=0), EOS).choose(negative, [0], 0) == 0
+    assert sampler.choose(negative, [0], 0) == 1
+    # A penalty below 1 favours seen tokens: 3.5 / 0.5 = 7 beats 4.
+    assert Sampler(GenerationOptions(temperature=0, repetition_penalty=0.5), EOS).choose(row, [2], 0) == 2
+
+
+def test_repetition_penalty_applies_before_sampling() -> None:
+    # Two equal tokens; a strong penalty on token 0 makes token 1 (nearly) certain.
+    row = np.array([50.0, 50.0, -20.0, -20.0], dtype=np.float32)
+    sampler = Sampler(GenerationOptions(temperature=1.0, repetition_penalty=10.0, seed=1), frozenset())
+    assert {sampler.choose(row, [0], 0) for _ in range(100)} == {1}
 
 
 def test_top_p_and_top_k_restrict_the_choice() -> None:
     row = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
     narrow = Sampler(GenerationOptions(temperature=1.0, top_p=0.4, seed=0), frozenset())
     assert {narrow.choose(row, [], 0) for _ in range(50)} == {0}
+    two_by_p = Sampler(GenerationOptions(temperature=1.0, top_p=0.75, seed=0), frozenset())
+    assert {two_by_p.choose(row, [], 0) for _ in range(200)} == {0, 1}
+    three_by_p = Sampler(GenerationOptions(temperature=1.0, top_p=0.85, seed=0), frozenset())
+    assert {three_by_p.choose(row, [], 0) for _ in range(400)} == {0, 1, 2}
     two = Sampler(GenerationOptions(temperature=1.0, top_k=2, seed=0), frozenset())
     assert {two.choose(row, [], 0) for _ in range(200)} == {0, 1}
     wide = Sampler(GenerationOptions(temperature=1.0, seed=0), frozenset())
     assert {wide.choose(row, [], 0) for _ in range(400)} == {0, 1, 2, 3}
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    rows = np.random.default_rng(1).normal(size=(30, 64)).astype(np.float32)
+    top1 = Sampler(GenerationOptions(temperature=2.0, top_k=1, seed=3), EOS)
+    tiny_p = Sampler(GenerationOptions(temperature=1.5, top_p=1e-6, seed=3), EOS)
+    expected = [int(np.argmax(r)) for r in rows]
+    assert [top1.choose(r, [], 5) for r in rows] == expected
+    assert [tiny_p.choose(r, [], 5) for r in rows] == expected
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = np.array([0.6, 0.3, 0.1])
+    sampler = Sampler(GenerationOptions(temperature=1.0, seed=7), frozenset())
+    draws = np.bincount([sampler.choose(np.log(probs), [], 0) for _ in range(3000)], minlength=3) / 3000
+    assert np.allclose(draws, probs, atol=0.04)
+    # Temperature 0.5 squares the odds: 0.6^2 : 0.3^2 : 0.1^2.
+    cold = Sampler(GenerationOptions(temperature=0.5, seed=7), frozenset())
+    draws = np.bincount([cold.choose(np.log(probs), [], 0) for _ in range(3000)], minlength=3) / 3000
+    assert np.allclose(draws, probs**2 / (probs**2).sum(), atol=0.04)
 
 
 def test_seed_makes_sampling_reproducible() -> None:
@@ -53,6 +122,39 @@ def test_seed_makes_sampling_reproducible() -> None:
     assert [a.choose(row, [], i) for i in range(20)] == [b.choose(row, [], i) for i in range(20)]
     c = Sampler(GenerationOptions(seed=2), EOS)
     assert [c.choose(row, [], i) for i in range(20)] != [a.choose(row, [], i) for i in range(20)]
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        (GenerationOptions(max_tokens=0), "max_tokens"),
+        (GenerationOptions(temperature=-0.1), "temperature"),
+        (GenerationOptions(temperature=2.5), "temperature"),
+        (GenerationOptions(temperature=math.inf), "temperature"),
+        (GenerationOptions(top_p=0.0), "top_p"),
+        (GenerationOptions(top_p=1.5), "top_p"),
+        (GenerationOptions(top_p=math.nan), "top_p"),
+        (GenerationOptions(top_k=-1), "top_k"),
+        (GenerationOptions(repetition_penalty=math.nan), "repetition_penalty"),
+        (GenerationOptions(min_tokens=-1), "min_tokens"),
+        (GenerationOptions(max_tokens=2, min_tokens=3), "min_tokens"),
+        (GenerationOptions(seed=2**63), "seed"),
+        (GenerationOptions(stop=tuple("abcdefghijklmnopq")), "stop"),
+    ],
+)
+def test_validate_names_the_param(options: GenerationOptions, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        options.validate()
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_sensible_options_validate() -> None:
+    GenerationOptions().validate()
+    GenerationOptions(max_tokens=1, min_tokens=1, temperature=2.0, top_p=1.0, top_k=1, seed=0, stop=("x",)).validate()
+
+
+# -- StopMatcher ------------------------------------------------------------------------------
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -67,6 +169,7 @@ def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
 
 def test_stop_inside_one_piece() -> None:
     assert feed_all(StopMatcher(("lo",)), ["hel", "lo world"]) == ("hel", True)
+    assert feed_all(StopMatcher(("ll",)), ["he", "ello", "x"]) == ("hee", True)
 
 
 def test_stop_spanning_pieces_is_held_back_then_cut() -> None:
@@ -76,16 +179,46 @@ def test_stop_spanning_pieces_is_held_back_then_cut() -> None:
     assert matcher.feed("Pxyz") == ("", True)
 
 
+def test_stop_spanning_many_pieces() -> None:
+    matcher = StopMatcher(("<end>",))
+    emitted = [matcher.feed(p) for p in ["ok<", "e", "n", "d", ">tail"]]
+    assert emitted == [("ok", False), ("", False), ("", False), ("", False), ("", True)]
+
+
 def test_held_back_text_is_released_when_it_is_not_a_stop() -> None:
     matcher = StopMatcher(("STOP",))
     assert matcher.feed("abST") == ("ab", False)
     assert matcher.feed("Ax") == ("STAx", False)
     assert feed_all(StopMatcher(("STOP",)), ["a", "ST"]) == ("aST", False)
+    # Released at the end: the flush returns what was held back.
+    end = StopMatcher(("STOP",))
+    assert end.feed("abcSTO") == ("abc", False)
+    assert end.flush() == "STO"
+    assert end.flush() == ""
+
+
+def test_overlapping_prefixes_keep_the_longest_candidate() -> None:
+    matcher = StopMatcher(("aab",))
+    assert [matcher.feed(c) for c in "aaa"] == [("", False), ("", False), ("a", False)]
+    assert matcher.feed("b") == ("", True)
+    # With several stops the longest held suffix of any of them is kept.
+    matcher = StopMatcher(("xyz", "yz!"))
+    assert matcher.feed("..xy") == ("..", False)
+    assert matcher.feed("z") == ("", True)
 
 
 def test_earliest_of_several_stops_wins() -> None:
     assert feed_all(StopMatcher(("world", "lo")), ["hello world"]) == ("hel", True)
+    assert feed_all(StopMatcher(("lo", "world")), ["hello world"]) == ("hel", True)
+    assert feed_all(StopMatcher(("d", "o w")), ["hell", "o wor", "ld"]) == ("hell", True)
+
+
+def test_a_stop_that_never_occurs_changes_nothing() -> None:
+    pieces = ["alpha ", "be", "ta", " gam", "ma"]
+    assert feed_all(StopMatcher(("zeta", "bet!")), pieces) == ("alpha beta gamma", False)
 
 
 def test_no_stops_passes_everything() -> None:
-    assert StopMatcher(()).feed("anything") == ("anything", False)
+    matcher = StopMatcher(())
+    assert matcher.feed("anything") == ("anything", False)
+    assert matcher.flush() == ""

@@ -127,6 +127,11 @@ class GenerationStream:
     async def __anext__(self) -> GenerationEvent:
         if self._done:
             raise StopAsyncIteration
+        if not self._started and self._request.cancelled:  # cancelled before it was read
+            self._done = True
+            return GenerationEvent(
+                token_id=None, text="", finish_reason="cancelled", usage=Usage(self.prompt_tokens, 0)
+            )
         if not self._started:
             self._started = True
             loop = asyncio.get_running_loop()
@@ -136,7 +141,7 @@ class GenerationStream:
                 try:
                     loop.call_soon_threadsafe(queue.put_nowait, item)
                 except RuntimeError:  # the consumer's loop is gone: nobody wants the rest
-                    self._request.cancelled = True
+                    self._model._cancel(self._request)
 
             self._request.deliver = deliver
             self._model._submit(self._request)
@@ -154,7 +159,9 @@ class GenerationStream:
 
     def cancel(self) -> None:
         """Stop generating; the stream then ends with a ``"cancelled"`` event."""
-        if self._started and not self._done:
+        if not self._started:
+            self._request.cancelled = True  # never submitted: the first read ends it
+        elif not self._done:
             self._model._cancel(self._request)
 
     async def aclose(self) -> None:
