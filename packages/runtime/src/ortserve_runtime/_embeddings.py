@@ -10,7 +10,6 @@ that is too long fails only its own request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import queue
 import threading
@@ -27,6 +26,7 @@ from tokenizers import Tokenizer
 
 from ._config import ModelConfig
 from ._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
+from ._threads import resolve_future
 
 __all__ = ["EmbeddingInput", "EmbeddingModel", "EmbeddingResult", "Pooling"]
 
@@ -51,7 +51,7 @@ class EmbeddingResult:
 @dataclass(eq=False)
 class _Job:
     ids: list[list[int]]
-    loop: asyncio.AbstractEventLoop | None
+    loop: asyncio.AbstractEventLoop
     future: Any  # an asyncio.Future of the caller's loop
 
 
@@ -220,7 +220,7 @@ class EmbeddingModel:
         while not self._queue.empty():  # fail anything that raced with close()
             job = self._queue.get_nowait()
             if job is not None:
-                _resolve(job, EngineClosedError(f"model {self.name!r} was closed"))
+                resolve_future(job.loop, job.future, EngineClosedError(f"model {self.name!r} was closed"))
 
     def _serve(self, jobs: list[_Job]) -> None:
         flat = [ids for job in jobs for ids in job.ids]
@@ -228,11 +228,11 @@ class EmbeddingModel:
             rows = self._run_batches(flat)
         except Exception as exc:  # noqa: BLE001  # an onnxruntime failure fails these requests only
             for job in jobs:
-                _resolve(job, exc)
+                resolve_future(job.loop, job.future, exc)
             return
         start = 0
         for job in jobs:
-            _resolve(job, np.stack(rows[start : start + len(job.ids)]))
+            resolve_future(job.loop, job.future, np.stack(rows[start : start + len(job.ids)]))
             start += len(job.ids)
 
     def _run_batches(self, ids: list[list[int]]) -> list[npt.NDArray[np.float32]]:
@@ -295,20 +295,6 @@ class EmbeddingModel:
 
     def _probe_dimension(self) -> int:
         return int(self._forward([[self._pad_id]]).shape[-1])
-
-
-def _resolve(job: _Job, result: npt.NDArray[np.float32] | BaseException) -> None:
-    def apply() -> None:
-        if job.future.done():
-            return
-        if isinstance(result, BaseException):
-            job.future.set_exception(result)
-        else:
-            job.future.set_result(result)
-
-    assert job.loop is not None
-    with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is waiting
-        job.loop.call_soon_threadsafe(apply)
 
 
 def _as_list(inputs: EmbeddingInput) -> list[str | Sequence[int]]:

@@ -8,7 +8,6 @@ time; a cancelled request leaves the queue at once, or stops at its next token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import queue
@@ -23,6 +22,7 @@ from tokenizers import Tokenizer
 
 from ._config import ModelConfig
 from ._errors import EngineClosedError, InvalidRequestError, ModelLoadError
+from ._threads import resolve_future
 
 __all__ = ["SpeechModel", "Transcription"]
 
@@ -134,11 +134,11 @@ class SpeechModel:
                 result = exc
             except Exception as exc:  # noqa: BLE001  # any other failure fails this request only
                 result = EngineClosedError(f"transcription failed: {exc}")
-            _resolve(job, result)
+            resolve_future(job.loop, job.future, result)
         while not self._queue.empty():
             pending = self._queue.get_nowait()
             if pending is not None:
-                _resolve(pending, EngineClosedError(f"model {self.name!r} was closed"))
+                resolve_future(pending.loop, pending.future, EngineClosedError(f"model {self.name!r} was closed"))
 
     def _generate(self, job: _Job) -> list[int]:
         try:
@@ -161,19 +161,6 @@ class SpeechModel:
             generator.generate_next_token()
             tokens.append(int(generator.get_next_tokens()[0]))
         return [t for t in tokens if t < self.tokenizer.get_vocab_size(with_added_tokens=True)]
-
-
-def _resolve(job: _Job, result: list[int] | BaseException) -> None:
-    def apply() -> None:
-        if job.future.done():
-            return
-        if isinstance(result, BaseException):
-            job.future.set_exception(result)
-        else:
-            job.future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-        job.loop.call_soon_threadsafe(apply)
 
 
 def _wav_duration(audio: bytes) -> float | None:
