@@ -176,3 +176,36 @@ def test_server_cli_serves_a_model_from_the_hub(tmp_path: Path, monkeypatch: pyt
             process.communicate(timeout=30)
     assert list(tmp_path.rglob("genai_config.json"))
     del monkeypatch
+
+
+def test_cli_pull_then_ls(tmp_path: Path) -> None:
+    """`ortserve pull OWNER/REPO/SUBFOLDER` prints the folder; `ortserve ls` then lists it."""
+    import subprocess
+    import sys
+
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
+    hub = FakeHub(repos={"acme/tiny-qwen2": {f"cpu/{p.name}": p.read_bytes() for p in tiny.iterdir()}})
+    with running(hub.app()) as url:
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "0"}
+        pulled = subprocess.run(
+            [sys.executable, "-m", "ortserve_server", "pull", "acme/tiny-qwen2/cpu"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+        missing = subprocess.run(
+            [sys.executable, "-m", "ortserve_server", "pull", "acme/nothing"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    assert (Path(pulled) / "genai_config.json").exists()
+    assert missing.returncode == 1 and "acme/nothing" in missing.stderr and "Traceback" not in missing.stderr
+    listing = subprocess.run(
+        [sys.executable, "-m", "ortserve_server", "ls"], capture_output=True, text=True, env=env, timeout=60, check=True
+    ).stdout
+    assert f"acme/tiny-qwen2/cpu\t{pulled}" in listing
