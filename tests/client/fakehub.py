@@ -3,6 +3,7 @@ download a model (repo info, HEAD/GET resolve with Range), with records of what 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass, field
 
@@ -17,10 +18,17 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 @dataclass
 class FakeHub:
     """Repos as ``{repo_id: {path: bytes}}``. ``drop_after`` makes the first GET of a file
-    stop after that many bytes (a broken connection), to exercise resume."""
+    stop after that many bytes (a broken connection), to exercise resume; ``fail_get``
+    answers every GET of a file with that status (a Hub outage after the HEAD);
+    ``chunk_delay`` slows each 16 KiB chunk down, to catch a download in the middle.
+
+    Records: ``ranges`` (path, Range header) per GET, ``bytes_sent`` per path, ``auth``
+    (Authorization header) per request."""
 
     repos: dict[str, dict[str, bytes]]
     drop_after: dict[str, int] = field(default_factory=dict)
+    fail_get: dict[str, int] = field(default_factory=dict)
+    chunk_delay: float = 0.0
     ranges: list[tuple[str, str | None]] = field(default_factory=list)
     bytes_sent: dict[str, int] = field(default_factory=dict)
     auth: list[str | None] = field(default_factory=list)
@@ -64,6 +72,8 @@ class FakeHub:
             return Response(headers={**headers, "Content-Length": str(len(data))})
         range_header = request.headers.get("range")
         self.ranges.append((path, range_header))
+        if path in self.fail_get:
+            return _error(self.fail_get[path], "InternalError")
         start = int(range_header.split("=")[1].split("-")[0]) if range_header else 0
         body = data[start:]
         limit = self.drop_after.pop(path, None)
@@ -71,6 +81,8 @@ class FakeHub:
         async def chunks() -> object:
             sent = 0
             for offset in range(0, len(body), 16384):
+                if self.chunk_delay:
+                    await asyncio.sleep(self.chunk_delay)
                 piece = body[offset : offset + 16384]
                 if limit is not None and sent + len(piece) > limit:
                     piece = piece[: limit - sent]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,12 +30,23 @@ def hub() -> FakeHub:
     return FakeHub(repos={"acme/tiny": dict(FILES)})
 
 
+@pytest.fixture(autouse=True)
+def _isolated_hub_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """huggingface_hub reads HF_HUB_OFFLINE and the token paths once, at its import (which
+    may have happened before this module, under any environment): set its copies too, and
+    keep a developer's saved token away from the stand-in Hub."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+
+
 @pytest.fixture
 def endpoint(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     with running(hub.app()) as url:
         monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
         # The hub library writes (and so can resume from) whole chunks of this size; a
         # smaller chunk lets a 1.5 MB test file show resumption mid-file.
         monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 65536)
@@ -118,16 +133,87 @@ def test_offline_uses_the_cache(endpoint: str, tmp_path: Path, monkeypatch: pyte
 def test_token_is_sent_and_never_shown(endpoint: str, hub: FakeHub, tmp_path: Path) -> None:
     secret = "hf_supersecret123"
     pull("acme/tiny", subfolder="cpu", cache_dir=tmp_path, token=secret)
-    assert f"Bearer {secret}" in hub.auth
-    with pytest.raises(DownloadError) as info:
-        pull("acme/nothing", cache_dir=tmp_path, token=secret)
-    assert secret not in str(info.value)
+    assert hub.auth and set(hub.auth) == {f"Bearer {secret}"}
+    for repo_id in ("acme/nothing", "acme/tiny"):  # 404 from the Hub, 500 on a file
+        hub.fail_get["model.onnx"] = 500
+        with pytest.raises(DownloadError) as info:
+            pull(repo_id, cache_dir=tmp_path / "other", token=secret)
+        assert secret not in str(info.value) and secret not in repr(info.value)
+
+
+def test_token_from_the_environment(
+    endpoint: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pull("acme/tiny", subfolder="cpu", cache_dir=tmp_path)
+    assert set(hub.auth) == {None}  # no token anywhere: none sent
+    monkeypatch.setenv("HF_TOKEN", "hf_fromenv")
+    pull("acme/tiny", subfolder="cpu", cache_dir=tmp_path / "again")
+    assert "Bearer hf_fromenv" in hub.auth
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_unreachable_hub_without_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", _closed_port_url())
+    with pytest.raises(DownloadError, match=r"'acme/tiny' is not in the local cache .* could not be reached") as info:
+        pull("acme/tiny", cache_dir=tmp_path, token="hf_secret")
+    assert info.value.repo_id == "acme/tiny" and "hf_secret" not in str(info.value)
+
+
+def test_unreachable_hub_falls_back_to_the_cache(
+    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    online = pull("acme/tiny", subfolder="cpu", cache_dir=tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", _closed_port_url())
+    events: list[object] = []
+    assert pull("acme/tiny", subfolder="cpu", cache_dir=tmp_path, on_progress=events.append) == online
+    assert events == [DownloadComplete("acme/tiny", online)]
+
+
+def test_server_error_on_a_file_names_the_file(endpoint: str, hub: FakeHub, tmp_path: Path) -> None:
+    hub.fail_get["cpu/model.onnx"] = 500
+    with pytest.raises(DownloadError, match=r"file 'cpu/model.onnx' of repo 'acme/tiny' .*HTTP 500") as info:
+        pull("acme/tiny", subfolder="cpu", cache_dir=tmp_path)
+    assert info.value.filename == "cpu/model.onnx"
+    assert not list(tmp_path.rglob("*.incomplete"))
 
 
 @pytest.mark.anyio
 async def test_async_pull(endpoint: str, tmp_path: Path) -> None:
-    path = await apull("acme/tiny", subfolder="cpu", cache_dir=tmp_path)
+    threads: set[int] = set()
+    events: list[object] = []
+
+    def record(event: object) -> None:
+        threads.add(threading.get_ident())
+        events.append(event)
+
+    path = await apull("acme/tiny", subfolder="cpu", cache_dir=tmp_path, on_progress=record)
     assert (path / "model.onnx").read_bytes() == b"cpu variant"
+    assert threads == {threading.get_ident()}  # callbacks run on the loop's thread ...
+    assert events[-1] == DownloadComplete("acme/tiny", path)  # ... all of them before apull returns
+
+
+@pytest.mark.anyio
+async def test_cancelling_apull_stops_the_download(endpoint: str, hub: FakeHub, tmp_path: Path) -> None:
+    hub.chunk_delay = 0.01  # about 1 s for the big file
+    started = asyncio.Event()
+    task = asyncio.create_task(
+        apull("acme/tiny", allow_patterns=["model.onnx"], cache_dir=tmp_path, on_progress=lambda e: started.set())
+    )
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 10
+    while list(tmp_path.rglob("*.incomplete")) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # the worker stops at its next chunk and removes its file
+    assert not list(tmp_path.rglob("*.incomplete"))
+    assert not list(tmp_path.rglob("model.onnx"))
+    assert hub.bytes_sent.get("model.onnx", 0) < len(BIG)
 
 
 @pytest.fixture
