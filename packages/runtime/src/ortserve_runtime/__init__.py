@@ -15,13 +15,17 @@ from ._errors import (
     ModelLoadError,
     ModelNotFoundError,
 )
-from ._generation import FinishReason, GenerationEvent, GenerationStream, GenerativeModel, Usage
-from ._registry import ModelKind, ModelRegistry, ModelState, ModelStatus, detect_model_kind
+from ._generation import ChatModel, FinishReason, GenerationEvent, GenerationStream, GenerativeModel, Prompt, Usage
+from ._media import AudioInput, ImageInput
+from ._multimodal import MultimodalModel
+from ._registry import ModelKind, ModelRegistry, ModelState, ModelStatus, detect_model_kind, load_chat_model
 from ._sampling import GenerationOptions
 from ._speech import SpeechModel, Transcription
 from ._tools import ToolCall, ToolCallFormat, ToolCallParser, detect_tool_format, forced_tool_grammar
 
 __all__ = [
+    "AudioInput",
+    "ChatModel",
     "ChatTemplate",
     "ContextLengthError",
     "EmbeddingConfig",
@@ -36,6 +40,7 @@ __all__ = [
     "GenerationStream",
     "GenerativeModel",
     "Grammar",
+    "ImageInput",
     "InvalidRequestError",
     "Message",
     "ModelConfig",
@@ -45,7 +50,9 @@ __all__ = [
     "ModelRegistry",
     "ModelState",
     "ModelStatus",
+    "MultimodalModel",
     "Pooling",
+    "Prompt",
     "SpeechModel",
     "ToolCall",
     "ToolCallFormat",
@@ -55,4 +62,5 @@ __all__ = [
     "detect_model_kind",
     "detect_tool_format",
     "forced_tool_grammar",
+    "load_chat_model",
 ]

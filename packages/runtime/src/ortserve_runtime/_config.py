@@ -48,6 +48,13 @@ class ModelConfig:
     prefill_chunk_tokens: int = 512
     """Prompts longer than this are prefilled in chunks, with decode steps of the running
     requests in between (a long prompt does not stall the other streams)."""
+    multimodal_concurrency: int = 4
+    """Requests a multimodal model runs at once, each on its own ``og.Generator`` with its own
+    key/value cache (interleaved token by token); more wait in the queue."""
+    max_images: int = 8
+    """Images one request may carry."""
+    max_image_pixels: int = 25_000_000
+    """Largest image (width x height) accepted; larger ones are refused before decoding."""
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     last_position_logits: bool = True
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
@@ -55,6 +62,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        if self.multimodal_concurrency < 1:
+            raise ValueError("multimodal_concurrency must be at least 1")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be at least 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:

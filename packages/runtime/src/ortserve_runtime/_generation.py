@@ -24,10 +24,10 @@ import json
 import mmap
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -41,11 +41,12 @@ from ._chat import ChatTemplate, Message
 from ._config import ModelConfig
 from ._constraints import Constraint, GrammarCompiler
 from ._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
+from ._media import Media, Placeholders, flatten_messages
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
 from ._tools import ToolCallFormat, detect_tool_format
 
-__all__ = ["FinishReason", "GenerationEvent", "GenerationStream", "GenerativeModel", "Usage"]
+__all__ = ["ChatModel", "FinishReason", "GenerationEvent", "GenerationStream", "GenerativeModel", "Prompt", "Usage"]
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -75,6 +76,21 @@ class GenerationEvent:
     """Set on the final event only."""
 
 
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt ready to run: its token ids and, for multimodal models, the processor's
+    inputs (image and audio features; the ids then hold negative image placeholders)."""
+
+    ids: Sequence[int]
+    media: Any = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 _request_ids = itertools.count(1)
 
@@ -92,6 +108,8 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     decoder: Any = field(default_factory=lambda: decoders.DecodeStream(skip_special_tokens=True))
     constraint: Constraint | None = None
+    media: Any = None
+    """The processor's inputs for a multimodal prompt (see :class:`Prompt`)."""
     cancelled: bool = False
     row: int = -1
     prefilled: int = 0
@@ -104,6 +122,48 @@ class _Request:
         """Tokens in this request's cache row."""
         return len(self.prompt) + len(self.tokens)
 
+    def advance(self, logits: npt.NDArray[np.float32], tokenizer: Tokenizer, eos: frozenset[int]) -> GenerationEvent:
+        """Sample the next token from ``logits``; the event says whether the request is done."""
+        sampler = self.sampler
+        history = [t for t in self.prompt if t >= 0] + self.tokens if sampler.options.repetition_penalty != 1.0 else []
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+        token = sampler.choose(logits, history, len(self.tokens))
+        self.tokens.append(token)
+        complete = self.constraint is not None and self.constraint.advance(token)
+        if token in eos:
+            return self.final("stop", self.stops.feed(self._tail(tokenizer, eos))[0] + self.stops.flush())
+        piece = self.decoder.step(tokenizer, token) or ""
+        self.decoded_chars += len(piece)
+        if complete or len(self.tokens) >= self.max_tokens:
+            piece += self._tail(tokenizer, eos)
+        text, stopped = self.stops.feed(piece)
+        if stopped:
+            return self.final("stop", text, token)
+        if complete:
+            return self.final("stop", text + self.stops.flush(), token)
+        if len(self.tokens) >= self.max_tokens:
+            return self.final("length", text + self.stops.flush(), token)
+        return GenerationEvent(token_id=token, text=text)
+
+    def final(self, reason: FinishReason, text: str = "", token: int | None = None) -> GenerationEvent:
+        usage = Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens))
+        return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage)
+
+    def _tail(self, tokenizer: Tokenizer, eos: frozenset[int]) -> str:
+        """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),
+        rendered the way a full decode renders it."""
+        tokens = [t for t in self.tokens if t not in eos]
+        return str(tokenizer.decode(tokens, skip_special_tokens=True))[self.decoded_chars :]
+
+
+class _Scheduler(Protocol):
+    """What a :class:`GenerationStream` needs of the model that runs its request."""
+
+    def _submit(self, request: _Request) -> None: ...
+
+    def _cancel(self, request: _Request) -> None: ...
+
 
 class GenerationStream:
     """Async iterator of :class:`GenerationEvent` for one request.
@@ -113,7 +173,7 @@ class GenerationStream:
     batch row; :meth:`cancel` ends it with a final ``"cancelled"`` event instead.
     """
 
-    def __init__(self, model: GenerativeModel, request: _Request) -> None:
+    def __init__(self, model: _Scheduler, request: _Request) -> None:
         self._model = model
         self._request = request
         self._queue: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
@@ -129,9 +189,7 @@ class GenerationStream:
             raise StopAsyncIteration
         if not self._started and self._request.cancelled:  # cancelled before it was read
             self._done = True
-            return GenerationEvent(
-                token_id=None, text="", finish_reason="cancelled", usage=Usage(self.prompt_tokens, 0)
-            )
+            return self._request.final("cancelled")
         if not self._started:
             self._started = True
             loop = asyncio.get_running_loop()
@@ -240,38 +298,29 @@ class _DecoderGraph:
         self.cache_dtype = _DTYPES[cache_type]
 
 
-class GenerativeModel:
-    """A text generation model served with continuous batching (see the module docstring).
+class ChatModel:
+    """What text and multimodal generative models share: the tokenizer, the chat template,
+    the tool-call format, grammars, and the checks that turn a prompt into a request.
 
-    Create it with :meth:`load`; use :meth:`generate` from asyncio code; call :meth:`close`.
+    Subclasses run the requests (``_submit``/``_cancel``) and may accept media
+    (``modalities``, ``_placeholders``, ``_prepare``).
     """
 
     kind: Literal["generative"] = "generative"
 
-    def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
+    def __init__(self, name: str, folder: Path, config: ModelConfig, genai: Mapping[str, Any]) -> None:
         self.name = name
         self.folder = folder
         self.config = config
-        if config.provider != "cpu":
-            raise ModelLoadError(
-                f"cannot load {folder} on provider {config.provider!r}: the text engine runs on the CPU "
-                "provider only in this release",
-                path=folder,
-            )
-        genai = _read_json(folder / "genai_config.json")
+        self.modalities: frozenset[str] = frozenset()
+        """Inputs besides text: ``"image"``, ``"audio"``."""
+        self._placeholders: Placeholders = {}
         try:
             model = genai["model"]
             self.context_length = int(model["context_length"])
             eos = model.get("eos_token_id", [])
             self.eos_token_ids = frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
             self.vocab_size = int(model["vocab_size"])
-            model_type = str(model.get("type", ""))
-            if "vision" in model or "speech" in model or "encoder" in model:
-                raise ModelLoadError(
-                    f"{folder} is a multimodal or encoder-decoder model ({model_type}); "
-                    "only decoder-only text models are supported",
-                    path=folder,
-                )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"{folder / 'genai_config.json'} lacks a required field: {exc}", path=folder) from exc
         tokenizer_path = folder / "tokenizer.json"
@@ -287,39 +336,20 @@ class GenerativeModel:
         )
         """How this model writes tool calls (from its chat template), or None."""
         self.grammars = GrammarCompiler(tokenizer_path.read_text(encoding="utf-8"), self.vocab_size, self.eos_token_ids)
-        self._graph = _DecoderGraph(folder, genai, config)
         self.max_sequence_length = min(self.context_length, config.max_sequence_length or self.context_length)
-        self.max_batch_size = config.max_batch_size
-        shape = (self.max_batch_size, self._graph.kv_heads, self.max_sequence_length, self._graph.head_size)
-        # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
-        self._cache = [
-            (np.zeros(shape, self._graph.cache_dtype), np.zeros(shape, self._graph.cache_dtype))
-            for _ in range(self._graph.layers)
-        ]
+        # The owner thread (started by the subclass) takes requests from here.
+        self._closing = False
         self._cond = threading.Condition()
         self._inbox: deque[_Request] = deque()
         self._cancels: set[_Request] = set()
-        self._rows: list[_Request] = []
-        self._prefilling: _Request | None = None
-        """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
-        self.prefill_chunk = config.prefill_chunk_tokens
-        self._closing = False
-        self.steps = 0
-        """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
         self._thread = threading.Thread(target=self._run, name=f"ortserve-{name}", daemon=True)
-        self._thread.start()
-
-    # -- public API (any thread / asyncio) -------------------------------------------------
-
-    @property
-    def active(self) -> int:
-        """Requests holding a batch row now (decoding, or having their prompt prefilled)."""
-        return len(self._rows) + (self._prefilling is not None)
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a free row."""
+        """Requests waiting to start."""
         return len(self._inbox)
+
+    # -- public API (any thread / asyncio) -------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -339,26 +369,45 @@ class GenerativeModel:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text the model's own template makes of ``messages`` (and ``tools``)."""
-        if self.chat_template is None:
-            raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
-        return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        """The prompt text the model's own template makes of ``messages`` (and ``tools``).
+
+        Content may be a list of parts (text, :class:`ImageInput`, :class:`AudioInput`);
+        media parts appear as the model's placeholders.
+        """
+        return self._render(messages, tools, add_generation_prompt)[0]
 
     def tokenize_chat(
         self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None
     ) -> list[int]:
         """Token ids of the chat prompt (the template writes any special tokens itself)."""
-        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+        return list(self.prepare_chat(messages, tools=tools))
+
+    def prepare_chat(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
+        """The prompt for ``messages``, ready for :meth:`generate` (``n`` choices may share it).
+
+        For multimodal models this decodes the media and runs the processor: call it from a
+        worker thread in asyncio code (:meth:`aprepare_chat`).
+        """
+        text, media = self._render(messages, tools, True)
+        return self._prepare(text, media)
+
+    async def aprepare_chat(
+        self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> Prompt:
+        """:meth:`prepare_chat` without blocking the event loop on media."""
+        if not self.modalities:
+            return self.prepare_chat(messages, tools=tools)
+        return await asyncio.to_thread(self.prepare_chat, messages, tools=tools)
 
     def generate(
         self,
-        prompt: str | Sequence[int] | None = None,
+        prompt: str | Sequence[int] | Prompt | None = None,
         *,
         messages: Sequence[Message] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         options: GenerationOptions | None = None,
     ) -> GenerationStream:
-        """Start a generation from text, token ids, or chat messages.
+        """Start a generation from text, token ids, a prepared prompt, or chat messages.
 
         Everything is validated here, before anything reaches the engine: bad options,
         an empty prompt, token ids outside the vocabulary and prompts that do not fit the
@@ -371,29 +420,32 @@ class GenerativeModel:
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give either a prompt or messages", param="prompt")
         if messages is not None:
-            ids = self.tokenize_chat(messages, tools=tools)
+            prompt = self.prepare_chat(messages, tools=tools)
         elif isinstance(prompt, str):
-            ids = self.encode(prompt)
-        else:
+            prompt = Prompt(self.encode(prompt))
+        elif not isinstance(prompt, Prompt):
             ids = [int(t) for t in prompt or ()]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
                     f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
                 )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="messages" if messages is not None else "prompt")
-        room = self.max_sequence_length - len(ids)
+            prompt = Prompt(ids)
+        field_name = "messages" if messages is not None else "prompt"
+        if not prompt.ids:
+            raise InvalidRequestError("the prompt is empty", param=field_name)
+        room = self.max_sequence_length - len(prompt.ids)
         if room < 1 or (options.max_tokens is not None and options.max_tokens > room):
             asked = f" plus max_tokens {options.max_tokens}" if options.max_tokens is not None else ""
             raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens{asked}, more than this model's limit of "
+                f"the prompt has {len(prompt.ids)} tokens{asked}, more than this model's limit of "
                 f"{self.max_sequence_length} tokens",
-                param="max_tokens" if room >= 1 else ("messages" if messages is not None else "prompt"),
+                param="max_tokens" if room >= 1 else field_name,
             )
         constraint = self.grammars.constraint(options.grammar) if options.grammar is not None else None
         request = _Request(
-            prompt=ids,
+            prompt=list(prompt.ids),
+            media=prompt.media,
             constraint=constraint,
             max_tokens=options.max_tokens if options.max_tokens is not None else room,
             sampler=Sampler(options, self.eos_token_ids),
@@ -402,14 +454,31 @@ class GenerativeModel:
         )
         return GenerationStream(self, request)
 
+    # -- for subclasses ----------------------------------------------------------------------
+
+    def _render(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool
+    ) -> tuple[str, Media]:
+        if self.chat_template is None:
+            raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
+        flat, media = flatten_messages(messages, self._placeholders, self.name)
+        return self.chat_template.render(flat, tools=tools, add_generation_prompt=add_generation_prompt), media
+
+    def _prepare(self, text: str, media: Media) -> Prompt:
+        """The prompt of a rendered chat (text models: its tokens)."""
+        return Prompt(self.encode(text, add_special_tokens=False))
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    # -- bridge to the owner thread --------------------------------------------------------
+
     async def close(self) -> None:
         """Finish: pending requests get :class:`EngineClosedError`; the thread exits."""
         with self._cond:
             self._closing = True
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
-
-    # -- bridge ----------------------------------------------------------------------------
 
     def _submit(self, request: _Request) -> None:
         with self._cond:
@@ -425,6 +494,50 @@ class GenerativeModel:
             self._cancels.add(request)
             self._cond.notify()
 
+
+class GenerativeModel(ChatModel):
+    """A text generation model served with continuous batching (see the module docstring).
+
+    Use :meth:`generate` from asyncio code; call :meth:`close` when done.
+    """
+
+    def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
+        if config.provider != "cpu":
+            raise ModelLoadError(
+                f"cannot load {folder} on provider {config.provider!r}: the text engine runs on the CPU "
+                "provider only in this release",
+                path=folder,
+            )
+        genai = _read_json(folder / "genai_config.json")
+        model = genai.get("model")
+        if isinstance(model, dict) and ("vision" in model or "speech" in model or "encoder" in model):
+            raise ModelLoadError(
+                f"{folder} is a multimodal or encoder-decoder model ({model.get('type')}); "
+                "only decoder-only text models run on this engine",
+                path=folder,
+            )
+        super().__init__(name, folder, config, genai)
+        self._graph = _DecoderGraph(folder, genai, config)
+        self.max_batch_size = config.max_batch_size
+        shape = (self.max_batch_size, self._graph.kv_heads, self.max_sequence_length, self._graph.head_size)
+        # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
+        self._cache = [
+            (np.zeros(shape, self._graph.cache_dtype), np.zeros(shape, self._graph.cache_dtype))
+            for _ in range(self._graph.layers)
+        ]
+        self._rows: list[_Request] = []
+        self._prefilling: _Request | None = None
+        """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
+        self.prefill_chunk = config.prefill_chunk_tokens
+        self.steps = 0
+        """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
+        self._thread.start()
+
+    @property
+    def active(self) -> int:
+        """Requests holding a batch row now (decoding, or having their prompt prefilled)."""
+        return len(self._rows) + (self._prefilling is not None)
+
     # -- owner thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -438,13 +551,13 @@ class GenerativeModel:
                 for request in cancels:
                     if request in self._inbox:
                         self._inbox.remove(request)
-                        request.deliver(self._final(request, "cancelled", ""))
+                        request.deliver(request.final("cancelled"))
             for request in cancels:
                 if request is self._prefilling:
                     self._prefilling, request.row = None, -1
-                    request.deliver(self._final(request, "cancelled", ""))
+                    request.deliver(request.final("cancelled"))
                 elif request.row >= 0:
-                    self._finish(request, "cancelled", "")
+                    self._finish(request, "cancelled")
             try:
                 self._prefill_work()
                 if self._rows:
@@ -478,7 +591,7 @@ class GenerativeModel:
                         return
                     request = self._inbox.popleft()
                 if request.cancelled:
-                    request.deliver(self._final(request, "cancelled", ""))
+                    request.deliver(request.final("cancelled"))
                     continue
                 request.row, request.prefilled = len(self._rows), 0
                 self._prefilling = request
@@ -542,43 +655,14 @@ class GenerativeModel:
 
     def _accept(self, request: _Request, logits: npt.NDArray[np.float32]) -> None:
         """Sample the next token of ``request`` and tell its consumer."""
-        sampler = request.sampler
-        history = request.prompt + request.tokens if sampler.options.repetition_penalty != 1.0 else []
-        if request.constraint is not None:
-            logits = request.constraint.mask(logits)
-        token = sampler.choose(logits, history, len(request.tokens))
-        request.tokens.append(token)
-        complete = request.constraint is not None and request.constraint.advance(token)
-        if token in self.eos_token_ids:
-            self._finish(request, "stop", request.stops.feed(self._tail(request))[0] + request.stops.flush())
-            return
-        piece = request.decoder.step(self.tokenizer, token) or ""
-        request.decoded_chars += len(piece)
-        if complete or len(request.tokens) >= request.max_tokens:
-            piece += self._tail(request)
-        text, stopped = request.stops.feed(piece)
-        if stopped:
-            self._finish(request, "stop", text, token)
-        elif complete:
-            self._finish(request, "stop", text + request.stops.flush(), token)
-        elif len(request.tokens) >= request.max_tokens:
-            self._finish(request, "length", text + request.stops.flush(), token)
-        else:
-            request.deliver(GenerationEvent(token_id=token, text=text))
+        event = request.advance(logits, self.tokenizer, self.eos_token_ids)
+        if event.finish_reason is not None:
+            self._release(request)
+        request.deliver(event)
 
-    def _tail(self, request: _Request) -> str:
-        """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),
-        rendered the way a full decode renders it."""
-        tokens = [t for t in request.tokens if t not in self.eos_token_ids]
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))[request.decoded_chars :]
-
-    def _final(self, request: _Request, reason: FinishReason, text: str, token: int | None = None) -> GenerationEvent:
-        usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.tokens))
-        return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage)
-
-    def _finish(self, request: _Request, reason: FinishReason, text: str, token: int | None = None) -> None:
+    def _finish(self, request: _Request, reason: FinishReason) -> None:
         self._release(request)
-        request.deliver(self._final(request, reason, text, token))
+        request.deliver(request.final(reason))
 
     def _release(self, request: _Request) -> None:
         """Free the request's row; the last row moves into the hole so rows stay dense."""

@@ -12,10 +12,11 @@ from typing import Any, Literal
 from ._config import ModelConfig
 from ._embeddings import EmbeddingModel
 from ._errors import ModelLoadError, ModelNotFoundError
-from ._generation import GenerativeModel
+from ._generation import ChatModel, GenerativeModel
+from ._multimodal import MULTIMODAL_TYPES, MultimodalModel
 from ._speech import SpeechModel
 
-__all__ = ["ModelKind", "ModelRegistry", "ModelState", "ModelStatus", "detect_model_kind"]
+__all__ = ["ModelKind", "ModelRegistry", "ModelState", "ModelStatus", "detect_model_kind", "load_chat_model"]
 
 ModelKind = Literal["generative", "embedding", "speech"]
 ModelState = Literal["unloaded", "loading", "ready", "error"]
@@ -53,6 +54,17 @@ def detect_model_kind(folder: Path) -> ModelKind:
         "or an ONNX encoder with tokenizer.json (embedding model)",
         path=folder,
     )
+
+
+def load_chat_model(name: str, folder: Path, config: ModelConfig) -> ChatModel:
+    """A generative model: the text engine, or the multimodal one for vision/audio types."""
+    try:
+        model_type = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        model_type = None  # the text engine reports what is wrong, naming the file
+    if model_type in MULTIMODAL_TYPES:
+        return MultimodalModel(name, folder, config)
+    return GenerativeModel(name, folder, config)
 
 
 class _Entry:
@@ -149,9 +161,9 @@ class ModelRegistry:
         return model
 
     @staticmethod
-    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], GenerativeModel | EmbeddingModel | SpeechModel]:
-        factories: dict[ModelKind, Callable[[str, Path, ModelConfig], GenerativeModel | EmbeddingModel | SpeechModel]]
-        factories = {"generative": GenerativeModel, "embedding": EmbeddingModel, "speech": SpeechModel}
+    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], ChatModel | EmbeddingModel | SpeechModel]:
+        factories: dict[ModelKind, Callable[[str, Path, ModelConfig], ChatModel | EmbeddingModel | SpeechModel]]
+        factories = {"generative": load_chat_model, "embedding": EmbeddingModel, "speech": SpeechModel}
         return factories[kind]
 
     def _entry(self, name: str) -> _Entry:
