@@ -227,7 +227,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
                 "model": "tiny",
                 "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
             },
-            "messages[0].content",
+            "messages[0].content[0].image_url.url",
         ),
     ],
 )

@@ -80,7 +80,9 @@ def test_audio_to_a_chat_model_is_refused(url: str) -> None:
         ],
     }
     response = httpx.post(f"{url}/v1/chat/completions", json=body)
-    assert response.status_code == 400 and "input_audio" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages[0].content[0]"
+    assert error["message"] == "model 'tiny' does not take audio"
 
 
 def test_our_client_and_concurrency(url: str) -> None:

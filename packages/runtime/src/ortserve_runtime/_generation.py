@@ -349,6 +349,11 @@ class ChatModel:
         """Requests waiting to start."""
         return len(self._inbox)
 
+    @property
+    def active(self) -> int:
+        """Requests being generated now."""
+        raise NotImplementedError
+
     # -- public API (any thread / asyncio) -------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -67,6 +67,13 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sequence-length", type=int, default=4096)
     serve.add_argument("--max-queued", type=int, default=64)
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    serve.add_argument(
+        "--allow-image-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="fetch http(s) image URLs from this host (default: data: URLs only); repeatable",
+    )
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight work gets on SIGTERM")
     serve.add_argument(
         "--ready-json",
@@ -110,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
             models=dict(resolved),
             api_key=args.api_key or None,
             max_queued=args.max_queued,
+            image_url_hosts=tuple(args.allow_image_host),
             model_config=ModelConfig(
                 provider=args.provider,
                 max_batch_size=args.max_batch_size,

@@ -35,3 +35,6 @@ class ServerConfig:
     """Upper bound on ``max_tokens`` a request may ask for (``None``: the model's context)."""
     max_n: int = 8
     """Largest ``n`` (choices per request)."""
+    image_url_hosts: tuple[str, ...] = ()
+    """Hosts whose ``http(s)`` image URLs the server may fetch. Empty: images come inline as
+    ``data:`` URLs only, since a server that fetches any URL it is given is an SSRF hole."""

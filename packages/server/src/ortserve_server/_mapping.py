@@ -5,22 +5,29 @@ A parameter this server cannot honour is refused with a 400 naming it, never ign
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import httpx
 import msgspec
 from ortserve_client import protocol as p
 from ortserve_runtime import (
+    AudioInput,
+    ChatModel,
     EmbeddingModel,
     GenerationOptions,
     GenerationStream,
-    GenerativeModel,
     Grammar,
+    ImageInput,
     InvalidRequestError,
     ModelKind,
+    Prompt,
     SpeechModel,
     ToolCallFormat,
     forced_tool_grammar,
@@ -63,9 +70,9 @@ def _or(value: T | msgspec.UnsetType | None, default: D) -> T | D:
     return default if value is None or isinstance(value, msgspec.UnsetType) else value
 
 
-async def require_model(state: OrtServe, name: str) -> GenerativeModel:
+async def require_model(state: OrtServe, name: str) -> ChatModel:
     """The loaded generative model called ``name``, or a 404/400/503 that says why not."""
-    model: GenerativeModel = await _loaded(state, name, "generative")
+    model: ChatModel = await _loaded(state, name, "generative")
     if model.queued >= state.config.max_queued:
         raise OverloadedError(
             f"model {name!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
@@ -142,27 +149,21 @@ def check_completion_request(data: p.CompletionRequest, config: ServerConfig) ->
         raise _refuse("best_of")
 
 
-def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, Any]]:
-    """Protocol messages as the plain dicts chat templates expect."""
+async def chat_messages(messages: Sequence[p.ChatMessage], config: ServerConfig) -> list[dict[str, Any]]:
+    """Protocol messages as the plain dicts chat templates expect; content parts become
+    text, :class:`ImageInput` and :class:`AudioInput` (the model decides what it takes)."""
     result: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         content = message.content
+        parts: str | list[str | ImageInput | AudioInput] = content if isinstance(content, str) else ""
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if isinstance(part, p.TextContentPart):
-                    texts.append(part.text)
-                else:
-                    raise BadRequestError(
-                        f"messages[{index}]: content of type {part.__struct_config__.tag!r} needs a multimodal model",
-                        param=f"messages[{index}].content",
-                    )
-            text: str | None = "".join(texts)
-        else:
-            text = content if isinstance(content, str) else None
+            parts = [
+                await _content_part(part, f"messages[{index}].content[{number}]", config)
+                for number, part in enumerate(content)
+            ]
         role = message.__struct_config__.tag
         # "developer" is OpenAI's newer name for the system role; templates know "system".
-        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text or ""}
+        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": parts}
         tool_calls = getattr(message, "tool_calls", None)
         if _given(tool_calls) and tool_calls:
             item["tool_calls"] = [msgspec.to_builtins(call) for call in tool_calls]
@@ -172,6 +173,59 @@ def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, Any]]:
                 item[key] = value
         result.append(item)
     return result
+
+
+async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -> str | ImageInput | AudioInput:
+    if isinstance(part, p.TextContentPart):
+        return part.text
+    if isinstance(part, p.InputAudioContentPart):
+        return AudioInput(_base64(part.input_audio.data, f"{where}.input_audio.data"), part.input_audio.format)
+    url = part.image_url.url
+    where = f"{where}.image_url.url"
+    if url.startswith("data:"):
+        media_type, _sep, rest = url[5:].partition(",")
+        if not _sep or not media_type.endswith(";base64"):
+            raise BadRequestError("an image data URL must look like data:image/png;base64,...", param=where)
+        if media_type.split(";")[0] not in ("", "image") and not media_type.startswith("image/"):
+            raise BadRequestError(f"the data URL holds {media_type.split(';')[0]!r}, not an image", param=where)
+        return ImageInput(_base64(rest, where))
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https"):
+        raise BadRequestError("an image URL must be a data: URL (or http(s) where allowed)", param=where)
+    if parsed.hostname not in config.image_url_hosts:
+        raise BadRequestError(
+            f"this server does not fetch images from {parsed.hostname!r}: send the image inline as a data: URL "
+            "(remote hosts must be allowed with image_url_hosts / --allow-image-host)",
+            param=where,
+        )
+    return ImageInput(await _fetch_image(url, where, config.max_body_size))
+
+
+def _base64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequestError("not valid base64", param=where) from None
+
+
+async def _fetch_image(url: str, where: str, limit: int) -> bytes:
+    """An allowed remote image, at most ``limit`` bytes, without following redirects (a
+    redirect could lead anywhere, defeating the allow-list)."""
+    try:
+        async with (
+            httpx.AsyncClient(timeout=10.0, follow_redirects=False) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise BadRequestError(f"fetching the image gave HTTP {response.status_code}", param=where)
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise BadRequestError(f"the image is larger than {limit} bytes", param=where)
+            return bytes(body)
+    except httpx.HTTPError as exc:
+        raise BadRequestError(f"the image could not be fetched: {exc}", param=where) from exc
 
 
 def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -220,8 +274,8 @@ def grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Gra
 
 
 def start_generations(
-    model: GenerativeModel,
-    prompts: Sequence[str | list[int]],
+    model: ChatModel,
+    prompts: Sequence[str | list[int] | Prompt],
     options: Sequence[GenerationOptions],
     fields: Mapping[str, str],
 ) -> list[GenerationStream]:
@@ -247,7 +301,7 @@ class ToolPlan:
     """Force a call (``required`` or a named function)."""
 
 
-def tool_plan(data: p.ChatCompletionRequest, model: GenerativeModel) -> ToolPlan:
+def tool_plan(data: p.ChatCompletionRequest, model: ChatModel) -> ToolPlan:
     tools = data.tools if isinstance(data.tools, list) and data.tools else None
     choice = data.tool_choice if _given(data.tool_choice) else ("auto" if tools else "none")
     if tools is None:

@@ -24,7 +24,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody, MultipartBody
 from litestar.response import Stream
 from ortserve_client import protocol as p
-from ortserve_runtime import GenerationEvent, GenerationStream, GenerativeModel, ToolCall, ToolCallParser
+from ortserve_runtime import ChatModel, GenerationEvent, GenerationStream, ToolCall, ToolCallParser
 
 from ._errors import AuthenticationError, BadRequestError, ServerError
 from ._mapping import (
@@ -107,7 +107,7 @@ class _Generation:
         self,
         state: OrtServe,
         endpoint: str,
-        model: GenerativeModel,
+        model: ChatModel,
         streams: list[GenerationStream],
         tool_parsers: list[ToolCallParser] | None = None,
         parallel_calls: bool = True,
@@ -227,7 +227,7 @@ async def chat_completions(
     check_chat_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
     tools = tool_plan(data, model)
-    prompt = model.tokenize_chat(chat_messages(data.messages), tools=tools.definitions)
+    prompt = await model.aprepare_chat(await chat_messages(data.messages, ortserve.config), tools=tools.definitions)
     options = generation_options(data, ortserve.config, n, forced=tools.grammar)
     fields = {"prompt": "messages", "grammar": "tool_choice" if tools.grammar else _grammar_field(data)}
     streams = start_generations(model, [prompt], options, fields)
@@ -412,7 +412,8 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
         raise BadRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
     if has_messages:
         assert not isinstance(data.messages, msgspec.UnsetType)
-        text = model.apply_chat_template(chat_messages(data.messages), add_generation_prompt=data.add_generation_prompt)
+        messages = await chat_messages(data.messages, ortserve.config)
+        text = model.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt)
         tokens = model.encode(text, add_special_tokens=False)
     else:
         assert isinstance(data.prompt, str)
@@ -442,7 +443,7 @@ async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Heal
 async def metrics_handler(ortserve: NamedDependency[OrtServe]) -> bytes:
     for name in ortserve.registry.names():
         model = ortserve.registry.loaded(name)
-        if model is not None and isinstance(model, GenerativeModel):
+        if model is not None and isinstance(model, ChatModel):
             ortserve.metrics.queue_depth.labels(name).set(model.queued)
             ortserve.metrics.active.labels(name).set(model.active)
     return ortserve.metrics.render()

@@ -1,0 +1,217 @@
+"""Images in chat through a real server: the openai SDK, raw HTTP, streaming, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from audio import tone_wav
+from images import TINY_PHI3V, image_bytes, image_part
+from ortserve_runtime import ModelConfig
+from ortserve_server import ServerConfig, create_app
+from serving import TINY_MODEL, running
+
+MAX_IMAGES = 3
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    config = ServerConfig(
+        models={"vision": TINY_PHI3V, "tiny": TINY_MODEL},
+        max_body_size=2_000_000,
+        image_url_hosts=("127.0.0.1",),
+        model_config=ModelConfig(max_images=MAX_IMAGES, max_image_pixels=1_000_000, multimodal_concurrency=2),
+    )
+    with running(create_app(config)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def ask(*parts: Any, text: str = "What is in the picture?") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model="vision",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=kwargs.pop("max_tokens", 12),
+        temperature=0,
+        **kwargs,
+    )
+
+
+def test_one_image(client: openai.OpenAI) -> None:
+    red = chat(client, ask(image_part(image_bytes(colour=(220, 20, 20)))))
+    assert red.choices[0].message.content and red.choices[0].finish_reason == "length"
+    assert red.usage is not None and red.usage.completion_tokens == 12
+    # The image's features are prompt tokens: phi3v reserves hundreds per image.
+    text_only = chat(client, [{"role": "user", "content": "What is in the picture?"}])
+    assert text_only.usage is not None and red.usage.prompt_tokens > text_only.usage.prompt_tokens + 300
+    again = chat(client, ask(image_part(image_bytes(colour=(220, 20, 20)))))
+    blue = chat(client, ask(image_part(image_bytes(colour=(20, 20, 220)))))
+    assert again.choices[0].message.content == red.choices[0].message.content
+    assert blue.choices[0].message.content != red.choices[0].message.content  # the model sees the image
+
+
+def test_two_images_in_order(client: openai.OpenAI) -> None:
+    red, blue = image_part(image_bytes(colour=(220, 20, 20))), image_part(image_bytes(colour=(20, 20, 220)))
+    one = chat(client, ask(red))
+    both = chat(client, ask(red, blue, text="Compare them."))
+    swapped = chat(client, ask(blue, red, text="Compare them."))
+    assert both.usage is not None and one.usage is not None
+    assert both.usage.prompt_tokens > one.usage.prompt_tokens + 300
+    assert both.choices[0].message.content != swapped.choices[0].message.content
+
+
+def test_image_formats_pillow_reads_are_accepted(client: openai.OpenAI) -> None:
+    # onnxruntime-genai alone would hand a BMP to libjpeg, whose error handler exits the
+    # process; the server decodes it first and the model gets a PNG.
+    for fmt, media_type in (("BMP", "image/bmp"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif")):
+        reply = chat(client, ask(image_part(image_bytes(fmt=fmt), media_type)), max_tokens=2)
+        assert reply.usage is not None and reply.usage.prompt_tokens > 300, fmt
+
+
+def test_streaming_matches_the_whole_answer(client: openai.OpenAI) -> None:
+    messages = ask(image_part())
+    whole = chat(client, messages).choices[0].message.content
+    stream = chat(client, messages, stream=True, stream_options={"include_usage": True})
+    pieces, reasons, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    assert "".join(pieces) == whole
+    assert reasons == ["length"] and usage is not None and usage.completion_tokens == 12
+
+
+def test_concurrent_requests_all_complete(url: str) -> None:
+    colours = [(220, 20, 20), (20, 220, 20), (20, 20, 220), (200, 200, 20), (20, 200, 200)]
+
+    async def run() -> tuple[list[str | None], list[str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as aclient:
+
+            async def one(colour: tuple[int, int, int]) -> str | None:
+                reply = await aclient.chat.completions.create(
+                    model="vision",
+                    messages=ask(image_part(image_bytes(colour=colour))),  # type: ignore[arg-type]
+                    max_tokens=8,
+                    temperature=0,
+                )
+                return reply.choices[0].message.content
+
+            together = await asyncio.gather(*(one(c) for c in colours))  # more than multimodal_concurrency
+            alone = [await one(c) for c in colours]
+            return together, alone
+
+    together, alone = asyncio.run(run())
+    assert together == alone and len(set(alone)) > 1
+
+
+def _bad(url: str, messages: list[dict[str, Any]], model: str = "vision", status: int = 400) -> dict[str, Any]:
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "words"),
+    [
+        (image_part(b"these bytes are no image"), "messages[0].content[0]", "could not be decoded"),
+        (image_part(image_bytes()[:60]), "messages[0].content[0]", "could not be decoded"),
+        (image_part(b""), "messages[0].content[0]", "empty"),
+        (image_part(b"plain text", "text/plain"), "messages[0].content[0].image_url.url", "not an image"),
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}},
+            "messages[0].content[0].image_url.url",
+            "base64",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "http://localhost:9/cat.png"}},
+            "messages[0].content[0].image_url.url",
+            "data: URL",
+        ),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "messages[0].content[0].image_url.url", ""),
+        (image_part(image_bytes(1200, 1000)), "messages[0].content[0]", "1200x1000 pixels"),
+        (
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone_wav(0.2)).decode(), "format": "wav"}},
+            "messages[0].content[0]",
+            "does not take audio",
+        ),
+    ],
+)
+def test_bad_media_is_a_400_naming_the_part(url: str, part: dict[str, Any], param: str, words: str) -> None:
+    error = _bad(url, ask(part))
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert words in error["message"]
+
+
+def test_more_bad_input(url: str, client: openai.OpenAI) -> None:
+    error = _bad(url, ask(*[image_part() for _ in range(MAX_IMAGES + 1)]))
+    assert f"at most {MAX_IMAGES}" in error["message"]
+    error = _bad(url, ask(image_part()), model="tiny")
+    assert error["param"] == "messages[0].content[0]" and error["message"] == "model 'tiny' does not take images"
+    # A placeholder written by hand that matches no image is caught by the processor.
+    error = _bad(url, [{"role": "user", "content": "<|image_3|> what is this?"}])
+    assert "could not be processed" in error["message"]
+    big = image_bytes(900, 900, fmt="BMP")  # ~2.4 MB: over the body limit
+    assert len(big) > 2_000_000
+    _bad(url, ask(image_part(big, "image/bmp")), status=413)
+    # Nothing of that harmed the server.
+    assert chat(client, ask(image_part()), max_tokens=2).choices[0].message.content is not None
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """A loopback HTTP server with /cat.png and a redirect to it."""
+    png = image_bytes(colour=(90, 60, 30))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/cat.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                self.wfile.write(png)
+            elif self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_allowed_hosts_are_fetched(url: str, client: openai.OpenAI, image_host: str) -> None:
+    remote = {"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}}
+    inline = image_part(image_bytes(colour=(90, 60, 30)))
+    assert chat(client, ask(remote)).choices[0].message.content == chat(client, ask(inline)).choices[0].message.content
+    for path, words in (("/missing.png", "HTTP 404"), ("/moved.png", "HTTP 302")):
+        error = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}{path}"}}))
+        assert words in error["message"]
