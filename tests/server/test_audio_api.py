@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -102,3 +104,42 @@ def test_our_client_and_concurrency(url: str) -> None:
 
     texts = asyncio.run(run())
     assert len(set(texts)) == 1 and texts[0]
+
+
+def _audio_part(seconds: float = 1.0) -> dict[str, object]:
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(tone_wav(seconds)).decode(), "format": "wav"},
+    }
+
+
+def test_a_chat_with_audio_is_answered_with_its_transcription(client: openai.OpenAI) -> None:
+    expected = client.audio.transcriptions.create(model="whisper", file=("tone.wav", tone_wav(1.0))).text
+    messages: Any = [{"role": "user", "content": [{"type": "text", "text": "Transcribe this:"}, _audio_part()]}]
+    reply = client.chat.completions.create(model="whisper", messages=messages)
+    assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+    stream = client.chat.completions.create(
+        model="whisper", messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "content", "param"),
+    [
+        ({}, [{"type": "text", "text": "no audio here"}], "messages"),
+        ({}, [_audio_part(0.2), _audio_part(0.2)], "messages"),
+        ({"n": 2}, [_audio_part(0.2)], "n"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, [_audio_part(0.2)], "tools"),
+        ({}, [{"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}], "input_audio.data"),
+        ({}, [{"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}], "input_audio.data"),
+    ],
+)
+def test_bad_audio_chats(url: str, extra: dict[str, object], content: list[object], param: str) -> None:
+    body = {"model": "whisper", "messages": [{"role": "user", "content": content}], **extra}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert param in response.json()["error"]["param"]

@@ -42,6 +42,7 @@ __all__ = [
     "check_chat_request",
     "check_completion_request",
     "completion_prompts",
+    "decode_base64",
     "generation_options",
     "grammar_of",
     "new_id",
@@ -179,7 +180,7 @@ async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -
     if isinstance(part, p.TextContentPart):
         return part.text
     if isinstance(part, p.InputAudioContentPart):
-        return AudioInput(_base64(part.input_audio.data, f"{where}.input_audio.data"), part.input_audio.format)
+        return AudioInput(decode_base64(part.input_audio.data, f"{where}.input_audio.data"), part.input_audio.format)
     url = part.image_url.url
     where = f"{where}.image_url.url"
     if url.startswith("data:"):
@@ -188,7 +189,7 @@ async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -
             raise BadRequestError("an image data URL must look like data:image/png;base64,...", param=where)
         if media_type.split(";")[0] not in ("", "image") and not media_type.startswith("image/"):
             raise BadRequestError(f"the data URL holds {media_type.split(';')[0]!r}, not an image", param=where)
-        return ImageInput(_base64(rest, where))
+        return ImageInput(decode_base64(rest, where))
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https"):
         raise BadRequestError("an image URL must be a data: URL (or http(s) where allowed)", param=where)
@@ -201,7 +202,7 @@ async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -
     return ImageInput(await _fetch_image(url, where, config.max_body_size))
 
 
-def _base64(data: str, where: str) -> bytes:
+def decode_base64(data: str, where: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):

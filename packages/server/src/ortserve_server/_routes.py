@@ -24,7 +24,14 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody, MultipartBody
 from litestar.response import Stream
 from ortserve_client import protocol as p
-from ortserve_runtime import ChatModel, GenerationEvent, GenerationStream, ToolCall, ToolCallParser
+from ortserve_runtime import (
+    ChatModel,
+    GenerationEvent,
+    GenerationStream,
+    InvalidRequestError,
+    ToolCall,
+    ToolCallParser,
+)
 
 from ._errors import AuthenticationError, BadRequestError, ServerError
 from ._mapping import (
@@ -32,6 +39,7 @@ from ._mapping import (
     check_chat_request,
     check_completion_request,
     completion_prompts,
+    decode_base64,
     generation_options,
     grammar_of,
     new_id,
@@ -223,6 +231,8 @@ def _stream_response(chunks: AsyncIterator[bytes]) -> Stream:
 async def chat_completions(
     data: JSONBody[p.ChatCompletionRequest], ortserve: NamedDependency[OrtServe]
 ) -> Response[Any]:
+    if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
+        return await _transcribe_chat(data, ortserve)
     model = await require_model(ortserve, data.model)
     check_chat_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
@@ -292,6 +302,66 @@ async def chat_completions(
         )
         choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason))
     return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
+
+
+async def _transcribe_chat(data: p.ChatCompletionRequest, ortserve: OrtServe) -> Response[Any]:
+    """A chat with a speech-to-text model: its answer is the transcription of the one
+    ``input_audio`` part the messages carry (text parts are not instructions to it)."""
+    model = await require_speech_model(ortserve, data.model)
+    check_chat_request(data, ortserve.config)
+    for name in ("tools", "response_format", "stop"):
+        if getattr(data, name) not in (None, msgspec.UNSET, []):
+            raise BadRequestError(f"'{name}' does not apply to a speech-to-text model", param=name)
+    if data.n not in (None, msgspec.UNSET, 1):
+        raise BadRequestError("a speech-to-text model gives one choice ('n' must be 1)", param="n")
+    audio = [
+        (f"messages[{i}].content[{j}].input_audio.data", part.input_audio.data)
+        for i, message in enumerate(data.messages)
+        if isinstance(message.content, list)
+        for j, part in enumerate(message.content)
+        if isinstance(part, p.InputAudioContentPart)
+    ]
+    if len(audio) != 1:
+        raise BadRequestError(
+            f"model {data.model!r} transcribes speech: send exactly one input_audio part (got {len(audio)})",
+            param="messages",
+        )
+    where, encoded = audio[0]
+    max_tokens = data.max_completion_tokens if isinstance(data.max_completion_tokens, int) else data.max_tokens
+    try:
+        result = await model.transcribe(
+            decode_base64(encoded, where),
+            temperature=data.temperature if isinstance(data.temperature, float | int) else 0.0,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        )
+    except InvalidRequestError as exc:  # the runtime names the transcription API's "file"
+        raise InvalidRequestError(str(exc), param=where if exc.param == "file" else exc.param) from exc
+    endpoint = f"{ortserve.config.path}/chat/completions"
+    ortserve.metrics.requests.labels(endpoint, data.model, "200").inc()
+    ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
+    reason = "length" if isinstance(max_tokens, int) and result.tokens >= max_tokens else "stop"
+    usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=result.tokens, total_tokens=result.tokens)
+    response_id, created = new_id("chatcmpl"), int(time.time())
+    if data.stream is not True:
+        message = p.ChatCompletionMessage(role="assistant", content=result.text)
+        choice = p.ChatCompletionChoice(index=0, message=message, finish_reason=reason)
+        return Response(
+            p.ChatCompletion(id=response_id, created=created, model=data.model, choices=[choice], usage=usage)
+        )
+
+    def chunk(choices: list[p.ChatCompletionChunkChoice], usage: p.CompletionUsage | None = None) -> bytes:
+        return _sse(
+            p.ChatCompletionChunk(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        yield chunk([p.ChatCompletionChunkChoice(index=0, delta=p.ChoiceDelta(role="assistant", content=result.text))])
+        yield chunk([p.ChatCompletionChunkChoice(index=0, delta=p.ChoiceDelta(), finish_reason=reason)])
+        if _include_usage(data.stream_options):
+            yield chunk([], usage)
+        yield b"data: [DONE]\n\n"
+
+    return _stream_response(events())
 
 
 @post("/completions", status_code=200, summary="Create a (legacy) text completion")
