@@ -729,16 +729,17 @@ def test_import_is_light() -> None:
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
     pytest.importorskip("ortserve_server", reason="the contract test needs the server installed")
+    from images import TINY_PHI3V
     from ortserve_server import ServerConfig, create_app
     from serving import TINY_MODEL, running
 
-    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as url:
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL, "vision": TINY_PHI3V}))) as url:
         yield url
 
 
 async def test_contract_with_the_real_server(server_url: str) -> None:
     async with AsyncClient(f"{server_url}/v1") as client:
-        assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+        assert [m.id for m in (await client.models.list()).data] == ["tiny", "vision"]
         messages = [{"role": "user", "content": "hi"}]
         plain = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
         stream = await client.chat.completions.create(
@@ -759,3 +760,20 @@ async def test_contract_with_the_real_server(server_url: str) -> None:
         with pytest.raises(BadRequestError) as bad:
             await client.chat.completions.create(model="tiny", messages=messages, temperature=9)
         assert bad.value.body is not None and bad.value.body.error.param == "temperature"
+
+
+async def test_images_as_protocol_structs(server_url: str) -> None:
+    from images import data_url, image_bytes
+
+    message = p.UserMessage(
+        content=[
+            p.ImageContentPart(image_url=p.ImageURL(url=data_url(image_bytes()))),
+            p.TextContentPart(text="What is this?"),
+        ]
+    )
+    async with AsyncClient(f"{server_url}/v1") as client:
+        reply = await client.chat.completions.create(model="vision", messages=[message], max_tokens=4, temperature=0)
+        assert reply.choices[0].message.content and reply.usage is not None and reply.usage.prompt_tokens > 300
+        with pytest.raises(BadRequestError) as bad:
+            await client.chat.completions.create(model="tiny", messages=[message], max_tokens=4)
+        assert bad.value.body is not None and bad.value.body.error.param == "messages[0].content[0]"

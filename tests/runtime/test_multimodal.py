@@ -1,0 +1,141 @@
+"""The multimodal model (tiny random Phi-3-vision with the real Phi-3-vision tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import onnxruntime_genai as og
+import pytest
+from images import TINY_PHI3V, image_bytes
+from ortserve_runtime import (
+    AudioInput,
+    GenerationOptions,
+    Grammar,
+    ImageInput,
+    InvalidRequestError,
+    ModelConfig,
+    ModelRegistry,
+    MultimodalModel,
+    detect_model_kind,
+)
+
+pytestmark = pytest.mark.anyio
+GREEDY = GenerationOptions(max_tokens=8, temperature=0)
+
+
+@pytest.fixture
+async def vision() -> AsyncIterator[MultimodalModel]:
+    registry = ModelRegistry(ModelConfig(multimodal_concurrency=2, max_images=2))
+    registry.add("vision", TINY_PHI3V)
+    model: MultimodalModel = await registry.get("vision")
+    yield model
+    await registry.close()
+
+
+def ask(*parts: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*parts, "What is in the picture?"]}]
+
+
+async def test_loaded_as_a_multimodal_generative_model(vision: MultimodalModel) -> None:
+    assert detect_model_kind(TINY_PHI3V) == "generative"
+    assert isinstance(vision, MultimodalModel) and vision.modalities == frozenset({"image"})
+    text = vision.apply_chat_template(ask(ImageInput(b"not decoded here"), ImageInput(b"nor here")))
+    assert text == "<|user|>\n<|image_1|>\n<|image_2|>\nWhat is in the picture?<|end|>\n<|assistant|>\n"
+
+
+async def test_same_tokens_as_onnxruntime_genai(vision: MultimodalModel) -> None:
+    """Host-side greedy sampling gives what og's own generator gives for the same prompt."""
+    png = image_bytes(colour=(10, 200, 90))
+    prompt = await vision.aprepare_chat(ask(ImageInput(png)))
+    _, tokens, reason, usage = await vision.generate(prompt, options=GREEDY).collect()
+    assert reason == "length" and usage.prompt_tokens == len(prompt) > 300
+
+    def reference() -> list[int]:
+        model = og.Model(str(TINY_PHI3V))
+        processor = model.create_multimodal_processor()
+        text = vision.apply_chat_template(ask(ImageInput(png)))
+        inputs = processor(text, images=og.Images.open_bytes(png))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + 8, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.set_inputs(inputs)
+        out = []
+        for _ in range(8):
+            generator.generate_next_token()
+            out.append(int(generator.get_next_tokens()[0]))
+        return out
+
+    assert tokens == await asyncio.to_thread(reference)
+
+
+async def test_stops_and_grammar_behave_as_for_text_models(vision: MultimodalModel) -> None:
+    prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
+    text, _, _, _ = await vision.generate(prompt, options=GenerationOptions(max_tokens=12, temperature=0)).collect()
+    stop = text[3:6]
+    cut, _, reason, _ = await vision.generate(
+        prompt, options=GenerationOptions(max_tokens=12, temperature=0, stop=(stop,))
+    ).collect()
+    assert reason == "stop" and cut == text[: text.index(stop)]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema["x-guidance"] = {"whitespace_flexible": False}
+    options = GenerationOptions(max_tokens=40, temperature=0, grammar=Grammar("json_schema", schema))
+    answer, _, reason, _ = await vision.generate(prompt, options=options).collect()
+    assert reason == "stop" and isinstance(json.loads(answer)["n"], int)
+
+
+async def test_concurrency_is_bounded_and_cancel_frees_the_slot(vision: MultimodalModel) -> None:
+    prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
+    streams = [vision.generate(prompt, options=GenerationOptions(max_tokens=1500, temperature=0)) for _ in range(3)]
+    firsts = await asyncio.gather(*(anext(s) for s in streams[:2]))
+    assert all(e.token_id is not None for e in firsts)
+    waiting = asyncio.ensure_future(anext(streams[2]))
+    await asyncio.sleep(0.2)
+    assert vision.active == 2 and vision.queued == 1 and not waiting.done()
+    streams[0].cancel()
+    async for event in streams[0]:
+        if event.finish_reason is not None:
+            assert event.finish_reason == "cancelled"
+    assert (await waiting).token_id is not None  # the freed slot went to the waiting request
+    for stream in streams[1:]:
+        await stream.aclose()
+    _, tokens, _, _ = await vision.generate(prompt, options=GREEDY).collect()
+    assert len(tokens) == 8
+
+
+@pytest.mark.parametrize(
+    ("parts", "param", "words"),
+    [
+        ([ImageInput(b"\x89PNG\r\n\x1a\n broken")], "messages[0].content[0]", "could not be decoded"),
+        ([ImageInput(image_bytes(fmt="BMP")[:40])], "messages[0].content[0]", "could not be decoded"),
+        ([ImageInput(b"")], "messages[0].content[0]", "empty"),
+        ([ImageInput(image_bytes())] * 3, "messages", "at most 2"),
+        (["hi ", AudioInput(b"RIFF")], "messages[0].content[1]", "does not take audio"),
+    ],
+)
+async def test_bad_media(vision: MultimodalModel, parts: list[Any], param: str, words: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await vision.aprepare_chat(ask(*parts))
+    assert info.value.param == param and words in str(info.value)
+
+
+async def test_decompression_bombs_are_refused_before_decoding(vision: MultimodalModel) -> None:
+    from PIL import Image
+
+    huge = Image.new("1", (6000, 6000))  # 36 Mpixels, a few kB as PNG
+    buffer = io.BytesIO()
+    huge.save(buffer, format="PNG")
+    with pytest.raises(InvalidRequestError, match="6000x6000 pixels"):
+        await vision.aprepare_chat(ask(ImageInput(buffer.getvalue())))
+
+
+async def test_text_prompts_and_token_ids_work_too(vision: MultimodalModel) -> None:
+    text, _, _, usage = await vision.generate("Hello", options=GREEDY).collect()
+    assert text and usage.completion_tokens == 8
+    ids = vision.encode("Hello")
+    _, tokens, _, _ = await vision.generate(ids, options=GREEDY).collect()
+    assert len(tokens) == 8 and np.all(np.asarray(tokens) >= 0)
