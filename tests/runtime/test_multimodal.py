@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from ortserve_runtime import (
     ImageInput,
     InvalidRequestError,
     ModelConfig,
+    ModelLoadError,
     ModelRegistry,
     MultimodalModel,
     detect_model_kind,
@@ -139,3 +142,16 @@ async def test_text_prompts_and_token_ids_work_too(vision: MultimodalModel) -> N
     ids = vision.encode("Hello")
     _, tokens, _, _ = await vision.generate(ids, options=GREEDY).collect()
     assert len(tokens) == 8 and np.all(np.asarray(tokens) >= 0)
+
+
+async def test_an_unknown_multimodal_type_is_refused_at_load(tmp_path: Path) -> None:
+    folder = tmp_path / "llava"
+    shutil.copytree(TINY_PHI3V, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["type"] = "llava"
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    registry = ModelRegistry()
+    registry.add("llava", folder)
+    with pytest.raises(ModelLoadError, match="multimodal or encoder-decoder model \\(llava\\)"):
+        await registry.get("llava")
+    assert registry.status()[0].state == "error"

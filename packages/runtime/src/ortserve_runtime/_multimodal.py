@@ -1,4 +1,4 @@
-"""Multimodal chat models (Phi-3-vision, Phi-4-multimodal) on onnxruntime-genai.
+"""Multimodal chat models (Phi-3-vision, Phi-4-multimodal, Qwen2.5-VL, Gemma 3) on onnxruntime-genai.
 
 These models do not run on ``og.Engine`` ("Expected a decoder-only model") nor on the text
 engine of :mod:`._generation` (their decoder takes embeddings that the vision and speech
@@ -29,9 +29,13 @@ from ._media import AudioInput, ImageInput, Media, Placeholders, normalise_image
 __all__ = ["MULTIMODAL_TYPES", "MultimodalModel"]
 
 _FAMILIES: dict[str, Placeholders] = {
-    # As the models' own processors and prompt formats expect them, numbered from 1.
+    # What each family's prompt format (and so onnxruntime-genai's processor) expects where
+    # a media part sits. phi3v is tested here (tests/fixtures/tiny-phi3v); the others follow
+    # their models' published chat templates.
     "phi3v": {ImageInput: lambda n: f"<|image_{n}|>\n"},
     "phi4mm": {ImageInput: lambda n: f"<|image_{n}|>", AudioInput: lambda n: f"<|audio_{n}|>"},
+    "qwen2_5_vl": {ImageInput: lambda n: "<|vision_start|><|image_pad|><|vision_end|>"},
+    "gemma3": {ImageInput: lambda n: "<start_of_image>"},
 }
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
 """``model.type`` values of genai_config.json this module serves."""
