@@ -42,10 +42,13 @@ class Transcription:
 class _Job:
     audio: bytes
     prompt: str
+    """Up to and including ``<|startoftranscript|>``; the language and task tokens follow."""
+    language_id: int | None
+    """The language token, or ``None`` to detect it."""
     max_tokens: int
     temperature: float
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[list[int]]
+    future: asyncio.Future[tuple[int, list[int]]]
     cancelled: bool = field(default=False)
 
 
@@ -65,6 +68,19 @@ class SpeechModel:
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
             genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
             self.context_length = int(genai["model"]["context_length"])
+            special = {
+                name: self.tokenizer.token_to_id(f"<|{name}|>")
+                for name in ("startoftranscript", "translate", "transcribe", "notimestamps")
+            }
+            missing = [name for name, token in special.items() if token is None]
+            if missing:
+                raise ModelLoadError(f"{folder}'s tokenizer lacks Whisper's <|{missing[0]}|> token", path=folder)
+            # Whisper's language tokens sit between <|startoftranscript|> and <|translate|>.
+            first, end = int(special["startoftranscript"] or 0) + 1, int(special["translate"] or 0)
+            self._languages = {i: str(self.tokenizer.id_to_token(i))[2:-2] for i in range(first, end)}
+            self._task = [int(special["transcribe"] or 0), int(special["notimestamps"] or 0)]
+        except ModelLoadError:
+            raise
         except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
             raise ModelLoadError(f"{folder} could not be loaded as a speech model: {exc}", path=folder) from exc
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -87,24 +103,27 @@ class SpeechModel:
     ) -> Transcription:
         """Text of ``audio`` (any container og.Audios reads: WAV, MP3, FLAC...).
 
-        ``prompt`` is earlier text that guides spelling and style, as in OpenAI's API.
+        ``language`` as an ISO-639-1 code; ``None`` lets the model say which language it
+        hears (Whisper's own detection: the most likely language token after
+        ``<|startoftranscript|>``). ``prompt`` is earlier text that guides spelling and
+        style, as in OpenAI's API.
         """
         if not audio:
             raise InvalidRequestError("the audio file is empty", param="file")
         if not 0.0 <= temperature <= 1.0:
             raise InvalidRequestError("temperature must be in [0, 1]", param="temperature")
-        language = (language or "en").lower()
-        if self.tokenizer.token_to_id(f"<|{language}|>") is None:
-            raise InvalidRequestError(f"language {language!r} is not one this model knows", param="language")
-        text_prompt = f"<|startoftranscript|><|{language}|><|transcribe|><|notimestamps|>"
-        if prompt:
-            text_prompt = f"<|startofprev|>{prompt}{text_prompt}"
+        language_id = None
+        if language is not None:
+            language_id = self.tokenizer.token_to_id(f"<|{language.lower()}|>")
+            if language_id not in self._languages:
+                raise InvalidRequestError(f"language {language!r} is not one this model knows", param="language")
         if self._closed:
             raise EngineClosedError(f"model {self.name!r} is closed")
         loop = asyncio.get_running_loop()
         job = _Job(
             audio,
-            text_prompt,
+            f"<|startofprev|>{prompt}<|startoftranscript|>" if prompt else "<|startoftranscript|>",
+            language_id,
             min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
             temperature,
             loop,
@@ -112,12 +131,13 @@ class SpeechModel:
         )
         self._queue.put(job)
         try:
-            tokens = await job.future
+            language_id, tokens = await job.future
         except asyncio.CancelledError:
             job.cancelled = True
             raise
         text = str(self.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
-        return Transcription(text=text, language=language, duration=_wav_duration(audio), tokens=len(tokens))
+        code = self._languages[language_id]
+        return Transcription(text=text, language=code, duration=_wav_duration(audio), tokens=len(tokens))
 
     async def close(self) -> None:
         self._closed = True
@@ -129,7 +149,7 @@ class SpeechModel:
             if job.cancelled:
                 continue
             try:
-                result: list[int] | BaseException = self._generate(job)
+                result: tuple[int, list[int]] | BaseException = self._generate(job)
             except (InvalidRequestError, EngineClosedError) as exc:
                 result = exc
             except Exception as exc:  # noqa: BLE001  # any other failure fails this request only
@@ -140,13 +160,13 @@ class SpeechModel:
             if pending is not None:
                 resolve_future(pending.loop, pending.future, EngineClosedError(f"model {self.name!r} was closed"))
 
-    def _generate(self, job: _Job) -> list[int]:
+    def _generate(self, job: _Job) -> tuple[int, list[int]]:
         try:
             inputs = self._processor(job.prompt, audios=og.Audios.open_bytes(job.audio))
         except RuntimeError as exc:  # og reports undecodable or empty audio as RuntimeError
             raise InvalidRequestError(f"the audio could not be decoded: {exc}", param="file") from exc
         params = og.GeneratorParams(self._model)
-        prompt_length = len(self.tokenizer.encode(job.prompt, add_special_tokens=False).ids)
+        prompt_length = len(self.tokenizer.encode(job.prompt, add_special_tokens=False).ids) + 1 + len(self._task)
         if prompt_length >= self.context_length:
             raise InvalidRequestError("the prompt leaves no room to transcribe", param="prompt")
         max_length = min(prompt_length + job.max_tokens, self.context_length)
@@ -156,11 +176,16 @@ class SpeechModel:
         params.set_search_options(**options)
         generator = og.Generator(self._model, params)
         generator.set_inputs(inputs)
+        language_id = job.language_id
+        if language_id is None:
+            logits = generator.get_logits().reshape(-1)
+            language_id = max(self._languages, key=lambda i: float(logits[i]))
+        generator.append_tokens([language_id, *self._task])
         tokens: list[int] = []
         while not generator.is_done() and not job.cancelled and len(tokens) < job.max_tokens:
             generator.generate_next_token()
             tokens.append(int(generator.get_next_tokens()[0]))
-        return [t for t in tokens if t < self.tokenizer.get_vocab_size(with_added_tokens=True)]
+        return language_id, [t for t in tokens if t < self.tokenizer.get_vocab_size(with_added_tokens=True)]
 
 
 def _wav_duration(audio: bytes) -> float | None:
