@@ -215,3 +215,10 @@ def test_allowed_hosts_are_fetched(url: str, client: openai.OpenAI, image_host: 
     for path, words in (("/missing.png", "HTTP 404"), ("/moved.png", "HTTP 302")):
         error = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}{path}"}}))
         assert words in error["message"]
+
+
+def test_tokenize_counts_what_the_model_sees(url: str, client: openai.OpenAI) -> None:
+    messages = ask(image_part())
+    counted = httpx.post(f"{url}/v1/tokenize", json={"model": "vision", "messages": messages}).json()
+    assert counted["count"] == chat(client, messages, max_tokens=1).usage.prompt_tokens
+    assert sum(1 for t in counted["tokens"] if t < 0) > 300  # the image's features

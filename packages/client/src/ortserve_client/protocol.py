@@ -481,7 +481,8 @@ class TokenizeRequest(_Request):
 
 
 class TokenizeResponse(_Response):
-    """The token ids, their ``count`` and the model's context length."""
+    """The token ids, their ``count`` and the model's context length. For a multimodal
+    chat each image appears as negative ids, one per feature the model sees."""
 
     tokens: list[int]
     count: int

@@ -381,28 +381,35 @@ class ChatModel:
         """
         return self._render(messages, tools, add_generation_prompt)[0]
 
-    def tokenize_chat(
-        self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> list[int]:
-        """Token ids of the chat prompt (the template writes any special tokens itself)."""
-        return list(self.prepare_chat(messages, tools=tools))
-
-    def prepare_chat(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None) -> Prompt:
-        """The prompt for ``messages``, ready for :meth:`generate` (``n`` choices may share it).
+    def prepare_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> Prompt:
+        """The prompt for ``messages``, ready for :meth:`generate` (``n`` choices may share it);
+        ``list(prompt)`` gives its token ids (images as the negative ids of their features).
 
         For multimodal models this decodes the media and runs the processor: call it from a
         worker thread in asyncio code (:meth:`aprepare_chat`).
         """
-        text, media = self._render(messages, tools, True)
+        text, media = self._render(messages, tools, add_generation_prompt)
         return self._prepare(text, media)
 
     async def aprepare_chat(
-        self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> Prompt:
         """:meth:`prepare_chat` without blocking the event loop on media."""
         if not self.modalities:
-            return self.prepare_chat(messages, tools=tools)
-        return await asyncio.to_thread(self.prepare_chat, messages, tools=tools)
+            return self.prepare_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return await asyncio.to_thread(
+            self.prepare_chat, messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
 
     def generate(
         self,

@@ -483,8 +483,8 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
     if has_messages:
         assert not isinstance(data.messages, msgspec.UnsetType)
         messages = await chat_messages(data.messages, ortserve.config)
-        text = model.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt)
-        tokens = model.encode(text, add_special_tokens=False)
+        prompt = await model.aprepare_chat(messages, add_generation_prompt=data.add_generation_prompt)
+        tokens = list(prompt)  # a multimodal prompt counts each image as the features it becomes
     else:
         assert isinstance(data.prompt, str)
         tokens = model.encode(data.prompt)
