@@ -133,7 +133,7 @@ def _bad(url: str, messages: list[dict[str, Any]], model: str = "vision", status
 @pytest.mark.parametrize(
     ("part", "param", "words"),
     [
-        (image_part(b"these bytes are no image"), "messages[0].content[0]", "could not be decoded"),
+        (image_part(b"these bytes are no image"), "messages[0].content[0]", "not an image format Pillow reads"),
         (image_part(image_bytes()[:60]), "messages[0].content[0]", "could not be decoded"),
         (image_part(b""), "messages[0].content[0]", "empty"),
         (image_part(b"plain text", "text/plain"), "messages[0].content[0].image_url.url", "not an image"),
@@ -148,6 +148,11 @@ def _bad(url: str, messages: list[dict[str, Any]], model: str = "vision", status
             "data: URL",
         ),
         ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "messages[0].content[0].image_url.url", ""),
+        (
+            {"type": "image_url", "image_url": {"url": "http://[::1/x.png"}},
+            "messages[0].content[0].image_url.url",
+            "malformed",
+        ),
         (image_part(image_bytes(1200, 1000)), "messages[0].content[0]", "1200x1000 pixels"),
         (
             {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone_wav(0.2)).decode(), "format": "wav"}},

@@ -100,6 +100,10 @@ def normalise_image(image: ImageInput, *, max_pixels: int, param: str) -> bytes:
                 rgb = opened.convert("RGB")
     except InvalidRequestError:
         raise
+    except PIL.UnidentifiedImageError:
+        raise InvalidRequestError(
+            "the image could not be decoded: not an image format Pillow reads", param=param
+        ) from None
     except (
         OSError,
         ValueError,

@@ -190,12 +190,16 @@ async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -
         if media_type.split(";")[0] not in ("", "image") and not media_type.startswith("image/"):
             raise BadRequestError(f"the data URL holds {media_type.split(';')[0]!r}, not an image", param=where)
         return ImageInput(decode_base64(rest, where))
-    parsed = urllib.parse.urlsplit(url)
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        hostname = parsed.hostname
+    except ValueError as exc:  # a malformed host or port
+        raise BadRequestError(f"the image URL is malformed: {exc}", param=where) from exc
     if parsed.scheme not in ("http", "https"):
         raise BadRequestError("an image URL must be a data: URL (or http(s) where allowed)", param=where)
-    if parsed.hostname not in config.image_url_hosts:
+    if hostname not in config.image_url_hosts:
         raise BadRequestError(
-            f"this server does not fetch images from {parsed.hostname!r}: send the image inline as a data: URL "
+            f"this server does not fetch images from {hostname!r}: send the image inline as a data: URL "
             "(remote hosts must be allowed with image_url_hosts / --allow-image-host)",
             param=where,
         )
