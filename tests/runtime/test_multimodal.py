@@ -16,6 +16,8 @@ import pytest
 from images import TINY_PHI3V, image_bytes
 from ortserve_runtime import (
     AudioInput,
+    EngineClosedError,
+    EngineError,
     GenerationOptions,
     Grammar,
     ImageInput,
@@ -155,3 +157,17 @@ async def test_an_unknown_multimodal_type_is_refused_at_load(tmp_path: Path) -> 
     with pytest.raises(ModelLoadError, match="multimodal or encoder-decoder model \\(llava\\)"):
         await registry.get("llava")
     assert registry.status()[0].state == "error"
+
+
+async def test_an_onnxruntime_failure_fails_that_request_only(
+    vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("onnxruntime said no")
+
+    monkeypatch.setattr(vision, "_step", broken)
+    with pytest.raises(EngineError, match="onnxruntime said no") as info:
+        await vision.generate("Hello", options=GREEDY).collect()
+    assert not isinstance(info.value, EngineClosedError)  # a 500, not "shutting down"
+    monkeypatch.undo()
+    assert len((await vision.generate("Hello", options=GREEDY).collect())[1]) == 8

@@ -136,6 +136,7 @@ def test_a_chat_with_audio_is_answered_with_its_transcription(client: openai.Ope
         ({}, [{"type": "text", "text": "no audio here"}], "messages"),
         ({}, [_audio_part(0.2), _audio_part(0.2)], "messages"),
         ({"n": 2}, [_audio_part(0.2)], "n"),
+        ({"max_tokens": -1}, [_audio_part(0.2)], "max_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, [_audio_part(0.2)], "tools"),
         ({}, [{"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}], "input_audio.data"),
         ({}, [{"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}], "input_audio.data"),

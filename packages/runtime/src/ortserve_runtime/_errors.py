@@ -1,7 +1,7 @@
 """Errors of the runtime.
 
 ```
-EngineError                 root: anything the runtime raises on purpose
+EngineError                 root: anything the runtime raises on purpose; itself: onnxruntime failed one request
 ├── ModelLoadError          a folder that is missing, not a model, or corrupt (has .path)
 ├── ModelNotFoundError      a name the registry does not know (has .name)
 ├── InvalidRequestError     bad input caught before it reaches onnxruntime (has .param)

@@ -40,7 +40,7 @@ from tokenizers import Tokenizer, decoders
 from ._chat import ChatTemplate, Message
 from ._config import ModelConfig
 from ._constraints import Constraint, GrammarCompiler
-from ._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
+from ._errors import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
 from ._media import Media, Placeholders, flatten_messages
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
@@ -581,7 +581,7 @@ class GenerativeModel(ChatModel):
                     if request in self._rows:
                         self._release(request)
                     request.row = -1
-                    request.deliver(EngineClosedError(f"generation failed: {exc}"))
+                    request.deliver(EngineError(f"generation failed: {exc}"))
         error = EngineClosedError(f"model {self.name!r} was closed")
         for request in [*self._inbox, *self._rows, *([self._prefilling] if self._prefilling else [])]:
             request.deliver(error)

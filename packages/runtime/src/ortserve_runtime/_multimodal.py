@@ -22,7 +22,7 @@ from typing import Any
 import onnxruntime_genai as og
 
 from ._config import ModelConfig
-from ._errors import EngineClosedError, InvalidRequestError, ModelLoadError
+from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
 from ._generation import ChatModel, Prompt, _read_json, _Request
 from ._media import AudioInput, ImageInput, Media, Placeholders, normalise_image
 
@@ -139,7 +139,7 @@ class MultimodalModel(ChatModel):
             action(*args)
         except Exception as exc:  # noqa: BLE001
             self._running.pop(request, None)
-            request.deliver(EngineClosedError(f"generation failed: {exc}"))
+            request.deliver(EngineError(f"generation failed: {exc}"))
 
     def _start(self, request: _Request) -> None:
         params = og.GeneratorParams(self._model)

@@ -21,7 +21,7 @@ import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
 from ._config import ModelConfig
-from ._errors import EngineClosedError, InvalidRequestError, ModelLoadError
+from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
 from ._threads import resolve_future
 
 __all__ = ["SpeechModel", "Transcription"]
@@ -112,6 +112,8 @@ class SpeechModel:
             raise InvalidRequestError("the audio file is empty", param="file")
         if not 0.0 <= temperature <= 1.0:
             raise InvalidRequestError("temperature must be in [0, 1]", param="temperature")
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
         language_id = None
         if language is not None:
             language_id = self.tokenizer.token_to_id(f"<|{language.lower()}|>")
@@ -153,7 +155,7 @@ class SpeechModel:
             except (InvalidRequestError, EngineClosedError) as exc:
                 result = exc
             except Exception as exc:  # noqa: BLE001  # any other failure fails this request only
-                result = EngineClosedError(f"transcription failed: {exc}")
+                result = EngineError(f"transcription failed: {exc}")
             resolve_future(job.loop, job.future, result)
         while not self._queue.empty():
             pending = self._queue.get_nowait()
