@@ -13,6 +13,7 @@ import pytest
 from audio import TINY_WHISPER, tone_wav
 from images import TINY_PHI3V, image_part
 from ortserve_server import ServerConfig, create_app
+from ortserve_server._demo import minilm_folder
 from serving import TINY_MODEL, running
 
 AUDIO = {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone_wav(0.2)).decode(), "format": "wav"}}
@@ -47,6 +48,7 @@ VALID: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2, "n": 1, "stop": "x"}),
     ("/v1/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/detokenize", {"model": "tiny", "tokens": [1, 2, 3]}),
+    ("/v1/embeddings", {"model": "minilm", "input": ["one", "two"], "encoding_format": "float", "dimensions": 384}),
 ]
 WRONG = [None, -1, "x", {"a": [1]}]
 
@@ -71,10 +73,11 @@ def _replaced(body: dict[str, Any], path: tuple[Any, ...], value: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with running(
-        create_app(ServerConfig(models={"vision": TINY_PHI3V, "tiny": TINY_MODEL, "whisper": TINY_WHISPER}))
-    ) as base:
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    minilm = minilm_folder(tmp_path_factory.mktemp("m") / "minilm")
+    assert minilm is not None
+    models = {"vision": TINY_PHI3V, "tiny": TINY_MODEL, "whisper": TINY_WHISPER, "minilm": minilm}
+    with running(create_app(ServerConfig(models=models))) as base:
         yield base
 
 
