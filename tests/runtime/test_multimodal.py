@@ -171,3 +171,17 @@ async def test_an_onnxruntime_failure_fails_that_request_only(
     assert not isinstance(info.value, EngineClosedError)  # a 500, not "shutting down"
     monkeypatch.undo()
     assert len((await vision.generate("Hello", options=GREEDY).collect())[1]) == 8
+
+
+def test_what_reaches_onnxruntime_genai() -> None:
+    """PNGs Pillow reads whole pass as they are; everything else becomes a PNG (never JPEG:
+    onnxruntime-genai's JPEG decoder exits the process on errors)."""
+    from ortserve_runtime._media import normalise_image
+
+    png = image_bytes()
+    assert normalise_image(ImageInput(png), max_pixels=10_000, param="p") == png
+    for fmt in ("JPEG", "BMP", "WEBP"):
+        converted = normalise_image(ImageInput(image_bytes(fmt=fmt)), max_pixels=10_000, param="p")
+        assert converted.startswith(b"\x89PNG\r\n\x1a\n"), fmt
+    with pytest.raises(InvalidRequestError, match="could not be decoded"):
+        normalise_image(ImageInput(png[: len(png) // 2]), max_pixels=10_000, param="p")

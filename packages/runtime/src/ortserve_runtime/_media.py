@@ -78,12 +78,14 @@ def flatten_messages(
 
 
 def normalise_image(image: ImageInput, *, max_pixels: int, param: str) -> bytes:
-    """The image decoded and re-encoded as RGB PNG, or :class:`InvalidRequestError`.
+    """PNG bytes onnxruntime-genai can read safely, or :class:`InvalidRequestError`.
 
-    onnxruntime-genai decodes PNG and JPEG only, and hands anything else to libjpeg, whose
-    error handler exits the whole process (measured: a BMP or a few garbage bytes end the
-    server). Pillow decodes first, safely, and whatever it reads reaches the processor as a
-    PNG that cannot fail. Fast compression: the bytes are read once, in this process.
+    onnxruntime-genai decodes PNG with libpng (errors come back as exceptions) and anything
+    else with libjpeg, whose error handler exits the whole process (measured: a BMP or a
+    few garbage bytes end the server). So Pillow decodes every image first: a PNG it reads
+    whole goes on as it is; anything else (JPEG included: the exit lives in its decoder)
+    goes on re-encoded as an uncompressed PNG (the fastest to write and to read back:
+    0.5 s for a 12-megapixel photo here, against 1.3 s at compression level 1).
     """
     if not image.data:
         raise InvalidRequestError("the image is empty", param=param)
@@ -97,6 +99,9 @@ def normalise_image(image: ImageInput, *, max_pixels: int, param: str) -> bytes:
                         f"{max_pixels} this server accepts",
                         param=param,
                     )
+                opened.load()  # truncated or corrupt data fails here, not in onnxruntime-genai
+                if opened.format == "PNG":
+                    return image.data
                 rgb = opened.convert("RGB")
     except InvalidRequestError:
         raise
@@ -113,5 +118,5 @@ def normalise_image(image: ImageInput, *, max_pixels: int, param: str) -> bytes:
     ) as exc:
         raise InvalidRequestError(f"the image could not be decoded: {exc}", param=param) from exc
     out = io.BytesIO()
-    rgb.save(out, format="PNG", compress_level=1)
+    rgb.save(out, format="PNG", compress_level=0)
     return out.getvalue()
