@@ -763,13 +763,10 @@ async def test_contract_with_the_real_server(server_url: str) -> None:
 
 
 async def test_images_as_protocol_structs(server_url: str) -> None:
-    from images import data_url, image_bytes
+    from images import image_bytes
 
     message = p.UserMessage(
-        content=[
-            p.ImageContentPart(image_url=p.ImageURL(url=data_url(image_bytes()))),
-            p.TextContentPart(text="What is this?"),
-        ]
+        content=[p.ImageContentPart.from_bytes(image_bytes()), p.TextContentPart(text="What is this?")]
     )
     async with AsyncClient(f"{server_url}/v1") as client:
         reply = await client.chat.completions.create(model="vision", messages=[message], max_tokens=4, temperature=0)

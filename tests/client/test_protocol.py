@@ -379,3 +379,12 @@ def test_the_openai_sdk_reads_what_we_encode() -> None:
     assert (
         openai_types.Model.model_validate_json(msgspec.json.encode(p.Model(id="m", created=1, owned_by="o"))).id == "m"
     )
+
+
+def test_media_parts_from_bytes() -> None:
+    image = p.ImageContentPart.from_bytes(b"\x89PNG", "image/png")
+    audio = p.InputAudioContentPart.from_bytes(b"RIFF", "wav")
+    assert msgspec.json.decode(msgspec.json.encode([image, audio])) == [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw=="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    ]

@@ -14,6 +14,7 @@ names the offending path (``$.messages[0].role``).
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Literal
 
 import msgspec
@@ -108,6 +109,11 @@ class ImageContentPart(_Request, tag_field="type", tag="image_url"):
 
     image_url: ImageURL
 
+    @classmethod
+    def from_bytes(cls, data: bytes, media_type: str = "image/png") -> ImageContentPart:
+        """The image inline, as a ``data:`` URL (what servers accept without fetching)."""
+        return cls(image_url=ImageURL(url=f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"))
+
 
 class InputAudio(_Request):
     """Audio inline: base64 ``data`` and its ``format`` (``wav``, ``mp3``, ...)."""
@@ -121,6 +127,11 @@ class InputAudioContentPart(_Request, tag_field="type", tag="input_audio"):
     """``{"type": "input_audio", "input_audio": {"data", "format"}}``."""
 
     input_audio: InputAudio
+
+    @classmethod
+    def from_bytes(cls, data: bytes, format: str = "wav") -> InputAudioContentPart:
+        """The audio inline, base64-encoded."""
+        return cls(input_audio=InputAudio(data=base64.b64encode(data).decode("ascii"), format=format))
 
 
 ContentPart = TextContentPart | ImageContentPart | InputAudioContentPart
