@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import shutil
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,35 @@ def test_what_reaches_onnxruntime_genai() -> None:
         assert converted.startswith(b"\x89PNG\r\n\x1a\n"), fmt
     with pytest.raises(InvalidRequestError, match="could not be decoded"):
         normalise_image(ImageInput(png[: len(png) // 2]), max_pixels=10_000, param="p")
+
+
+async def test_streams_keep_flowing_while_an_image_prompt_goes_in(vision: MultimodalModel) -> None:
+    running = vision.generate("Hello", options=GenerationOptions(max_tokens=1500, temperature=0))
+    await anext(running)
+    arrivals: list[float] = []
+
+    async def consume() -> None:
+        async for _ in running:
+            arrivals.append(time.perf_counter())
+
+    consumer = asyncio.create_task(consume())
+    prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))  # ~2,000 tokens to prefill
+    submitted = time.perf_counter()
+    first = await anext(vision.generate(prompt, options=GREEDY))
+    answered = time.perf_counter()
+    assert first.token_id is not None
+    during = [t for t in arrivals if submitted < t < answered]
+    assert len(during) >= 3, f"{len(during)} tokens of the running stream during the prefill"
+    running.cancel()
+    await consumer
+
+
+async def test_cancelled_during_its_prefill(vision: MultimodalModel) -> None:
+    prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
+    stream = vision.generate(prompt, options=GREEDY)
+    waiting = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.05)  # the prefill thread has it now
+    assert vision.active == 1
+    stream.cancel()
+    assert (await waiting).finish_reason == "cancelled"
+    assert len((await vision.generate(prompt, options=GREEDY).collect())[1]) == 8

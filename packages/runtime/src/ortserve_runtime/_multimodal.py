@@ -7,14 +7,17 @@ graphs produce), so each request gets its own ``og.Generator``:
 * ``prepare_chat`` renders the chat with the family's media placeholders, decodes the media
   safely (see :func:`normalise_image`) and runs onnxruntime-genai's multimodal processor;
 * one owner thread runs up to ``multimodal_concurrency`` generators, one token each in
-  turn, so concurrent streams all advance; more requests wait in a queue, and a cancelled
-  one leaves the queue at once or stops at its next token, freeing its cache;
+  turn, so concurrent streams all advance; a new request's prompt (thousands of tokens
+  with an image) goes in on a second thread meanwhile, so it does not stall them; more
+  requests wait in a queue, and a cancelled one leaves the queue at once or stops at its
+  next token, freeing its cache;
 * sampling, grammars, stop strings and token accounting are the text engine's own (the
   logits come back to the host), so both kinds of model behave the same.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from pathlib import Path
 from typing import Any
@@ -71,11 +74,14 @@ class MultimodalModel(ChatModel):
         self.concurrency = config.multimodal_concurrency
         self._running: dict[_Request, Any] = {}
         """Requests being generated, each with its og.Generator."""
+        self._starting: dict[_Request, concurrent.futures.Future[Any]] = {}
+        """Requests whose prompt goes in on the prefill thread (an image prompt takes long;
+        the running streams keep stepping meanwhile: og generators run side by side)."""
         self._thread.start()
 
     @property
     def active(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._starting)
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -106,9 +112,17 @@ class MultimodalModel(ChatModel):
     # -- owner thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        prefill = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ortserve-prefill-{self.name}")
+        starting = self._starting
         while True:
             with self._cond:
-                while not (self._inbox or self._running or self._closing or self._cancels):
+                while not (
+                    self._inbox
+                    or self._running
+                    or self._closing
+                    or self._cancels
+                    or any(f.done() for f in starting.values())
+                ):
                     self._cond.wait()
                 if self._closing:
                     break
@@ -118,20 +132,27 @@ class MultimodalModel(ChatModel):
                     if request in self._inbox:
                         self._inbox.remove(request)
                     self._running.pop(request, None)
-                admitted = self._inbox.popleft() if self._inbox and len(self._running) < self.concurrency else None
+                if self._inbox and not starting and len(self._running) < self.concurrency:
+                    admitted = self._inbox.popleft()
+                    starting[admitted] = prefill.submit(self._start, admitted)
+                    starting[admitted].add_done_callback(lambda _: self._wake())
             for request in ended:
                 request.deliver(request.final("cancelled"))
-            running = list(self._running.items())
-            if admitted is not None and not admitted.cancelled:
-                self._guarded(admitted, self._start, admitted)
-            for request, generator in running:
-                if request in self._running:
-                    self._guarded(request, self._step, request, generator)
+            for request, future in [(r, f) for r, f in starting.items() if f.done()]:
+                del starting[request]
+                self._started(request, future)
+            for request, generator in list(self._running.items()):
+                self._guarded(request, self._step, request, generator)
+        prefill.shutdown(wait=True)
         error = EngineClosedError(f"model {self.name!r} was closed")
-        for request in [*self._inbox, *self._running]:
+        for request in [*self._inbox, *self._running, *starting]:
             request.deliver(error)
         self._inbox.clear()
         self._running.clear()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _guarded(self, request: _Request, action: Any, *args: Any) -> None:
         """Run one request's step; an onnxruntime failure fails that request only."""
@@ -141,7 +162,8 @@ class MultimodalModel(ChatModel):
             self._running.pop(request, None)
             request.deliver(EngineError(f"generation failed: {exc}"))
 
-    def _start(self, request: _Request) -> None:
+    def _start(self, request: _Request) -> Any:
+        """On the prefill thread: a generator with the prompt in its cache."""
         params = og.GeneratorParams(self._model)
         params.set_search_options(max_length=len(request.prompt) + request.max_tokens)
         generator = og.Generator(self._model, params)
@@ -149,8 +171,18 @@ class MultimodalModel(ChatModel):
             generator.set_inputs(request.media)
         else:
             generator.append_tokens(request.prompt)
-        self._running[request] = generator
-        self._accept(request, generator)
+        return generator
+
+    def _started(self, request: _Request, future: concurrent.futures.Future[Any]) -> None:
+        if request.cancelled:
+            request.deliver(request.final("cancelled"))
+            return
+        error = future.exception()
+        if error is not None:
+            request.deliver(EngineError(f"generation failed: {error}"))
+            return
+        self._running[request] = future.result()
+        self._guarded(request, self._accept, request, self._running[request])
 
     def _step(self, request: _Request, generator: Any) -> None:
         generator.append_tokens([request.tokens[-1]])
