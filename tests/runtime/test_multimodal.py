@@ -6,7 +6,7 @@ import asyncio
 import io
 import json
 import shutil
-import time
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -188,33 +188,51 @@ def test_what_reaches_onnxruntime_genai() -> None:
         normalise_image(ImageInput(png[: len(png) // 2]), max_pixels=10_000, param="p")
 
 
-async def test_streams_keep_flowing_while_an_image_prompt_goes_in(vision: MultimodalModel) -> None:
+def _hold_prefills(vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Prefills wait on the prefill thread until the returned event is set."""
+    gate = threading.Event()
+    prefill = vision._start
+
+    def held_prefill(request: Any) -> Any:
+        gate.wait(30)
+        return prefill(request)
+
+    monkeypatch.setattr(vision, "_start", held_prefill)
+    return gate
+
+
+async def test_streams_keep_flowing_while_an_image_prompt_goes_in(
+    vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the prefill on the owner thread, the running stream would make no progress
+    # while the new prompt goes in, and the wait below would time out.
     running = vision.generate("Hello", options=GenerationOptions(max_tokens=1500, temperature=0))
     await anext(running)
-    arrivals: list[float] = []
+    gate = _hold_prefills(vision, monkeypatch)
+    prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
+    waiting = asyncio.ensure_future(anext(vision.generate(prompt, options=GREEDY)))
 
-    async def consume() -> None:
-        async for _ in running:
-            arrivals.append(time.perf_counter())
+    async def progress_while_prefilling() -> None:
+        while vision.active < 2:  # the new request is on the prefill thread
+            await anext(running)
+        for _ in range(5):
+            await anext(running)
 
-    consumer = asyncio.create_task(consume())
-    prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))  # ~2,000 tokens to prefill
-    submitted = time.perf_counter()
-    first = await anext(vision.generate(prompt, options=GREEDY))
-    answered = time.perf_counter()
-    assert first.token_id is not None
-    during = [t for t in arrivals if submitted < t < answered]
-    assert len(during) >= 3, f"{len(during)} tokens of the running stream during the prefill"
+    await asyncio.wait_for(progress_while_prefilling(), timeout=10)
+    gate.set()
+    assert (await waiting).token_id is not None
     running.cancel()
-    await consumer
 
 
-async def test_cancelled_during_its_prefill(vision: MultimodalModel) -> None:
+async def test_cancelled_during_its_prefill(vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _hold_prefills(vision, monkeypatch)
     prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
     stream = vision.generate(prompt, options=GREEDY)
     waiting = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.05)  # the prefill thread has it now
-    assert vision.active == 1
+    while vision.active < 1:
+        await asyncio.sleep(0.01)
     stream.cancel()
+    gate.set()
     assert (await waiting).finish_reason == "cancelled"
+    assert vision.active == 0
     assert len((await vision.generate(prompt, options=GREEDY).collect())[1]) == 8
