@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 from audio import TINY_WHISPER, tone_wav
 from ortserve_runtime import InvalidRequestError, ModelRegistry, SpeechModel, detect_model_kind
@@ -73,3 +74,40 @@ async def test_bad_input(whisper: SpeechModel, audio: bytes, options: dict[str, 
         await whisper.transcribe(audio, **options)  # type: ignore[arg-type]
     assert info.value.param == param
     assert (await whisper.transcribe(tone_wav(0.2), max_tokens=2)).tokens == 2  # still serving
+
+
+async def test_timestamp_rules_and_segments(whisper: SpeechModel) -> None:
+    """Whisper's rules on the logits, and segments read from the tokens."""
+    begin, end = whisper._timestamp_begin, whisper._end_of_text
+    text_token, one_second = 400, begin + 50
+
+    def allowed(tokens: list[int], text_logit: float = 10.0) -> set[int]:
+        logits = np.zeros(whisper.tokenizer.get_vocab_size(), dtype=np.float32)
+        logits[:begin] = text_logit  # text likelier than any one timestamp
+        return {int(i) for i in np.flatnonzero(np.isfinite(whisper._allowed(logits, tokens, timestamps=True)))}
+
+    assert allowed([]) == set(range(begin, one_second + 1))  # opens with a timestamp within 1 s
+    assert allowed([begin + 10]) <= set(range(end + 1))  # then text (or the end)
+    after_text = allowed([begin + 10, text_token])
+    assert end in after_text and begin + 11 in after_text and begin + 10 not in after_text  # time moves on
+    assert after_text <= set(range(begin + 11, begin + 1501)) | set(range(end + 1))  # or more text
+    # When the timestamps together outweigh every text token, the segment ends.
+    assert allowed([begin + 10, text_token], text_logit=0.0) == set(range(begin + 11, begin + 1501))
+    closed = allowed([begin + 10, text_token, begin + 60])
+    assert closed == set(range(begin + 60, begin + 1501)) | {end}  # the next opens, or the end
+    assert allowed([begin + 10, text_token, begin + 60, begin + 60]) <= set(range(end + 1))
+    no_times = np.zeros(whisper.tokenizer.get_vocab_size(), dtype=np.float32)
+    assert not np.isfinite(whisper._allowed(no_times, [], timestamps=False)[begin:]).any()
+
+    tokens = [begin, text_token, begin + 60, begin + 60, text_token, text_token]
+    first, last = whisper._segments(tokens, 2.5)
+    assert (first.start, first.end, first.tokens) == (0.0, 1.2, [text_token])
+    assert (last.start, last.end, last.tokens) == (1.2, 2.5, [text_token, text_token])  # unfinished: to the end
+
+
+async def test_timestamps_give_ordered_segments(whisper: SpeechModel) -> None:
+    timed = await whisper.transcribe(tone_wav(2.0), timestamps=True, max_tokens=40)
+    assert timed.segments and timed.segments[0].start <= 1.0
+    assert timed.text == " ".join(s.text for s in timed.segments)
+    for segment, after in zip(timed.segments, timed.segments[1:], strict=False):
+        assert segment.start <= segment.end <= after.start

@@ -35,13 +35,30 @@ def test_each_response_format(client: openai.OpenAI) -> None:
     assert as_json.text
     as_text = client.audio.transcriptions.create(model="whisper", file=audio, response_format="text")
     assert as_text.strip() == as_json.text
-    verbose = client.audio.transcriptions.create(model="whisper", file=audio, response_format="verbose_json")
-    assert verbose.text == as_json.text
-    assert verbose.duration == 1.0
     # No language given: the model detects one, and names it.
+    verbose = client.audio.transcriptions.create(model="whisper", file=audio, response_format="verbose_json")
     named = client.audio.transcriptions.create(model="whisper", file=audio, language=verbose.language)
     assert named.text == as_json.text
-    assert verbose.segments is not None and verbose.segments[0].text == as_json.text
+    # verbose_json, srt and vtt decode with Whisper's timestamps: timed segments.
+    assert verbose.duration == 1.0 and verbose.segments
+    assert verbose.text == " ".join(s.text for s in verbose.segments)
+    assert verbose.segments[0].start <= 1.0
+    for segment, after in zip(verbose.segments, verbose.segments[1:], strict=False):
+        assert segment.start <= segment.end <= after.start
+    cues = [s for s in verbose.segments if s.text]
+    srt = client.audio.transcriptions.create(model="whisper", file=audio, response_format="srt")
+    assert srt == "\n".join(
+        f"{n}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text}\n" for n, s in enumerate(cues, start=1)
+    )
+    vtt = client.audio.transcriptions.create(model="whisper", file=audio, response_format="vtt")
+    vtt_cues = "".join(f"\n{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text}\n" for s in cues)
+    assert vtt == "WEBVTT\n" + vtt_cues
+
+
+def _clock(seconds: float, separator: str) -> str:
+    millis = round(seconds * 1000)
+    hours, minutes, secs = millis // 3_600_000, millis // 60_000 % 60, millis // 1000 % 60
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis % 1000:03d}"
 
 
 def test_language_and_prompt_are_used(client: openai.OpenAI) -> None:
@@ -57,7 +74,7 @@ def test_language_and_prompt_are_used(client: openai.OpenAI) -> None:
     [
         ({"file": ("x.wav", b"not audio at all")}, {"model": "whisper"}, 400, "file"),
         ({"file": ("x.wav", tone_wav(0.3))}, {"model": "whisper", "language": "xx"}, 400, "language"),
-        ({"file": ("x.wav", tone_wav(0.3))}, {"model": "whisper", "response_format": "srt"}, 400, "response_format"),
+        ({"file": ("x.wav", tone_wav(0.3))}, {"model": "whisper", "response_format": "xml"}, 400, "response_format"),
         ({"file": ("x.wav", tone_wav(0.3))}, {"model": "tiny"}, 400, "model"),
         ({"file": ("x.wav", tone_wav(0.3))}, {"model": "nope"}, 404, "model"),
         ({"notes": ("notes.txt", b"no audio here")}, {"model": "whisper"}, 400, "file"),
@@ -100,7 +117,7 @@ def test_our_client_and_concurrency(url: str) -> None:
             verbose = await client.audio.transcriptions.create(
                 model="whisper", file=("a.wav", tone_wav(0.5)), response_format="verbose_json"
             )
-            assert verbose.duration == 0.5 and verbose.text == text.strip()
+            assert verbose.duration == 0.5 and verbose.segments and text.strip() == results[0].text
             with pytest.raises(BadRequestError):
                 await client.audio.transcriptions.create(model="whisper", file=b"garbage")
             return [r.text for r in results]

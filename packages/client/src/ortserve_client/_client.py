@@ -393,7 +393,7 @@ class _Transcriptions:
         *,
         model: str,
         file: bytes | str | os.PathLike[str] | tuple[str, bytes],
-        response_format: Literal["text"],
+        response_format: Literal["text", "srt", "vtt"],
         **options: Any,
     ) -> str: ...
 
@@ -402,11 +402,12 @@ class _Transcriptions:
         *,
         model: str,
         file: bytes | str | os.PathLike[str] | tuple[str, bytes],
-        response_format: Literal["json", "verbose_json", "text"] = "json",
+        response_format: Literal["json", "verbose_json", "text", "srt", "vtt"] = "json",
         **options: Any,
     ) -> Transcription | TranscriptionVerbose | str:
         """``POST /audio/transcriptions``: ``file`` as bytes, a path, or (name, bytes);
-        ``options``: ``language``, ``prompt``, ``temperature``."""
+        ``options``: ``language``, ``prompt``, ``temperature``. ``text``, ``srt`` and ``vtt``
+        come back as the text the server sent."""
         if isinstance(file, tuple):
             filename, data = file
         elif isinstance(file, bytes):
@@ -420,7 +421,7 @@ class _Transcriptions:
         response = await self._client._response(
             "POST", url, None, stream=False, form=(fields, {"file": (filename, data)})
         )
-        if response_format == "text":
+        if response_format in ("text", "srt", "vtt"):
             return response.text
         if response_format == "verbose_json":
             return msgspec.json.decode(response.content, type=TranscriptionVerbose)

@@ -545,7 +545,7 @@ class TranscriptionSegment(_Response):
 
 
 class TranscriptionVerbose(_Response):
-    """``response_format`` ``verbose_json``: one segment (no timestamps are decoded)."""
+    """``response_format`` ``verbose_json``: the text and its segments, timed by the model."""
 
     text: str
     language: str

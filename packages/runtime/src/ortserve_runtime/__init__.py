@@ -20,7 +20,7 @@ from ._media import AudioInput, ImageInput
 from ._multimodal import MultimodalModel
 from ._registry import ModelKind, ModelRegistry, ModelState, ModelStatus, detect_model_kind, load_chat_model
 from ._sampling import GenerationOptions
-from ._speech import SpeechModel, Transcription
+from ._speech import Segment, SpeechModel, Transcription
 from ._tools import ToolCall, ToolCallFormat, ToolCallParser, detect_tool_format, forced_tool_grammar
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "MultimodalModel",
     "Pooling",
     "Prompt",
+    "Segment",
     "SpeechModel",
     "ToolCall",
     "ToolCallFormat",

@@ -15,18 +15,31 @@ import threading
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
 import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
 from ._config import ModelConfig
 from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
+from ._sampling import GenerationOptions, Sampler
 from ._threads import resolve_future
 
-__all__ = ["SpeechModel", "Transcription"]
+__all__ = ["Segment", "SpeechModel", "Transcription"]
 
 MAX_NEW_TOKENS = 440  # Whisper's decoder holds 448 positions, the prompt takes a few
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A stretch of speech between two of Whisper's timestamps (seconds from the start)."""
+
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +49,8 @@ class Transcription:
     duration: float | None
     """Seconds of audio, when the container says (WAV); ``None`` otherwise."""
     tokens: int
+    segments: list[Segment]
+    """With ``timestamps=True``: the segments the model marked; else one for the whole text."""
 
 
 @dataclass(eq=False)
@@ -47,6 +62,7 @@ class _Job:
     """The language token, or ``None`` to detect it."""
     max_tokens: int
     temperature: float
+    timestamps: bool
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[tuple[int, list[int]]]
     cancelled: bool = field(default=False)
@@ -70,7 +86,7 @@ class SpeechModel:
             self.context_length = int(genai["model"]["context_length"])
             special = {
                 name: self.tokenizer.token_to_id(f"<|{name}|>")
-                for name in ("startoftranscript", "translate", "transcribe", "notimestamps")
+                for name in ("endoftext", "startoftranscript", "translate", "transcribe", "notimestamps", "0.00")
             }
             missing = [name for name, token in special.items() if token is None]
             if missing:
@@ -78,7 +94,9 @@ class SpeechModel:
             # Whisper's language tokens sit between <|startoftranscript|> and <|translate|>.
             first, end = int(special["startoftranscript"] or 0) + 1, int(special["translate"] or 0)
             self._languages = {i: str(self.tokenizer.id_to_token(i))[2:-2] for i in range(first, end)}
-            self._task = [int(special["transcribe"] or 0), int(special["notimestamps"] or 0)]
+            self._transcribe, self._no_timestamps = int(special["transcribe"] or 0), int(special["notimestamps"] or 0)
+            # Text tokens sit below <|endoftext|>; timestamps (0.02 s apart) from <|0.00|> on.
+            self._end_of_text, self._timestamp_begin = int(special["endoftext"] or 0), int(special["0.00"] or 0)
         except ModelLoadError:
             raise
         except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
@@ -100,8 +118,13 @@ class SpeechModel:
         prompt: str | None = None,
         temperature: float = 0.0,
         max_tokens: int | None = None,
+        timestamps: bool = False,
     ) -> Transcription:
         """Text of ``audio`` (any container og.Audios reads: WAV, MP3, FLAC...).
+
+        ``timestamps=True`` has the model mark segments with its timestamp tokens, kept to
+        Whisper's rules while decoding (a segment opens with a timestamp, at most 1 s into
+        the audio first; closes with a later one; then text or the end).
 
         ``language`` as an ISO-639-1 code; ``None`` lets the model say which language it
         hears (Whisper's own detection: the most likely language token after
@@ -128,6 +151,7 @@ class SpeechModel:
             language_id,
             min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
             temperature,
+            timestamps,
             loop,
             loop.create_future(),
         )
@@ -137,9 +161,13 @@ class SpeechModel:
         except asyncio.CancelledError:
             job.cancelled = True
             raise
-        text = str(self.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
+        duration = _wav_duration(audio)
+        segments = self._segments(tokens, duration) if timestamps else []
+        text = " ".join(segment.text for segment in segments) if timestamps else self._text(tokens)
+        if not timestamps:
+            segments = [Segment(0.0, duration or 0.0, text, tokens)]
         code = self._languages[language_id]
-        return Transcription(text=text, language=code, duration=_wav_duration(audio), tokens=len(tokens))
+        return Transcription(text, code, duration, len(tokens), segments)
 
     async def close(self) -> None:
         self._closed = True
@@ -167,27 +195,91 @@ class SpeechModel:
             inputs = self._processor(job.prompt, audios=og.Audios.open_bytes(job.audio))
         except RuntimeError as exc:  # og reports undecodable or empty audio as RuntimeError
             raise InvalidRequestError(f"the audio could not be decoded: {exc}", param="file") from exc
-        params = og.GeneratorParams(self._model)
-        prompt_length = len(self.tokenizer.encode(job.prompt, add_special_tokens=False).ids) + 1 + len(self._task)
+        task = [self._transcribe] if job.timestamps else [self._transcribe, self._no_timestamps]
+        prompt_length = len(self.tokenizer.encode(job.prompt, add_special_tokens=False).ids) + 1 + len(task)
         if prompt_length >= self.context_length:
             raise InvalidRequestError("the prompt leaves no room to transcribe", param="prompt")
-        max_length = min(prompt_length + job.max_tokens, self.context_length)
-        options: dict[str, Any] = {"max_length": max_length, "do_sample": job.temperature > 0}
-        if job.temperature > 0:
-            options["temperature"] = job.temperature
-        params.set_search_options(**options)
+        max_tokens = min(job.max_tokens, self.context_length - prompt_length)
+        params = og.GeneratorParams(self._model)
+        params.set_search_options(max_length=prompt_length + max_tokens)
         generator = og.Generator(self._model, params)
         generator.set_inputs(inputs)
         language_id = job.language_id
         if language_id is None:
             logits = generator.get_logits().reshape(-1)
             language_id = max(self._languages, key=lambda i: float(logits[i]))
-        generator.append_tokens([language_id, *self._task])
+        generator.append_tokens([language_id, *task])
+        # Sampled here rather than by og, so that the timestamp rules can shape the logits.
+        sampler = Sampler(GenerationOptions(temperature=job.temperature), frozenset({self._end_of_text}))
         tokens: list[int] = []
-        while not generator.is_done() and not job.cancelled and len(tokens) < job.max_tokens:
-            generator.generate_next_token()
-            tokens.append(int(generator.get_next_tokens()[0]))
-        return language_id, [t for t in tokens if t < self.tokenizer.get_vocab_size(with_added_tokens=True)]
+        while not job.cancelled and len(tokens) < max_tokens:
+            logits = self._allowed(
+                np.array(generator.get_logits().reshape(-1), dtype=np.float32), tokens, job.timestamps
+            )
+            token = sampler.choose(logits, [], len(tokens))
+            if token == self._end_of_text:
+                break
+            tokens.append(token)
+            if len(tokens) < max_tokens:
+                generator.append_tokens([token])
+        return language_id, tokens
+
+    def _allowed(self, logits: npt.NDArray[np.float32], tokens: list[int], timestamps: bool) -> npt.NDArray[np.float32]:
+        """``logits`` with what may not come next at minus infinity: special tokens always;
+        timestamps without ``timestamps``; with it, Whisper's timestamp rules."""
+        begin = self._timestamp_begin
+        logits[self._end_of_text + 1 : begin] = -np.inf  # <|startoftranscript|>, languages, tasks...
+        logits[self.tokenizer.get_vocab_size(with_added_tokens=True) :] = -np.inf
+        if not timestamps:
+            logits[begin:] = -np.inf
+            return logits
+        if not tokens:  # a segment opens first, within the first second
+            logits[:begin] = -np.inf
+            logits[begin + 51 :] = -np.inf
+            return logits
+        last_is_time = tokens[-1] >= begin
+        before_last_is_time = len(tokens) < 2 or tokens[-2] >= begin
+        if last_is_time and before_last_is_time:  # a segment just opened: text follows
+            logits[begin:] = -np.inf
+        elif last_is_time:  # a segment just closed: another opens, or the end
+            logits[: self._end_of_text] = -np.inf
+        times = [t for t in tokens if t >= begin]
+        # Time never goes back; a segment closes strictly after it opens.
+        floor = times[-1] if last_is_time and not before_last_is_time else times[-1] + 1
+        logits[begin:floor] = -np.inf
+        if not last_is_time or before_last_is_time:
+            # As Whisper decodes: when the timestamps together outweigh every text token, a
+            # timestamp comes next (this is what makes segments end).
+            shifted = logits - logits.max()
+            mass = np.exp(shifted)
+            if mass[begin:].sum() > mass[:begin].max(initial=0.0):
+                logits[:begin] = -np.inf
+        return logits
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(
+            self.tokenizer.decode([t for t in tokens if t < self._end_of_text], skip_special_tokens=True)
+        ).strip()
+
+    def _segments(self, tokens: list[int], duration: float | None) -> list[Segment]:
+        """Text between timestamp pairs; an unfinished last segment ends with the audio."""
+        segments: list[Segment] = []
+        start: float | None = None
+        text: list[int] = []
+        for token in tokens:
+            if token < self._timestamp_begin:
+                text.append(token)
+                continue
+            time = round((token - self._timestamp_begin) * 0.02, 2)
+            if start is None:
+                start = time
+            else:
+                segments.append(Segment(start, time, self._text(text), text))
+                start, text = None, []
+        if text:  # cut off by max_tokens, or ended without its closing timestamp
+            begin = start if start is not None else (segments[-1].end if segments else 0.0)
+            segments.append(Segment(begin, max(begin, duration or begin), self._text(text), text))
+        return segments
 
 
 def _wav_duration(audio: bytes) -> float | None:

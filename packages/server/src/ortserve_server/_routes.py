@@ -29,6 +29,7 @@ from ortserve_runtime import (
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
+    Segment,
     ToolCall,
     ToolCallParser,
 )
@@ -431,27 +432,50 @@ class TranscriptionForm:
 @post("/audio/transcriptions", status_code=200, summary="Transcribe audio (speech-to-text models)")
 async def transcriptions(data: MultipartBody[TranscriptionForm], ortserve: NamedDependency[OrtServe]) -> Response[Any]:
     model = await require_speech_model(ortserve, data.model)
-    if data.response_format not in ("json", "text", "verbose_json"):
+    if data.response_format not in ("json", "text", "verbose_json", "srt", "vtt"):
         raise BadRequestError(
-            f"response_format {data.response_format!r} is not supported; use json, text or verbose_json",
+            f"response_format {data.response_format!r} is not supported; use json, text, verbose_json, srt or vtt",
             param="response_format",
         )
     if data.file is None:
         raise BadRequestError("'file' is required: the audio to transcribe, as a multipart file", param="file")
     audio = await data.file.read()
-    result = await model.transcribe(audio, language=data.language, prompt=data.prompt, temperature=data.temperature)
+    timed = data.response_format in ("verbose_json", "srt", "vtt")
+    result = await model.transcribe(
+        audio, language=data.language, prompt=data.prompt, temperature=data.temperature, timestamps=timed
+    )
     ortserve.metrics.requests.labels(f"{ortserve.config.path}/audio/transcriptions", data.model, "200").inc()
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
     if data.response_format == "text":
         return Response(result.text, media_type="text/plain")
+    if data.response_format in ("srt", "vtt"):
+        return Response(_subtitles(result.segments, data.response_format), media_type="text/plain")
     if data.response_format == "verbose_json":
-        end = result.duration or 0.0
-        segment = p.TranscriptionSegment(id=0, start=0.0, end=end, text=result.text, tokens=[])
+        segments = [
+            p.TranscriptionSegment(id=i, start=s.start, end=s.end, text=s.text, tokens=s.tokens)
+            for i, s in enumerate(result.segments)
+        ]
         verbose = p.TranscriptionVerbose(
-            text=result.text, language=result.language, duration=result.duration, segments=[segment]
+            text=result.text, language=result.language, duration=result.duration, segments=segments
         )
         return Response(verbose)
     return Response(p.Transcription(text=result.text))
+
+
+def _subtitles(segments: list[Segment], kind: str) -> str:
+    """SubRip (numbered cues, ``00:00:01,500``) or WebVTT (``WEBVTT`` header, ``00:00:01.500``)."""
+
+    def clock(seconds: float) -> str:
+        millis = round(seconds * 1000)
+        hours, millis = divmod(millis, 3_600_000)
+        minutes, millis = divmod(millis, 60_000)
+        secs, millis = divmod(millis, 1000)
+        return f"{hours:02d}:{minutes:02d}:{secs:02d}{',' if kind == 'srt' else '.'}{millis:03d}"
+
+    cues = [f"{clock(s.start)} --> {clock(s.end)}\n{s.text}\n" for s in segments if s.text]
+    if kind == "srt":
+        return "\n".join(f"{number}\n{cue}" for number, cue in enumerate(cues, start=1))
+    return "WEBVTT\n\n" + "\n".join(cues)
 
 
 @get("/models", summary="List models")
