@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+import soundfile
 from audio import TINY_WHISPER, tone_wav
 from ortserve_runtime import InvalidRequestError, ModelRegistry, SpeechModel, detect_model_kind
 
@@ -100,9 +102,9 @@ async def test_timestamp_rules_and_segments(whisper: SpeechModel) -> None:
     assert not np.isfinite(whisper._allowed(no_times, [], timestamps=False)[begin:]).any()
 
     tokens = [begin, text_token, begin + 60, begin + 60, text_token, text_token]
-    first, last = whisper._segments(tokens, 2.5)
-    assert (first.start, first.end, first.tokens) == (0.0, 1.2, [text_token])
-    assert (last.start, last.end, last.tokens) == (1.2, 2.5, [text_token, text_token])  # unfinished: to the end
+    first, last = whisper._segments(tokens, 30.0, 52.5)  # the second window of the audio
+    assert (first.start, first.end, first.tokens) == (30.0, 31.2, [text_token])
+    assert (last.start, last.end, last.tokens) == (31.2, 52.5, [text_token, text_token])  # unfinished: to the end
 
 
 async def test_timestamps_give_ordered_segments(whisper: SpeechModel) -> None:
@@ -111,3 +113,24 @@ async def test_timestamps_give_ordered_segments(whisper: SpeechModel) -> None:
     assert timed.text == " ".join(s.text for s in timed.segments)
     for segment, after in zip(timed.segments, timed.segments[1:], strict=False):
         assert segment.start <= segment.end <= after.start
+
+
+async def test_long_audio_goes_window_by_window(whisper: SpeechModel) -> None:
+    audio = tone_wav(70.0, rate=8000)  # three of Whisper's 30-second windows
+    plain = await whisper.transcribe(audio)
+    assert plain.duration == 70.0
+    assert [(s.start, s.end) for s in plain.segments] == [(0.0, 30.0), (30.0, 60.0), (60.0, 70.0)]
+    assert plain.text == " ".join(s.text for s in plain.segments)
+    capped = await whisper.transcribe(audio, max_tokens=30)  # max_tokens counts across windows
+    assert capped.tokens == 30 and len(capped.segments) == 1
+    timed = await whisper.transcribe(audio, timestamps=True)
+    starts = [s.start for s in timed.segments]
+    assert starts == sorted(starts) and any(60.0 <= start <= 61.0 for start in starts)  # the third window opens
+
+
+async def test_other_containers_report_their_duration(whisper: SpeechModel) -> None:
+    samples, rate = soundfile.read(io.BytesIO(tone_wav(1.5)), dtype="int16")
+    flac = io.BytesIO()
+    soundfile.write(flac, samples, rate, format="FLAC")
+    result = await whisper.transcribe(flac.getvalue(), max_tokens=4)
+    assert result.duration == 1.5 and result.tokens == 4

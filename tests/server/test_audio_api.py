@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import soundfile
 from audio import TINY_WHISPER, tone_wav
 from ortserve_client import AsyncClient, BadRequestError
 from ortserve_server import ServerConfig, create_app
@@ -164,3 +166,17 @@ def test_bad_audio_chats(url: str, extra: dict[str, object], content: list[objec
     response = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert param in response.json()["error"]["param"]
+
+
+def test_telephone_rate_and_flac_audio(client: openai.OpenAI) -> None:
+    # onnxruntime-genai alone refuses audio below 16 kHz ("only down-sampling supported").
+    narrowband = client.audio.transcriptions.create(
+        model="whisper", file=("call.wav", tone_wav(1.0, rate=8000)), response_format="verbose_json"
+    )
+    assert narrowband.text and narrowband.duration == 1.0
+    samples, rate = soundfile.read(io.BytesIO(tone_wav(1.0)), dtype="int16")
+    flac = io.BytesIO()
+    soundfile.write(flac, samples, rate, format="FLAC")
+    as_flac = client.audio.transcriptions.create(model="whisper", file=("a.flac", flac.getvalue()))
+    as_wav = client.audio.transcriptions.create(model="whisper", file=("a.wav", tone_wav(1.0)))
+    assert as_flac.text == as_wav.text  # the same samples, another container

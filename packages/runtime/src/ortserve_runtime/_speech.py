@@ -12,7 +12,6 @@ import io
 import json
 import queue
 import threading
-import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -20,6 +19,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 import onnxruntime_genai as og
+import soundfile
 from tokenizers import Tokenizer
 
 from ._config import ModelConfig
@@ -30,6 +30,9 @@ from ._threads import resolve_future
 __all__ = ["Segment", "SpeechModel", "Transcription"]
 
 MAX_NEW_TOKENS = 440  # Whisper's decoder holds 448 positions, the prompt takes a few
+WINDOW_SECONDS = 30  # what Whisper hears at once
+WHISPER_RATE = 16_000  # samples per second Whisper's features are computed at
+PREVIOUS_TEXT_TOKENS = 200  # of one window's text, to condition the next on (as Whisper does)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,16 +59,25 @@ class Transcription:
 @dataclass(eq=False)
 class _Job:
     audio: bytes
-    prompt: str
-    """Up to and including ``<|startoftranscript|>``; the language and task tokens follow."""
+    prompt: str | None
+    """Earlier text to condition the first window on (``<|startofprev|>``)."""
     language_id: int | None
     """The language token, or ``None`` to detect it."""
-    max_tokens: int
+    max_tokens: int | None
+    """Across all windows; each window also stops at ``MAX_NEW_TOKENS``."""
     temperature: float
     timestamps: bool
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[tuple[int, list[int]]]
+    future: asyncio.Future[tuple[int, list[_Window], float | None]]
     cancelled: bool = field(default=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    offset: float
+    """Seconds into the audio where this window starts."""
+    end: float | None
+    tokens: list[int]
 
 
 class SpeechModel:
@@ -120,7 +132,8 @@ class SpeechModel:
         max_tokens: int | None = None,
         timestamps: bool = False,
     ) -> Transcription:
-        """Text of ``audio`` (any container og.Audios reads: WAV, MP3, FLAC...).
+        """Text of ``audio`` (WAV, MP3, FLAC, OGG...). Audio longer than Whisper's 30-second
+        window is transcribed window by window, each conditioned on the text before it.
 
         ``timestamps=True`` has the model mark segments with its timestamp tokens, kept to
         Whisper's rules while decoding (a segment opens with a timestamp, at most 1 s into
@@ -145,29 +158,23 @@ class SpeechModel:
         if self._closed:
             raise EngineClosedError(f"model {self.name!r} is closed")
         loop = asyncio.get_running_loop()
-        job = _Job(
-            audio,
-            f"<|startofprev|>{prompt}<|startoftranscript|>" if prompt else "<|startoftranscript|>",
-            language_id,
-            min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
-            temperature,
-            timestamps,
-            loop,
-            loop.create_future(),
-        )
+        job = _Job(audio, prompt, language_id, max_tokens, temperature, timestamps, loop, loop.create_future())
         self._queue.put(job)
         try:
-            language_id, tokens = await job.future
+            language_id, windows, duration = await job.future
         except asyncio.CancelledError:
             job.cancelled = True
             raise
-        duration = _wav_duration(audio)
-        segments = self._segments(tokens, duration) if timestamps else []
-        text = " ".join(segment.text for segment in segments) if timestamps else self._text(tokens)
-        if not timestamps:
-            segments = [Segment(0.0, duration or 0.0, text, tokens)]
-        code = self._languages[language_id]
-        return Transcription(text, code, duration, len(tokens), segments)
+        segments: list[Segment] = []
+        for window in windows:
+            if timestamps:
+                segments += self._segments(window.tokens, window.offset, window.end)
+            else:
+                end = window.end if window.end is not None else window.offset
+                segments.append(Segment(window.offset, end, self._text(window.tokens), window.tokens))
+        text = " ".join(segment.text for segment in segments if segment.text)
+        tokens = sum(len(window.tokens) for window in windows)
+        return Transcription(text, self._languages[language_id], duration, tokens, segments)
 
     async def close(self) -> None:
         self._closed = True
@@ -179,7 +186,7 @@ class SpeechModel:
             if job.cancelled:
                 continue
             try:
-                result: tuple[int, list[int]] | BaseException = self._generate(job)
+                result: tuple[int, list[_Window], float | None] | BaseException = self._generate(job)
             except (InvalidRequestError, EngineClosedError) as exc:
                 result = exc
             except Exception as exc:  # noqa: BLE001  # any other failure fails this request only
@@ -190,21 +197,44 @@ class SpeechModel:
             if pending is not None:
                 resolve_future(pending.loop, pending.future, EngineClosedError(f"model {self.name!r} was closed"))
 
-    def _generate(self, job: _Job) -> tuple[int, list[int]]:
+    def _generate(self, job: _Job) -> tuple[int, list[_Window], float | None]:
+        chunks, duration = _split(job.audio)
+        language_id = job.language_id
+        windows: list[_Window] = []
+        previous = job.prompt
+        budget = job.max_tokens
+        for index, chunk in enumerate(chunks):
+            if job.cancelled or budget == 0:
+                break
+            offset = float(index * WINDOW_SECONDS)
+            end = min(offset + WINDOW_SECONDS, duration) if duration is not None else None
+            prompt = f"<|startofprev|>{previous}<|startoftranscript|>" if previous else "<|startoftranscript|>"
+            limit = MAX_NEW_TOKENS if budget is None else min(budget, MAX_NEW_TOKENS)
+            language_id, tokens = self._decode(chunk, prompt, language_id, limit, job)
+            windows.append(_Window(offset, end, tokens))
+            budget = None if budget is None else budget - len(tokens)
+            text_tokens = [t for t in tokens if t < self._end_of_text]
+            previous = self._text(text_tokens[-PREVIOUS_TEXT_TOKENS:]) or None
+        assert language_id is not None  # chunks is never empty
+        return language_id, windows, duration
+
+    def _decode(
+        self, audio: bytes, prompt: str, language_id: int | None, max_tokens: int, job: _Job
+    ) -> tuple[int, list[int]]:
+        """One window: the language (detected if not given) and the tokens up to <|endoftext|>."""
         try:
-            inputs = self._processor(job.prompt, audios=og.Audios.open_bytes(job.audio))
+            inputs = self._processor(prompt, audios=og.Audios.open_bytes(audio))
         except RuntimeError as exc:  # og reports undecodable or empty audio as RuntimeError
             raise InvalidRequestError(f"the audio could not be decoded: {exc}", param="file") from exc
         task = [self._transcribe] if job.timestamps else [self._transcribe, self._no_timestamps]
-        prompt_length = len(self.tokenizer.encode(job.prompt, add_special_tokens=False).ids) + 1 + len(task)
+        prompt_length = len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) + 1 + len(task)
         if prompt_length >= self.context_length:
             raise InvalidRequestError("the prompt leaves no room to transcribe", param="prompt")
-        max_tokens = min(job.max_tokens, self.context_length - prompt_length)
+        max_tokens = min(max_tokens, self.context_length - prompt_length)
         params = og.GeneratorParams(self._model)
         params.set_search_options(max_length=prompt_length + max_tokens)
         generator = og.Generator(self._model, params)
         generator.set_inputs(inputs)
-        language_id = job.language_id
         if language_id is None:
             logits = generator.get_logits().reshape(-1)
             language_id = max(self._languages, key=lambda i: float(logits[i]))
@@ -261,8 +291,9 @@ class SpeechModel:
             self.tokenizer.decode([t for t in tokens if t < self._end_of_text], skip_special_tokens=True)
         ).strip()
 
-    def _segments(self, tokens: list[int], duration: float | None) -> list[Segment]:
-        """Text between timestamp pairs; an unfinished last segment ends with the audio."""
+    def _segments(self, tokens: list[int], offset: float, end: float | None) -> list[Segment]:
+        """Text between timestamp pairs, in seconds from the start of the audio; an
+        unfinished last segment ends where the window does."""
         segments: list[Segment] = []
         start: float | None = None
         text: list[int] = []
@@ -270,21 +301,44 @@ class SpeechModel:
             if token < self._timestamp_begin:
                 text.append(token)
                 continue
-            time = round((token - self._timestamp_begin) * 0.02, 2)
+            time = round(offset + (token - self._timestamp_begin) * 0.02, 2)
             if start is None:
                 start = time
             else:
                 segments.append(Segment(start, time, self._text(text), text))
                 start, text = None, []
         if text:  # cut off by max_tokens, or ended without its closing timestamp
-            begin = start if start is not None else (segments[-1].end if segments else 0.0)
-            segments.append(Segment(begin, max(begin, duration or begin), self._text(text), text))
+            begin = start if start is not None else (segments[-1].end if segments else offset)
+            segments.append(Segment(begin, max(begin, end if end is not None else begin), self._text(text), text))
         return segments
 
 
-def _wav_duration(audio: bytes) -> float | None:
+def _split(audio: bytes) -> tuple[list[bytes], float | None]:
+    """The audio in Whisper-sized windows (WAV), and its duration in seconds.
+
+    onnxruntime-genai's decoder resamples down only ("only down-sampling supported"), so
+    audio below Whisper's 16 kHz (telephone audio at 8 kHz...) is brought up to it here,
+    by linear interpolation. What libsndfile cannot read goes to onnxruntime-genai whole,
+    as one window of unknown length: its decoder has the last word on whether it is audio.
+    """
     try:
-        with wave.open(io.BytesIO(audio)) as reader:
-            return round(float(reader.getnframes()) / float(reader.getframerate()), 3)
-    except (wave.Error, EOFError, ZeroDivisionError):
-        return None
+        samples, rate = soundfile.read(io.BytesIO(audio), dtype="int16", always_2d=True)
+    except (soundfile.SoundFileError, RuntimeError, ValueError):
+        return [audio], None
+    if not len(samples):
+        return [audio], 0.0
+    duration = round(len(samples) / rate, 3)
+    if rate < WHISPER_RATE:
+        times = np.arange(round(len(samples) * WHISPER_RATE / rate)) * (rate / WHISPER_RATE)
+        positions = np.arange(len(samples))
+        columns = [np.interp(times, positions, samples[:, c]) for c in range(samples.shape[1])]
+        samples, rate = np.stack(columns, axis=1).round().astype(np.int16), WHISPER_RATE
+    elif duration <= WINDOW_SECONDS:
+        return [audio], duration
+    step = WINDOW_SECONDS * rate
+    windows = []
+    for start in range(0, len(samples), step):
+        buffer = io.BytesIO()
+        soundfile.write(buffer, samples[start : start + step], rate, format="WAV", subtype="PCM_16")
+        windows.append(buffer.getvalue())
+    return windows, duration
