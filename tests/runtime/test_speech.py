@@ -134,3 +134,11 @@ async def test_other_containers_report_their_duration(whisper: SpeechModel) -> N
     soundfile.write(flac, samples, rate, format="FLAC")
     result = await whisper.transcribe(flac.getvalue(), max_tokens=4)
     assert result.duration == 1.5 and result.tokens == 4
+
+
+async def test_a_short_clip_is_not_stuck_behind_a_long_recording(whisper: SpeechModel) -> None:
+    recording = asyncio.create_task(whisper.transcribe(tone_wav(95.0, rate=8000)))  # four windows
+    await asyncio.sleep(0.05)
+    clip = await whisper.transcribe(tone_wav(1.0), max_tokens=4)
+    assert clip.tokens == 4 and not recording.done()  # it took its turn between the recording's windows
+    assert len((await recording).segments) == 4

@@ -1,8 +1,9 @@
 """Speech-to-text models (Whisper) on onnxruntime-genai's ``og.Generator``.
 
 Encoder-decoder models do not run on ``og.Engine`` ("Expected a decoder-only model"), so
-requests queue for one worker thread that owns the model and runs one generator at a
-time; a cancelled request leaves the queue at once, or stops at its next token.
+requests go to one worker thread that owns the model and runs one generator at a time.
+Requests take turns by 30-second window, so a short clip is not stuck behind a long
+recording; a cancelled request leaves at once, or stops at its next token.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import io
 import json
 import queue
 import threading
+from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -114,13 +117,16 @@ class SpeechModel:
         except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
             raise ModelLoadError(f"{folder} could not be loaded as a speech model: {exc}", path=folder) from exc
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._turns: deque[tuple[_Job, Generator[None, None, tuple[int, list[_Window], float | None]]]] = deque()
+        """Requests in hand, taking turns by window (worker thread only)."""
         self._closed = False
         self._worker = threading.Thread(target=self._run, name=f"ortserve-speech-{name}", daemon=True)
         self._worker.start()
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Requests not finished yet (waiting, or taking turns)."""
+        return self._queue.qsize() + len(self._turns)
 
     async def transcribe(
         self,
@@ -182,22 +188,40 @@ class SpeechModel:
         await asyncio.to_thread(self._worker.join)
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
+        turns = self._turns
+        while True:
+            try:  # wait for work only when there is none in hand
+                job = self._queue.get(block=not turns)
+            except queue.Empty:
+                pass
+            else:
+                if job is None:
+                    break
+                turns.append((job, self._generate(job)))
+                continue  # take in everything queued before the next turn
+            job, steps = turns.popleft()
             if job.cancelled:
                 continue
             try:
-                result: tuple[int, list[_Window], float | None] | BaseException = self._generate(job)
+                next(steps)  # one window
+            except StopIteration as done:
+                resolve_future(job.loop, job.future, done.value)
             except (InvalidRequestError, EngineClosedError) as exc:
-                result = exc
+                resolve_future(job.loop, job.future, exc)
             except Exception as exc:  # noqa: BLE001  # any other failure fails this request only
-                result = EngineError(f"transcription failed: {exc}")
-            resolve_future(job.loop, job.future, result)
+                resolve_future(job.loop, job.future, EngineError(f"transcription failed: {exc}"))
+            else:
+                turns.append((job, steps))
+        closed = EngineClosedError(f"model {self.name!r} was closed")
+        for job, _ in turns:
+            resolve_future(job.loop, job.future, closed)
         while not self._queue.empty():
             pending = self._queue.get_nowait()
             if pending is not None:
-                resolve_future(pending.loop, pending.future, EngineClosedError(f"model {self.name!r} was closed"))
+                resolve_future(pending.loop, pending.future, closed)
 
-    def _generate(self, job: _Job) -> tuple[int, list[_Window], float | None]:
+    def _generate(self, job: _Job) -> Generator[None, None, tuple[int, list[_Window], float | None]]:
+        """The job window by window: yields after each; returns language, windows, duration."""
         chunks, duration = _split(job.audio)
         language_id = job.language_id
         windows: list[_Window] = []
@@ -215,6 +239,8 @@ class SpeechModel:
             budget = None if budget is None else budget - len(tokens)
             text_tokens = [t for t in tokens if t < self._end_of_text]
             previous = self._text(text_tokens[-PREVIOUS_TEXT_TOKENS:]) or None
+            if index + 1 < len(chunks):
+                yield
         assert language_id is not None  # chunks is never empty
         return language_id, windows, duration
 
