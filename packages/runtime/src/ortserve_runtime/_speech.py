@@ -306,9 +306,9 @@ class SpeechModel:
         if not last_is_time or before_last_is_time:
             # As Whisper decodes: when the timestamps together outweigh every text token, a
             # timestamp comes next (this is what makes segments end).
-            shifted = logits - logits.max()
-            mass = np.exp(shifted)
-            if mass[begin:].sum() > mass[:begin].max(initial=0.0):
+            top_text, time_logits = float(logits[:begin].max()), logits[begin:]
+            peak = max(top_text, float(time_logits.max()))
+            if np.exp(time_logits - peak).sum() > np.exp(top_text - peak):
                 logits[:begin] = -np.inf
         return logits
 
