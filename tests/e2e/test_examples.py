@@ -91,3 +91,18 @@ def test_sidecar_example_starts_chats_and_stops() -> None:
     assert any(line.startswith("reply: ") and len(line) > len("reply: ") for line in lines)
     assert any(line.startswith("streamed: ") and len(line) > len("streamed: ") for line in lines)
     assert "Exited(returncode=0)" in lines
+
+
+def test_media_example_asks_about_an_image_and_subtitles_audio() -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "media.py")],
+        env={**os.environ, "PORT": str(free_port())},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    answer, _, subtitles = done.stdout.partition("subtitles:\n")
+    assert answer.startswith("image answer (") and int(answer.split("(")[1].split()[0]) > 300
+    assert subtitles.startswith("1\n00:00:0") and " --> " in subtitles

@@ -101,6 +101,8 @@ async def test_timestamp_rules_and_segments(whisper: SpeechModel) -> None:
     no_times = np.zeros(whisper.tokenizer.get_vocab_size(), dtype=np.float32)
     assert not np.isfinite(whisper._allowed(no_times, [], timestamps=False)[begin:]).any()
 
+    clamped = whisper._segments([begin, text_token, begin + 1000], 0.0, 2.5)  # 20 s into 2.5 s of audio
+    assert [(s.start, s.end) for s in clamped] == [(0.0, 2.5)]
     tokens = [begin, text_token, begin + 60, begin + 60, text_token, text_token]
     first, last = whisper._segments(tokens, 30.0, 52.5)  # the second window of the audio
     assert (first.start, first.end, first.tokens) == (30.0, 31.2, [text_token])

@@ -318,8 +318,8 @@ class SpeechModel:
         ).strip()
 
     def _segments(self, tokens: list[int], offset: float, end: float | None) -> list[Segment]:
-        """Text between timestamp pairs, in seconds from the start of the audio; an
-        unfinished last segment ends where the window does."""
+        """Text between timestamp pairs, in seconds from the start of the audio (never past
+        the window's end); an unfinished last segment ends where the window does."""
         segments: list[Segment] = []
         start: float | None = None
         text: list[int] = []
@@ -328,6 +328,8 @@ class SpeechModel:
                 text.append(token)
                 continue
             time = round(offset + (token - self._timestamp_begin) * 0.02, 2)
+            if end is not None:
+                time = min(time, end)  # a model may mark times past the end of short audio
             if start is None:
                 start = time
             else:
