@@ -180,3 +180,21 @@ def test_telephone_rate_and_flac_audio(client: openai.OpenAI) -> None:
     as_flac = client.audio.transcriptions.create(model="whisper", file=("a.flac", flac.getvalue()))
     as_wav = client.audio.transcriptions.create(model="whisper", file=("a.wav", tone_wav(1.0)))
     assert as_flac.text == as_wav.text  # the same samples, another container
+
+
+def test_timestamp_granularities(client: openai.OpenAI) -> None:
+    audio = ("a.wav", tone_wav(1.0))
+    timed = client.audio.transcriptions.create(
+        model="whisper", file=audio, response_format="verbose_json", timestamp_granularities=["segment"]
+    )
+    assert timed.segments
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.transcriptions.create(
+            model="whisper", file=audio, response_format="verbose_json", timestamp_granularities=["word", "segment"]
+        )
+    assert refused.value.body == {
+        "message": "word timestamps are not supported; segments are",
+        "type": "invalid_request_error",
+        "param": "timestamp_granularities",
+        "code": None,
+    }

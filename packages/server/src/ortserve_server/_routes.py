@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Response, get, post
+from litestar import Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency
@@ -430,8 +430,14 @@ class TranscriptionForm:
 
 
 @post("/audio/transcriptions", status_code=200, summary="Transcribe audio (speech-to-text models)")
-async def transcriptions(data: MultipartBody[TranscriptionForm], ortserve: NamedDependency[OrtServe]) -> Response[Any]:
+async def transcriptions(
+    data: MultipartBody[TranscriptionForm], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[Any]:
     model = await require_speech_model(ortserve, data.model)
+    # A list field in a form: the SDKs send "timestamp_granularities[]" once per value.
+    granularities = (await request.form()).getall("timestamp_granularities[]", [])
+    if "word" in granularities:
+        raise BadRequestError("word timestamps are not supported; segments are", param="timestamp_granularities")
     if data.response_format not in ("json", "text", "verbose_json", "srt", "vtt"):
         raise BadRequestError(
             f"response_format {data.response_format!r} is not supported; use json, text, verbose_json, srt or vtt",
