@@ -53,7 +53,7 @@ class Transcription:
     text: str
     language: str
     duration: float | None
-    """Seconds of audio, when the container says (WAV); ``None`` otherwise."""
+    """Seconds of audio (``None`` when libsndfile cannot read the container)."""
     tokens: int
     segments: list[Segment]
     """With ``timestamps=True``: the segments the model marked; else one for the whole text."""
