@@ -236,3 +236,22 @@ async def test_cancelled_during_its_prefill(vision: MultimodalModel, monkeypatch
     assert (await waiting).finish_reason == "cancelled"
     assert vision.active == 0
     assert len((await vision.generate(prompt, options=GREEDY).collect())[1]) == 8
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda f: (f / "vision.onnx").write_bytes(b"not onnx"), "could not be loaded by onnxruntime-genai"),
+        (lambda f: (f / "processor_config.json").unlink(), "could not be loaded by onnxruntime-genai"),
+        (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json does not exist"),
+    ],
+)
+async def test_a_broken_folder_is_a_load_error_naming_it(tmp_path: Path, damage: Any, words: str) -> None:
+    folder = tmp_path / "broken"
+    shutil.copytree(TINY_PHI3V, folder)
+    damage(folder)
+    registry = ModelRegistry()
+    registry.add("broken", folder)
+    with pytest.raises(ModelLoadError, match=words) as info:
+        await registry.get("broken")
+    assert str(folder) in str(info.value)
