@@ -149,6 +149,11 @@ def _bad(url: str, messages: list[dict[str, Any]], model: str = "vision", status
         ),
         ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "messages[0].content[0].image_url.url", ""),
         (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+            "messages[0].content[0].image_url.detail",
+            "full detail",
+        ),
+        (
             {"type": "image_url", "image_url": {"url": "http://[::1/x.png"}},
             "messages[0].content[0].image_url.url",
             "malformed",
@@ -178,8 +183,11 @@ def test_more_bad_input(url: str, client: openai.OpenAI) -> None:
     big = image_bytes(900, 900, fmt="BMP")  # ~2.4 MB: over the body limit
     assert len(big) > 2_000_000
     _bad(url, ask(image_part(big, "image/bmp")), status=413)
-    # Nothing of that harmed the server.
-    assert chat(client, ask(image_part()), max_tokens=2).choices[0].message.content is not None
+    # Nothing of that harmed the server; "high" and "auto" detail are what it always gives.
+    for detail in ("high", "auto"):
+        part = image_part()
+        part["image_url"]["detail"] = detail  # type: ignore[index]
+        assert chat(client, ask(part), max_tokens=2).choices[0].message.content is not None
 
 
 @pytest.fixture(scope="module")

@@ -181,6 +181,12 @@ async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -
         return part.text
     if isinstance(part, p.InputAudioContentPart):
         return AudioInput(decode_base64(part.input_audio.data, f"{where}.input_audio.data"), part.input_audio.format)
+    if part.image_url.detail == "low":
+        # onnxruntime-genai's processors choose the crops themselves (phi3v: up to 16, even
+        # for a small image), so there is no cheaper way to look at an image to offer.
+        raise BadRequestError(
+            "detail 'low' is not supported: images are always seen in full detail", param=f"{where}.image_url.detail"
+        )
     url = part.image_url.url
     where = f"{where}.image_url.url"
     if url.startswith("data:"):
