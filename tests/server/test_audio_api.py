@@ -198,3 +198,11 @@ def test_timestamp_granularities(client: openai.OpenAI) -> None:
         "param": "timestamp_granularities",
         "code": None,
     }
+
+
+@pytest.mark.parametrize("field", ["stream", "chunking_strategy", "include[]"])
+def test_fields_we_cannot_honour_are_refused(url: str, field: str) -> None:
+    data = {"model": "whisper", field: "true" if field == "stream" else "auto"}
+    response = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("a.wav", tone_wav(0.3))}, data=data)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == field.removesuffix("[]")

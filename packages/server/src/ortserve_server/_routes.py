@@ -429,13 +429,22 @@ class TranscriptionForm:
     temperature: float = 0.0
 
 
+_TRANSCRIPTION_FIELDS = {*TranscriptionForm.__dataclass_fields__, "timestamp_granularities[]"}
+
+
 @post("/audio/transcriptions", status_code=200, summary="Transcribe audio (speech-to-text models)")
 async def transcriptions(
     data: MultipartBody[TranscriptionForm], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     model = await require_speech_model(ortserve, data.model)
+    if data.file is None:
+        raise BadRequestError("'file' is required: the audio to transcribe, as a multipart file", param="file")
+    form = await request.form()
+    unknown = sorted(set(form) - _TRANSCRIPTION_FIELDS)
+    if unknown:  # stream, chunking_strategy, include[]...: refused rather than ignored
+        raise BadRequestError(f"'{unknown[0]}' is not supported by this server", param=unknown[0].removesuffix("[]"))
     # A list field in a form: the SDKs send "timestamp_granularities[]" once per value.
-    granularities = (await request.form()).getall("timestamp_granularities[]", [])
+    granularities = form.getall("timestamp_granularities[]", [])
     if "word" in granularities:
         raise BadRequestError("word timestamps are not supported; segments are", param="timestamp_granularities")
     if data.response_format not in ("json", "text", "verbose_json", "srt", "vtt"):
@@ -443,8 +452,6 @@ async def transcriptions(
             f"response_format {data.response_format!r} is not supported; use json, text, verbose_json, srt or vtt",
             param="response_format",
         )
-    if data.file is None:
-        raise BadRequestError("'file' is required: the audio to transcribe, as a multipart file", param="file")
     audio = await data.file.read()
     timed = data.response_format in ("verbose_json", "srt", "vtt")
     result = await model.transcribe(
