@@ -235,3 +235,15 @@ def test_tokenize_counts_what_the_model_sees(url: str, client: openai.OpenAI) ->
     counted = httpx.post(f"{url}/v1/tokenize", json={"model": "vision", "messages": messages}).json()
     assert counted["count"] == chat(client, messages, max_tokens=1).usage.prompt_tokens
     assert sum(1 for t in counted["tokens"] if t < 0) > 300  # the image's features
+
+
+def test_audio_output_is_refused_text_modality_is_fine(url: str, client: openai.OpenAI) -> None:
+    spoken = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+    response = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **spoken}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "modalities"
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], modalities=["text"], max_tokens=2
+    )
+    assert reply.choices[0].message.content is not None

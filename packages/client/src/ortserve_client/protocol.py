@@ -299,6 +299,10 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     tools: list[Tool] | UnsetType | None = UNSET
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | UnsetType | None = UNSET
     parallel_tool_calls: bool | UnsetType | None = UNSET
+    modalities: list[str] | UnsetType | None = UNSET
+    """Output modalities; this server writes ``["text"]``."""
+    audio: dict[str, Any] | UnsetType | None = UNSET
+    """Audio output settings (refused: no model here speaks)."""
 
 
 class CompletionUsage(_Response):

@@ -136,6 +136,10 @@ def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> N
         raise _refuse("logprobs" if data.logprobs is True else "top_logprobs")
     if not data.messages:
         raise BadRequestError("'messages' must not be empty", param="messages")
+    if isinstance(data.modalities, list) and set(data.modalities) - {"text"}:
+        raise _refuse("modalities", "asks for output this server does not make: it writes text only")
+    if _given(data.audio):
+        raise _refuse("audio", "(audio output) is not supported: models here write text only")
 
 
 def check_completion_request(data: p.CompletionRequest, config: ServerConfig) -> None:
