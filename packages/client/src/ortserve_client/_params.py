@@ -61,6 +61,8 @@ class ChatCompletionParams(_SamplingParams, total=False):
     tools: Sequence[Tool | JSONObject] | None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | JSONObject | None
     parallel_tool_calls: bool | None
+    modalities: Sequence[str] | None
+    audio: JSONObject | None
 
 
 class CompletionParams(_SamplingParams, total=False):
