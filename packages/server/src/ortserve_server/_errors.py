@@ -32,6 +32,7 @@ from ortserve_runtime import ContextLengthError, EngineClosedError, EngineError,
 __all__ = [
     "AuthenticationError",
     "BadRequestError",
+    "ClientDisconnectedError",
     "ModelNotFoundHTTPError",
     "OverloadedError",
     "PayloadTooLargeError",
@@ -83,6 +84,15 @@ class PayloadTooLargeError(ServerError):
     status_code = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class ClientDisconnectedError(ServerError):
+    """The client went away before the answer was ready; its work was cancelled. The
+    status (nginx's "client closed request") only reaches logs and metrics."""
+
+    status_code = 499
+    type = "invalid_request_error"
+    code = "client_disconnected"
 
 
 class OverloadedError(ServerError):

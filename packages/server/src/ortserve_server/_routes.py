@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response, get, post
@@ -34,7 +35,7 @@ from ortserve_runtime import (
     ToolCallParser,
 )
 
-from ._errors import AuthenticationError, BadRequestError, ServerError
+from ._errors import AuthenticationError, BadRequestError, ClientDisconnectedError, ServerError
 from ._mapping import (
     chat_messages,
     check_chat_request,
@@ -55,6 +56,7 @@ from ._state import OrtServe
 __all__ = ["api_route_handlers", "health_handler", "make_auth_guard", "metrics_handler"]
 
 _encode = msgspec.json.Encoder().encode
+T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -72,6 +74,31 @@ def make_auth_guard(api_key: str) -> Any:
 
 def _sse(payload: Any) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
+
+
+async def _while_connected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client disconnects first: a non-streamed generation or
+    transcription stops and frees its slot, as a streamed one does when its stream closes."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnectedError("the client disconnected before the answer was ready")
+    return task.result()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Returns when the server reports the client gone (the body was read already, so
+    ``receive`` has nothing else to say; under WSGI it never returns)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _merge(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, GenerationEvent]]:
@@ -230,10 +257,10 @@ def _stream_response(chunks: AsyncIterator[bytes]) -> Stream:
 
 @post("/chat/completions", status_code=200, summary="Create a chat completion")
 async def chat_completions(
-    data: JSONBody[p.ChatCompletionRequest], ortserve: NamedDependency[OrtServe]
+    data: JSONBody[p.ChatCompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
-        return await _transcribe_chat(data, ortserve)
+        return await _transcribe_chat(data, ortserve, request)
     model = await require_model(ortserve, data.model)
     check_chat_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
@@ -289,7 +316,7 @@ async def chat_completions(
         opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk, opening))
-    texts, calls, finish, usage = await run.collect()
+    texts, calls, finish, usage = await _while_connected(request, run.collect())
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
         tool_calls = [
@@ -305,7 +332,9 @@ async def chat_completions(
     return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
-async def _transcribe_chat(data: p.ChatCompletionRequest, ortserve: OrtServe) -> Response[Any]:
+async def _transcribe_chat(
+    data: p.ChatCompletionRequest, ortserve: OrtServe, request: Request[Any, Any, Any]
+) -> Response[Any]:
     """A chat with a speech-to-text model: its answer is the transcription of the one
     ``input_audio`` part the messages carry (text parts are not instructions to it)."""
     model = await require_speech_model(ortserve, data.model)
@@ -330,10 +359,13 @@ async def _transcribe_chat(data: p.ChatCompletionRequest, ortserve: OrtServe) ->
     where, encoded = audio[0]
     max_tokens = data.max_completion_tokens if isinstance(data.max_completion_tokens, int) else data.max_tokens
     try:
-        result = await model.transcribe(
-            decode_base64(encoded, where),
-            temperature=data.temperature if isinstance(data.temperature, float | int) else 0.0,
-            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        result = await _while_connected(
+            request,
+            model.transcribe(
+                decode_base64(encoded, where),
+                temperature=data.temperature if isinstance(data.temperature, float | int) else 0.0,
+                max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            ),
         )
     except InvalidRequestError as exc:  # the runtime names the transcription API's "file"
         raise InvalidRequestError(str(exc), param=where if exc.param == "file" else exc.param) from exc
@@ -366,7 +398,9 @@ async def _transcribe_chat(data: p.ChatCompletionRequest, ortserve: OrtServe) ->
 
 
 @post("/completions", status_code=200, summary="Create a (legacy) text completion")
-async def completions(data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe]) -> Response[Any]:
+async def completions(
+    data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[Any]:
     model = await require_model(ortserve, data.model)
     check_completion_request(data, ortserve.config)
     n = data.n if isinstance(data.n, int) else 1
@@ -388,7 +422,7 @@ async def completions(data: JSONBody[p.CompletionRequest], ortserve: NamedDepend
     if data.stream is True:
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk))
-    texts, _, finish, usage = await run.collect()
+    texts, _, finish, usage = await _while_connected(request, run.collect())
     choices = [
         p.CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(zip(texts, finish, strict=True))
     ]
@@ -454,8 +488,11 @@ async def transcriptions(
         )
     audio = await data.file.read()
     timed = data.response_format in ("verbose_json", "srt", "vtt")
-    result = await model.transcribe(
-        audio, language=data.language, prompt=data.prompt, temperature=data.temperature, timestamps=timed
+    result = await _while_connected(
+        request,
+        model.transcribe(
+            audio, language=data.language, prompt=data.prompt, temperature=data.temperature, timestamps=timed
+        ),
     )
     ortserve.metrics.requests.labels(f"{ortserve.config.path}/audio/transcriptions", data.model, "200").inc()
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
