@@ -109,9 +109,12 @@ async def test_unknown_name() -> None:
 
 
 async def test_other_providers_are_refused_clearly(tmp_path: Path) -> None:
+    from images import TINY_PHI3V
     from ortserve_runtime import ModelConfig
 
     registry = ModelRegistry(ModelConfig(provider="cuda"))
     registry.add("tiny", TINY_MODEL)
-    with pytest.raises(ModelLoadError, match="cuda"):
-        await registry.get("tiny")
+    registry.add("vision", TINY_PHI3V)
+    for name in ("tiny", "vision"):
+        with pytest.raises(ModelLoadError, match="provider 'cuda': generation runs on the CPU provider only"):
+            await registry.get(name)

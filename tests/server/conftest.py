@@ -20,3 +20,10 @@ def tiny_url() -> Iterator[str]:
 def tiny_client(tiny_url: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{tiny_url}/v1", api_key="x", max_retries=0) as client:
         yield client
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[openai.OpenAI]:
+    """The openai SDK on the server of the test module's own ``url`` fixture."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
+        yield c

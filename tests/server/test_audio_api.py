@@ -25,12 +25,6 @@ def url() -> Iterator[str]:
         yield base
 
 
-@pytest.fixture
-def client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
-        yield c
-
-
 def test_each_response_format(client: openai.OpenAI) -> None:
     audio = ("tone.wav", tone_wav(1.0))
     as_json = client.audio.transcriptions.create(model="whisper", file=audio)

@@ -27,12 +27,6 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield base
 
 
-@pytest.fixture
-def client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
-        yield c
-
-
 def test_embeddings_match_the_reference(client: openai.OpenAI) -> None:
     texts = [r["text"] for r in REFERENCE]
     result = client.embeddings.create(model="minilm", input=texts, encoding_format="float")

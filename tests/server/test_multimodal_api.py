@@ -33,12 +33,6 @@ def url() -> Iterator[str]:
         yield base
 
 
-@pytest.fixture
-def client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
-        yield c
-
-
 def ask(*parts: Any, text: str = "What is in the picture?") -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -157,14 +157,6 @@ class _Request:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))[self.decoded_chars :]
 
 
-class _Scheduler(Protocol):
-    """What a :class:`GenerationStream` needs of the model that runs its request."""
-
-    def _submit(self, request: _Request) -> None: ...
-
-    def _cancel(self, request: _Request) -> None: ...
-
-
 class GenerationStream:
     """Async iterator of :class:`GenerationEvent` for one request.
 
@@ -173,7 +165,7 @@ class GenerationStream:
     batch row; :meth:`cancel` ends it with a final ``"cancelled"`` event instead.
     """
 
-    def __init__(self, model: _Scheduler, request: _Request) -> None:
+    def __init__(self, model: ChatModel, request: _Request) -> None:
         self._model = model
         self._request = request
         self._queue: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
@@ -309,6 +301,12 @@ class ChatModel:
     kind: Literal["generative"] = "generative"
 
     def __init__(self, name: str, folder: Path, config: ModelConfig, genai: Mapping[str, Any]) -> None:
+        if config.provider != "cpu":
+            raise ModelLoadError(
+                f"cannot load {folder} on provider {config.provider!r}: generation runs on the CPU provider "
+                "only in this release",
+                path=folder,
+            )
         self.name = name
         self.folder = folder
         self.config = config
@@ -514,12 +512,6 @@ class GenerativeModel(ChatModel):
     """
 
     def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
-        if config.provider != "cpu":
-            raise ModelLoadError(
-                f"cannot load {folder} on provider {config.provider!r}: the text engine runs on the CPU "
-                "provider only in this release",
-                path=folder,
-            )
         genai = _read_json(folder / "genai_config.json")
         model = genai.get("model")
         if isinstance(model, dict) and ("vision" in model or "speech" in model or "encoder" in model):

@@ -48,8 +48,6 @@ class MultimodalModel(ChatModel):
     """A chat model that also reads images (and audio, where the model has a speech encoder)."""
 
     def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
-        if config.provider != "cpu":
-            raise ModelLoadError(f"cannot load {folder} on provider {config.provider!r}: CPU only", path=folder)
         genai = _read_json(folder / "genai_config.json")
         model_type = str(genai.get("model", {}).get("type", ""))
         if model_type not in _FAMILIES:
