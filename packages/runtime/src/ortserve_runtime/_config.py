@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
-__all__ = ["EmbeddingConfig", "ModelConfig"]
+from ._providers import Provider, check_provider
+
+__all__ = ["EmbeddingConfig", "EngineName", "ModelConfig"]
+
+EngineName = Literal["auto", "ort-cpu", "og-engine", "og-generator"]
+ENGINES: tuple[EngineName, ...] = get_args(EngineName)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +36,15 @@ class EmbeddingConfig:
 class ModelConfig:
     """How a model is run. One config may serve many models."""
 
-    provider: Literal["cpu", "cuda", "dml"] = "cpu"
-    """Execution provider. The continuous-batching text engine runs on the CPU provider."""
+    provider: Provider = "cpu"
+    """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu`` or
+    ``trt-rtx``. A provider that is not installed fails the load, naming what to install."""
     provider_options: dict[str, str] = field(default_factory=dict)
     """Options passed to the execution provider (for example ``device_id``)."""
+    engine: EngineName = "auto"
+    """What runs generation: ``ort-cpu`` (ortserve's continuous batching, CPU only),
+    ``og-engine`` (``og.Engine``), ``og-generator`` (an ``og.Generator`` per request);
+    ``auto`` picks from the provider and the folder (see the registry)."""
     session_options: dict[str, str] = field(default_factory=dict)
     """onnxruntime session config entries (``SessionOptions.add_session_config_entry``)."""
     intra_op_threads: int | None = None
@@ -60,6 +70,9 @@ class ModelConfig:
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
 
     def __post_init__(self) -> None:
+        check_provider(self.provider)
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if self.multimodal_concurrency < 1:

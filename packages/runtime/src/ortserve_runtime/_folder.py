@@ -1,0 +1,105 @@
+"""A genai model folder read once: its ``genai_config.json`` and how onnxruntime-genai
+loads it on the configured execution provider."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._config import ModelConfig
+from ._errors import ModelLoadError
+from ._providers import apply_og_provider, og_load_error
+
+__all__ = ["GenaiFolder", "load_og_model", "read_json"]
+
+log = logging.getLogger("ortserve.runtime")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or :class:`ModelLoadError` naming the file."""
+    if not path.exists():
+        raise ModelLoadError(f"{path} does not exist", path=path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}", path=path) from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object", path=path)
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class GenaiFolder:
+    """What every generative and speech model reads from its folder, once."""
+
+    path: Path
+    genai: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: Path) -> GenaiFolder:
+        return cls(path, read_json(path / "genai_config.json"))
+
+    @property
+    def model(self) -> dict[str, Any]:
+        model = self.genai.get("model")
+        return model if isinstance(model, dict) else {}
+
+    @property
+    def model_type(self) -> str:
+        return str(self.model.get("type", ""))
+
+    @property
+    def decoder(self) -> dict[str, Any]:
+        decoder = self.model.get("decoder")
+        return decoder if isinstance(decoder, dict) else {}
+
+    @property
+    def is_multimodal(self) -> bool:
+        return any(section in self.model for section in ("vision", "speech", "embedding"))
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return "encoder" in self.model
+
+    @property
+    def paged_attention(self) -> bool:
+        """Built for ``og.Engine``'s dynamic batching (the builder's ``use_paged_attention``)."""
+        search = self.genai.get("search", {})
+        flags = [self.decoder.get("use_paged_attention"), self.model.get("use_paged_attention")]
+        if isinstance(search, dict):
+            flags.append(search.get("use_paged_attention"))
+        options = self.decoder.get("session_options", {})
+        if isinstance(options, dict):
+            flags.append(options.get("use_paged_attention"))
+        return any(flag is True for flag in flags)
+
+
+def load_og_model(folder: Path, config: ModelConfig, *, decoder_threads: bool = True) -> Any:
+    """``og.Model`` for ``folder`` on ``config.provider``, with ``intra_op_threads`` applied
+    to the decoder; a load failure is a :class:`ModelLoadError` naming provider and fix."""
+    import onnxruntime_genai as og
+
+    started = time.perf_counter()
+    try:
+        og_config = og.Config(str(folder))
+        apply_og_provider(og_config, config.provider, config.provider_options)
+        threads = config.intra_op_threads
+        if threads is None and config.provider == "cpu":
+            # og's own default keeps to about one core; onnxruntime's (the ort-cpu engine's)
+            # takes every core, so the og engines get the same.
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if decoder_threads and threads is not None:
+            overlay = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
+            og_config.overlay(json.dumps(overlay))
+        model = og.Model(og_config)
+    except ValueError:
+        raise
+    except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for every load failure
+        raise og_load_error(folder, config.provider, exc) from exc
+    log.info("loaded %s on %s in %.1f s", folder, config.provider, time.perf_counter() - started)
+    return model
