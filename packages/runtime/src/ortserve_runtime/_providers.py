@@ -69,7 +69,7 @@ def check_provider(provider: str) -> Provider:
     """``provider`` as a :data:`Provider`, or ``ValueError`` listing the known ones."""
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
-    return provider  # type: ignore[return-value]
+    return provider
 
 
 def apply_og_provider(config: Any, provider: Provider, options: Mapping[str, str]) -> None:
