@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime_genai as og
-from ortserve_runtime import GenerationOptions, GenerativeModel, ModelConfig, ModelRegistry
+from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
 from tokenizers import Tokenizer
 
 BENCH_MODEL = Path.home() / ".cache" / "ortserve" / "bench-qwen2.5-0.5b-shape"
@@ -150,7 +150,7 @@ def raw_engine(folder: Path, batch: list[list[int]], new_tokens: int, threads: i
 # -- ortserve ------------------------------------------------------------------------------
 
 
-async def ortserve_run(model: GenerativeModel, batch: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+async def ortserve_run(model: ChatModel, batch: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
     """Aggregate tokens/s and each request's time to first token."""
     options = GenerationOptions(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0)
     start = time.perf_counter()
@@ -174,7 +174,7 @@ async def ortserve_run(model: GenerativeModel, batch: list[list[int]], new_token
 async def ortserve(folder: Path, batch: list[list[int]], new_tokens: int) -> list[Row]:
     registry = ModelRegistry(ModelConfig(max_batch_size=8, max_sequence_length=256))
     registry.add("bench", folder)
-    model: GenerativeModel = await registry.get("bench")
+    model: ChatModel = await registry.get("bench")
     await ortserve_run(model, batch[:2], 8)  # warm-up
     single = max([await ortserve_run(model, batch[:1], new_tokens) for _ in range(2)])  # best of two, as raw
     rows = [Row("ortserve, 1 request", single[0], single[1])]

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import onnxruntime_genai as og
-from ortserve_runtime import GenerationOptions, ImageInput, ModelConfig, ModelRegistry, MultimodalModel
+from ortserve_runtime import ChatModel, GenerationOptions, ImageInput, ModelConfig, ModelRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from images import TINY_PHI3V, image_bytes
@@ -64,7 +64,7 @@ def raw_og(folder: Path, images: list[bytes], new_tokens: int) -> tuple[Run, int
     return ([r[0] for r in results], wall, [r[1] for r in results]), results[0][2]
 
 
-async def ortserve(model: MultimodalModel, images: list[bytes], new_tokens: int, together: bool) -> Run:
+async def ortserve(model: ChatModel, images: list[bytes], new_tokens: int, together: bool) -> Run:
     options = GenerationOptions(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0)
 
     async def one(png: bytes) -> tuple[float, list[int]]:
@@ -104,7 +104,7 @@ async def main() -> None:
     registry = ModelRegistry(ModelConfig(multimodal_concurrency=args.requests))
     try:
         registry.add("vision", args.model)
-        model: MultimodalModel = await registry.get("vision")
+        model: ChatModel = await registry.get("vision")
         await ortserve(model, images[:1], args.new_tokens, together=False)  # warm-up
         one_by_one = await ortserve(model, images, args.new_tokens, together=False)
         together = await ortserve(model, images, args.new_tokens, together=True)

@@ -317,10 +317,21 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
         "model": "e",
         "usage": {"prompt_tokens": 2, "total_tokens": 2},
     }
-    models = p.ModelList(data=[p.Model(id="m", created=1, owned_by="ortserve")])
+    models = p.ModelList(data=[p.Model(id="m", created=1, owned_by="ortserve", provider="cuda", engine="og-engine")])
     assert encode(models) == {
         "object": "list",
-        "data": [{"id": "m", "object": "model", "created": 1, "owned_by": "ortserve"}],
+        "data": [
+            {
+                "id": "m",
+                "object": "model",
+                "created": 1,
+                "owned_by": "ortserve",
+                "kind": None,
+                "status": None,
+                "provider": "cuda",
+                "engine": "og-engine",
+            }
+        ],
     }
     error = p.ErrorResponse(error=p.ErrorDetail(message="no such model", type="invalid_request_error", param="model"))
     assert encode(error) == {
@@ -332,8 +343,11 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
         "max_model_len": 8,
     }
     assert encode(p.DetokenizeResponse(prompt="a")) == {"prompt": "a"}
-    health = p.Health(status="loading", models=[p.HealthModel(id="m", status="loading")])
-    assert encode(health) == {"status": "loading", "models": [{"id": "m", "status": "loading"}]}
+    health = p.Health(status="loading", models=[p.HealthModel(id="m", status="loading", provider="cpu")])
+    assert encode(health) == {
+        "status": "loading",
+        "models": [{"id": "m", "status": "loading", "provider": "cpu", "engine": None}],
+    }
 
 
 def test_the_openai_sdk_reads_what_we_encode() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from ortserve_runtime import GenerativeModel, ModelRegistry
+from ortserve_runtime import ChatModel, ModelRegistry
 from serving import TINY_MODEL
 
 
@@ -15,10 +15,10 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-async def tiny() -> AsyncIterator[GenerativeModel]:
+async def tiny() -> AsyncIterator[ChatModel]:
     """The tiny model with the default config (its context, 1024 tokens, is the limit)."""
     registry = ModelRegistry()
     registry.add("tiny", TINY_MODEL)
-    model: GenerativeModel = await registry.get("tiny")
+    model: ChatModel = await registry.get("tiny")
     yield model
     await registry.close()

@@ -16,15 +16,16 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 from ortserve_runtime import (
+    ChatModel,
     ContextLengthError,
     EngineClosedError,
     GenerationEvent,
     GenerationOptions,
-    GenerativeModel,
     Grammar,
     InvalidRequestError,
     ModelConfig,
     ModelRegistry,
+    load_chat_model,
 )
 from serving import TINY_MODEL
 
@@ -62,14 +63,12 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> Non
         await asyncio.sleep(0.005)
 
 
-async def wait_idle(model: GenerativeModel, timeout: float = 5.0) -> None:
+async def wait_idle(model: ChatModel, timeout: float = 5.0) -> None:
     await wait_until(lambda: not (model.active or model.queued), timeout)
     assert (model.active, model.queued) == (0, 0)
 
 
-async def events_of(
-    model: GenerativeModel, prompt: str | list[int], options: GenerationOptions
-) -> list[GenerationEvent]:
+async def events_of(model: ChatModel, prompt: str | list[int], options: GenerationOptions) -> list[GenerationEvent]:
     return [event async for event in model.generate(prompt, options=options)]
 
 
@@ -82,7 +81,7 @@ def check_final(events: list[GenerationEvent], reason: str) -> None:
 # -- greedy decoding ------------------------------------------------------------------------
 
 
-async def test_greedy_is_deterministic_and_matches_onnxruntime_genai(tiny: GenerativeModel) -> None:
+async def test_greedy_is_deterministic_and_matches_onnxruntime_genai(tiny: ChatModel) -> None:
     for prompt in PROMPTS[:3]:
         first = await tiny.generate(prompt, options=GREEDY).collect()
         second = await tiny.generate(prompt, options=GREEDY).collect()
@@ -95,7 +94,7 @@ async def test_greedy_is_deterministic_and_matches_onnxruntime_genai(tiny: Gener
     assert og_greedy(tiny.encode(PROMPTS[2]), 5) == [17, 210, 681, 46, 260]
 
 
-async def test_greedy_up_to_eos_matches_onnxruntime_genai(tiny: GenerativeModel) -> None:
+async def test_greedy_up_to_eos_matches_onnxruntime_genai(tiny: ChatModel) -> None:
     events = await events_of(tiny, EOS_PROMPT, GREEDY)
     check_final(events, "stop")
     tokens = [e.token_id for e in events if e.token_id is not None]
@@ -109,7 +108,7 @@ async def test_greedy_up_to_eos_matches_onnxruntime_genai(tiny: GenerativeModel)
     assert "".join(e.text for e in events) == tiny.decode(tokens)
 
 
-async def test_text_equals_decoded_tokens(tiny: GenerativeModel) -> None:
+async def test_text_equals_decoded_tokens(tiny: ChatModel) -> None:
     text, tokens, _, usage = await tiny.generate(PROMPTS[0], options=GREEDY).collect()
     assert text == tiny.decode(tokens)
     assert usage.prompt_tokens == len(tiny.encode(PROMPTS[0]))
@@ -117,10 +116,10 @@ async def test_text_equals_decoded_tokens(tiny: GenerativeModel) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-async def test_full_position_logits_give_the_same_tokens(tiny: GenerativeModel) -> None:
+async def test_full_position_logits_give_the_same_tokens(tiny: ChatModel) -> None:
     registry = ModelRegistry(ModelConfig(last_position_logits=False))
     registry.add("tiny", TINY_MODEL)
-    plain: GenerativeModel = await registry.get("tiny")
+    plain: ChatModel = await registry.get("tiny")
     for prompt in PROMPTS[:2]:
         assert (
             await plain.generate(prompt, options=GREEDY).collect()
@@ -129,7 +128,7 @@ async def test_full_position_logits_give_the_same_tokens(tiny: GenerativeModel) 
     await registry.close()
 
 
-async def test_max_tokens_gives_length_with_exactly_that_many(tiny: GenerativeModel) -> None:
+async def test_max_tokens_gives_length_with_exactly_that_many(tiny: ChatModel) -> None:
     _, full, reason, _ = await tiny.generate(PROMPTS[0], options=GREEDY).collect()
     assert reason == "length" and not set(full) & tiny.eos_token_ids  # no EOS early: a real test
     for n in (1, 7, 40):
@@ -144,7 +143,7 @@ async def test_max_tokens_gives_length_with_exactly_that_many(tiny: GenerativeMo
     assert len(events) == 25 and all(e.token_id is not None for e in events)
 
 
-async def test_min_tokens_holds_off_eos(tiny: GenerativeModel) -> None:
+async def test_min_tokens_holds_off_eos(tiny: ChatModel) -> None:
     _, short, reason, usage = await tiny.generate(EOS_PROMPT, options=GREEDY).collect()
     assert reason == "stop" and len(short) == 10 and usage.completion_tokens == 11
     _, longer, reason, _ = await tiny.generate(
@@ -166,7 +165,7 @@ STOP_PROMPT = PROMPTS[0]
 STOP_OPTIONS = GenerationOptions(max_tokens=30, temperature=0)
 
 
-async def unstopped(model: GenerativeModel) -> tuple[str, list[int], list[tuple[int, int]]]:
+async def unstopped(model: ChatModel) -> tuple[str, list[int], list[tuple[int, int]]]:
     """The greedy text, its tokens, and where each token's text lies in it."""
     events = await events_of(model, STOP_PROMPT, STOP_OPTIONS)
     check_final(events, "length")
@@ -187,14 +186,14 @@ def first_occurrence(text: str, start: int, end: int) -> str | None:
 
 
 async def run_stopped(
-    model: GenerativeModel, stops: tuple[str, ...], max_tokens: int = 30
+    model: ChatModel, stops: tuple[str, ...], max_tokens: int = 30
 ) -> tuple[list[GenerationEvent], str]:
     options = GenerationOptions(max_tokens=max_tokens, temperature=0, stop=stops)
     events = await events_of(model, STOP_PROMPT, options)
     return events, "".join(e.text for e in events)
 
 
-async def check_stop(model: GenerativeModel, stop: str, full: str, tokens: list[int], spans: list[tuple[int, int]]):
+async def check_stop(model: ChatModel, stop: str, full: str, tokens: list[int], spans: list[tuple[int, int]]):
     """Generation stops at ``stop``: nothing from it on is emitted, on the right token."""
     start = full.index(stop)
     events, text = await run_stopped(model, (stop,))
@@ -211,7 +210,7 @@ async def check_stop(model: GenerativeModel, stop: str, full: str, tokens: list[
     return events
 
 
-async def test_stop_inside_one_token(tiny: GenerativeModel) -> None:
+async def test_stop_inside_one_token(tiny: ChatModel) -> None:
     full, tokens, spans = await unstopped(tiny)
     stop, token = next(
         (s, i)
@@ -222,7 +221,7 @@ async def test_stop_inside_one_token(tiny: GenerativeModel) -> None:
     assert len(events) == token + 1  # the token whose text holds the stop ends the stream
 
 
-async def test_stop_spanning_two_tokens(tiny: GenerativeModel) -> None:
+async def test_stop_spanning_two_tokens(tiny: ChatModel) -> None:
     full, tokens, spans = await unstopped(tiny)
     i, stop = next(
         (i, s)
@@ -237,7 +236,7 @@ async def test_stop_spanning_two_tokens(tiny: GenerativeModel) -> None:
     assert "".join(e.text for e in events[: i + 1]) == full[: spans[i][1] - 2]
 
 
-async def test_stop_spanning_three_tokens(tiny: GenerativeModel) -> None:
+async def test_stop_spanning_three_tokens(tiny: ChatModel) -> None:
     full, tokens, spans = await unstopped(tiny)
     i, stop = next(
         (i, s)
@@ -249,7 +248,7 @@ async def test_stop_spanning_three_tokens(tiny: GenerativeModel) -> None:
     assert len(events) == i + 3
 
 
-async def test_earliest_of_several_stops_wins(tiny: GenerativeModel) -> None:
+async def test_earliest_of_several_stops_wins(tiny: ChatModel) -> None:
     full, _, _ = await unstopped(tiny)
     early, late = full[10:13], full[25:29]
     assert full.index(early) < full.index(late)
@@ -259,14 +258,14 @@ async def test_earliest_of_several_stops_wins(tiny: GenerativeModel) -> None:
         assert text == full[: full.index(early)]
 
 
-async def test_a_stop_that_never_occurs_leaves_the_text_alone(tiny: GenerativeModel) -> None:
+async def test_a_stop_that_never_occurs_leaves_the_text_alone(tiny: ChatModel) -> None:
     full, tokens, _ = await unstopped(tiny)
     events, text = await run_stopped(tiny, ("\x00never", "zzzzzz"))
     check_final(events, "length")
     assert text == full and [e.token_id for e in events] == tokens
 
 
-async def test_a_held_back_prefix_is_released_when_it_is_no_stop(tiny: GenerativeModel) -> None:
+async def test_a_held_back_prefix_is_released_when_it_is_no_stop(tiny: ChatModel) -> None:
     full, tokens, spans = await unstopped(tiny)
     # Mid-text: the text of token 5 and more looks like the start of the stop, then is not.
     a, b = spans[5]
@@ -284,7 +283,7 @@ async def test_a_held_back_prefix_is_released_when_it_is_no_stop(tiny: Generativ
     assert events[-1].text.endswith(full[-4:]) and len(events[-1].text) >= 4
 
 
-async def test_a_stop_on_the_last_allowed_token_is_a_stop(tiny: GenerativeModel) -> None:
+async def test_a_stop_on_the_last_allowed_token_is_a_stop(tiny: ChatModel) -> None:
     full, _, spans = await unstopped(tiny)
     stop = full[spans[9][0] : spans[9][1]]
     assert full.index(stop) == spans[9][0]
@@ -293,7 +292,7 @@ async def test_a_stop_on_the_last_allowed_token_is_a_stop(tiny: GenerativeModel)
     assert text == full[: spans[9][0]] and len(events) == 10
 
 
-async def test_stops_in_concurrent_requests_are_per_request(tiny: GenerativeModel) -> None:
+async def test_stops_in_concurrent_requests_are_per_request(tiny: ChatModel) -> None:
     full, _, spans = await unstopped(tiny)
     stops = [full[spans[i][0] : spans[i][0] + 2] for i in (4, 8, 12)]
     stops = [s for s in stops if full.index(s) > 0]
@@ -305,7 +304,7 @@ async def test_stops_in_concurrent_requests_are_per_request(tiny: GenerativeMode
 # -- sampling options ------------------------------------------------------------------------
 
 
-async def test_sampling_is_reproducible_with_a_seed(tiny: GenerativeModel) -> None:
+async def test_sampling_is_reproducible_with_a_seed(tiny: ChatModel) -> None:
     def opts(seed: int) -> GenerationOptions:
         return GenerationOptions(max_tokens=20, min_tokens=20, temperature=1.0, top_p=0.95, top_k=50, seed=seed)
 
@@ -321,7 +320,7 @@ async def test_sampling_is_reproducible_with_a_seed(tiny: GenerativeModel) -> No
     assert together == [a, c]
 
 
-async def test_top_k_one_and_tiny_top_p_are_greedy(tiny: GenerativeModel) -> None:
+async def test_top_k_one_and_tiny_top_p_are_greedy(tiny: ChatModel) -> None:
     for prompt in PROMPTS[1:3]:
         greedy = await tiny.generate(prompt, options=GREEDY).collect()
         top1 = await tiny.generate(
@@ -334,7 +333,7 @@ async def test_top_k_one_and_tiny_top_p_are_greedy(tiny: GenerativeModel) -> Non
         assert tiny_p == greedy
 
 
-async def test_repetition_penalty_changes_greedy_output(tiny: GenerativeModel) -> None:
+async def test_repetition_penalty_changes_greedy_output(tiny: ChatModel) -> None:
     _, plain, _, _ = await tiny.generate(PROMPTS[0], options=GREEDY).collect()
     assert len(set(plain)) < len(plain)  # greedy repeats itself on this prompt
     _, penalised, _, _ = await tiny.generate(
@@ -355,20 +354,20 @@ def varied_jobs(count: int) -> list[tuple[str, GenerationOptions]]:
     ]
 
 
-async def test_sixteen_concurrent_requests_get_what_they_get_alone(tiny: GenerativeModel) -> None:
+async def test_sixteen_concurrent_requests_get_what_they_get_alone(tiny: ChatModel) -> None:
     jobs = varied_jobs(16)
-    before = tiny.steps
+    before = tiny.engine.steps
     together = await asyncio.gather(*(tiny.generate(p, options=o).collect() for p, o in jobs))
-    batched_steps = tiny.steps - before
+    batched_steps = tiny.engine.steps - before
     alone = [await tiny.generate(p, options=o).collect() for p, o in jobs]
-    serial_steps = tiny.steps - before - batched_steps
+    serial_steps = tiny.engine.steps - before - batched_steps
     assert together == alone
     assert len({len(t[1]) for t in together}) > 5  # rows finished at different steps
     assert len({len(tiny.encode(p)) for p, _ in jobs}) > 5  # prompts of many lengths
     assert batched_steps < serial_steps / 2  # they really shared decode steps
 
 
-async def test_cancelling_eight_in_flight_requests(tiny: GenerativeModel) -> None:
+async def test_cancelling_eight_in_flight_requests(tiny: ChatModel) -> None:
     reference = await tiny.generate(PROMPTS[0], options=GREEDY).collect()
 
     async def consume_a_little(i: int) -> int:
@@ -400,7 +399,7 @@ async def test_cancelling_eight_in_flight_requests(tiny: GenerativeModel) -> Non
     assert await tiny.generate(PROMPTS[0], options=GREEDY).collect() == reference
 
 
-async def test_cancelling_some_rows_leaves_the_others_exact(tiny: GenerativeModel) -> None:
+async def test_cancelling_some_rows_leaves_the_others_exact(tiny: ChatModel) -> None:
     jobs = varied_jobs(12)
     alone = [await tiny.generate(p, options=o).collect() for p, o in jobs]
 
@@ -424,7 +423,7 @@ async def test_cancelling_some_rows_leaves_the_others_exact(tiny: GenerativeMode
     await wait_idle(tiny)
 
 
-async def test_cancel_gives_a_cancelled_event(tiny: GenerativeModel) -> None:
+async def test_cancel_gives_a_cancelled_event(tiny: ChatModel) -> None:
     stream = tiny.generate(PROMPTS[0], options=GenerationOptions(max_tokens=900, min_tokens=900))
     events = []
     async for event in stream:
@@ -442,7 +441,7 @@ async def test_cancel_gives_a_cancelled_event(tiny: GenerativeModel) -> None:
 async def test_cancelling_queued_requests() -> None:
     registry = ModelRegistry(ModelConfig(max_batch_size=2))
     registry.add("tiny", TINY_MODEL)
-    model: GenerativeModel = await registry.get("tiny")
+    model: ChatModel = await registry.get("tiny")
     long = GenerationOptions(max_tokens=900, min_tokens=900)
     running = [model.generate(PROMPTS[0], options=long) for _ in range(2)]
     for stream in running:
@@ -473,7 +472,7 @@ async def test_cancelling_queued_requests() -> None:
 
 def test_a_consumer_whose_event_loop_is_gone_frees_its_row() -> None:
     """A stream left unfinished when its asyncio loop ends must not keep its row forever."""
-    model = GenerativeModel("tiny", TINY_MODEL, ModelConfig())
+    model = load_chat_model("tiny", TINY_MODEL, ModelConfig())
 
     async def take_one() -> None:
         stream = model.generate("hello", options=GenerationOptions(max_tokens=1000, min_tokens=1000))
@@ -492,7 +491,7 @@ def test_a_consumer_whose_event_loop_is_gone_frees_its_row() -> None:
 # -- typed errors and chat --------------------------------------------------------------------
 
 
-async def test_chat_messages_use_the_template(tiny: GenerativeModel) -> None:
+async def test_chat_messages_use_the_template(tiny: ChatModel) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     prompt = tiny.apply_chat_template(messages)
     assert (
@@ -528,16 +527,16 @@ async def test_chat_messages_use_the_template(tiny: GenerativeModel) -> None:
         (GenerationOptions(seed=-1), "seed"),
     ],
 )
-async def test_nonsense_options_are_refused(tiny: GenerativeModel, options: GenerationOptions, param: str) -> None:
-    steps = tiny.steps
+async def test_nonsense_options_are_refused(tiny: ChatModel, options: GenerationOptions, param: str) -> None:
+    steps = tiny.engine.steps
     with pytest.raises(InvalidRequestError) as info:
         tiny.generate("hello", options=options)
     assert info.value.param == param
-    assert tiny.steps == steps and tiny.queued == 0
+    assert tiny.engine.steps == steps and tiny.queued == 0
 
 
-async def test_bad_prompts_are_refused_before_the_engine(tiny: GenerativeModel) -> None:
-    steps = tiny.steps
+async def test_bad_prompts_are_refused_before_the_engine(tiny: ChatModel) -> None:
+    steps = tiny.engine.steps
     for prompt in ("", []):
         with pytest.raises(InvalidRequestError, match="empty") as empty:
             tiny.generate(prompt)
@@ -566,13 +565,13 @@ async def test_bad_prompts_are_refused_before_the_engine(tiny: GenerativeModel) 
         tiny.generate([5] * 1000, options=GenerationOptions(max_tokens=100))
     assert too_many.value.param == "max_tokens"
     tiny.generate([5] * 1000, options=GenerationOptions(max_tokens=24))  # exactly fits: accepted
-    assert tiny.steps == steps
+    assert tiny.engine.steps == steps
 
 
 async def test_max_sequence_length_config_caps_the_context() -> None:
     registry = ModelRegistry(ModelConfig(max_sequence_length=64))
     registry.add("tiny", TINY_MODEL)
-    model: GenerativeModel = await registry.get("tiny")
+    model: ChatModel = await registry.get("tiny")
     with pytest.raises(ContextLengthError, match="64"):
         model.generate("word " * 70)
     with pytest.raises(ContextLengthError, match="64") as info:
@@ -588,7 +587,7 @@ async def test_max_sequence_length_config_caps_the_context() -> None:
 async def test_a_closed_model_refuses_work() -> None:
     registry = ModelRegistry(ModelConfig(max_batch_size=1))
     registry.add("tiny", TINY_MODEL)
-    model: GenerativeModel = await registry.get("tiny")
+    model: ChatModel = await registry.get("tiny")
     pending = model.generate("hello", options=GenerationOptions(max_tokens=900, min_tokens=900))
     await pending.__anext__()
     queued = asyncio.create_task(model.generate("queued", options=GREEDY).collect())
@@ -606,7 +605,7 @@ async def test_a_closed_model_refuses_work() -> None:
         model.generate("hello")
 
 
-async def test_grammar_constrains_the_output(tiny: GenerativeModel) -> None:
+async def test_grammar_constrains_the_output(tiny: ChatModel) -> None:
     regex = GenerationOptions(max_tokens=50, temperature=1.0, seed=4, grammar=Grammar("regex", r"[a-c]{2}\d{2,3}"))
     text, _, reason, _ = await tiny.generate("pick", options=regex).collect()
     assert reason == "stop"
@@ -618,13 +617,13 @@ async def test_grammar_constrains_the_output(tiny: GenerativeModel) -> None:
         tiny.generate("x", options=GenerationOptions(grammar=Grammar("json_schema", {"type": 5})))
 
 
-async def chunked(chunk: int, max_batch_size: int = 8) -> tuple[ModelRegistry, GenerativeModel]:
+async def chunked(chunk: int, max_batch_size: int = 8) -> tuple[ModelRegistry, ChatModel]:
     registry = ModelRegistry(ModelConfig(prefill_chunk_tokens=chunk, max_batch_size=max_batch_size))
     registry.add("tiny", TINY_MODEL)
     return registry, await registry.get("tiny")
 
 
-async def test_chunked_prefill_gives_the_same_tokens(tiny: GenerativeModel) -> None:
+async def test_chunked_prefill_gives_the_same_tokens(tiny: ChatModel) -> None:
     registry, small_chunks = await chunked(5, max_batch_size=4)
     jobs = [
         (f"{PROMPTS[i % 4]} {'more words here ' * (i % 6)}{i}", GenerationOptions(max_tokens=4 + 3 * i, temperature=0))
@@ -671,10 +670,10 @@ async def test_cancelling_during_a_chunked_prefill() -> None:
     await registry.close()
 
 
-async def test_cancel_before_the_first_read(tiny: GenerativeModel) -> None:
-    steps = tiny.steps
+async def test_cancel_before_the_first_read(tiny: ChatModel) -> None:
+    steps = tiny.engine.steps
     stream = tiny.generate(PROMPTS[0], options=GenerationOptions(max_tokens=50))
     stream.cancel()
     events = [event async for event in stream]
     assert [(e.finish_reason, e.token_id) for e in events] == [("cancelled", None)]
-    assert tiny.steps == steps and tiny.active == 0  # it never reached the engine
+    assert tiny.engine.steps == steps and tiny.active == 0  # it never reached the engine

@@ -17,6 +17,7 @@ import pytest
 from images import TINY_PHI3V, image_bytes
 from ortserve_runtime import (
     AudioInput,
+    ChatModel,
     EngineClosedError,
     EngineError,
     GenerationOptions,
@@ -26,7 +27,6 @@ from ortserve_runtime import (
     ModelConfig,
     ModelLoadError,
     ModelRegistry,
-    MultimodalModel,
     detect_model_kind,
 )
 
@@ -35,10 +35,10 @@ GREEDY = GenerationOptions(max_tokens=8, temperature=0)
 
 
 @pytest.fixture
-async def vision() -> AsyncIterator[MultimodalModel]:
+async def vision() -> AsyncIterator[ChatModel]:
     registry = ModelRegistry(ModelConfig(multimodal_concurrency=2, max_images=2))
     registry.add("vision", TINY_PHI3V)
-    model: MultimodalModel = await registry.get("vision")
+    model: ChatModel = await registry.get("vision")
     yield model
     await registry.close()
 
@@ -47,14 +47,15 @@ def ask(*parts: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, "What is in the picture?"]}]
 
 
-async def test_loaded_as_a_multimodal_generative_model(vision: MultimodalModel) -> None:
+async def test_loaded_as_a_multimodal_generative_model(vision: ChatModel) -> None:
     assert detect_model_kind(TINY_PHI3V) == "generative"
-    assert isinstance(vision, MultimodalModel) and vision.modalities == frozenset({"image"})
+    assert isinstance(vision, ChatModel) and vision.modalities == frozenset({"image"})
+    assert vision.engine.name == "og-generator" and vision.engine.capabilities.media
     text = vision.apply_chat_template(ask(ImageInput(b"not decoded here"), ImageInput(b"nor here")))
     assert text == "<|user|>\n<|image_1|>\n<|image_2|>\nWhat is in the picture?<|end|>\n<|assistant|>\n"
 
 
-async def test_same_tokens_as_onnxruntime_genai(vision: MultimodalModel) -> None:
+async def test_same_tokens_as_onnxruntime_genai(vision: ChatModel) -> None:
     """Host-side greedy sampling gives what og's own generator gives for the same prompt."""
     png = image_bytes(colour=(10, 200, 90))
     prompt = await vision.aprepare_chat(ask(ImageInput(png)))
@@ -79,7 +80,7 @@ async def test_same_tokens_as_onnxruntime_genai(vision: MultimodalModel) -> None
     assert tokens == await asyncio.to_thread(reference)
 
 
-async def test_stops_and_grammar_behave_as_for_text_models(vision: MultimodalModel) -> None:
+async def test_stops_and_grammar_behave_as_for_text_models(vision: ChatModel) -> None:
     prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
     text, _, _, _ = await vision.generate(prompt, options=GenerationOptions(max_tokens=12, temperature=0)).collect()
     stop = text[3:6]
@@ -94,7 +95,7 @@ async def test_stops_and_grammar_behave_as_for_text_models(vision: MultimodalMod
     assert reason == "stop" and isinstance(json.loads(answer)["n"], int)
 
 
-async def test_concurrency_is_bounded_and_cancel_frees_the_slot(vision: MultimodalModel) -> None:
+async def test_concurrency_is_bounded_and_cancel_frees_the_slot(vision: ChatModel) -> None:
     prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
     streams = [vision.generate(prompt, options=GenerationOptions(max_tokens=1500, temperature=0)) for _ in range(3)]
     firsts = await asyncio.gather(*(anext(s) for s in streams[:2]))
@@ -123,13 +124,13 @@ async def test_concurrency_is_bounded_and_cancel_frees_the_slot(vision: Multimod
         (["hi ", AudioInput(b"RIFF")], "messages[0].content[1]", "does not take audio"),
     ],
 )
-async def test_bad_media(vision: MultimodalModel, parts: list[Any], param: str, words: str) -> None:
+async def test_bad_media(vision: ChatModel, parts: list[Any], param: str, words: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         await vision.aprepare_chat(ask(*parts))
     assert info.value.param == param and words in str(info.value)
 
 
-async def test_decompression_bombs_are_refused_before_decoding(vision: MultimodalModel) -> None:
+async def test_decompression_bombs_are_refused_before_decoding(vision: ChatModel) -> None:
     from PIL import Image
 
     huge = Image.new("1", (6000, 6000))  # 36 Mpixels, a few kB as PNG
@@ -139,7 +140,7 @@ async def test_decompression_bombs_are_refused_before_decoding(vision: Multimoda
         await vision.aprepare_chat(ask(ImageInput(buffer.getvalue())))
 
 
-async def test_text_prompts_and_token_ids_work_too(vision: MultimodalModel) -> None:
+async def test_text_prompts_and_token_ids_work_too(vision: ChatModel) -> None:
     text, _, _, usage = await vision.generate("Hello", options=GREEDY).collect()
     assert text and usage.completion_tokens == 8
     ids = vision.encode("Hello")
@@ -161,12 +162,12 @@ async def test_an_unknown_multimodal_type_is_refused_at_load(tmp_path: Path) -> 
 
 
 async def test_an_onnxruntime_failure_fails_that_request_only(
-    vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch
+    vision: ChatModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*_: object) -> None:
         raise RuntimeError("onnxruntime said no")
 
-    monkeypatch.setattr(vision, "_step", broken)
+    monkeypatch.setattr(vision.engine, "_step", broken)
     with pytest.raises(EngineError, match="onnxruntime said no") as info:
         await vision.generate("Hello", options=GREEDY).collect()
     assert not isinstance(info.value, EngineClosedError)  # a 500, not "shutting down"
@@ -177,7 +178,7 @@ async def test_an_onnxruntime_failure_fails_that_request_only(
 def test_what_reaches_onnxruntime_genai() -> None:
     """PNGs Pillow reads whole pass as they are; everything else becomes a PNG (never JPEG:
     onnxruntime-genai's JPEG decoder exits the process on errors)."""
-    from ortserve_runtime._media import normalise_image
+    from ortserve_runtime.chat._media import normalise_image
 
     png = image_bytes()
     assert normalise_image(ImageInput(png), max_pixels=10_000, param="p") == png
@@ -188,21 +189,21 @@ def test_what_reaches_onnxruntime_genai() -> None:
         normalise_image(ImageInput(png[: len(png) // 2]), max_pixels=10_000, param="p")
 
 
-def _hold_prefills(vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+def _hold_prefills(vision: ChatModel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Prefills wait on the prefill thread until the returned event is set."""
     gate = threading.Event()
-    prefill = vision._start
+    prefill = vision.engine._prefill
 
     def held_prefill(request: Any) -> Any:
         gate.wait(30)
         return prefill(request)
 
-    monkeypatch.setattr(vision, "_start", held_prefill)
+    monkeypatch.setattr(vision.engine, "_prefill", held_prefill)
     return gate
 
 
 async def test_streams_keep_flowing_while_an_image_prompt_goes_in(
-    vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch
+    vision: ChatModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With the prefill on the owner thread, the running stream would make no progress
     # while the new prompt goes in, and the wait below would time out.
@@ -224,7 +225,7 @@ async def test_streams_keep_flowing_while_an_image_prompt_goes_in(
     running.cancel()
 
 
-async def test_cancelled_during_its_prefill(vision: MultimodalModel, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_cancelled_during_its_prefill(vision: ChatModel, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = _hold_prefills(vision, monkeypatch)
     prompt = await vision.aprepare_chat(ask(ImageInput(image_bytes())))
     stream = vision.generate(prompt, options=GREEDY)

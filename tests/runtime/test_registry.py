@@ -108,13 +108,37 @@ async def test_unknown_name() -> None:
         registry.loaded("nope")
 
 
-async def test_other_providers_are_refused_clearly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("provider", ["cuda", "dml", "qnn", "openvino", "webgpu", "trt-rtx"])
+async def test_a_provider_this_build_lacks_fails_the_load_naming_it_and_the_fix(provider: str) -> None:
+    """Never a silent CPU fallback: text and multimodal folders alike fail on load with the
+    provider named and what to install (og reports WebGPU/QNN/OpenVINO as available, yet
+    cannot load them: checked by loading)."""
     from images import TINY_PHI3V
     from ortserve_runtime import ModelConfig
 
-    registry = ModelRegistry(ModelConfig(provider="cuda"))
+    registry = ModelRegistry(ModelConfig(provider=provider))  # type: ignore[arg-type]
     registry.add("tiny", TINY_MODEL)
     registry.add("vision", TINY_PHI3V)
     for name in ("tiny", "vision"):
-        with pytest.raises(ModelLoadError, match="provider 'cuda': generation runs on the CPU provider only"):
+        with pytest.raises(ModelLoadError, match=f"on provider '{provider}'.*[Ii]nstall") as info:
             await registry.get(name)
+        assert "--provider cpu" in str(info.value) or "install" in str(info.value)
+        assert registry.loaded(name) is None
+
+
+async def test_the_cpu_engine_refuses_another_provider() -> None:
+    from ortserve_runtime import ModelConfig
+
+    registry = ModelRegistry(ModelConfig(provider="cuda", engine="ort-cpu"))
+    registry.add("tiny", TINY_MODEL)
+    with pytest.raises(ModelLoadError, match="ort-cpu engine runs on the CPU provider only, not 'cuda'"):
+        await registry.get("tiny")
+
+
+def test_unknown_providers_and_engines_are_refused_in_the_config() -> None:
+    from ortserve_runtime import ModelConfig
+
+    with pytest.raises(ValueError, match="unknown provider 'tpu'"):
+        ModelConfig(provider="tpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown engine 'fast'"):
+        ModelConfig(engine="fast")  # type: ignore[arg-type]

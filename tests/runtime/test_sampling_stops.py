@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 from ortserve_runtime import InvalidRequestError
-from ortserve_runtime._sampling import GenerationOptions, Sampler
-from ortserve_runtime._stops import StopMatcher
+from ortserve_runtime.chat._sampling import GenerationOptions, Sampler
+from ortserve_runtime.chat._stops import StopMatcher
 
 EOS = frozenset({3})
 

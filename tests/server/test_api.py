@@ -184,7 +184,10 @@ def test_health_and_metrics(base_url: str, client: openai.OpenAI) -> None:
     client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2)
     health = httpx.get(f"{base_url}/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "models": [{"id": "tiny", "status": "ready"}]}
+    assert health.json() == {
+        "status": "ok",
+        "models": [{"id": "tiny", "status": "ready", "provider": "cpu", "engine": "ort-cpu"}],
+    }
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'ortserve_requests_total{endpoint="/v1/chat/completions",model="tiny",status="200"}' in metrics
     assert "ortserve_time_to_first_token_seconds_count" in metrics

@@ -86,13 +86,13 @@ def test_max_tokens_limit() -> None:
 
 
 def test_unexpected_errors_are_500_without_internals(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ortserve_runtime import GenerativeModel
+    from ortserve_runtime import ChatModel
 
     def broken(*_: object, **__: object) -> object:
         raise RuntimeError("secret internal detail /srv/models/x")
 
     with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as url:
-        monkeypatch.setattr(GenerativeModel, "prepare_chat", broken)
+        monkeypatch.setattr(ChatModel, "prepare_chat", broken)
         response = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO})
         assert response.status_code == 500
         assert response.json() == {

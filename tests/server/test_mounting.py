@@ -62,6 +62,9 @@ def test_router_composed_by_hand_with_the_lifespan() -> None:
     app = Litestar(route_handlers=[router], lifespan=[host_lifespan])
     with running(app) as url:
         health = httpx.get(f"{url}/llm/health").json()
-        assert health == {"status": "ok", "models": [{"id": "tiny", "status": "ready"}]}
+        assert health == {
+            "status": "ok",
+            "models": [{"id": "tiny", "status": "ready", "provider": "cpu", "engine": "ort-cpu"}],
+        }
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         assert httpx.post(f"{url}/llm/v1/chat/completions", json=body).status_code == 200

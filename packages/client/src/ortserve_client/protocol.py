@@ -477,6 +477,15 @@ class Model(_Response):
     created: int
     owned_by: str
     object: Literal["model"] = "model"
+    # ortserve's extensions (OpenAI's SDKs keep unknown fields as attributes):
+    kind: str | None = None
+    """``generative``, ``embedding`` or ``speech``."""
+    status: str | None = None
+    """``unloaded``, ``loading``, ``ready`` or ``error``."""
+    provider: str | None = None
+    """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu``, ``trt-rtx``."""
+    engine: str | None = None
+    """A loaded generative model's engine: ``ort-cpu``, ``og-engine`` or ``og-generator``."""
 
 
 class ModelList(_Response):
@@ -523,6 +532,8 @@ class HealthModel(_Response):
     id: str
     status: str
     """``unloaded`` (loads on first use), ``loading``, ``ready`` or ``error``."""
+    provider: str | None = None
+    engine: str | None = None
 
 
 class Health(_Response):

@@ -3,9 +3,7 @@
 No HTTP here: plain Python types in, async event streams and NumPy arrays out.
 """
 
-from ._chat import ChatTemplate, Message
-from ._config import EmbeddingConfig, ModelConfig
-from ._constraints import Grammar
+from ._config import EmbeddingConfig, EngineName, ModelConfig
 from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (
     ContextLengthError,
@@ -15,15 +13,40 @@ from ._errors import (
     ModelLoadError,
     ModelNotFoundError,
 )
-from ._generation import ChatModel, FinishReason, GenerationEvent, GenerationStream, GenerativeModel, Prompt, Usage
-from ._media import AudioInput, ImageInput
-from ._multimodal import MultimodalModel
-from ._registry import ModelKind, ModelRegistry, ModelState, ModelStatus, detect_model_kind, load_chat_model
-from ._sampling import GenerationOptions
+from ._providers import PROVIDERS, Provider
+from ._registry import (
+    ModelKind,
+    ModelRegistry,
+    ModelState,
+    ModelStatus,
+    detect_model_kind,
+    load_chat_model,
+    pick_engine,
+)
 from ._speech import Segment, SpeechModel, Transcription
-from ._tools import ToolCall, ToolCallFormat, ToolCallParser, detect_tool_format, forced_tool_grammar
+from .chat import (
+    AudioInput,
+    ChatModel,
+    ChatTemplate,
+    FinishReason,
+    GenerationEvent,
+    GenerationOptions,
+    GenerationStream,
+    Grammar,
+    ImageInput,
+    Message,
+    Prompt,
+    ToolCall,
+    ToolCallFormat,
+    ToolCallParser,
+    Usage,
+    detect_tool_format,
+    forced_tool_grammar,
+)
+from .engines import Engine, EngineCapabilities
 
 __all__ = [
+    "PROVIDERS",
     "AudioInput",
     "ChatModel",
     "ChatTemplate",
@@ -32,13 +55,15 @@ __all__ = [
     "EmbeddingInput",
     "EmbeddingModel",
     "EmbeddingResult",
+    "Engine",
+    "EngineCapabilities",
     "EngineClosedError",
     "EngineError",
+    "EngineName",
     "FinishReason",
     "GenerationEvent",
     "GenerationOptions",
     "GenerationStream",
-    "GenerativeModel",
     "Grammar",
     "ImageInput",
     "InvalidRequestError",
@@ -50,9 +75,9 @@ __all__ = [
     "ModelRegistry",
     "ModelState",
     "ModelStatus",
-    "MultimodalModel",
     "Pooling",
     "Prompt",
+    "Provider",
     "Segment",
     "SpeechModel",
     "ToolCall",
@@ -64,4 +89,5 @@ __all__ = [
     "detect_tool_format",
     "forced_tool_grammar",
     "load_chat_model",
+    "pick_engine",
 ]

@@ -67,6 +67,27 @@ class GenaiFolder:
         return "encoder" in self.model
 
     @property
+    def context_length(self) -> int:
+        try:
+            return int(self.model["context_length"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(
+                f"{self.path / 'genai_config.json'} lacks a required field: {exc}", path=self.path
+            ) from exc
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """``tokenizer.json``, which the front reads (checked before any engine loads)."""
+        path = self.path / "tokenizer.json"
+        if not path.exists():
+            raise ModelLoadError(f"{path} does not exist", path=path)
+        return path
+
+    def max_sequence_length(self, config: ModelConfig) -> int:
+        """Prompt plus completion tokens per request: the context, capped by the config."""
+        return min(self.context_length, config.max_sequence_length or self.context_length)
+
+    @property
     def paged_attention(self) -> bool:
         """Built for ``og.Engine``'s dynamic batching (the builder's ``use_paged_attention``)."""
         search = self.genai.get("search", {})

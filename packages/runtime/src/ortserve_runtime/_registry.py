@@ -9,14 +9,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._config import ModelConfig
+from ._config import EngineName, ModelConfig
 from ._embeddings import EmbeddingModel
 from ._errors import ModelLoadError, ModelNotFoundError
-from ._generation import ChatModel, GenerativeModel
-from ._multimodal import MULTIMODAL_TYPES, MultimodalModel
+from ._folder import GenaiFolder, load_og_model
 from ._speech import SpeechModel
+from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
+from .engines import Engine, OgEngine, OgGeneratorEngine, OrtCpuEngine, ThreadedEngine
 
-__all__ = ["ModelKind", "ModelRegistry", "ModelState", "ModelStatus", "detect_model_kind", "load_chat_model"]
+__all__ = [
+    "ModelKind",
+    "ModelRegistry",
+    "ModelState",
+    "ModelStatus",
+    "detect_model_kind",
+    "load_chat_model",
+    "pick_engine",
+]
 
 ModelKind = Literal["generative", "embedding", "speech"]
 ModelState = Literal["unloaded", "loading", "ready", "error"]
@@ -31,6 +40,10 @@ class ModelStatus:
     kind: ModelKind
     state: ModelState
     error: str | None = None
+    provider: str = "cpu"
+    """The execution provider the model runs (or will run) on."""
+    engine: str | None = None
+    """The engine of a loaded generative model (``ort-cpu``, ``og-engine``, ``og-generator``)."""
 
 
 def detect_model_kind(folder: Path) -> ModelKind:
@@ -56,22 +69,68 @@ def detect_model_kind(folder: Path) -> ModelKind:
     )
 
 
-def load_chat_model(name: str, folder: Path, config: ModelConfig) -> ChatModel:
-    """A generative model: the text engine, or the multimodal one for vision/audio types."""
+def pick_engine(folder: GenaiFolder, config: ModelConfig) -> EngineName:
+    """The engine for ``folder`` on ``config.provider`` (``config.engine`` unless ``auto``).
+
+    auto: multimodal folders run on og-generator (og.Engine takes decoder-only models);
+    text on the CPU provider on ort-cpu (continuous batching, measured faster than og
+    there); text on another provider on og-engine where the folder was built for paged
+    attention (dynamic batching), else og-generator (og.Engine's static batches make a
+    newcomer wait for a whole batch to finish).
+    """
+    if config.engine != "auto":
+        return config.engine
+    if folder.model_type in MULTIMODAL_TYPES:
+        return "og-generator"
+    if config.provider == "cpu":
+        return "ort-cpu"
+    return "og-engine" if folder.paged_attention else "og-generator"
+
+
+def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
+    """A generative model: the front (:class:`ChatModel`) over the engine :func:`pick_engine` chose."""
+    folder = GenaiFolder.read(path)
+    multimodal = folder.model_type in MULTIMODAL_TYPES
+    choice = pick_engine(folder, config)
+    folder.tokenizer_path  # noqa: B018  # a missing tokenizer is named before an engine loads
+    if (folder.is_multimodal and not multimodal) or folder.is_encoder_decoder:
+        raise ModelLoadError(
+            f"{path} is a multimodal or encoder-decoder model ({folder.model_type}); the multimodal types served "
+            f"are {sorted(MULTIMODAL_TYPES)}, and decoder-only text models",
+            path=path,
+        )
+    if multimodal and choice != "og-generator":
+        raise ModelLoadError(
+            f"{path} is a multimodal model ({folder.model_type}); it runs on the og-generator engine only, "
+            f"not {choice}",
+            path=path,
+        )
+    engine: Engine
+    media = None
+    if choice == "ort-cpu":
+        engine = OrtCpuEngine(name, folder, config, folder.max_sequence_length(config))
+    else:
+        og_model = load_og_model(path, config)
+        media = MediaProcessor(folder, og_model, config) if multimodal else None
+        if choice == "og-engine":
+            engine = OgEngine(name, og_model, config, folder=path, dynamic=folder.paged_attention)
+        else:
+            concurrency = config.multimodal_concurrency if multimodal else config.max_batch_size
+            engine = OgGeneratorEngine(name, og_model, config, concurrency=concurrency)
     try:
-        model_type = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["type"]
-    except (OSError, ValueError, KeyError, TypeError):
-        model_type = None  # the text engine reports what is wrong, naming the file
-    if model_type in MULTIMODAL_TYPES:
-        return MultimodalModel(name, folder, config)
-    return GenerativeModel(name, folder, config)
+        return ChatModel(name, folder, config, engine, media)
+    except BaseException:
+        if isinstance(engine, ThreadedEngine):
+            engine.shutdown()
+        raise
 
 
 class _Entry:
-    def __init__(self, name: str, path: Path, kind: ModelKind) -> None:
+    def __init__(self, name: str, path: Path, kind: ModelKind, config: ModelConfig) -> None:
         self.name = name
         self.path = path
         self.kind = kind
+        self.config = config
         self.model: Any = None
         self.error: str | None = None
         self.loading: asyncio.Task[Any] | None = None
@@ -88,13 +147,14 @@ class ModelRegistry:
         self.config = config or ModelConfig()
         self._entries: dict[str, _Entry] = {}
 
-    def add(self, name: str, path: str | Path) -> ModelKind:
-        """Register a folder under ``name``; raises :class:`ModelLoadError` if it is no model."""
+    def add(self, name: str, path: str | Path, config: ModelConfig | None = None) -> ModelKind:
+        """Register a folder under ``name`` (run with ``config``, else the registry's);
+        raises :class:`ModelLoadError` if it is no model."""
         folder = Path(path).expanduser().resolve()
         kind = detect_model_kind(folder)
         if name in self._entries:
             raise ValueError(f"a model named {name!r} is already registered")
-        self._entries[name] = _Entry(name, folder, kind)
+        self._entries[name] = _Entry(name, folder, kind, config or self.config)
         return kind
 
     def names(self) -> list[str]:
@@ -115,7 +175,18 @@ class ModelRegistry:
                 state = "error"
             else:
                 state = "unloaded"
-            result.append(ModelStatus(entry.name, entry.path, entry.kind, state, entry.error))
+            engine = getattr(entry.model, "engine", None)
+            result.append(
+                ModelStatus(
+                    entry.name,
+                    entry.path,
+                    entry.kind,
+                    state,
+                    entry.error,
+                    provider=entry.config.provider,
+                    engine=engine.name if engine is not None else None,
+                )
+            )
         return result
 
     def loaded(self, name: str) -> Any:
@@ -149,7 +220,7 @@ class ModelRegistry:
     async def _load(self, entry: _Entry) -> Any:
         factory = self._factory(entry.kind)
         try:
-            model = await asyncio.to_thread(factory, entry.name, entry.path, self.config)
+            model = await asyncio.to_thread(factory, entry.name, entry.path, entry.config)
         except ModelLoadError as exc:
             entry.error = str(exc)
             raise

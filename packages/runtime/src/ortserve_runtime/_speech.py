@@ -27,8 +27,8 @@ from tokenizers import Tokenizer
 
 from ._config import ModelConfig
 from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
-from ._sampling import GenerationOptions, Sampler
 from ._threads import resolve_future
+from .chat._sampling import GenerationOptions, Sampler
 
 __all__ = ["Segment", "SpeechModel", "Transcription"]
 

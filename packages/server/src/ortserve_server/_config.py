@@ -25,6 +25,10 @@ class ServerConfig:
     api_key: str | None = None
     """When set, every API route needs ``Authorization: Bearer <api_key>``."""
     model_config: ModelConfig = field(default_factory=ModelConfig)
+    """How every model runs (provider, engine, batching...), unless ``model_configs`` says otherwise."""
+    model_configs: dict[str, ModelConfig] = field(default_factory=dict)
+    """Per model name, a config that replaces ``model_config`` for that model (for example
+    one model on ``cuda`` and an embedder on the CPU)."""
     load_on_startup: bool = True
     """Load every model when the app starts (else on first use)."""
     max_body_size: int = 16 * 1024 * 1024

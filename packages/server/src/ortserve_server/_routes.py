@@ -544,7 +544,16 @@ async def retrieve_model(model_id: FromPath[str], ortserve: NamedDependency[OrtS
 
 
 def _model_card(state: OrtServe, name: str) -> p.Model:
-    return p.Model(id=name, created=state.created, owned_by="ortserve")
+    status = next(s for s in state.registry.status() if s.name == name)
+    return p.Model(
+        id=name,
+        created=state.created,
+        owned_by="ortserve",
+        kind=status.kind,
+        status=status.state,
+        provider=status.provider,
+        engine=status.engine,
+    )
 
 
 @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (extension)")
@@ -579,7 +588,10 @@ async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Heal
         overall = "loading"
     elif any(s.state == "error" for s in statuses):
         overall = "error"
-    body = p.Health(status=overall, models=[p.HealthModel(id=s.name, status=s.state) for s in statuses])
+    body = p.Health(
+        status=overall,
+        models=[p.HealthModel(id=s.name, status=s.state, provider=s.provider, engine=s.engine) for s in statuses],
+    )
     return Response(body, status_code=200 if overall == "ok" else 503)
 
 

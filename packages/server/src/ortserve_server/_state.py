@@ -20,9 +20,12 @@ class OrtServe:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        unknown = sorted(set(config.model_configs) - set(config.models))
+        if unknown:
+            raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
         self.registry = ModelRegistry(config.model_config)
         for name, path in config.models.items():
-            self.registry.add(name, path)
+            self.registry.add(name, path, config.model_configs.get(name))
         self.metrics = Metrics()
         self.created = int(time.time())
         self.started = False

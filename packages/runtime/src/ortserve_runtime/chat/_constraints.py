@@ -17,9 +17,9 @@ import numpy as np
 import numpy.typing as npt
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from ._errors import InvalidRequestError
+from .._errors import InvalidRequestError
 
-__all__ = ["Constraint", "Grammar", "GrammarCompiler"]
+__all__ = ["Constraint", "Grammar", "GrammarCompiler", "og_guidance"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +77,16 @@ class GrammarCompiler:
         if error:
             raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
         return Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size)
+
+
+def og_guidance(grammar: Grammar) -> tuple[str, str]:
+    """``grammar`` as onnxruntime-genai's guidance (``TurnOptions.set_guidance``) takes it:
+    the same sources, and the same strict whitespace for JSON, as the host matcher."""
+    if grammar.kind == "json_schema":
+        schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+        return "json_schema", json.dumps(schema)
+    return ("regex" if grammar.kind == "regex" else "lark_grammar"), str(grammar.source)
 
 
 def _grammar_text(grammar: Grammar) -> str:

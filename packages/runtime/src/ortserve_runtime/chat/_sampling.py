@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import InvalidRequestError
 from ._constraints import Grammar
-from ._errors import InvalidRequestError
 
 __all__ = ["GenerationOptions", "Sampler"]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import PIL.Image
 
-from ._chat import Message
-from ._errors import InvalidRequestError
+from .._errors import InvalidRequestError
+from ._template import Message
 
 __all__ = ["AudioInput", "ImageInput", "Media", "Placeholders", "flatten_messages", "normalise_image"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ._errors import InvalidRequestError, ModelLoadError
+from .._errors import InvalidRequestError, ModelLoadError
 
 __all__ = ["ChatTemplate", "Message"]
 

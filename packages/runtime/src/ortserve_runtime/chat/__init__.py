@@ -1,0 +1,33 @@
+"""The front of generative models: chat template, tools, grammars, validation, prompts."""
+
+from ._constraints import Grammar
+from ._media import AudioInput, ImageInput
+from ._model import ChatModel
+from ._multimodal import MULTIMODAL_TYPES, MediaProcessor
+from ._request import FinishReason, GenerationEvent, GenerationStream, Prompt, Request, Usage
+from ._sampling import GenerationOptions
+from ._template import ChatTemplate, Message
+from ._tools import ToolCall, ToolCallFormat, ToolCallParser, detect_tool_format, forced_tool_grammar
+
+__all__ = [
+    "MULTIMODAL_TYPES",
+    "AudioInput",
+    "ChatModel",
+    "ChatTemplate",
+    "FinishReason",
+    "GenerationEvent",
+    "GenerationOptions",
+    "GenerationStream",
+    "Grammar",
+    "ImageInput",
+    "MediaProcessor",
+    "Message",
+    "Prompt",
+    "Request",
+    "ToolCall",
+    "ToolCallFormat",
+    "ToolCallParser",
+    "Usage",
+    "detect_tool_format",
+    "forced_tool_grammar",
+]

@@ -1,0 +1,237 @@
+"""The front of a generative model: tokenizer, chat template, tool-call format, grammars,
+request validation and prompt preparation. It turns a call into a :class:`Request` and
+hands it to its :class:`~ortserve_runtime.engines.Engine`; it never touches onnxruntime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from tokenizers import Tokenizer
+
+from .._config import ModelConfig
+from .._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
+from .._folder import GenaiFolder
+from ._constraints import GrammarCompiler
+from ._media import Media, flatten_messages
+from ._multimodal import MediaProcessor
+from ._request import GenerationStream, Prompt, Request
+from ._sampling import GenerationOptions, Sampler
+from ._stops import StopMatcher
+from ._template import ChatTemplate, Message
+from ._tools import ToolCallFormat, detect_tool_format
+
+if TYPE_CHECKING:
+    from ..engines import Engine
+
+__all__ = ["ChatModel"]
+
+
+class ChatModel:
+    """A generative model: text, or text with images/audio when it has a media processor.
+
+    Use :meth:`generate` from asyncio code; call :meth:`close` when done. ``engine`` says
+    what runs the requests (``engine.name``, ``engine.provider``, ``engine.capabilities``).
+    """
+
+    kind: Literal["generative"] = "generative"
+
+    def __init__(
+        self,
+        name: str,
+        folder: GenaiFolder,
+        config: ModelConfig,
+        engine: Engine,
+        media: MediaProcessor | None = None,
+    ) -> None:
+        self.name = name
+        self.folder = folder.path
+        self.config = config
+        self.engine = engine
+        self._media = media
+        self.modalities: frozenset[str] = media.modalities if media is not None else frozenset()
+        """Inputs besides text: ``"image"``, ``"audio"``."""
+        path = folder.path
+        self.context_length = folder.context_length
+        self.max_sequence_length = folder.max_sequence_length(config)
+        try:
+            eos = folder.model.get("eos_token_id", [])
+            self.eos_token_ids = frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+            self.vocab_size = int(folder.model["vocab_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{path / 'genai_config.json'} lacks a required field: {exc}", path=path) from exc
+        tokenizer_path = folder.tokenizer_path
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as exc:  # tokenizers raises plain Exception on bad files
+            raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
+        self.chat_template = ChatTemplate.from_folder(path)
+        self.tool_format: ToolCallFormat | None = detect_tool_format(
+            self.chat_template.source if self.chat_template else None
+        )
+        """How this model writes tool calls (from its chat template), or None."""
+        self.grammars = GrammarCompiler(tokenizer_path.read_text(encoding="utf-8"), self.vocab_size, self.eos_token_ids)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to start."""
+        return self.engine.queued
+
+    @property
+    def active(self) -> int:
+        """Requests being generated now."""
+        return self.engine.active
+
+    async def close(self) -> None:
+        """Finish: pending requests get :class:`EngineClosedError`; the engine's thread exits."""
+        await self.engine.close()
+
+    # -- public API (any thread / asyncio) -------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens"
+            )
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text the model's own template makes of ``messages`` (and ``tools``).
+
+        Content may be a list of parts (text, :class:`ImageInput`, :class:`AudioInput`);
+        media parts appear as the model's placeholders.
+        """
+        return self._render(messages, tools, add_generation_prompt)[0]
+
+    def prepare_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> Prompt:
+        """The prompt for ``messages``, ready for :meth:`generate` (``n`` choices may share it);
+        ``list(prompt)`` gives its token ids (images as the negative ids of their features).
+
+        For multimodal models this decodes the media and runs the processor: call it from a
+        worker thread in asyncio code (:meth:`aprepare_chat`).
+        """
+        text, media = self._render(messages, tools, add_generation_prompt)
+        return self._prepare(text, media)
+
+    async def aprepare_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> Prompt:
+        """:meth:`prepare_chat` without blocking the event loop on media."""
+        if not self.modalities:
+            return self.prepare_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return await asyncio.to_thread(
+            self.prepare_chat, messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Prompt | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: GenerationOptions | None = None,
+    ) -> GenerationStream:
+        """Start a generation from text, token ids, a prepared prompt, or chat messages.
+
+        Everything is validated here, before anything reaches the engine: bad options,
+        an empty prompt, token ids outside the vocabulary and prompts that do not fit the
+        context raise :class:`InvalidRequestError` (or :class:`ContextLengthError`).
+        """
+        options = options or GenerationOptions()
+        options.validate()
+        if self.engine.closing:
+            raise EngineClosedError(f"model {self.name!r} is closed")
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give either a prompt or messages", param="prompt")
+        if messages is not None:
+            prompt = self.prepare_chat(messages, tools=tools)
+        elif isinstance(prompt, str):
+            prompt = Prompt(self.encode(prompt))
+        elif not isinstance(prompt, Prompt):
+            ids = [int(t) for t in prompt or ()]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                )
+            prompt = Prompt(ids)
+        field_name = "messages" if messages is not None else "prompt"
+        if not prompt.ids:
+            raise InvalidRequestError("the prompt is empty", param=field_name)
+        room = self.max_sequence_length - len(prompt.ids)
+        if room < 1 or (options.max_tokens is not None and options.max_tokens > room):
+            asked = f" plus max_tokens {options.max_tokens}" if options.max_tokens is not None else ""
+            raise ContextLengthError(
+                f"the prompt has {len(prompt.ids)} tokens{asked}, more than this model's limit of "
+                f"{self.max_sequence_length} tokens",
+                param="max_tokens" if room >= 1 else field_name,
+            )
+        self._check_engine(prompt, options)
+        constraint = self.grammars.constraint(options.grammar) if options.grammar is not None else None
+        request = Request(
+            prompt=list(prompt.ids),
+            media=prompt.media,
+            constraint=constraint,
+            max_tokens=options.max_tokens if options.max_tokens is not None else room,
+            options=options,
+            sampler=Sampler(options, self.eos_token_ids),
+            stops=StopMatcher(options.stop),
+            tokenizer=self.tokenizer,
+            eos=self.eos_token_ids,
+        )
+        return GenerationStream(self.engine, request)
+
+    def _check_engine(self, prompt: Prompt, options: GenerationOptions) -> None:
+        """Refuse what this engine cannot honour, naming the field, rather than ignore it."""
+        capabilities = self.engine.capabilities
+        if options.seed is not None and not options.greedy and not capabilities.seeds:
+            raise InvalidRequestError(
+                f"seed: model {self.name!r} runs on the {self.engine.name} engine with {capabilities.batching} "
+                f"batching on {self.engine.provider}, which cannot reseed per request; leave seed out, or serve the "
+                "model with --engine og-generator (or ort-cpu on the CPU)",
+                param="seed",
+            )
+        if prompt.media is not None and not capabilities.media:
+            raise InvalidRequestError(
+                f"model {self.name!r} runs on the {self.engine.name} engine, which takes no images or audio",
+                param="messages",
+            )
+
+    # -- prompts -----------------------------------------------------------------------------
+
+    def _render(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool
+    ) -> tuple[str, Media]:
+        if self.chat_template is None:
+            raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
+        placeholders = self._media.placeholders if self._media is not None else {}
+        flat, media = flatten_messages(messages, placeholders, self.name)
+        return self.chat_template.render(flat, tools=tools, add_generation_prompt=add_generation_prompt), media
+
+    def _prepare(self, text: str, media: Media) -> Prompt:
+        """The prompt of a rendered chat: its tokens, or the media processor's inputs."""
+        if self._media is not None:
+            return self._media.prepare(text, media)
+        return Prompt(self.encode(text, add_special_tokens=False))

@@ -1,0 +1,195 @@
+"""``og-engine``: onnxruntime-genai's own ``og.Engine``, which batches and samples itself.
+
+With paged attention (a folder built with ``use_paged_attention`` on CUDA or WebGPU) it
+batches dynamically: requests join and leave at any step, and og applies per-turn seeds.
+Otherwise (the CPU provider) its batches are static: at most
+``EngineCapabilities.configured_max_batch_size`` requests (4 measured) run together and a
+newcomer waits for the whole batch; og refuses per-turn seeds there, so the front refuses
+``seed`` with a 400 rather than ignore it.
+
+og samples (temperature, top-k/p, repetition penalty, min tokens, length) and applies
+grammars (its llguidance) itself; tokens come back as events. Detokenization, stop
+strings (a matched stop cancels the og turn) and usage are the front's, the same on
+every engine. Every og call happens on the owner thread, as og requires.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime_genai as og
+
+from .._config import ModelConfig
+from .._errors import EngineError, InvalidRequestError, ModelLoadError
+from ..chat._constraints import og_guidance
+from ..chat._request import GenerationEvent, Request
+from ._base import EngineCapabilities, ThreadedEngine
+
+__all__ = ["OgEngine"]
+
+_EVENTS = 256
+"""Capacity of the event buffer one ``Engine.run`` fills."""
+_LENGTH = frozenset({og.FinishReason.MAX_GENERATED_TOKENS, og.FinishReason.MAX_SESSION_TOKENS})
+
+
+class _Turn:
+    """One request's og side: the og.Request (kept referenced until og is done with it)."""
+
+    def __init__(self, og_request: Any, turn_id: int) -> None:
+        self.og_request = og_request
+        self.turn_id = turn_id
+        self.done = False
+        """The front's request has had its final event (og may still send a few)."""
+
+
+class OgEngine(ThreadedEngine):
+    """``og.Engine`` over ``og_model`` (see the module docstring)."""
+
+    name = "og-engine"
+
+    def __init__(self, model_name: str, og_model: Any, config: ModelConfig, *, folder: Path, dynamic: bool) -> None:
+        super().__init__(model_name)
+        self.provider = config.provider
+        self.capabilities = EngineCapabilities(
+            host_sampling=False, seeds=dynamic, media=False, batching="dynamic" if dynamic else "static"
+        )
+        self._model = og_model
+        self._turns: dict[Request, _Turn] = {}
+        self._by_og: dict[int, Request] = {}
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self.batch_size = 0
+        self._start_thread()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise ModelLoadError(f"og.Engine could not start for {folder}: {self._load_error}", path=folder)
+
+    @property
+    def active(self) -> int:
+        return sum(1 for turn in self._turns.values() if not turn.done)
+
+    # -- owner thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            engine = og.Engine(self._model)
+            self.batch_size = int(engine.get_capabilities().configured_max_batch_size)
+            buffer = engine.create_event_buffer(_EVENTS)
+        except Exception as exc:  # noqa: BLE001  # reported to the constructor
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            with self._cond:
+                while not (self._inbox or self._closing or self._cancels or engine.has_pending_requests()):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                cancels, self._cancels = self._cancels, set()
+                admitted = list(self._inbox)
+                self._inbox.clear()
+            for request in cancels:
+                self._cancel(request)
+            for request in admitted:
+                if request.cancelled:
+                    request.deliver(request.final("cancelled"))
+                else:
+                    self._begin(engine, request)
+            if not engine.has_pending_requests():
+                continue
+            try:
+                events = engine.run(buffer)
+            except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail what og holds
+                for request in list(self._turns):
+                    self._end(request, EngineError(f"generation failed: {exc}"))
+                continue
+            for event in events:
+                self._event(event)
+        error = self._closed_error()
+        for request in [*self._inbox, *(r for r, t in self._turns.items() if not t.done)]:
+            request.deliver(error)
+        for turn in self._turns.values():
+            turn.og_request.close()
+        self._inbox.clear()
+        self._turns.clear()
+
+    def _begin(self, engine: Any, request: Request) -> None:
+        options = request.options
+        try:
+            request_options = og.RequestOptions()
+            request_options.set_max_session_tokens(len(request.prompt) + request.max_tokens)
+            og_request = engine.create_request(options=request_options)
+            turn = og.TurnOptions(og_request)
+            turn.set_max_generated_tokens(request.max_tokens)
+            if options.min_tokens:
+                turn.set_min_generated_tokens(options.min_tokens)
+            if options.greedy:
+                turn.set_do_sample(False)
+            else:
+                turn.set_do_sample(True)
+                turn.set_temperature(options.temperature)
+                turn.set_top_k(options.top_k)
+                turn.set_top_p(options.top_p)
+            if options.repetition_penalty != 1.0:
+                turn.set_repetition_penalty(options.repetition_penalty)
+            if options.seed is not None and self.capabilities.seeds:
+                turn.set_seed(options.seed)
+            if options.grammar is not None:
+                turn.set_guidance(*og_guidance(options.grammar))
+            turn_id = og_request.begin_turn(np.asarray(request.prompt, dtype=np.int32), turn)
+        except RuntimeError as exc:  # og refuses what it cannot run (a turn option, a too-long prompt)
+            request.deliver(InvalidRequestError(f"onnxruntime-genai refused the request: {exc}"))
+            return
+        self._turns[request] = _Turn(og_request, turn_id)
+        self._by_og[id(og_request)] = request
+
+    def _event(self, event: Any) -> None:
+        request = self._by_og.get(id(event.request))
+        if request is None:
+            return
+        turn = self._turns[request]
+        flags = int(event.flags)
+        if flags & int(og.EngineEventFlags.FAILED):
+            self._end(request, EngineError(f"generation failed: og.Engine reported {event.error_code}"))
+            return
+        finished = bool(flags & int(og.EngineEventFlags.TURN_FINISHED))
+        if not turn.done and flags & int(og.EngineEventFlags.TOKEN):
+            result = request.take(int(event.token))
+            if result.finish_reason is not None:
+                turn.done = True
+                if not finished:
+                    turn.og_request.cancel_turn(turn.turn_id)  # a stop string or the grammar's end
+            request.deliver(result)
+        if finished:
+            if not turn.done:  # og ended the turn without a last token the front could see
+                request.deliver(request.final("length" if event.finish_reason in _LENGTH else "stop"))
+            self._drop(request)
+
+    def _cancel(self, request: Request) -> None:
+        turn = self._turns.get(request)
+        if turn is None:
+            if request in self._inbox:
+                self._inbox.remove(request)
+            request.deliver(request.final("cancelled"))
+            return
+        if not turn.done:
+            turn.done = True
+            turn.og_request.cancel_turn(turn.turn_id)
+            request.deliver(request.final("cancelled"))
+
+    def _end(self, request: Request, error: BaseException | GenerationEvent) -> None:
+        turn = self._turns.get(request)
+        if turn is not None and not turn.done:
+            turn.done = True
+            request.deliver(error)
+        self._drop(request)
+
+    def _drop(self, request: Request) -> None:
+        turn = self._turns.pop(request, None)
+        if turn is not None:
+            self._by_og.pop(id(turn.og_request), None)
+            turn.og_request.close()

@@ -1,0 +1,130 @@
+"""``og-generator``: one ``og.Generator`` per request, stepped in turn, on any provider.
+
+Multimodal models do not run on ``og.Engine`` ("Expected a decoder-only model") nor on
+``ort-cpu`` (their decoder takes embeddings the vision and speech graphs produce), and
+some providers cannot batch with ``og.Engine``; so each request gets its own generator:
+
+* one owner thread runs up to ``concurrency`` generators, one token each in turn, so
+  concurrent streams all advance; a new request's prompt (thousands of tokens with an
+  image) goes in on a second thread meanwhile, so it does not stall them; more requests
+  wait in the inbox, and a cancelled one leaves it at once or stops at its next token,
+  freeing its cache;
+* the logits come back to the host, so sampling, grammars, seeds and stop strings are the
+  same as on ``ort-cpu``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import onnxruntime_genai as og
+
+from .._config import ModelConfig
+from .._errors import EngineError
+from ..chat._request import Request
+from ._base import EngineCapabilities, ThreadedEngine
+
+__all__ = ["OgGeneratorEngine"]
+
+
+class OgGeneratorEngine(ThreadedEngine):
+    """An ``og.Generator`` per request on ``og_model``'s provider, interleaved token by token."""
+
+    name = "og-generator"
+    capabilities = EngineCapabilities(host_sampling=True, seeds=True, media=True, batching="interleaved")
+
+    def __init__(self, model_name: str, og_model: Any, config: ModelConfig, *, concurrency: int) -> None:
+        super().__init__(model_name)
+        self.provider = config.provider
+        self._model = og_model
+        self.concurrency = concurrency
+        self._running: dict[Request, Any] = {}
+        """Requests being generated, each with its og.Generator."""
+        self._starting: dict[Request, concurrent.futures.Future[Any]] = {}
+        """Requests whose prompt goes in on the prefill thread (an image prompt takes long;
+        the running streams keep stepping meanwhile: og generators run side by side)."""
+        self._start_thread()
+
+    @property
+    def active(self) -> int:
+        return len(self._running) + len(self._starting)
+
+    def _run(self) -> None:
+        prefill = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ortserve-prefill-{self.model_name}")
+        starting = self._starting
+        while True:
+            with self._cond:
+                while not (
+                    self._inbox
+                    or self._running
+                    or self._closing
+                    or self._cancels
+                    or any(f.done() for f in starting.values())
+                ):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                cancels, self._cancels = self._cancels, set()
+                ended = [r for r in cancels if r in self._inbox or r in self._running]
+                for request in ended:
+                    if request in self._inbox:
+                        self._inbox.remove(request)
+                    self._running.pop(request, None)
+                if self._inbox and not starting and len(self._running) < self.concurrency:
+                    admitted = self._inbox.popleft()
+                    starting[admitted] = prefill.submit(self._prefill, admitted)
+                    starting[admitted].add_done_callback(lambda _: self._wake())
+            for request in ended:
+                request.deliver(request.final("cancelled"))
+            for request, future in [(r, f) for r, f in starting.items() if f.done()]:
+                del starting[request]
+                self._started(request, future)
+            for request, generator in list(self._running.items()):
+                self._guarded(request, self._step, request, generator)
+        prefill.shutdown(wait=True)
+        error = self._closed_error()
+        for request in [*self._inbox, *self._running, *starting]:
+            request.deliver(error)
+        self._inbox.clear()
+        self._running.clear()
+
+    def _guarded(self, request: Request, action: Any, *args: Any) -> None:
+        """Run one request's step; an onnxruntime failure fails that request only."""
+        try:
+            action(*args)
+        except Exception as exc:  # noqa: BLE001
+            self._running.pop(request, None)
+            request.deliver(EngineError(f"generation failed: {exc}"))
+
+    def _prefill(self, request: Request) -> Any:
+        """On the prefill thread: a generator with the prompt in its cache."""
+        params = og.GeneratorParams(self._model)
+        params.set_search_options(max_length=len(request.prompt) + request.max_tokens)
+        generator = og.Generator(self._model, params)
+        if request.media is not None:
+            generator.set_inputs(request.media)
+        else:
+            generator.append_tokens(request.prompt)
+        return generator
+
+    def _started(self, request: Request, future: concurrent.futures.Future[Any]) -> None:
+        if request.cancelled:
+            request.deliver(request.final("cancelled"))
+            return
+        error = future.exception()
+        if error is not None:
+            request.deliver(EngineError(f"generation failed: {error}"))
+            return
+        self._running[request] = future.result()
+        self._guarded(request, self._accept, request, self._running[request])
+
+    def _step(self, request: Request, generator: Any) -> None:
+        generator.append_tokens([request.tokens[-1]])
+        self._accept(request, generator)
+
+    def _accept(self, request: Request, generator: Any) -> None:
+        event = request.advance(generator.get_logits().reshape(-1))
+        if event.finish_reason is not None:
+            del self._running[request]
+        request.deliver(event)

@@ -1,0 +1,332 @@
+"""``ort-cpu``: continuous batching of the genai builder's decoder graph on onnxruntime's
+CPU provider.
+
+Why not ``og.Engine`` or a batched ``og.Generator`` on the CPU (measured with
+onnxruntime-genai 0.18, see README): the static Engine batches at most 4 requests and a
+new request waits for the whole batch; a batched Generator takes every prompt at once and
+its left padding gives wrong results for the padded rows of GQA models. So the decoder ONNX
+graph the genai builder writes is driven directly with onnxruntime:
+
+* one owner thread per model runs every session call; asyncio callers never block;
+* each request owns one row of a key/value cache shared between past and present
+  (GroupQueryAttention's share-buffer mode, as onnxruntime-genai does it), so a request
+  joins the running batch after its own prefill and leaves it the step it finishes or is
+  cancelled, freeing its row at once (continuous batching);
+* sampling, stop strings and EOS handling run per request on the host, so requests with
+  different options share one batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+import onnx.helper
+import onnx.numpy_helper
+import onnxruntime as ort
+
+from .._config import ModelConfig
+from .._errors import EngineError, ModelLoadError
+from .._folder import GenaiFolder
+from ..chat._request import FinishReason, Request
+from ._base import EngineCapabilities, ThreadedEngine
+
+__all__ = ["OrtCpuEngine"]
+
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+class _DecoderGraph:
+    """The decoder ONNX graph and the names genai_config.json gives its inputs/outputs."""
+
+    def __init__(self, folder: Path, genai: dict[str, Any], config: ModelConfig) -> None:
+        decoder = genai["model"]["decoder"]
+        self.layers = int(decoder["num_hidden_layers"])
+        self.kv_heads = int(decoder.get("num_key_value_heads", decoder["num_attention_heads"]))
+        self.head_size = int(decoder["head_size"])
+        names = decoder.get("inputs", {})
+        outputs = decoder.get("outputs", {})
+        past_key = names.get("past_key_names", "past_key_values.%d.key")
+        past_value = names.get("past_value_names", "past_key_values.%d.value")
+        present_key = outputs.get("present_key_names", "present.%d.key")
+        present_value = outputs.get("present_value_names", "present.%d.value")
+        self.cache_names = [
+            (past_key % i, present_key % i, past_value % i, present_value % i) for i in range(self.layers)
+        ]
+        self.input_ids = names.get("input_ids", "input_ids")
+        self.attention_mask = names.get("attention_mask", "attention_mask")
+        self.position_ids = names.get("position_ids", "position_ids")
+        self.logits = outputs.get("logits", "logits")
+
+        model_path = folder / decoder.get("filename", "model.onnx")
+        if not model_path.exists():
+            raise ModelLoadError(f"{model_path} does not exist", path=model_path)
+        options = ort.SessionOptions()
+        if config.intra_op_threads is not None:
+            options.intra_op_num_threads = config.intra_op_threads
+        options.inter_op_num_threads = 1
+        for key, value in config.session_options.items():
+            options.add_session_config_entry(key, value)
+        try:
+            self.session = _open_session(model_path, options, self.logits, last_only=config.last_position_logits)
+        except Exception as exc:  # onnx/onnxruntime raise their own untyped errors for corrupt files
+            raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        needed = [self.input_ids, self.attention_mask, self.cache_names[0][0]]
+        missing = [n for n in needed if n not in inputs]
+        if missing:
+            raise ModelLoadError(
+                f"{model_path} is not a decoder this runtime can drive (missing inputs {missing})", path=model_path
+            )
+        self.has_position_ids = self.position_ids in inputs
+        self.ids_dtype = np.int32 if inputs[self.input_ids].type == "tensor(int32)" else np.int64
+        self.mask_dtype = np.int32 if inputs[self.attention_mask].type == "tensor(int32)" else np.int64
+        cache_type = inputs[self.cache_names[0][0]].type
+        if cache_type not in _DTYPES:
+            raise ModelLoadError(
+                f"{model_path} has a key/value cache of unsupported type {cache_type}", path=model_path
+            )
+        self.cache_dtype = _DTYPES[cache_type]
+
+
+class OrtCpuEngine(ThreadedEngine):
+    """Continuous batching on the CPU provider (see the module docstring)."""
+
+    name = "ort-cpu"
+    provider = "cpu"
+    capabilities = EngineCapabilities(host_sampling=True, seeds=True, media=False, batching="continuous")
+
+    def __init__(self, model_name: str, folder: GenaiFolder, config: ModelConfig, max_sequence_length: int) -> None:
+        if config.provider != "cpu":
+            raise ModelLoadError(
+                f"the ort-cpu engine runs on the CPU provider only, not {config.provider!r}; "
+                "use --engine og-engine or og-generator (or auto) for other providers",
+                path=folder.path,
+            )
+        if folder.is_multimodal or folder.is_encoder_decoder:
+            raise ModelLoadError(
+                f"{folder.path} is a multimodal or encoder-decoder model ({folder.model_type}); "
+                "the ort-cpu engine runs decoder-only text models (use og-generator)",
+                path=folder.path,
+            )
+        super().__init__(model_name)
+        self._graph = _DecoderGraph(folder.path, folder.genai, config)
+        self.max_batch_size = config.max_batch_size
+        shape = (self.max_batch_size, self._graph.kv_heads, max_sequence_length, self._graph.head_size)
+        # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
+        self._cache = [
+            (np.zeros(shape, self._graph.cache_dtype), np.zeros(shape, self._graph.cache_dtype))
+            for _ in range(self._graph.layers)
+        ]
+        self._rows: list[Request] = []
+        self._prefilling: Request | None = None
+        """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
+        self.prefill_chunk = config.prefill_chunk_tokens
+        self.steps = 0
+        """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
+        self._start_thread()
+
+    @property
+    def active(self) -> int:
+        """Requests holding a batch row now (decoding, or having their prompt prefilled)."""
+        return len(self._rows) + (self._prefilling is not None)
+
+    # -- owner thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._rows or self._prefilling or self._closing or self._cancels):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                cancels, self._cancels = self._cancels, set()
+                for request in cancels:
+                    if request in self._inbox:
+                        self._inbox.remove(request)
+                        request.deliver(request.final("cancelled"))
+            for request in cancels:
+                if request is self._prefilling:
+                    self._prefilling, request.row = None, -1
+                    request.deliver(request.final("cancelled"))
+                elif request.row >= 0:
+                    self._finish(request, "cancelled")
+            try:
+                self._prefill_work()
+                if self._rows:
+                    self._decode_step()
+            except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail the requests it touched
+                failed = [*self._rows, *([self._prefilling] if self._prefilling else [])]
+                self._prefilling = None
+                for request in failed:
+                    if request in self._rows:
+                        self._release(request)
+                    request.row = -1
+                    request.deliver(EngineError(f"generation failed: {exc}"))
+        error = self._closed_error()
+        for request in [*self._inbox, *self._rows, *([self._prefilling] if self._prefilling else [])]:
+            request.deliver(error)
+        self._inbox.clear()
+        self._rows.clear()
+        self._prefilling = None
+
+    def _prefill_work(self) -> None:
+        """Put waiting prompts into the cache, one chunk at a time.
+
+        Prompts that fit in a chunk are admitted back to back (low time to first token
+        when many arrive together). A longer prompt takes one chunk per engine step, with
+        a decode step of the running requests in between, so their streams keep flowing.
+        """
+        while True:
+            if self._prefilling is None:
+                with self._cond:
+                    if not self._inbox or len(self._rows) >= self.max_batch_size:
+                        return
+                    request = self._inbox.popleft()
+                if request.cancelled:
+                    request.deliver(request.final("cancelled"))
+                    continue
+                request.row, request.prefilled = len(self._rows), 0
+                self._prefilling = request
+            request = self._prefilling
+            logits = self._prefill_chunk(request)
+            if logits is None:
+                if self._rows:
+                    return  # a long prompt: let the running requests take a step
+                continue
+            self._prefilling = None
+            self._rows.append(request)
+            self._accept(request, logits)
+
+    def _bind(self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any) -> Any:
+        graph = self._graph
+        binding = graph.session.io_binding()
+        binding.bind_cpu_input(graph.input_ids, input_ids)
+        binding.bind_cpu_input(graph.attention_mask, mask)
+        if graph.has_position_ids:
+            binding.bind_cpu_input(graph.position_ids, positions)
+        for (past_k, present_k, past_v, present_v), (keys, values) in zip(graph.cache_names, self._cache, strict=True):
+            # The same buffer as past and present: GQA appends in place (share-buffer mode).
+            key_value = ort.OrtValue.ortvalue_from_numpy(keys[rows])
+            value_value = ort.OrtValue.ortvalue_from_numpy(values[rows])
+            binding.bind_ortvalue_input(past_k, key_value)
+            binding.bind_ortvalue_output(present_k, key_value)
+            binding.bind_ortvalue_input(past_v, value_value)
+            binding.bind_ortvalue_output(present_v, value_value)
+        binding.bind_output(graph.logits)
+        graph.session.run_with_iobinding(binding)
+        self.steps += 1
+        logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()
+        return logits
+
+    def _prefill_chunk(self, request: Request) -> npt.NDArray[np.float32] | None:
+        """Cache the next chunk of the prompt; the last chunk returns the logits."""
+        graph = self._graph
+        start = request.prefilled
+        end = min(len(request.prompt), start + self.prefill_chunk)
+        ids = np.asarray([request.prompt[start:end]], dtype=graph.ids_dtype)
+        # The mask spans everything cached so far: GQA appends the chunk after it.
+        mask = np.ones((1, end), dtype=graph.mask_dtype)
+        positions = np.arange(start, end, dtype=graph.ids_dtype)[None, :]
+        logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions)
+        request.prefilled = end
+        return logits[0, -1] if end == len(request.prompt) else None
+
+    def _decode_step(self) -> None:
+        graph = self._graph
+        rows = list(self._rows)
+        lengths = np.fromiter((r.length for r in rows), dtype=np.int64, count=len(rows))
+        ids = np.fromiter((r.tokens[-1] for r in rows), dtype=graph.ids_dtype, count=len(rows))[:, None]
+        # Each row's new token sits right after its own cached tokens (right-aligned cache).
+        width = int(lengths.max())
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(graph.mask_dtype)
+        positions = (lengths - 1).astype(graph.ids_dtype)[:, None]
+        logits = self._bind(slice(0, len(rows)), ids, mask, positions)
+        for request, row_logits in zip(rows, logits[:, -1], strict=True):
+            if not request.cancelled:
+                self._accept(request, row_logits)
+
+    def _accept(self, request: Request, logits: npt.NDArray[np.float32]) -> None:
+        """Sample the next token of ``request`` and tell its consumer."""
+        event = request.advance(logits)
+        if event.finish_reason is not None:
+            self._release(request)
+        request.deliver(event)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._release(request)
+        request.deliver(request.final(reason))
+
+    def _release(self, request: Request) -> None:
+        """Free the request's row; the last row moves into the hole so rows stay dense."""
+        row = request.row
+        if row < 0:
+            return
+        last = self._rows.pop()
+        if last is not request:
+            self._copy_row(last.row, row, last.length)
+            self._rows[row] = last
+            last.row = row
+        request.row = -1
+        pending = self._prefilling
+        if pending is not None and pending.row != len(self._rows):
+            # The prompt being prefilled sits right after the running rows: follow them down.
+            self._copy_row(pending.row, len(self._rows), pending.prefilled)
+            pending.row = len(self._rows)
+
+    def _copy_row(self, source: int, target: int, length: int) -> None:
+        for keys, values in self._cache:
+            keys[target, :, :length] = keys[source, :, :length]
+            values[target, :, :length] = values[source, :, :length]
+
+
+def _open_session(
+    model_path: Path, options: ort.SessionOptions, logits: str, *, last_only: bool
+) -> ort.InferenceSession:
+    """An onnxruntime session for the decoder, computing logits of the last position only.
+
+    Sampling needs only the last position's logits, yet the builder's graphs project every
+    prompt position through the vocabulary-sized LM head (a quarter of the prefill work
+    for a 0.5B model, measured). A Gather of the last position in front of the node that
+    writes the logits removes that work; decode steps (one position) are unchanged.
+    """
+    providers = ["CPUExecutionProvider"]
+    if not last_only:
+        return ort.InferenceSession(str(model_path), options, providers=providers)
+    graph_model = onnx.load(str(model_path), load_external_data=False)
+    graph = graph_model.graph
+    producers = [node for node in graph.node if logits in node.output]
+    outputs = [o for o in graph.output if o.name == logits]
+    if len(producers) != 1 or len(outputs) != 1 or len(outputs[0].type.tensor_type.shape.dim) != 3:
+        return ort.InferenceSession(str(model_path), options, providers=providers)
+    head = producers[0]
+    index_name, hidden_name = "ortserve/last_position", "ortserve/last_position_hidden"
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], dtype=np.int64), name=index_name))
+    gather = onnx.helper.make_node("Gather", [head.input[0], index_name], [hidden_name], axis=1, name=hidden_name)
+    head.input[0] = hidden_name
+    graph.node.insert(list(graph.node).index(head), gather)
+    outputs[0].type.tensor_type.shape.dim[1].dim_value = 1
+    # Weights stay in their external data files: handed to onnxruntime as memory maps, which
+    # also works where they are symlinks out of the folder (the Hugging Face cache).
+    locations = sorted(
+        {
+            entry.value
+            for tensor in graph.initializer
+            if tensor.data_location == onnx.TensorProto.EXTERNAL
+            for entry in tensor.external_data
+            if entry.key == "location"
+        }
+    )
+    with contextlib.ExitStack() as stack:
+        maps = []
+        for location in locations:
+            handle = stack.enter_context((model_path.parent / location).open("rb"))
+            maps.append(stack.enter_context(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)))
+        if maps:
+            options.add_external_initializers_from_files_in_memory(locations, maps, [len(m) for m in maps])
+        return ort.InferenceSession(graph_model.SerializeToString(), options, providers=providers)
