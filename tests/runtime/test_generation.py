@@ -12,9 +12,8 @@ import re
 import time
 from collections.abc import Callable
 
-import numpy as np
-import onnxruntime_genai as og
 import pytest
+from og_reference import og_greedy
 from ortserve_runtime import (
     ChatModel,
     ContextLengthError,
@@ -40,20 +39,6 @@ PROMPTS = [
 ]
 EOS_PROMPT = "the the world"
 """Greedy decoding of this prompt ends with EOS after 10 tokens."""
-
-
-def og_greedy(prompt_ids: list[int], n: int) -> list[int]:
-    """onnxruntime-genai's own greedy search on the same folder: the reference."""
-    model = og.Model(str(TINY_MODEL))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt_ids) + n, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array(prompt_ids, dtype=np.int32))
-    out: list[int] = []
-    while not generator.is_done() and len(out) < n:
-        generator.generate_next_token()
-        out.append(int(generator.get_next_tokens()[0]))
-    return out
 
 
 async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:

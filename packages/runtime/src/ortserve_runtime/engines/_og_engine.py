@@ -165,7 +165,11 @@ class OgEngine(ThreadedEngine):
                     turn.og_request.cancel_turn(turn.turn_id)  # a stop string or the grammar's end
             request.deliver(result)
         if finished:
-            if not turn.done:  # og ended the turn without a last token the front could see
+            if not turn.done and event.finish_reason == og.FinishReason.EOS and request.eos:
+                # og ends on EOS without a token event; the front counts EOS as generated
+                # (as og.Generator and ort-cpu do) and streams no text for it.
+                request.deliver(request.take(min(request.eos)))
+            elif not turn.done:  # a length limit, or the grammar's end
                 request.deliver(request.final("length" if event.finish_reason in _LENGTH else "stop"))
             self._drop(request)
 

@@ -1,0 +1,23 @@
+"""onnxruntime-genai's own greedy search on a folder: the reference every engine must match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime_genai as og
+from serving import TINY_MODEL
+
+
+def og_greedy(prompt_ids: list[int], n: int, folder: Path = TINY_MODEL) -> list[int]:
+    """Up to ``n`` tokens of raw ``og.Generator`` greedy decoding (EOS included when reached)."""
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt_ids) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array(prompt_ids, dtype=np.int32))
+    out: list[int] = []
+    while not generator.is_done() and len(out) < n:
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    return out

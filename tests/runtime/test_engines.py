@@ -1,0 +1,183 @@
+"""The same behaviour on every engine: ort-cpu, og-engine and og-generator on the CPU.
+
+og-engine and og-generator run onnxruntime-genai's CPU provider here; on a GPU they are
+the same code on another provider (see the ``gpu`` tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from og_reference import og_greedy
+from ortserve_runtime import (
+    ChatModel,
+    ContextLengthError,
+    EngineClosedError,
+    GenerationOptions,
+    Grammar,
+    InvalidRequestError,
+    ModelConfig,
+    ModelRegistry,
+    pick_engine,
+)
+from ortserve_runtime._folder import GenaiFolder
+from serving import TINY_MODEL
+
+pytestmark = pytest.mark.anyio
+
+ENGINES = ["ort-cpu", "og-engine", "og-generator"]
+GREEDY = GenerationOptions(max_tokens=24, temperature=0)
+PROMPTS = ["Hello there, how are you", "The quick brown fox jumps", "hello", "Write a poem about the sea"]
+EOS_PROMPT = "the the world"
+"""Greedy decoding of this prompt ends with EOS after 10 tokens."""
+
+
+@pytest.fixture(params=ENGINES)
+async def model(request: pytest.FixtureRequest) -> AsyncIterator[ChatModel]:
+    registry = ModelRegistry(ModelConfig(engine=request.param))
+    registry.add("tiny", TINY_MODEL)
+    loaded: ChatModel = await registry.get("tiny")
+    assert loaded.engine.name == request.param
+    yield loaded
+    await registry.close()
+
+
+async def idle(model: ChatModel) -> None:
+    for _ in range(500):
+        if not (model.active or model.queued):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still busy: {model.active} active, {model.queued} queued")
+
+
+async def test_greedy_tokens_equal_raw_og_generator(model: ChatModel) -> None:
+    for prompt in PROMPTS[:3]:
+        text, tokens, reason, usage = await model.generate(prompt, options=GREEDY).collect()
+        assert reason == "length" and len(tokens) == 24
+        assert tokens == og_greedy(model.encode(prompt), 24)
+        assert text == model.decode(tokens)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(model.encode(prompt)), 24)
+
+
+async def test_eos_ends_with_stop_and_counts_it(model: ChatModel) -> None:
+    events = [e async for e in model.generate(EOS_PROMPT, options=GenerationOptions(max_tokens=40, temperature=0))]
+    reference = og_greedy(model.encode(EOS_PROMPT), 40)
+    assert reference[-1] in model.eos_token_ids
+    assert [e.finish_reason for e in events][-1] == "stop"
+    assert [e.token_id for e in events if e.token_id is not None] == reference[:-1]
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == len(reference)
+
+
+async def test_min_tokens_holds_off_eos(model: ChatModel) -> None:
+    options = GenerationOptions(max_tokens=16, min_tokens=14, temperature=0)
+    _, tokens, _, _ = await model.generate(EOS_PROMPT, options=options).collect()
+    assert len(tokens) >= 14 and not set(tokens[:14]) & model.eos_token_ids
+
+
+async def test_stop_strings_are_exact(model: ChatModel) -> None:
+    full, _, _, _ = await model.generate(PROMPTS[1], options=GREEDY).collect()
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+    text, _, reason, _ = await model.generate(
+        PROMPTS[1], options=GenerationOptions(max_tokens=24, temperature=0, stop=(stop,))
+    ).collect()
+    assert reason == "stop" and text == full[: full.index(stop)]
+    await idle(model)
+
+
+async def test_concurrent_requests_get_what_they_get_alone(model: ChatModel) -> None:
+    alone = [await model.generate(p, options=GREEDY).collect() for p in PROMPTS]
+    together = await asyncio.gather(*(model.generate(p, options=GREEDY).collect() for p in PROMPTS * 2))
+    assert list(together) == alone * 2
+    await idle(model)
+
+
+async def test_cancel_frees_the_engine(model: ChatModel) -> None:
+    stream = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=500, temperature=0))
+    await anext(stream)
+    await anext(stream)
+    stream.cancel()
+    rest = [e async for e in stream]
+    assert rest[-1].finish_reason == "cancelled"
+    await idle(model)
+    abandoned = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=500, temperature=0))
+    await anext(abandoned)
+    await abandoned.aclose()
+    await idle(model)
+    assert (await model.generate(PROMPTS[2], options=GREEDY).collect())[2] == "length"
+
+
+async def test_grammar_constrains_the_output(model: ChatModel) -> None:
+    options = GenerationOptions(max_tokens=20, temperature=0, grammar=Grammar("regex", "[0-9]{3}-[a-z]{2}"))
+    text, _, reason, _ = await model.generate(PROMPTS[0], options=options).collect()
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
+    assert reason == "stop"
+
+
+async def test_sampling_varies_and_respects_top_k(model: ChatModel) -> None:
+    options = GenerationOptions(max_tokens=12, temperature=1.0)
+    runs = {tuple((await model.generate(PROMPTS[0], options=options).collect())[1]) for _ in range(4)}
+    assert len(runs) > 1  # random weights: sampling wanders
+    top1 = GenerationOptions(max_tokens=12, temperature=1.0, top_k=1)
+    assert (await model.generate(PROMPTS[0], options=top1).collect())[1] == og_greedy(model.encode(PROMPTS[0]), 12)
+
+
+async def test_seeds_are_reproducible_or_refused_naming_seed(model: ChatModel) -> None:
+    options = GenerationOptions(max_tokens=12, temperature=1.0, seed=7)
+    if not model.engine.capabilities.seeds:  # og.Engine's static batches (the CPU) cannot reseed
+        with pytest.raises(InvalidRequestError, match="seed") as info:
+            model.generate(PROMPTS[0], options=options)
+        assert info.value.param == "seed"
+        return
+    first = await model.generate(PROMPTS[0], options=options).collect()
+    assert first == await model.generate(PROMPTS[0], options=options).collect()
+
+
+async def test_context_errors_come_before_the_engine(model: ChatModel) -> None:
+    with pytest.raises(ContextLengthError):
+        model.generate([1] * model.max_sequence_length, options=GREEDY)
+    with pytest.raises(ContextLengthError):
+        model.generate("hi", options=GenerationOptions(max_tokens=model.max_sequence_length))
+
+
+async def test_close_fails_what_is_pending(model: ChatModel) -> None:
+    stream = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=900, temperature=0))
+    await anext(stream)
+    await model.close()
+    with pytest.raises(EngineClosedError):
+        async for _ in stream:
+            pass
+    with pytest.raises(EngineClosedError):
+        model.generate("hi", options=GREEDY)
+
+
+def _folder(tmp_path: Path, genai_extra: dict[str, object], model_type: str = "qwen2") -> GenaiFolder:
+    genai: dict[str, object] = {"model": {"type": model_type, "decoder": {}}, **genai_extra}
+    return GenaiFolder(tmp_path, genai)
+
+
+def test_auto_picks_the_engine_from_provider_and_folder(tmp_path: Path) -> None:
+    text = _folder(tmp_path, {})
+    paged = GenaiFolder(tmp_path, {"model": {"type": "qwen2", "decoder": {"use_paged_attention": True}}})
+    vision = GenaiFolder(tmp_path, {"model": {"type": "phi3v", "decoder": {}, "vision": {}}})
+    assert pick_engine(text, ModelConfig()) == "ort-cpu"
+    assert pick_engine(vision, ModelConfig()) == "og-generator"
+    assert pick_engine(text, ModelConfig(provider="cuda")) == "og-generator"
+    assert pick_engine(paged, ModelConfig(provider="cuda")) == "og-engine"
+    assert pick_engine(vision, ModelConfig(provider="cuda")) == "og-generator"
+    assert pick_engine(text, ModelConfig(engine="og-engine")) == "og-engine"
+
+
+async def test_a_multimodal_folder_refuses_the_text_only_engines() -> None:
+    from images import TINY_PHI3V
+    from ortserve_runtime import ModelLoadError
+
+    for engine in ("ort-cpu", "og-engine"):
+        registry = ModelRegistry(ModelConfig(engine=engine))  # type: ignore[arg-type]
+        registry.add("vision", TINY_PHI3V)
+        with pytest.raises(ModelLoadError, match=f"runs on the og-generator engine only, not {engine}"):
+            await registry.get("vision")
