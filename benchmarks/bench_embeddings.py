@@ -1,7 +1,7 @@
 """Embedding throughput: raw onnxruntime next to ortserve (runtime and HTTP), in one run.
 
     uv run python benchmarks/bench_embeddings.py [--st-python /tmp/fx/bin/python]
-    uv run python benchmarks/bench_embeddings.py --provider openvino \
+    uv run --no-group cpu --extra openvino python benchmarks/bench_embeddings.py --provider openvino \
         [--provider-option 'load_config={"CPU": {"INFERENCE_PRECISION_HINT": "bf16"}}']
 
 Model: all-MiniLM-L6-v2 int8 ONNX (from the dev dependencies). Work: the same few hundred
