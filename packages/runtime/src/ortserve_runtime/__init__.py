@@ -3,6 +3,17 @@
 No HTTP here: plain Python types in, async event streams and NumPy arrays out.
 """
 
+import importlib.util as _importlib_util
+
+# The onnxruntime wheels are extras (one per accelerator; they cannot share an environment),
+# so an install without one fails here, saying what to add, not deep in an import chain.
+_missing = [name for name in ("onnxruntime", "onnxruntime_genai") if _importlib_util.find_spec(name) is None]
+if _missing:
+    raise ImportError(
+        f"ortserve-runtime needs {' and '.join(_missing)}: install it with exactly one extra, "
+        '"ortserve-runtime[cpu]", "[cuda]", "[directml]" or "[openvino]"'
+    )
+
 from ._config import EmbeddingConfig, EngineName, ModelConfig
 from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 
 from ._config import ModelConfig
 from ._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
+from ._providers import check_session_provider, ort_providers
 from ._threads import resolve_future
 
 __all__ = ["EmbeddingInput", "EmbeddingModel", "EmbeddingResult", "Pooling"]
@@ -34,6 +36,9 @@ Pooling = Literal["mean", "cls", "last"]
 EmbeddingInput = str | Sequence[str | int | Sequence[int]]
 """One text, texts, one list of token ids, or lists of token ids (not mixed)."""
 _ONNX_CANDIDATES = ("model.onnx", "onnx/model.onnx")
+_ALLOW_SPINNING = "session.intra_op.allow_spinning"
+
+log = logging.getLogger("ortserve.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +94,7 @@ class EmbeddingModel:
         self.tokenizer.no_truncation()
         self.max_tokens = _max_tokens(folder)
         self.pooling: Pooling = settings.pooling or _pooling_mode(folder)
-        options = ort.SessionOptions()
-        if config.intra_op_threads is not None:
-            options.intra_op_num_threads = config.intra_op_threads
-        for key, value in config.session_options.items():
-            options.add_session_config_entry(key, value)
-        try:
-            self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime's own untyped errors for corrupt files
-            raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
+        self.session = _create_session(model_path, folder, config)
         inputs = {i.name: i for i in self.session.get_inputs()}
         if "input_ids" not in inputs:
             raise ModelLoadError(f"{model_path} has no input_ids input; not a text encoder", path=model_path)
@@ -295,6 +292,45 @@ class EmbeddingModel:
 
     def _probe_dimension(self) -> int:
         return int(self._forward([[self._pad_id]]).shape[-1])
+
+
+def _create_session(model_path: Path, folder: Path, config: ModelConfig) -> ort.InferenceSession:
+    """An ``InferenceSession`` on ``config.provider``, or :class:`ModelLoadError`: a provider
+    this onnxruntime lacks, or one the session was built without (OpenVINO drops itself on
+    an option it rejects and leaves a CPU-only session), never runs silently on the CPU."""
+    providers = ort_providers(config.provider, config.provider_options, folder)
+    options = ort.SessionOptions()
+    if config.intra_op_threads is not None:
+        options.intra_op_num_threads = config.intra_op_threads
+    entries = dict(config.session_options)
+    if config.provider != "cpu":
+        # Nodes the accelerator does not take run on the CPU provider, whose spinning
+        # intra-op threads then compete with the accelerator's own (OpenVINO's CPU plugin
+        # runs its own pool): on 2 cores spinning made mixed sessions slower. The user's
+        # own setting wins.
+        entries.setdefault(_ALLOW_SPINNING, "0")
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
+    started = time.perf_counter()
+    if config.provider != "cpu":
+        # OpenVINO (and TensorRT) compile the graph while the session is created: seconds,
+        # which would otherwise look like a hang.
+        log.info("compiling %s for %s", model_path, config.provider)
+    try:
+        session = ort.InferenceSession(str(model_path), options, providers=providers)
+    except Exception as exc:  # onnxruntime's own untyped errors for corrupt files and bad provider options
+        where = "" if config.provider == "cpu" else f" on provider {config.provider!r}"
+        raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime{where}: {exc}", path=model_path) from exc
+    check_session_provider(session, config.provider, folder)
+    if config.provider != "cpu":
+        log.info(
+            "compiled %s for %s in %.1f s (providers %s)",
+            model_path,
+            config.provider,
+            time.perf_counter() - started,
+            ", ".join(session.get_providers()),
+        )
+    return session
 
 
 def _as_list(inputs: EmbeddingInput) -> list[str | Sequence[int]]:

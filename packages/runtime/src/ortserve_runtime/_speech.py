@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from ._config import ModelConfig
 from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
+from ._folder import load_og_model
 from ._threads import resolve_future
 from .chat._sampling import GenerationOptions, Sampler
 
@@ -91,10 +92,11 @@ class SpeechModel:
     def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
         self.name = name
         self.folder = folder
-        if config.provider != "cpu":
-            raise ModelLoadError(f"cannot load {folder} on provider {config.provider!r}: CPU only", path=folder)
+        # On the provider the config names, or a ModelLoadError that says what to install.
+        # decoder_threads=False: Whisper has an encoder too, which that overlay would leave
+        # out; og's own thread defaults stay as they were on the CPU.
+        self._model = load_og_model(folder, config, decoder_threads=False)
         try:
-            self._model = og.Model(str(folder))
             self._processor = self._model.create_multimodal_processor()
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
             genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
