@@ -118,3 +118,77 @@ def test_serve_without_models_uses_the_demo() -> None:
         assert process.wait(timeout=30) == 0
     finally:
         stop(process)
+
+
+def serve_and_fail(*args: str) -> str:
+    process = subprocess.run(
+        [sys.executable, "-m", "ortserve_server", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert process.returncode == 2, process.stderr
+    assert "Traceback" not in process.stderr
+    return process.stderr
+
+
+def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix() -> None:
+    error = serve_and_fail("--provider", "cuda", "--model", f"tiny={TINY_MODEL}")
+    assert "provider 'cuda'" in error and "install" in error and str(TINY_MODEL) in error
+    # per model too: the embedder may stay on the CPU while the chat model asks for WebGPU
+    error = serve_and_fail("--model", f"tiny={TINY_MODEL}", "--model-option", "tiny:provider=webgpu")
+    assert "provider 'webgpu'" in error
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--model-option", "nope:engine=og-engine"], "no model named 'nope'"),
+        (["--model-option", "tiny:speed=11"], "tiny:speed: unknown key"),
+        (["--model-option", "tiny:engine=turbo"], "unknown engine 'turbo'"),
+        (["--model-option", "tiny:max-batch-size=many"], "max-batch-size must be an integer"),
+        (["--provider-option", "device_id=0"], "CPU provider takes no provider options"),
+    ],
+)
+def test_bad_engine_and_provider_settings_are_named(args: list[str], words: str) -> None:
+    assert words in serve_and_fail("--model", f"tiny={TINY_MODEL}", *args)
+
+
+def test_engines_per_model_and_what_health_reports() -> None:
+    process, ready = start_server(
+        "--model",
+        f"tiny={TINY_MODEL}",
+        "--model",
+        f"gen={TINY_MODEL}",
+        "--model",
+        f"eng={TINY_MODEL}",
+        "--model-option",
+        "gen:engine=og-generator",
+        "--engine",
+        "og-engine",
+        "--model-option",
+        "tiny:engine=auto",
+    )
+    try:
+        url = f"http://127.0.0.1:{ready['port']}"
+        health = httpx.get(f"{url}/health").json()
+        engines = {m["id"]: (m["provider"], m["engine"]) for m in health["models"]}
+        assert engines == {"tiny": ("cpu", "ort-cpu"), "gen": ("cpu", "og-generator"), "eng": ("cpu", "og-engine")}
+        assert httpx.get(f"{url}/v1/models/gen").json()["engine"] == "og-generator"
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            texts = {
+                name: client.completions.create(model=name, prompt="hello", max_tokens=8, temperature=0).choices[0].text
+                for name in engines
+            }
+        assert len(set(texts.values())) == 1 and texts["tiny"]  # greedy: the same text on every engine
+    finally:
+        stop(process)
+
+
+def test_the_cli_names_the_runtimes_providers_and_engines() -> None:
+    from ortserve_runtime import PROVIDERS
+    from ortserve_runtime._config import ENGINES
+    from ortserve_server import _cli
+
+    assert _cli.PROVIDERS == PROVIDERS and _cli.ENGINES == ENGINES

@@ -71,6 +71,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_provider(self.provider)
+        if self.provider == "cpu" and self.provider_options:
+            # Nothing on the CPU reads them: refuse rather than accept and ignore.
+            raise ValueError(
+                f"the CPU provider takes no provider options (got {', '.join(sorted(self.provider_options))})"
+            )
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if self.max_batch_size < 1:

@@ -48,13 +48,13 @@ _ORT_NAMES: dict[Provider, str] = {
 }
 
 _INSTALL: dict[Provider, str] = {
-    "cpu": "the default install",
+    "cpu": 'the cpu extra (pip install "ortserve-runtime[cpu]")',
     "cuda": 'the cuda extra (pip install "ortserve-runtime[cuda]": onnxruntime-genai-cuda and onnxruntime-gpu) '
     "and an NVIDIA driver with CUDA 12",
     "dml": 'the directml extra on Windows (pip install "ortserve-runtime[directml]")',
     "qnn": "onnxruntime-qnn and an onnxruntime-genai build with QNN (Windows on Snapdragon)",
-    "openvino": 'the openvino extra (pip install "ortserve-runtime[openvino]": onnxruntime-openvino); '
-    "for generation also an onnxruntime-genai build with OpenVINO",
+    "openvino": 'the openvino extra (pip install "ortserve-runtime[openvino]": onnxruntime-openvino, which '
+    "onnxruntime-genai's CPU wheel also loads)",
     "webgpu": "an onnxruntime-genai build with WebGPU (the PyPI CPU wheel lacks it)",
     "trt-rtx": "an onnxruntime-genai build with TensorRT-RTX and an NVIDIA RTX GPU",
 }
@@ -76,9 +76,7 @@ def apply_og_provider(config: Any, provider: Provider, options: Mapping[str, str
     """Point an ``og.Config`` at ``provider`` (replacing the folder's own choice)."""
     config.clear_providers()
     if provider == "cpu":
-        if options:
-            raise ValueError(f"the CPU provider takes no provider options (got {sorted(options)})")
-        return
+        return  # ModelConfig refuses provider options for the CPU
     name = _OG_NAMES[provider]
     config.append_provider(name)
     for key, value in options.items():
@@ -107,7 +105,7 @@ def ort_providers(
     import onnxruntime as ort
 
     if provider == "cpu":
-        return [("CPUExecutionProvider", dict(options))] if options else ["CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
     name = _ORT_NAMES[provider]
     if name not in ort.get_available_providers():
         raise ModelLoadError(

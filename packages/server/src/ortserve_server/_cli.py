@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -13,8 +14,12 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._demo import demo_models
+
+if TYPE_CHECKING:
+    from ortserve_runtime import ModelConfig
 
 __all__ = ["main"]
 
@@ -30,6 +35,64 @@ def _parse_model(value: str) -> tuple[str, Path]:
     if not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name, Path(path)
+
+
+def _parse_option(value: str) -> tuple[str, str]:
+    key, sep, option = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    return key, option
+
+
+def _parse_model_option(value: str) -> tuple[str, str, str]:
+    name, sep, rest = value.partition(":")
+    key, eq, option = rest.partition("=")
+    if not sep or not eq or not name or not key:
+        raise argparse.ArgumentTypeError(f"expected NAME:KEY=VALUE, got {value!r}")
+    return name, key, option
+
+
+# The runtime's PROVIDERS and engine names, spelled out so that `ortserve pull` and `ls`
+# start without importing onnxruntime (a test keeps them equal).
+PROVIDERS = ("cpu", "cuda", "dml", "qnn", "openvino", "webgpu", "trt-rtx")
+ENGINES = ("auto", "ort-cpu", "og-engine", "og-generator")
+_MODEL_KEYS = ("provider", "engine", "device-id", "threads", "max-batch-size", "max-sequence-length")
+
+
+def _model_configs(
+    base: ModelConfig, options: Sequence[tuple[str, str, str]], names: Sequence[str]
+) -> dict[str, ModelConfig]:
+    """Per-model configs from ``--model-option NAME:KEY=VALUE``: ``base`` with those keys
+    replaced (``provider-option.K=V`` adds a provider option). Unknown names or keys are a
+    ``ValueError`` naming them."""
+    changes: dict[str, dict[str, object]] = {}
+    for name, key, value in options:
+        if name not in names:
+            raise ValueError(f"--model-option {name}:{key}: no model named {name!r} is served")
+        change = changes.setdefault(name, {})
+        provider_options = change.setdefault("provider_options", dict(base.provider_options))
+        assert isinstance(provider_options, dict)
+        if key.startswith("provider-option."):
+            provider_options[key.removeprefix("provider-option.")] = value
+        elif key == "device-id":
+            provider_options["device_id"] = str(_integer(key, value))
+        elif key in ("provider", "engine"):
+            change[key] = value
+        elif key in ("threads", "max-batch-size", "max-sequence-length"):
+            field = {"threads": "intra_op_threads"}.get(key, key.replace("-", "_"))
+            change[field] = _integer(key, value)
+        else:
+            raise ValueError(
+                f"--model-option {name}:{key}: unknown key; use one of {', '.join(_MODEL_KEYS)} or provider-option.KEY"
+            )
+    return {name: dataclasses.replace(base, **change) for name, change in changes.items()}  # type: ignore[arg-type]
+
+
+def _integer(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{key} must be an integer, got {value!r}") from None
 
 
 def _resolve_model(name: str, source: Path) -> Path:
@@ -62,7 +125,36 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.add_argument("--api-key", default=os.environ.get("ORTSERVE_API_KEY"), help="or ORTSERVE_API_KEY")
-    serve.add_argument("--provider", choices=["cpu", "cuda", "dml"], default="cpu")
+    serve.add_argument(
+        "--provider",
+        choices=PROVIDERS,
+        default="cpu",
+        help="execution provider for every model (per model: --model-option NAME:provider=...)",
+    )
+    serve.add_argument(
+        "--provider-option",
+        action="append",
+        type=_parse_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an execution provider option (e.g. device_id=1, or OpenVINO's load_config); repeatable",
+    )
+    serve.add_argument("--device-id", type=int, default=None, help="the accelerator to use (provider option device_id)")
+    serve.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="what runs generation: ort-cpu (CPU continuous batching), og-engine (og.Engine), og-generator "
+        "(an og.Generator per request); auto picks from provider and model",
+    )
+    serve.add_argument(
+        "--model-option",
+        action="append",
+        type=_parse_model_option,
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help=f"a setting for one model: {', '.join(_MODEL_KEYS)}, or provider-option.KEY; repeatable",
+    )
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--max-sequence-length", type=int, default=4096)
     serve.add_argument("--max-queued", type=int, default=64)
@@ -113,17 +205,24 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         resolved = {name: _resolve_model(name, path) for name, path in models.items()}
+        provider_options = dict(args.provider_option)
+        if args.device_id is not None:
+            provider_options["device_id"] = str(args.device_id)
+        model_config = ModelConfig(
+            provider=args.provider,
+            provider_options=provider_options,
+            engine=args.engine,
+            max_batch_size=args.max_batch_size,
+            max_sequence_length=args.max_sequence_length,
+            intra_op_threads=args.threads,
+        )
         config = ServerConfig(
             models=dict(resolved),
+            model_config=model_config,
+            model_configs=_model_configs(model_config, args.model_option, list(models)),
             api_key=args.api_key or None,
             max_queued=args.max_queued,
             image_url_hosts=tuple(args.allow_image_host),
-            model_config=ModelConfig(
-                provider=args.provider,
-                max_batch_size=args.max_batch_size,
-                max_sequence_length=args.max_sequence_length,
-                intra_op_threads=args.threads,
-            ),
         )
         app = create_app(config)
     except (ModelLoadError, ValueError, OSError) as exc:
