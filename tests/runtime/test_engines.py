@@ -155,6 +155,27 @@ async def test_close_fails_what_is_pending(model: ChatModel) -> None:
         model.generate("hi", options=GREEDY)
 
 
+async def test_og_engine_static_batches_and_what_it_reports() -> None:
+    registry = ModelRegistry(ModelConfig(engine="og-engine"))
+    registry.add("tiny", TINY_MODEL)
+    model: ChatModel = await registry.get("tiny")
+    assert model.engine.capabilities.batching == "static" and model.engine.batch_size == 4  # type: ignore[attr-defined]
+    options = GenerationOptions(max_tokens=400, min_tokens=400, temperature=0)
+    streams = [model.generate(p, options=options) for p in PROMPTS * 2]
+    firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+    for _ in range(1000):
+        if model.active == 4:
+            break
+        await asyncio.sleep(0.002)
+    # A static batch: four run, the other four wait in og's queue until the batch is done.
+    assert (model.active, model.queued) == (4, 4)
+    assert sum(f.done() for f in firsts) <= 4
+    for stream in streams:
+        stream.cancel()
+    await asyncio.gather(*firsts)
+    await registry.close()
+
+
 def _folder(tmp_path: Path, genai_extra: dict[str, object], model_type: str = "qwen2") -> GenaiFolder:
     genai: dict[str, object] = {"model": {"type": model_type, "decoder": {}}, **genai_extra}
     return GenaiFolder(tmp_path, genai)

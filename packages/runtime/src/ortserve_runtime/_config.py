@@ -50,7 +50,10 @@ class ModelConfig:
     intra_op_threads: int | None = None
     """Threads per onnxruntime call; ``None`` lets onnxruntime use every physical core."""
     max_batch_size: int = 8
-    """Requests decoded together in one step; more wait in a queue."""
+    """Requests decoded together in one step (og-generator: generators stepped in turn);
+    more wait in a queue. og-engine batches what og schedules: 4 in its static batches
+    on the CPU (measured: og's ``engine.static_batching.max_batch_size`` is reported but
+    does not raise it), the folder's ``engine.dynamic_batching`` with paged attention."""
     max_sequence_length: int | None = 4096
     """Prompt plus completion tokens per request, capped by the model's context length.
     The key/value cache holds ``max_batch_size`` rows of this many tokens."""

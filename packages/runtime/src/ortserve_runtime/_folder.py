@@ -115,8 +115,9 @@ def load_og_model(folder: Path, config: ModelConfig, *, decoder_threads: bool = 
             # takes every core, so the og engines get the same.
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if decoder_threads and threads is not None:
-            overlay = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
-            og_config.overlay(json.dumps(overlay))
+            og_config.overlay(
+                json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}})
+            )
         model = og.Model(og_config)
     except ValueError:
         raise

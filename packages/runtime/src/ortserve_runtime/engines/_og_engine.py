@@ -2,8 +2,8 @@
 
 With paged attention (a folder built with ``use_paged_attention`` on CUDA or WebGPU) it
 batches dynamically: requests join and leave at any step, and og applies per-turn seeds.
-Otherwise (the CPU provider) its batches are static: at most
-``EngineCapabilities.configured_max_batch_size`` requests (4 measured) run together and a
+Otherwise (the CPU provider) its batches are static: at most 4 requests run together (og's
+own limit; its ``engine.static_batching.max_batch_size`` does not raise it, measured) and a
 newcomer waits for the whole batch; og refuses per-turn seeds there, so the front refuses
 ``seed`` with a 400 rather than ignore it.
 
@@ -43,6 +43,8 @@ class _Turn:
         self.turn_id = turn_id
         self.done = False
         """The front's request has had its final event (og may still send a few)."""
+        self.started = False
+        """og has scheduled it (a first token came back); before that it waits in og's queue."""
 
 
 class OgEngine(ThreadedEngine):
@@ -69,7 +71,12 @@ class OgEngine(ThreadedEngine):
 
     @property
     def active(self) -> int:
-        return sum(1 for turn in self._turns.values() if not turn.done)
+        return sum(1 for turn in list(self._turns.values()) if turn.started and not turn.done)
+
+    @property
+    def queued(self) -> int:
+        """Requests not yet scheduled: in the inbox, or begun in og but waiting for a batch."""
+        return len(self._inbox) + sum(1 for turn in list(self._turns.values()) if not turn.started and not turn.done)
 
     # -- owner thread ----------------------------------------------------------------------
 
@@ -157,6 +164,7 @@ class OgEngine(ThreadedEngine):
             self._end(request, EngineError(f"generation failed: og.Engine reported {event.error_code}"))
             return
         finished = bool(flags & int(og.EngineEventFlags.TURN_FINISHED))
+        turn.started = True
         if not turn.done and flags & int(og.EngineEventFlags.TOKEN):
             result = request.take(int(event.token))
             if result.finish_reason is not None:
