@@ -142,3 +142,14 @@ def test_unknown_providers_and_engines_are_refused_in_the_config() -> None:
         ModelConfig(provider="tpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown engine 'fast'"):
         ModelConfig(engine="fast")  # type: ignore[arg-type]
+
+
+def test_an_engine_for_an_embedding_or_speech_model_is_refused() -> None:
+    from audio import TINY_WHISPER
+    from ortserve_runtime import ModelConfig
+
+    registry = ModelRegistry()
+    with pytest.raises(
+        ValueError, match="'whisper' is a speech model: the engine \\(og-engine\\) applies to generative"
+    ):
+        registry.add("whisper", TINY_WHISPER, ModelConfig(engine="og-engine"))

@@ -154,6 +154,10 @@ class ModelRegistry:
         kind = detect_model_kind(folder)
         if name in self._entries:
             raise ValueError(f"a model named {name!r} is already registered")
+        if config is not None and kind != "generative" and config.engine != "auto":
+            raise ValueError(
+                f"model {name!r} is a {kind} model: the engine ({config.engine}) applies to generative models only"
+            )
         self._entries[name] = _Entry(name, folder, kind, config or self.config)
         return kind
 
