@@ -14,8 +14,9 @@ from ._embeddings import EmbeddingModel
 from ._errors import ModelLoadError, ModelNotFoundError
 from ._folder import GenaiFolder, load_og_model
 from ._speech import SpeechModel
+from ._threads import OwnerThread
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
-from .engines import Engine, OgEngine, OgGeneratorEngine, OrtCpuEngine, ThreadedEngine
+from .engines import Engine, OgEngine, OgGeneratorEngine, OrtCpuEngine
 
 __all__ = [
     "ModelKind",
@@ -120,7 +121,7 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
     try:
         return ChatModel(name, folder, config, engine, media)
     except BaseException:
-        if isinstance(engine, ThreadedEngine):
+        if isinstance(engine, OwnerThread):
             engine.shutdown()
         raise
 

@@ -1,8 +1,8 @@
 """Engines: what runs a generative model's requests (the back; see :class:`Engine`)."""
 
-from ._base import Engine, EngineCapabilities, ThreadedEngine
+from ._base import Engine, EngineCapabilities
 from ._og_engine import OgEngine
 from ._og_generator import OgGeneratorEngine
 from ._ort_cpu import OrtCpuEngine
 
-__all__ = ["Engine", "EngineCapabilities", "OgEngine", "OgGeneratorEngine", "OrtCpuEngine", "ThreadedEngine"]
+__all__ = ["Engine", "EngineCapabilities", "OgEngine", "OgGeneratorEngine", "OrtCpuEngine"]

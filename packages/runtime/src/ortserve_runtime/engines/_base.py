@@ -1,24 +1,16 @@
-"""The back of a generative model: the :class:`Engine` protocol, what an engine can do,
-and the owner-thread bridge every engine is built on.
+"""The back of a generative model: the :class:`Engine` protocol and what an engine can do.
 
-onnxruntime-genai requires Engine calls from the thread that owns the engine, and a
-session run must never block the event loop; so each engine owns one thread, asyncio
-callers only append to its inbox (``submit``/``cancel``), and events go back through
-``request.deliver`` (see :class:`~ortserve_runtime.chat.GenerationStream`).
+Every engine is built on the owner-thread bridge (:class:`~.._threads.OwnerThread`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from .._errors import EngineClosedError
 from ..chat._request import Request
 
-__all__ = ["Engine", "EngineCapabilities", "ThreadedEngine"]
+__all__ = ["Engine", "EngineCapabilities"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,70 +59,3 @@ class Engine(Protocol):
     @property
     def queued(self) -> int:
         """Requests waiting to start."""
-
-
-class ThreadedEngine:
-    """The owner-thread bridge: an inbox, cancellations and closing, guarded by one
-    condition; subclasses implement :meth:`_run` (started by :meth:`_start_thread`)."""
-
-    name: str
-    provider: str
-    capabilities: EngineCapabilities
-
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
-        self._closing = False
-        self._cond = threading.Condition()
-        self._inbox: deque[Request] = deque()
-        self._cancels: set[Request] = set()
-        self._thread = threading.Thread(target=self._run, name=f"ortserve-{model_name}", daemon=True)
-
-    def _start_thread(self) -> None:
-        self._thread.start()
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    @property
-    def queued(self) -> int:
-        return len(self._inbox)
-
-    @property
-    def active(self) -> int:
-        raise NotImplementedError
-
-    def submit(self, request: Request) -> None:
-        with self._cond:
-            if self._closing:
-                request.deliver(EngineClosedError(f"model {self.model_name!r} is closed"))
-                return
-            self._inbox.append(request)
-            self._cond.notify()
-
-    def cancel(self, request: Request) -> None:
-        with self._cond:
-            request.cancelled = True
-            self._cancels.add(request)
-            self._cond.notify()
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.shutdown)
-
-    def shutdown(self) -> None:
-        """:meth:`close` for synchronous callers (a load that fails after the engine started)."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify()
-
-    def _closed_error(self) -> EngineClosedError:
-        return EngineClosedError(f"model {self.model_name!r} was closed")
-
-    def _run(self) -> None:
-        raise NotImplementedError

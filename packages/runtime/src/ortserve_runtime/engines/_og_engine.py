@@ -24,9 +24,10 @@ import onnxruntime_genai as og
 
 from .._config import ModelConfig
 from .._errors import EngineError, InvalidRequestError, ModelLoadError
+from .._threads import OwnerThread
 from ..chat._constraints import og_guidance
 from ..chat._request import GenerationEvent, Request
-from ._base import EngineCapabilities, ThreadedEngine
+from ._base import EngineCapabilities
 
 __all__ = ["OgEngine"]
 
@@ -47,14 +48,14 @@ class _Turn:
         """og has scheduled it (a first token came back); before that it waits in og's queue."""
 
 
-class OgEngine(ThreadedEngine):
+class OgEngine(OwnerThread):
     """``og.Engine`` over ``og_model`` (see the module docstring)."""
 
     name = "og-engine"
 
     def __init__(self, model_name: str, og_model: Any, config: ModelConfig, *, folder: Path, dynamic: bool) -> None:
         super().__init__(model_name)
-        self.provider = config.provider
+        self.provider: str = config.provider
         self.capabilities = EngineCapabilities(
             host_sampling=False, seeds=dynamic, media=False, batching="dynamic" if dynamic else "static"
         )

@@ -22,13 +22,14 @@ import onnxruntime_genai as og
 
 from .._config import ModelConfig
 from .._errors import EngineError
+from .._threads import OwnerThread
 from ..chat._request import Request
-from ._base import EngineCapabilities, ThreadedEngine
+from ._base import EngineCapabilities
 
 __all__ = ["OgGeneratorEngine"]
 
 
-class OgGeneratorEngine(ThreadedEngine):
+class OgGeneratorEngine(OwnerThread):
     """An ``og.Generator`` per request on ``og_model``'s provider, interleaved token by token."""
 
     name = "og-generator"
@@ -36,7 +37,7 @@ class OgGeneratorEngine(ThreadedEngine):
 
     def __init__(self, model_name: str, og_model: Any, config: ModelConfig, *, concurrency: int) -> None:
         super().__init__(model_name)
-        self.provider = config.provider
+        self.provider: str = config.provider
         self._model = og_model
         self.concurrency = concurrency
         self._running: dict[Request, Any] = {}

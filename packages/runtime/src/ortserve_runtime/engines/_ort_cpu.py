@@ -33,8 +33,9 @@ import onnxruntime as ort
 from .._config import ModelConfig
 from .._errors import EngineError, ModelLoadError
 from .._folder import GenaiFolder
+from .._threads import OwnerThread
 from ..chat._request import FinishReason, Request
-from ._base import EngineCapabilities, ThreadedEngine
+from ._base import EngineCapabilities
 
 __all__ = ["OrtCpuEngine"]
 
@@ -94,7 +95,7 @@ class _DecoderGraph:
         self.cache_dtype = _DTYPES[cache_type]
 
 
-class OrtCpuEngine(ThreadedEngine):
+class OrtCpuEngine(OwnerThread):
     """Continuous batching on the CPU provider (see the module docstring)."""
 
     name = "ort-cpu"
