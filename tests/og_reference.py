@@ -9,9 +9,14 @@ import onnxruntime_genai as og
 from serving import TINY_MODEL
 
 
-def og_greedy(prompt_ids: list[int], n: int, folder: Path = TINY_MODEL) -> list[int]:
-    """Up to ``n`` tokens of raw ``og.Generator`` greedy decoding (EOS included when reached)."""
-    model = og.Model(str(folder))
+def og_greedy(prompt_ids: list[int], n: int, folder: Path = TINY_MODEL, provider: str | None = None) -> list[int]:
+    """Up to ``n`` tokens of raw ``og.Generator`` greedy decoding (EOS included when reached),
+    on ``provider`` (an ``og.Config.append_provider`` name) or the folder's own choice."""
+    config = og.Config(str(folder))
+    if provider is not None:
+        config.clear_providers()
+        config.append_provider(provider)
+    model = og.Model(config)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt_ids) + n, do_sample=False)
     generator = og.Generator(model, params)

@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import onnxruntime_genai as og
 import pytest
+from og_reference import og_greedy
 from ortserve_runtime import ChatModel, EmbeddingModel, GenerationOptions, ModelConfig, ModelRegistry
 from serving import TINY_MODEL
 
@@ -48,22 +49,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def og_cuda_greedy(prompt: list[int], n: int) -> list[int]:
-    config = og.Config(str(TINY_MODEL))
-    config.clear_providers()
-    config.append_provider("cuda")
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array(prompt, dtype=np.int32))
-    out: list[int] = []
-    while not generator.is_done() and len(out) < n:
-        generator.generate_next_token()
-        out.append(int(generator.get_next_tokens()[0]))
-    return out
-
-
 @pytest.fixture(params=["og-engine", "og-generator", "auto"])
 async def model(request: pytest.FixtureRequest) -> AsyncIterator[ChatModel]:
     registry = ModelRegistry(ModelConfig(provider="cuda", engine=request.param))
@@ -78,7 +63,7 @@ async def test_greedy_tokens_equal_raw_og_on_cuda(model: ChatModel) -> None:
     for prompt in ("Hello there", "The quick brown fox jumps"):
         ids = model.encode(prompt)
         _, tokens, _, _ = await model.generate(ids, options=GenerationOptions(max_tokens=24, temperature=0)).collect()
-        assert tokens == og_cuda_greedy(ids, 24)[: len(tokens)]
+        assert tokens == og_greedy(ids, 24, provider="cuda")[: len(tokens)]
 
 
 async def test_stops_and_concurrency_on_cuda(model: ChatModel) -> None:
