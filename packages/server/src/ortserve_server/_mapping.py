@@ -38,19 +38,17 @@ from ._errors import BadRequestError, ModelNotFoundHTTPError, OverloadedError, U
 from ._state import OrtServe
 
 __all__ = [
+    "GenerationPlan",
     "chat_messages",
     "check_chat_request",
-    "check_completion_request",
     "completion_prompts",
     "decode_base64",
-    "generation_options",
-    "grammar_of",
     "new_id",
+    "plan_chat",
+    "plan_completion",
     "require_embedding_model",
     "require_model",
     "require_speech_model",
-    "start_generations",
-    "tool_plan",
 ]
 
 MAX_STOP = 4
@@ -260,7 +258,7 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
     )
 
 
-def grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Grammar, str] | None:
+def _grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Grammar, str] | None:
     """The output constraint a request asks for, with the field that asked for it."""
     asked: list[tuple[Grammar, str]] = []
     response_format = data.response_format
@@ -288,22 +286,6 @@ def grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Gra
     return asked[0] if asked else None
 
 
-def start_generations(
-    model: ChatModel,
-    prompts: Sequence[str | list[int] | Prompt],
-    options: Sequence[GenerationOptions],
-    fields: Mapping[str, str],
-) -> list[GenerationStream]:
-    """One stream per prompt and choice. ``fields`` renames the runtime's ``param`` of an
-    error to the request's field (``prompt`` -> ``messages``, ``grammar`` -> ...)."""
-    try:
-        return [model.generate(prompt, options=o) for prompt in prompts for o in options]
-    except InvalidRequestError as exc:
-        if exc.param is not None and exc.param in fields:
-            raise type(exc)(str(exc), param=fields[exc.param]) from exc
-        raise
-
-
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """What a chat request's ``tools``/``tool_choice`` mean for this model."""
@@ -316,7 +298,7 @@ class ToolPlan:
     """Force a call (``required`` or a named function)."""
 
 
-def tool_plan(data: p.ChatCompletionRequest, model: ChatModel) -> ToolPlan:
+def _tool_plan(data: p.ChatCompletionRequest, model: ChatModel, constraint: tuple[Grammar, str] | None) -> ToolPlan:
     tools = data.tools if isinstance(data.tools, list) and data.tools else None
     choice = data.tool_choice if _given(data.tool_choice) else ("auto" if tools else "none")
     if tools is None:
@@ -333,7 +315,7 @@ def tool_plan(data: p.ChatCompletionRequest, model: ChatModel) -> ToolPlan:
     name = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
     if name is not None and name not in {t.function.name for t in tools}:
         raise BadRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    if grammar_of(data) is not None:
+    if constraint is not None:
         raise BadRequestError("a forced tool call cannot be combined with structured output", param="tool_choice")
     grammar = forced_tool_grammar(model.tool_format, definitions, name, model.tokenizer.token_to_id)
     if grammar is None:
@@ -344,8 +326,8 @@ def tool_plan(data: p.ChatCompletionRequest, model: ChatModel) -> ToolPlan:
     return ToolPlan(definitions, model.tool_format, grammar)
 
 
-def generation_options(
-    data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig, n: int, forced: Grammar | None = None
+def _generation_options(
+    data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig, n: int, grammar: Grammar | None
 ) -> list[GenerationOptions]:
     """Runtime options for each of the ``n`` choices (seeds differ per choice)."""
     max_tokens = _or(getattr(data, "max_completion_tokens", None), None)
@@ -359,8 +341,6 @@ def generation_options(
     stop = data.stop
     stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
     top_k = _or(data.top_k, 0)
-    constraint = grammar_of(data)
-    grammar = forced or (constraint[0] if constraint else None)
     seed = _or(data.seed, None)
     options = [
         GenerationOptions(
@@ -379,3 +359,45 @@ def generation_options(
     for o in options:
         o.validate()
     return options
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationPlan:
+    """A chat or completion request mapped once: the options of each of its ``n`` choices,
+    its tools, and which request field each runtime parameter came from."""
+
+    n: int
+    options: list[GenerationOptions]
+    tools: ToolPlan
+    fields: Mapping[str, str]
+    """The runtime's ``param`` of an error -> the request's field (``prompt`` -> ``messages``,
+    ``grammar`` -> ``response_format``, ``guided_regex``, ``tool_choice``...)."""
+
+    def start(self, model: ChatModel, prompts: Sequence[str | list[int] | Prompt]) -> list[GenerationStream]:
+        """One stream per prompt and choice; a refusal names the request's field."""
+        try:
+            return [model.generate(prompt, options=o) for prompt in prompts for o in self.options]
+        except InvalidRequestError as exc:
+            if exc.param is not None and exc.param in self.fields:
+                raise type(exc)(str(exc), param=self.fields[exc.param]) from exc
+            raise
+
+
+def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig) -> GenerationPlan:
+    """Check a chat request (a 400 naming any parameter it cannot honour) and map it."""
+    check_chat_request(data, config)
+    constraint = _grammar_of(data)
+    tools = _tool_plan(data, model, constraint)
+    grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
+    n = data.n if isinstance(data.n, int) else 1
+    return GenerationPlan(
+        n, _generation_options(data, config, n, grammar), tools, {"prompt": "messages", "grammar": field}
+    )
+
+
+def plan_completion(data: p.CompletionRequest, config: ServerConfig) -> GenerationPlan:
+    """Check a completion request (a 400 naming any parameter it cannot honour) and map it."""
+    check_completion_request(data, config)
+    grammar, field = _grammar_of(data) or (None, "grammar")
+    n = data.n if isinstance(data.n, int) else 1
+    return GenerationPlan(n, _generation_options(data, config, n, grammar), ToolPlan(), {"grammar": field})

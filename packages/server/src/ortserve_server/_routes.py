@@ -39,17 +39,14 @@ from ._errors import AuthenticationError, BadRequestError, ClientDisconnectedErr
 from ._mapping import (
     chat_messages,
     check_chat_request,
-    check_completion_request,
     completion_prompts,
     decode_base64,
-    generation_options,
-    grammar_of,
     new_id,
+    plan_chat,
+    plan_completion,
     require_embedding_model,
     require_model,
     require_speech_model,
-    start_generations,
-    tool_plan,
 )
 from ._state import OrtServe
 
@@ -242,11 +239,6 @@ class _Generation:
         yield b"data: [DONE]\n\n"
 
 
-def _grammar_field(data: p.ChatCompletionRequest | p.CompletionRequest) -> str:
-    constraint = grammar_of(data)
-    return constraint[1] if constraint else "grammar"
-
-
 def _include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:
     return isinstance(options, p.StreamOptions) and options.include_usage
 
@@ -262,13 +254,10 @@ async def chat_completions(
     if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
         return await _transcribe_chat(data, ortserve, request)
     model = await require_model(ortserve, data.model)
-    check_chat_request(data, ortserve.config)
-    n = data.n if isinstance(data.n, int) else 1
-    tools = tool_plan(data, model)
+    plan = plan_chat(data, model, ortserve.config)
+    n, tools = plan.n, plan.tools
     prompt = await model.aprepare_chat(await chat_messages(data.messages, ortserve.config), tools=tools.definitions)
-    options = generation_options(data, ortserve.config, n, forced=tools.grammar)
-    fields = {"prompt": "messages", "grammar": "tool_choice" if tools.grammar else _grammar_field(data)}
-    streams = start_generations(model, [prompt], options, fields)
+    streams = plan.start(model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     run = _Generation(
         ortserve,
@@ -402,11 +391,9 @@ async def completions(
     data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     model = await require_model(ortserve, data.model)
-    check_completion_request(data, ortserve.config)
-    n = data.n if isinstance(data.n, int) else 1
-    options = generation_options(data, ortserve.config, n)
-    fields = {"grammar": _grammar_field(data)}
-    streams = start_generations(model, completion_prompts(data.prompt), options, fields)
+    plan = plan_completion(data, ortserve.config)
+    n = plan.n
+    streams = plan.start(model, completion_prompts(data.prompt))
     run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     response_id, created = new_id("cmpl"), int(time.time())
