@@ -202,3 +202,20 @@ async def test_a_multimodal_folder_refuses_the_text_only_engines() -> None:
         registry.add("vision", TINY_PHI3V)
         with pytest.raises(ModelLoadError, match=f"runs on the og-generator engine only, not {engine}"):
             await registry.get("vision")
+
+
+async def test_session_options_reach_the_og_engines() -> None:
+    """og passes string entries of the decoder's session_options to onnxruntime as session
+    config entries; a malformed one shows they really arrive (onnxruntime refuses it)."""
+    from ortserve_runtime import ModelLoadError
+
+    for engine in ("og-engine", "og-generator"):
+        registry = ModelRegistry(ModelConfig(engine=engine, session_options={"session.intra_op.allow_spinning": "0"}))  # type: ignore[arg-type]
+        registry.add("tiny", TINY_MODEL)
+        model: ChatModel = await registry.get("tiny")
+        assert (await model.generate("hi", options=GREEDY).collect())[2] == "length"
+        await registry.close()
+        broken = ModelRegistry(ModelConfig(engine=engine, session_options={"session.dynamic_block_base": "abc"}))  # type: ignore[arg-type]
+        broken.add("tiny", TINY_MODEL)
+        with pytest.raises(ModelLoadError):
+            await broken.get("tiny")

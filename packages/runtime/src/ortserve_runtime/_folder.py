@@ -101,8 +101,10 @@ class GenaiFolder:
 
 
 def load_og_model(folder: Path, config: ModelConfig, *, decoder_threads: bool = True) -> Any:
-    """``og.Model`` for ``folder`` on ``config.provider``, with ``intra_op_threads`` applied
-    to the decoder; a load failure is a :class:`ModelLoadError` naming provider and fix."""
+    """``og.Model`` for ``folder`` on ``config.provider``, with ``intra_op_threads`` and
+    ``session_options`` (onnxruntime session config entries, which og passes on from the
+    decoder's session_options) applied to the decoder; a load failure is a
+    :class:`ModelLoadError` naming provider and fix."""
     import onnxruntime_genai as og
 
     started = time.perf_counter()
@@ -114,10 +116,11 @@ def load_og_model(folder: Path, config: ModelConfig, *, decoder_threads: bool = 
             # og's own default keeps to about one core; onnxruntime's (the ort-cpu engine's)
             # takes every core, so the og engines get the same.
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        session: dict[str, Any] = dict(config.session_options)
         if decoder_threads and threads is not None:
-            og_config.overlay(
-                json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}})
-            )
+            session["intra_op_num_threads"] = threads
+        if session:
+            og_config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
         model = og.Model(og_config)
     except ValueError:
         raise
