@@ -61,6 +61,13 @@ class ModelConfig:
     prefill_chunk_tokens: int = 512
     """Prompts longer than this are prefilled in chunks, with decode steps of the running
     requests in between (a long prompt does not stall the other streams)."""
+    prefix_cache_tokens: int = 16384
+    """Tokens of earlier prompts (and replies) whose key/value rows the ort-cpu engine keeps,
+    so that a prompt starting the same way (the next turn of a chat, a shared system
+    prompt) prefills only the rest; least recently used go first; 0 turns it off. Memory:
+    this many tokens x layers x 2 x kv heads x head size x 4 bytes (fp32 caches)."""
+    prefix_cache_min_tokens: int = 32
+    """Shortest common prefix worth reusing."""
     multimodal_concurrency: int = 4
     """Requests a multimodal model runs at once, each on its own ``og.Generator`` with its own
     key/value cache (interleaved token by token); more wait in the queue."""
@@ -85,6 +92,8 @@ class ModelConfig:
             raise ValueError("max_batch_size must be at least 1")
         if self.multimodal_concurrency < 1:
             raise ValueError("multimodal_concurrency must be at least 1")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must not be negative (0 turns the cache off)")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be at least 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:

@@ -38,6 +38,8 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose key/values came from the engine's prefix cache (not prefilled)."""
 
     @property
     def total_tokens(self) -> int:
@@ -103,6 +105,8 @@ class Request:
     cancelled: bool = False
     decoded_chars: int = 0
     """Characters the streaming decoder produced so far."""
+    cached_tokens: int = 0
+    """Prompt tokens the engine took from its prefix cache."""
     # Engine bookkeeping (ort_cpu: the cache row and how much of the prompt is in it).
     row: int = -1
     prefilled: int = 0
@@ -140,7 +144,7 @@ class Request:
         return GenerationEvent(token_id=token, text=text)
 
     def final(self, reason: FinishReason, text: str = "", token: int | None = None) -> GenerationEvent:
-        usage = Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens))
+        usage = Usage(len(self.prompt), len(self.tokens), self.cached_tokens)
         return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage)
 
     def _tail(self) -> str:

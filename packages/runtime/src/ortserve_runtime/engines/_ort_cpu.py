@@ -36,6 +36,7 @@ from .._folder import GenaiFolder
 from .._threads import OwnerThread
 from ..chat._request import FinishReason, Request
 from ._base import EngineCapabilities
+from ._prefix_cache import PrefixCache, Rows
 
 __all__ = ["OrtCpuEngine"]
 
@@ -128,6 +129,10 @@ class OrtCpuEngine(OwnerThread):
         self._prefilling: Request | None = None
         """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
         self.prefill_chunk = config.prefill_chunk_tokens
+        graph = self._graph
+        token_bytes = graph.layers * 2 * graph.kv_heads * graph.head_size * np.dtype(graph.cache_dtype).itemsize
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
+        """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
         self.steps = 0
         """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
         self._start_thread()
@@ -164,9 +169,10 @@ class OrtCpuEngine(OwnerThread):
             except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail the requests it touched
                 failed = [*self._rows, *([self._prefilling] if self._prefilling else [])]
                 self._prefilling = None
+                self.prefix_cache.clear()  # a failed run may have left rows half written
                 for request in failed:
                     if request in self._rows:
-                        self._release(request)
+                        self._release(request, keep=False)
                     request.row = -1
                     request.deliver(EngineError(f"generation failed: {exc}"))
         error = self._closed_error()
@@ -193,6 +199,7 @@ class OrtCpuEngine(OwnerThread):
                     request.deliver(request.final("cancelled"))
                     continue
                 request.row, request.prefilled = len(self._rows), 0
+                self._reuse_prefix(request)
                 self._prefilling = request
             request = self._prefilling
             logits = self._prefill_chunk(request)
@@ -201,8 +208,28 @@ class OrtCpuEngine(OwnerThread):
                     return  # a long prompt: let the running requests take a step
                 continue
             self._prefilling = None
+            self._remember(request, request.prompt)  # others may share this prompt's beginning
             self._rows.append(request)
             self._accept(request, logits)
+
+    def _reuse_prefix(self, request: Request) -> None:
+        """Copy the longest cached prefix of ``request``'s prompt into its row."""
+        entry, length = self.prefix_cache.lookup(request.prompt)
+        if entry is None:
+            return
+        for (keys, values), (cached_keys, cached_values) in zip(self._cache, entry.rows, strict=True):
+            keys[request.row, :, :length] = cached_keys[:, :length]
+            values[request.row, :, :length] = cached_values[:, :length]
+        request.prefilled = request.cached_tokens = length
+
+    def _remember(self, request: Request, tokens: list[int]) -> None:
+        """Keep the key/values of ``tokens`` (the start of ``request``'s row) in the cache."""
+        row = request.row
+
+        def copy_rows(count: int) -> Rows:
+            return [(keys[row, :, :count].copy(), values[row, :, :count].copy()) for keys, values in self._cache]
+
+        self.prefix_cache.store(tokens, copy_rows)
 
     def _bind(self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any) -> Any:
         graph = self._graph
@@ -263,11 +290,15 @@ class OrtCpuEngine(OwnerThread):
         self._release(request)
         request.deliver(request.final(reason))
 
-    def _release(self, request: Request) -> None:
-        """Free the request's row; the last row moves into the hole so rows stay dense."""
+    def _release(self, request: Request, *, keep: bool = True) -> None:
+        """Free the request's row (``keep``: its key/values go to the prefix cache first);
+        the last row moves into the hole so rows stay dense."""
         row = request.row
         if row < 0:
             return
+        if keep:
+            # The row holds every token but the last sampled one, which was never fed.
+            self._remember(request, (request.prompt + request.tokens)[: request.length - 1])
         last = self._rows.pop()
         if last is not request:
             self._copy_row(last.row, row, last.length)

@@ -1,0 +1,110 @@
+"""Prefix cache of the ``ort-cpu`` engine: key/value rows of earlier prompts, kept so that a
+prompt sharing their beginning prefills only the rest.
+
+A chat resends its whole history every turn and an agent loop its whole context every
+step; requests often share one system prompt. When a prompt has gone into the cache (at
+the end of its prefill) and when a request ends (finished or cancelled), a copy of its
+key/value row is kept here with its token ids. A new request takes the entry with the
+longest common token prefix, copies that much into its own row and prefills only the
+rest; a full hit still recomputes the last prompt token, whose logits it needs.
+
+Entries are separate arrays sized to their tokens, so the budget (tokens held) is exactly
+the memory held and an evicted entry frees it at once; the least recently used go first.
+An entry that is a prefix of a newer one is dropped (the newer covers it). Key/value
+vectors depend only on the tokens before them and their positions, so a copied prefix is
+what a prefill would compute (the tests check greedy tokens with and without the cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["CacheEntry", "PrefixCache"]
+
+Rows = list[tuple[npt.NDArray[np.generic], npt.NDArray[np.generic]]]
+"""Per layer, keys and values of one sequence: ``(kv_heads, tokens, head_size)`` each."""
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    tokens: npt.NDArray[np.int64]
+    rows: Rows
+    used: int = field(default_factory=lambda: next(_clock))
+
+
+class PrefixCache:
+    """Entries up to ``budget_tokens`` tokens in all; hits of at least ``min_tokens``."""
+
+    def __init__(self, budget_tokens: int, min_tokens: int, bytes_per_token: int) -> None:
+        self.budget_tokens = budget_tokens
+        self.min_tokens = max(1, min_tokens)
+        self.bytes_per_token = bytes_per_token
+        self._entries: list[CacheEntry] = []
+        self.hits = 0
+        self.hit_tokens = 0
+        self.misses = 0
+        self.evictions = 0
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self._entries)
+
+    @property
+    def held_bytes(self) -> int:
+        return self.held_tokens * self.bytes_per_token
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[CacheEntry | None, int]:
+        """The entry sharing the longest prefix with ``prompt`` and how many of its tokens
+        to reuse (at most all but the last prompt token); ``(None, 0)`` below ``min_tokens``."""
+        if not self._entries or len(prompt) <= self.min_tokens:
+            self.misses += self.budget_tokens > 0
+            return None, 0
+        ids = np.asarray(prompt, dtype=np.int64)
+        best, best_length = None, 0
+        for entry in self._entries:
+            length = _common_prefix(entry.tokens, ids)
+            if length > best_length:
+                best, best_length = entry, length
+        usable = min(best_length, len(prompt) - 1)
+        if best is None or usable < self.min_tokens:
+            self.misses += 1
+            return None, 0
+        best.used = next(_clock)
+        self.hits += 1
+        self.hit_tokens += usable
+        return best, usable
+
+    def store(self, tokens: Sequence[int], copy_rows: Callable[[int], Rows]) -> None:
+        """Keep the first ``len(tokens)`` positions of a row; ``copy_rows(n)`` copies them."""
+        count = len(tokens)
+        if count < self.min_tokens or count > self.budget_tokens:
+            return
+        ids = np.asarray(tokens, dtype=np.int64)
+        for entry in self._entries:
+            if len(entry.tokens) >= count and _common_prefix(entry.tokens, ids) == count:
+                entry.used = next(_clock)  # already held, as part of a longer entry
+                return
+        self._entries = [e for e in self._entries if _common_prefix(e.tokens, ids) < len(e.tokens)]
+        while self._entries and self.held_tokens + count > self.budget_tokens:
+            self._entries.remove(min(self._entries, key=lambda e: e.used))
+            self.evictions += 1
+        self._entries.append(CacheEntry(ids, copy_rows(count)))
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _common_prefix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
