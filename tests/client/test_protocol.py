@@ -215,7 +215,7 @@ def test_chat_completion_encodes_exactly_like_openai() -> None:
                 "logprobs": None,
             }
         ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": None},
         "system_fingerprint": None,
     }
     plain = p.ChatCompletionMessage(content="hi")
@@ -242,7 +242,9 @@ def test_a_response_from_another_server_decodes() -> None:
     }
     completion = msgspec.json.decode(json.dumps(raw), type=p.ChatCompletion)
     assert completion.choices[0].logprobs == raw["choices"][0]["logprobs"]  # type: ignore[index]
-    assert completion.usage == p.CompletionUsage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+    assert completion.usage == p.CompletionUsage(
+        prompt_tokens=1, completion_tokens=1, total_tokens=2, prompt_tokens_details=p.PromptTokensDetails()
+    )
 
 
 def test_chunks_encode_exactly_like_openai() -> None:
@@ -303,7 +305,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
         "created": 1,
         "model": "m",
         "choices": [{"index": 0, "text": "abc", "finish_reason": "length", "logprobs": None}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+        "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4, "prompt_tokens_details": None},
         "system_fingerprint": None,
     }
     embeddings = p.CreateEmbeddingResponse(

@@ -320,3 +320,30 @@ def test_server_keeps_serving_after_errors(client: openai.OpenAI, base_url: str)
     for t in threads:
         t.join()
     assert client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2).choices
+
+
+def test_cached_prompt_tokens_are_reported(client: openai.OpenAI) -> None:
+    """The next turn of a chat reuses the history from the prefix cache: OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how much, whole and streamed."""
+    system = {"role": "system", "content": "You sort lists and explain the order of things, briefly. " * 4}
+    first = [system, {"role": "user", "content": "Sort 3 1 2"}]
+    reply = client.chat.completions.create(model="tiny", messages=first, max_tokens=6, temperature=0)
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    second = [*first, {"role": "assistant", "content": "1 2 3"}, {"role": "user", "content": "And 9 8?"}]
+    again = client.chat.completions.create(model="tiny", messages=second, max_tokens=6, temperature=0)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 32 <= cached < again.usage.prompt_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=second,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the same prompt again

@@ -60,6 +60,7 @@ __all__ = [
     "ModelList",
     "NamedToolChoice",
     "NamedToolChoiceFunction",
+    "PromptTokensDetails",
     "ResponseFormat",
     "ResponseFormatJSONObject",
     "ResponseFormatJSONSchema",
@@ -305,12 +306,20 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     """Audio output settings (refused: no model here speaks)."""
 
 
+class PromptTokensDetails(_Response):
+    """What of the prompt the server did not have to compute."""
+
+    cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache (an earlier request's key/values)."""
+
+
 class CompletionUsage(_Response):
     """Token counts of a completion."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ChatCompletionMessage(_Response):

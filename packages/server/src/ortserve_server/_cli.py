@@ -56,7 +56,15 @@ def _parse_model_option(value: str) -> tuple[str, str, str]:
 # start without importing onnxruntime (a test keeps them equal).
 PROVIDERS = ("cpu", "cuda", "dml", "qnn", "openvino", "webgpu", "trt-rtx")
 ENGINES = ("auto", "ort-cpu", "og-engine", "og-generator")
-_MODEL_KEYS = ("provider", "engine", "device-id", "threads", "max-batch-size", "max-sequence-length")
+_MODEL_KEYS = (
+    "provider",
+    "engine",
+    "device-id",
+    "threads",
+    "max-batch-size",
+    "max-sequence-length",
+    "prefix-cache-tokens",
+)
 
 
 def _model_configs(
@@ -78,7 +86,7 @@ def _model_configs(
             provider_options["device_id"] = str(_integer(key, value))
         elif key in ("provider", "engine"):
             change[key] = value
-        elif key in ("threads", "max-batch-size", "max-sequence-length"):
+        elif key in ("threads", "max-batch-size", "max-sequence-length", "prefix-cache-tokens"):
             field = {"threads": "intra_op_threads"}.get(key, key.replace("-", "_"))
             change[field] = _integer(key, value)
         else:
@@ -158,6 +166,12 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--max-sequence-length", type=int, default=4096)
     serve.add_argument("--max-queued", type=int, default=64)
+    serve.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=16384,
+        help="tokens of earlier prompts the ort-cpu engine keeps to skip their prefill again (0: off)",
+    )
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     serve.add_argument(
         "--allow-image-host",
@@ -215,6 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             max_sequence_length=args.max_sequence_length,
             intra_op_threads=args.threads,
+            prefix_cache_tokens=args.prefix_cache_tokens,
         )
         config = ServerConfig(
             models=dict(resolved),

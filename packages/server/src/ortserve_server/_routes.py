@@ -153,6 +153,9 @@ class _Generation:
         self.parallel_calls = parallel_calls
         self.calls_made = [0] * len(streams)
         self.prompt_tokens = sum(s.prompt_tokens for s in streams)
+        self.choices_per_prompt = 1
+        self.cached = [0] * len(streams)
+        """Per stream, the prompt tokens its engine took from the prefix cache."""
         self.start = time.perf_counter()
         self.first = True
 
@@ -178,6 +181,13 @@ class _Generation:
             return text, calls, "tool_calls"
         return text, calls, event.finish_reason
 
+    def _record(self, index: int, event: GenerationEvent) -> int:
+        """Completion tokens of a final event (0 before the end); notes its cached tokens."""
+        if event.usage is None:
+            return 0
+        self.cached[index] = event.usage.cached_tokens
+        return event.usage.completion_tokens
+
     def _done(self, completion_tokens: int, status: int = 200) -> p.CompletionUsage:
         name = self.model.name
         self.metrics.requests.labels(self.endpoint, name, str(status)).inc()
@@ -185,10 +195,15 @@ class _Generation:
             self.metrics.errors.labels(self.endpoint, str(status)).inc()
         self.metrics.prompt_tokens.labels(name).inc(self.prompt_tokens)
         self.metrics.completion_tokens.labels(name).inc(completion_tokens)
+        # A prompt counts once however many choices it has: its cached part is what every
+        # choice found cached (the first choice may have put it there for the others).
+        per = self.choices_per_prompt
+        cached = sum(min(self.cached[i : i + per]) for i in range(0, len(self.cached), per))
         return p.CompletionUsage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=self.prompt_tokens + completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
         )
 
     async def collect(self) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
@@ -202,8 +217,7 @@ class _Generation:
             text, made, reason = self._split(index, event)
             texts[index] += text
             calls[index] += made
-            if event.usage is not None:
-                completion_tokens += event.usage.completion_tokens
+            completion_tokens += self._record(index, event)
             if reason is not None:
                 finish[index] = reason
         return texts, calls, finish, self._done(completion_tokens)
@@ -224,8 +238,7 @@ class _Generation:
         try:
             async for index, event in _merge(self.streams):
                 self._observe(event)
-                if event.usage is not None:
-                    completion_tokens += event.usage.completion_tokens
+                completion_tokens += self._record(index, event)
                 for chunk in events(index, *self._split(index, event)):
                     yield chunk
         except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band
@@ -268,6 +281,7 @@ async def chat_completions(
         data.parallel_tool_calls is not False,
     )
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
+    run.choices_per_prompt = n
     response_id, created = new_id("chatcmpl"), int(time.time())
     call_ids: dict[tuple[int, int], str] = {}
 
@@ -396,6 +410,7 @@ async def completions(
     streams = plan.start(model, completion_prompts(data.prompt))
     run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
+    run.choices_per_prompt = n
     response_id, created = new_id("cmpl"), int(time.time())
 
     def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:

@@ -165,6 +165,9 @@ class OgEngine(OwnerThread):
             self._end(request, EngineError(f"generation failed: og.Engine reported {event.error_code}"))
             return
         finished = bool(flags & int(og.EngineEventFlags.TURN_FINISHED))
+        if finished and event.usage is not None:
+            # og's own prefix reuse (paged attention); 0 on the CPU's static batches.
+            request.cached_tokens = int(event.usage.cached_prompt_tokens)
         turn.started = True
         if not turn.done and flags & int(og.EngineEventFlags.TOKEN):
             result = request.take(int(event.token))
