@@ -347,3 +347,9 @@ def test_cached_prompt_tokens_are_reported(client: openai.OpenAI) -> None:
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the same prompt again
+    metrics = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+    hits = next(
+        line for line in metrics.splitlines() if line.startswith('ortserve_prefix_cache_hits_total{model="tiny"}')
+    )
+    assert float(hits.split()[-1]) >= 2
+    assert 'ortserve_prefix_cache_bytes{model="tiny"}' in metrics

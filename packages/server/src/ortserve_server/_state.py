@@ -27,8 +27,14 @@ class OrtServe:
         for name, path in config.models.items():
             self.registry.add(name, path, config.model_configs.get(name))
         self.metrics = Metrics()
+        self.metrics.watch_prefix_caches(self._prefix_caches)
         self.created = int(time.time())
         self.started = False
+
+    def _prefix_caches(self) -> list[tuple[str, Any]]:
+        loaded = ((name, self.registry.loaded(name)) for name in self.registry.names())
+        caches = ((name, getattr(getattr(model, "engine", None), "prefix_cache", None)) for name, model in loaded)
+        return [(name, cache) for name, cache in caches if cache is not None]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OrtServe:
         # Litestar deep-copies routers when it registers them; the models, threads and
