@@ -37,10 +37,12 @@ _LENGTH = frozenset({og.FinishReason.MAX_GENERATED_TOKENS, og.FinishReason.MAX_S
 
 
 class _Turn:
-    """One request's og side: the og.Request (kept referenced until og is done with it)."""
+    """One request's og side: the og.Request and its options, kept referenced until og is
+    done with them (og holds on to them without a reference of its own)."""
 
-    def __init__(self, og_request: Any, turn_id: int) -> None:
+    def __init__(self, og_request: Any, options: tuple[Any, ...], turn_id: int) -> None:
         self.og_request = og_request
+        self.options = options
         self.turn_id = turn_id
         self.done = False
         """The front's request has had its final event (og may still send a few)."""
@@ -152,7 +154,7 @@ class OgEngine(OwnerThread):
         except RuntimeError as exc:  # og refuses what it cannot run (a turn option, a too-long prompt)
             request.deliver(InvalidRequestError(f"onnxruntime-genai refused the request: {exc}"))
             return
-        self._turns[request] = _Turn(og_request, turn_id)
+        self._turns[request] = _Turn(og_request, (request_options, turn), turn_id)
         self._by_og[id(og_request)] = request
 
     def _event(self, event: Any) -> None:
