@@ -24,6 +24,7 @@ from litestar.types import Guard
 
 from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
+from ._openapi import RequestLimits
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler
 from ._security import SiteGuard, body_guard
 from ._state import OrtServe
@@ -92,14 +93,14 @@ class _StatefulRouter(Router):
     ortserve: OrtServe
 
 
-class OrtServePlugin(InitPlugin):
+class OrtServePlugin(InitPlugin, RequestLimits):
     """Adds ortserve to a Litestar app: routes, the lifespan that loads and closes models,
-    OpenAI-style error handlers scoped to ortserve's own routes, and CORS when
-    ``cors_origins`` asks for it (unless the host has its own)."""
-
-    __slots__ = ("state",)
+    OpenAI-style error handlers scoped to ortserve's own routes, CORS when
+    ``cors_origins`` asks for it (unless the host has its own), and the request limits in
+    the app's OpenAPI schema (as an OpenAPI schema plugin, so it comes before Litestar's)."""
 
     def __init__(self, config: ServerConfig) -> None:
+        RequestLimits.__init__(self, config.max_n)
         self.state = OrtServe(config)
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
