@@ -15,17 +15,29 @@ from typing import Any
 
 from litestar import Litestar, Router
 from litestar.config.app import AppConfig
+from litestar.config.cors import CORSConfig
 from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.plugins import InitPlugin
+from litestar.types import Guard
 
 from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
+from ._openapi import RequestLimits
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler
+from ._security import SiteGuard, body_guard
 from ._state import OrtServe
 
 __all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespan", "wsgi_app"]
 
 logger = logging.getLogger("ortserve.server")
+
+
+def _guards(config: ServerConfig, *, keyed: bool = True) -> list[Guard]:
+    """Host/Origin/content type first (a rebinding page learns nothing, not even whether a
+    key is set), then the API key where the route needs it."""
+    return [SiteGuard(config), *([make_auth_guard(config.api_key)] if keyed and config.api_key else [])]
 
 
 def _routers(state: OrtServe) -> list[Router]:
@@ -36,16 +48,27 @@ def _routers(state: OrtServe) -> list[Router]:
             path=config.path,
             route_handlers=api_route_handlers,
             dependencies=provide,
-            guards=[make_auth_guard(config.api_key)] if config.api_key else [],
+            guards=[*_guards(config), body_guard],
             exception_handlers=exception_handlers,
             request_max_body_size=config.max_body_size,
             opt={METRICS_OPT: state.metrics},
         )
     ]
-    extras = [(config.health_path, health_handler), (config.metrics_path, metrics_handler)]
+    # Health stays open for probes and LocalServer's readiness wait; metrics name models
+    # and traffic, so they need the key unless the operator says otherwise.
+    extras = [
+        (config.health_path, health_handler, False),
+        (config.metrics_path, metrics_handler, not config.public_metrics),
+    ]
     routers += [
-        Router(path=path, route_handlers=[handler], dependencies=provide, exception_handlers=exception_handlers)
-        for path, handler in extras
+        Router(
+            path=path,
+            route_handlers=[handler],
+            dependencies=provide,
+            guards=_guards(config, keyed=keyed),
+            exception_handlers=exception_handlers,
+        )
+        for path, handler, keyed in extras
         if path is not None
     ]
     return routers
@@ -70,35 +93,68 @@ class _StatefulRouter(Router):
     ortserve: OrtServe
 
 
-class OrtServePlugin(InitPlugin):
+class OrtServePlugin(InitPlugin, RequestLimits):
     """Adds ortserve to a Litestar app: routes, the lifespan that loads and closes models,
-    and OpenAI-style error handlers scoped to ortserve's own routes."""
-
-    __slots__ = ("state",)
+    OpenAI-style error handlers scoped to ortserve's own routes, CORS when
+    ``cors_origins`` asks for it (unless the host has its own), and the request limits in
+    the app's OpenAPI schema (as an OpenAPI schema plugin, so it comes before Litestar's)."""
 
     def __init__(self, config: ServerConfig) -> None:
+        RequestLimits.__init__(self, config.max_n)
         self.state = OrtServe(config)
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
+        config = self.state.config
         app_config.route_handlers.extend(_routers(self.state))
         app_config.lifespan.append(self.state.lifespan)
+        if config.cors_origins and app_config.cors_config is None:
+            app_config.cors_config = CORSConfig(
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
         return app_config
 
 
 def create_app(config: ServerConfig, *, debug: bool = False) -> Litestar:
     """A standalone ASGI app serving only ortserve (what ``ortserve serve`` runs).
 
-    Unlike the plugin, it also answers unknown routes with an OpenAI-shaped 404.
+    Unlike the plugin, it also answers unknown routes with an OpenAI-shaped 404 and serves
+    its OpenAPI schema at ``config.schema_path``.
     """
     plugin = OrtServePlugin(config)
     app = Litestar(
         plugins=[plugin],
         exception_handlers=exception_handlers,
         request_max_body_size=config.max_body_size,
+        openapi_config=_openapi_config(config),
         debug=debug,
     )
     app.state.ortserve = plugin.state
     return app
+
+
+def _openapi_config(config: ServerConfig) -> OpenAPIConfig | None:
+    """The schema as JSON only (HTML docs pages load scripts from a CDN), behind the same
+    guards as the API."""
+    if config.schema_path is None:
+        return None
+    router = Router(path=config.schema_path, route_handlers=[], guards=_guards(config), include_in_schema=False)
+    return OpenAPIConfig(
+        title="ortserve",
+        version=_version(),
+        render_plugins=[JsonRenderPlugin()],
+        openapi_router=router,
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ortserve-server")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "0"
 
 
 @contextlib.asynccontextmanager

@@ -180,6 +180,28 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="HOST",
         help="fetch http(s) image URLs from this host (default: data: URLs only); repeatable",
     )
+    serve.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="answer this Host name too (loopback connections answer only loopback names); repeatable",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages of this origin (https://app.example) call the API; repeatable",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="send CORS headers to this origin (and allow it); repeatable; default: no CORS",
+    )
+    serve.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight work gets on SIGTERM")
     serve.add_argument(
         "--ready-json",
@@ -238,6 +260,10 @@ def _serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             max_queued=args.max_queued,
             image_url_hosts=tuple(args.allow_image_host),
+            allowed_hosts=tuple(args.allow_host),
+            allowed_origins=tuple(args.allow_origin),
+            cors_origins=tuple(args.cors_origin),
+            public_metrics=args.public_metrics,
         )
         app = create_app(config)
     except (ModelLoadError, ValueError, OSError) as exc:

@@ -23,7 +23,27 @@ class ServerConfig:
     metrics_path: str | None = "/metrics"
     """Prometheus text metrics; ``None`` leaves it out."""
     api_key: str | None = None
-    """When set, every API route needs ``Authorization: Bearer <api_key>``."""
+    """When set, every route but health needs ``Authorization: Bearer <api_key>``: the API,
+    metrics (unless ``public_metrics``) and the OpenAPI schema."""
+    public_metrics: bool = False
+    """Leave ``metrics_path`` open without the API key (for a scraper that has none)."""
+    schema_path: str | None = "/schema"
+    """Where the standalone app serves its OpenAPI schema as JSON (``openapi.json`` under it);
+    ``None`` leaves it out. No HTML docs pages: they load their scripts from a CDN."""
+    host_check: bool | None = None
+    """Refuse requests whose ``Host`` is not a loopback name or in ``allowed_hosts`` (the
+    DNS-rebinding defence). ``None``: on for connections that arrive on a loopback address,
+    which is how a web page reaches a local sidecar, and off for others (a server bound to
+    a public address names itself in many ways); ``True``: on for every connection;
+    ``False``: off, for a host app that validates ``Host`` itself (e.g. behind a proxy)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names accepted besides ``localhost`` and loopback addresses (no port)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins (``https://app.example:8443``) that may call the API besides loopback
+    and same-origin pages; ``"*"`` allows any. Requests without ``Origin`` (SDKs, curl) pass."""
+    cors_origins: tuple[str, ...] = ()
+    """Origins that get CORS headers (Litestar's CORSConfig; off when empty). They are
+    allowed origins too."""
     model_config: ModelConfig = field(default_factory=ModelConfig)
     """How every model runs (provider, engine, batching...), unless ``model_configs`` says otherwise."""
     model_configs: dict[str, ModelConfig] = field(default_factory=dict)

@@ -3,9 +3,11 @@
 ```
 ServerError                  root; carries status_code, type, param, code
 ├── BadRequestError          400 invalid_request_error
-├── AuthenticationError      401
+├── AuthenticationError      401 + WWW-Authenticate: Bearer
+├── ForbiddenError           403 (a Host or Origin this server does not answer)
 ├── ModelNotFoundHTTPError   404 (unknown model)
 ├── PayloadTooLargeError     413
+├── UnsupportedMediaTypeError 415 (a body that is not the route's content type)
 ├── OverloadedError          503 + Retry-After (queue full)
 └── UnsupportedParameterError 400 for a parameter this server cannot honour
 ```
@@ -33,10 +35,12 @@ __all__ = [
     "AuthenticationError",
     "BadRequestError",
     "ClientDisconnectedError",
+    "ForbiddenError",
     "ModelNotFoundHTTPError",
     "OverloadedError",
     "PayloadTooLargeError",
     "ServerError",
+    "UnsupportedMediaTypeError",
     "UnsupportedParameterError",
     "error_response",
     "exception_handlers",
@@ -72,6 +76,24 @@ class AuthenticationError(ServerError):
     status_code = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        # RFC 9110: a 401 names the scheme the client should use.
+        super().__init__(message, param=param, headers={**_BEARER, **(headers or {})})
+
+
+_BEARER = {"WWW-Authenticate": "Bearer"}
+
+
+class ForbiddenError(ServerError):
+    status_code = 403
+    type = "permission_error"
+
+
+class UnsupportedMediaTypeError(ServerError):
+    status_code = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class ModelNotFoundHTTPError(ServerError):
@@ -131,7 +153,7 @@ def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Resp
         message, param = _validation_detail(exc)
         return error_response(400, message, type="invalid_request_error", param=param)
     if isinstance(exc, NotAuthorizedException):
-        return error_response(401, exc.detail, type="authentication_error", code="invalid_api_key")
+        return error_response(401, exc.detail, type="authentication_error", code="invalid_api_key", headers=_BEARER)
     if isinstance(exc, NotFoundException):
         return error_response(404, f"no route {request.method} {request.url.path}", type="invalid_request_error")
     if exc.status_code == HTTP_413_REQUEST_ENTITY_TOO_LARGE:

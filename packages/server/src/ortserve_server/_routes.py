@@ -22,6 +22,7 @@ from litestar.connection import ASGIConnection
 from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, JSONBody, MultipartBody
 from litestar.response import Stream
 from ortserve_client import protocol as p
@@ -48,6 +49,7 @@ from ._mapping import (
     require_model,
     require_speech_model,
 )
+from ._openapi import GET_ERRORS, POST_ERRORS, also_sends, error_responses, generation_docs, with_error_responses
 from ._state import OrtServe
 
 __all__ = ["api_route_handlers", "health_handler", "make_auth_guard", "metrics_handler"]
@@ -260,7 +262,12 @@ def _stream_response(chunks: AsyncIterator[bytes]) -> Stream:
     return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
-@post("/chat/completions", status_code=200, summary="Create a chat completion")
+@post(
+    "/chat/completions",
+    status_code=200,
+    summary="Create a chat completion",
+    **generation_docs(p.ChatCompletion, "The chat completion"),
+)
 async def chat_completions(
     data: JSONBody[p.ChatCompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
@@ -400,7 +407,12 @@ async def _transcribe_chat(
     return _stream_response(events())
 
 
-@post("/completions", status_code=200, summary="Create a (legacy) text completion")
+@post(
+    "/completions",
+    status_code=200,
+    summary="Create a (legacy) text completion",
+    **generation_docs(p.Completion, "The completion"),
+)
 async def completions(
     data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
@@ -431,7 +443,7 @@ async def completions(
     return Response(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
-@post("/embeddings", status_code=200, summary="Create embeddings")
+@post("/embeddings", status_code=200, summary="Create embeddings", responses=error_responses(*POST_ERRORS))
 async def embeddings(
     data: JSONBody[p.EmbeddingRequest], ortserve: NamedDependency[OrtServe]
 ) -> Response[p.CreateEmbeddingResponse]:
@@ -468,7 +480,15 @@ class TranscriptionForm:
 _TRANSCRIPTION_FIELDS = {*TranscriptionForm.__dataclass_fields__, "timestamp_granularities[]"}
 
 
-@post("/audio/transcriptions", status_code=200, summary="Transcribe audio (speech-to-text models)")
+@post(
+    "/audio/transcriptions",
+    status_code=200,
+    summary="Transcribe audio (speech-to-text models)",
+    responses=with_error_responses(
+        p.Transcription, "The transcript (verbose_json adds language, duration, segments)", *POST_ERRORS
+    ),
+    operation_class=also_sends("text/plain", "response_format text, srt or vtt"),
+)
 async def transcriptions(
     data: MultipartBody[TranscriptionForm], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
@@ -530,12 +550,12 @@ def _subtitles(segments: list[Segment], kind: str) -> str:
     return "WEBVTT\n\n" + "\n".join(cues)
 
 
-@get("/models", summary="List models")
+@get("/models", summary="List models", responses=error_responses(*GET_ERRORS))
 async def list_models(ortserve: NamedDependency[OrtServe]) -> p.ModelList:
     return p.ModelList(data=[_model_card(ortserve, name) for name in ortserve.registry.names()])
 
 
-@get("/models/{model_id:path}", summary="Retrieve a model")
+@get("/models/{model_id:path}", summary="Retrieve a model", responses=error_responses(404, *GET_ERRORS))
 async def retrieve_model(model_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> p.Model:
     name = model_id.lstrip("/")
     if name not in ortserve.registry.names():
@@ -558,7 +578,12 @@ def _model_card(state: OrtServe, name: str) -> p.Model:
     )
 
 
-@post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (extension)")
+@post(
+    "/tokenize",
+    status_code=200,
+    summary="Tokenize a prompt or chat messages (extension)",
+    responses=error_responses(*POST_ERRORS),
+)
 async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.TokenizeResponse:
     model = await require_model(ortserve, data.model)
     has_prompt = not isinstance(data.prompt, msgspec.UnsetType)
@@ -576,13 +601,24 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
     return p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_sequence_length)
 
 
-@post("/detokenize", status_code=200, summary="Turn token ids back into text (extension)")
+@post(
+    "/detokenize",
+    status_code=200,
+    summary="Turn token ids back into text (extension)",
+    responses=error_responses(*POST_ERRORS),
+)
 async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.DetokenizeResponse:
     model = await require_model(ortserve, data.model)
     return p.DetokenizeResponse(prompt=model.decode(data.tokens))
 
 
-@get("/", summary="Liveness and readiness", include_in_schema=True)
+@get(
+    "/",
+    summary="Liveness and readiness",
+    include_in_schema=True,
+    responses={503: ResponseSpec(p.Health, description="Models loading or failed", generate_examples=False)}
+    | error_responses(403),
+)
 async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Health]:
     statuses = ortserve.registry.status()
     overall = "ok"
@@ -597,7 +633,12 @@ async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Heal
     return Response(body, status_code=200 if overall == "ok" else 503)
 
 
-@get("/", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
+@get(
+    "/",
+    summary="Prometheus metrics",
+    media_type="text/plain; version=0.0.4",
+    responses=error_responses(*GET_ERRORS),
+)
 async def metrics_handler(ortserve: NamedDependency[OrtServe]) -> bytes:
     for name in ortserve.registry.names():
         model = ortserve.registry.loaded(name)

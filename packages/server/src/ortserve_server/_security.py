@@ -1,0 +1,172 @@
+"""What keeps a web page from driving the server through a visitor's browser.
+
+A server on 127.0.0.1 is what a malicious page targets (Ollama's CVE-2024-28224): with
+DNS rebinding its own name resolves to 127.0.0.1, so the browser sends ``Host: evil.example``;
+without it, a cross-site form or ``fetch`` with a "simple" content type (``text/plain``,
+form-encoded, multipart) reaches the server with no CORS preflight. The guards here refuse
+both before any handler runs:
+
+- ``Host`` must be a loopback name or a configured one (``ServerConfig.host_check`` says on
+  which connections);
+- ``Origin``, when a browser sends one, must be loopback, the server's own origin, or
+  configured; requests without ``Origin`` (SDKs, curl) pass;
+- a body must have the route's own content type (``application/json``, or
+  ``multipart/form-data`` on the one multipart route), which no simple request can forge;
+- a body that cannot be decoded (invalid UTF-8, JSON nested past msgspec's limit) is a 400
+  here rather than an unhandled error inside Litestar's decoder.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+from urllib.parse import urlsplit
+
+from litestar.connection import ASGIConnection, Request
+from litestar.enums import RequestEncodingType
+from litestar.exceptions import SerializationException
+from litestar.handlers import BaseRouteHandler
+
+from ._config import ServerConfig
+from ._errors import BadRequestError, ForbiddenError, UnsupportedMediaTypeError
+
+__all__ = ["SiteGuard", "body_guard"]
+
+_JSON = "application/json"
+_MULTIPART = "multipart/form-data"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: browsers resolve these to loopback
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _hostname(authority: str) -> str | None:
+    """The lower-cased host of ``host[:port]`` or ``[v6][:port]``; ``None`` when malformed."""
+    try:
+        parts = urlsplit(f"//{authority}")
+        return (parts.hostname or "").rstrip(".") or None
+    except ValueError:
+        return None
+
+
+def _origin(value: str) -> str:
+    """``scheme://host[:port]`` lower-cased, so configured and sent origins compare equal."""
+    return value.strip().rstrip("/").lower()
+
+
+class SiteGuard:
+    """Host, Origin and content type checks (a Litestar guard; see the module docstring)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.host_check = config.host_check
+        self.hosts = frozenset(h.lower().rstrip(".") for h in config.allowed_hosts)
+        origins = {_origin(o) for o in (*config.allowed_origins, *config.cors_origins)}
+        self.any_origin = "*" in origins
+        self.origins = frozenset(origins - {"*"})
+
+    def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        host = connection.headers.get("host")
+        if host is not None and self._checks_host(connection) and not self._host_allowed(host):
+            raise ForbiddenError(
+                f"Host {host!r} is not served: this server answers loopback names"
+                " (allow more with --allow-host or ServerConfig.allowed_hosts)"
+            )
+        origin = connection.headers.get("origin")
+        if origin is not None and not self._origin_allowed(origin, host):
+            raise ForbiddenError(
+                f"Origin {origin!r} may not call this server: web pages from other sites are refused"
+                " (allow one with --allow-origin or ServerConfig.allowed_origins)"
+            )
+        expected = _body_media_type(handler)
+        if expected is not None:
+            given = connection.headers.get("content-type", "")
+            media = given.partition(";")[0].strip().lower()
+            if media != expected:
+                what = f"Content-Type {given!r}" if given else "a request without Content-Type"
+                raise UnsupportedMediaTypeError(f"{what} is not accepted here: send the body as {expected!r}")
+
+    def _checks_host(self, connection: ASGIConnection[Any, Any, Any, Any]) -> bool:
+        if self.host_check is not None:
+            return self.host_check
+        # The address the connection arrived on: loopback means a local browser may be the
+        # client, whatever name the page used to get here.
+        server = connection.scope.get("server")
+        return server is not None and isinstance(server[0], str) and _is_loopback(server[0])
+
+    def _host_allowed(self, authority: str) -> bool:
+        name = _hostname(authority)
+        return name is not None and (_is_loopback(name) or name in self.hosts)
+
+    def _origin_allowed(self, origin: str, host: str | None) -> bool:
+        normal = _origin(origin)
+        if self.any_origin or normal in self.origins:
+            return True
+        try:
+            parts = urlsplit(normal)
+            hostname = parts.hostname
+        except ValueError:
+            return False
+        if parts.scheme not in ("http", "https") or not hostname:
+            return False  # "null" (sandboxed frames, file:), browser extensions...
+        if _is_loopback(hostname):
+            return True
+        # Same-origin: a page of the host app this server is mounted in. Where the Host
+        # check is on, a rebinding page never gets this far.
+        return host is not None and parts.netloc == host.lower()
+
+
+def _body_media_type(handler: BaseRouteHandler) -> str | None:
+    """The content type a route's body must have, or ``None`` for a route without one."""
+    field = handler.parsed_fn_signature.parameters.get("data")
+    if field is None:
+        return None
+    kwarg = field.kwarg_definition
+    if getattr(kwarg, "media_type", None) == RequestEncodingType.MULTI_PART:
+        return _MULTIPART
+    return _JSON
+
+
+async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Decode the body now, so that what Litestar's decoders raise on undecodable input
+    (``UnicodeDecodeError``, ``RecursionError``) is a 400; Litestar keeps the decoded body
+    for the handler. Runs after the API key check: no decoding for strangers."""
+    kind = _body_media_type(handler)
+    if kind is None or not isinstance(connection, Request):
+        return
+    try:
+        if kind == _MULTIPART:
+            await connection.form()
+            return
+        body = await connection.body()
+        if not body.strip():
+            raise BadRequestError("the request has no body: send a JSON object")
+        decoded = await connection.json()
+    except UnicodeDecodeError:
+        where = "a multipart text field" if kind == _MULTIPART else "the JSON body"
+        raise BadRequestError(f"{where} is not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequestError("the JSON body is nested too deeply") from None
+    except SerializationException as exc:  # malformed JSON, as Litestar itself reports it
+        raise BadRequestError(str(exc)) from None
+    if not isinstance(decoded, dict):
+        raise BadRequestError(
+            f"the request body must be a JSON object, not {_JSON_KINDS.get(type(decoded), 'a value')}"
+        )
+
+
+_JSON_KINDS = {
+    type(None): "null",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+}
