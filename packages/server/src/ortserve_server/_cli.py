@@ -167,6 +167,25 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fetch http(s) image URLs from this host (default: data: URLs only); repeatable",
     )
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight work gets on SIGTERM")
+    connections = serve.add_argument_group("connections")
+    connections.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take to arrive, from connect or the previous response (default 10)",
+    )
+    connections.add_argument(
+        "--keep-alive-timeout", type=float, default=5.0, help="close a keep-alive connection idle this long (default 5)"
+    )
+    connections.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most; more are closed on accept (default 1000, less under a low open-file limit)",
+    )
+    connections.add_argument(
+        "--max-header-size", type=int, default=16384, help="bytes of request line and headers at most (default 16384)"
+    )
     serve.add_argument(
         "--ready-json",
         action="store_true",
@@ -197,6 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ._app import create_app
     from ._config import ServerConfig
+    from ._serving import ConnectionLimits, GuardedH11Protocol, default_max_connections, listen, raise_fd_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     models = dict(args.model) if args.model else demo_models()
@@ -229,20 +249,28 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ortserve: {exc}", file=sys.stderr)
         return 2
 
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    fd_limit = raise_fd_limit()
     try:
-        sock.bind((args.host, args.port))
+        sock = listen(args.host, args.port)
     except OSError as exc:
         print(f"ortserve: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
+    limits = ConnectionLimits(
+        header_timeout=args.header_timeout,
+        max_connections=args.max_connections or default_max_connections(fd_limit),
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
             log_level=args.log_level,
             timeout_graceful_shutdown=args.grace_period,
             lifespan="on",
+            http=GuardedH11Protocol.with_limits(limits),
+            ws="none",  # no websocket routes: upgrade requests are served as plain HTTP
+            # Typed int by uvicorn, but only ever handed to loop.call_later.
+            timeout_keep_alive=args.keep_alive_timeout,
+            h11_max_incomplete_event_size=args.max_header_size,
         )
     )
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then re-raises the signal
@@ -264,7 +292,10 @@ async def _run(
 ) -> None:
     import uvicorn
 
+    from ._serving import AcceptErrorLog
+
     assert isinstance(server, uvicorn.Server)
+    AcceptErrorLog().install(asyncio.get_running_loop())
     await load_models()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_watch_parent(server))
