@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,9 +21,16 @@ from ._demo import demo_models
 if TYPE_CHECKING:
     from ortserve_runtime import ModelConfig
 
+    from ._state import OrtServe
+
 __all__ = ["main"]
 
 PARENT_PID_ENV = "ORTSERVE_PARENT_PID"
+EXIT_WORK_CUT = 75
+"""Exit status when a shutdown had to cut in-flight requests (sysexits' EX_TEMPFAIL: the
+work may be retried); 0 when everything finished within the grace period."""
+CUT_BACKSTOP = 2.0
+"""Seconds after the grace period that requests still running are cancelled outright."""
 logger = logging.getLogger("ortserve.server")
 
 
@@ -166,7 +173,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="HOST",
         help="fetch http(s) image URLs from this host (default: data: URLs only); repeatable",
     )
-    serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight work gets on SIGTERM")
+    serve.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        help="seconds in-flight work gets on SIGTERM; then streams end with an error event and the exit status is 75",
+    )
     connections = serve.add_argument_group("connections")
     connections.add_argument(
         "--header-timeout",
@@ -264,7 +276,9 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn.Config(
             app,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.grace_period,
+            # uvicorn's own deadline is the last resort (it then cancels silently);
+            # _drain ends work in-band at the grace period itself.
+            timeout_graceful_shutdown=args.grace_period + 2 * CUT_BACKSTOP,
             lifespan="on",
             http=GuardedH11Protocol.with_limits(limits),
             ws="none",  # no websocket routes: upgrade requests are served as plain HTTP
@@ -280,25 +294,26 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # Models load before the server starts, so a broken model is one clear line here
         # rather than a failed lifespan inside uvicorn.
-        asyncio.run(_run(server, sock, port, args.ready_json, app.state.ortserve.startup))
+        asyncio.run(_run(server, sock, port, args.ready_json, app.state.ortserve, args.grace_period))
     except ModelLoadError as exc:
         print(f"ortserve: {exc}", file=sys.stderr)
         return 2
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return EXIT_WORK_CUT if app.state.ortserve.cut_requests else 0
 
 
-async def _run(
-    server: object, sock: socket.socket, port: int, ready_json: bool, load_models: Callable[[], Awaitable[None]]
-) -> None:
+async def _run(server: object, sock: socket.socket, port: int, ready_json: bool, state: OrtServe, grace: float) -> None:
     import uvicorn
 
     from ._serving import AcceptErrorLog
 
     assert isinstance(server, uvicorn.Server)
     AcceptErrorLog().install(asyncio.get_running_loop())
-    await load_models()
+    await state.startup()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_watch_parent(server))
+    drain = asyncio.create_task(_drain(server, state, grace))
     try:
         while not server.started:
             if serving.done():
@@ -312,9 +327,31 @@ async def _run(
             print(f"ortserve listening on http://{line['host']}:{port}/v1", file=sys.stderr, flush=True)
         await serving
     finally:
-        watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watchdog
+        for task in (watchdog, drain):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _drain(server: object, state: OrtServe, grace: float) -> None:
+    """Once a shutdown begins (uvicorn stops accepting and waits for requests), give
+    in-flight work ``grace`` seconds; then end it in-band (streams get an error event and
+    ``[DONE]``, other generations a 503), and cancel what still runs CUT_BACKSTOP seconds
+    later. Anything ended here makes the exit code EXIT_WORK_CUT."""
+    while not server.should_exit:  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(grace)
+    tasks = server.server_state.tasks  # type: ignore[attr-defined]  # the requests in flight
+    if tasks:
+        logger.warning("grace period of %g s is over: ending %d request(s) still in flight", grace, len(tasks))
+        state.cut_work()
+    await asyncio.sleep(CUT_BACKSTOP)
+    left = [task for task in tasks if not task.done()]
+    if left:
+        logger.error("cancelling %d request(s) that did not end after the grace period", len(left))
+        state.cut_requests += len(left)
+        for task in left:
+            task.cancel()
 
 
 async def _watch_parent(server: object) -> None:

@@ -7,6 +7,7 @@ ServerError                  root; carries status_code, type, param, code
 ├── ModelNotFoundHTTPError   404 (unknown model)
 ├── PayloadTooLargeError     413
 ├── OverloadedError          503 + Retry-After (queue full)
+├── ShuttingDownError        503 (the grace period of a shutdown ran out)
 └── UnsupportedParameterError 400 for a parameter this server cannot honour
 ```
 
@@ -29,6 +30,8 @@ from litestar.types import ExceptionHandlersMap
 from ortserve_client.protocol import ErrorDetail, ErrorResponse
 from ortserve_runtime import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelNotFoundError
 
+from ._metrics import UNMATCHED
+
 __all__ = [
     "AuthenticationError",
     "BadRequestError",
@@ -37,6 +40,7 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "ServerError",
+    "ShuttingDownError",
     "UnsupportedParameterError",
     "error_response",
     "exception_handlers",
@@ -99,6 +103,14 @@ class OverloadedError(ServerError):
     status_code = 503
     type = "server_error"
     code = "server_overloaded"
+
+
+class ShuttingDownError(ServerError):
+    """The server is stopping and the grace period for in-flight work is over."""
+
+    status_code = 503
+    type = "server_error"
+    code = "server_shutting_down"
 
 
 def error_response(
@@ -168,12 +180,23 @@ def _counted(handler: Callable[[Request[Any, Any, Any], Any], Response[ErrorResp
 
     def counting(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
         response = handler(request, exc)
-        metrics = request.route_handler.opt.get(METRICS_OPT) if request.scope.get("route_handler") else None
+        metrics, endpoint = _metrics_of(request)
         if metrics is not None:
-            metrics.errors.labels(request.url.path, str(response.status_code)).inc()
+            metrics.count_error(endpoint, response.status_code)
         return response
 
     return counting
+
+
+def _metrics_of(request: Request[Any, Any, Any]) -> tuple[Any, str]:
+    """The Metrics that count an error on ``request``, and its endpoint label: the route
+    template (``/v1/models/{model_id}``), never the raw path, which a client can vary
+    without end; a path that matched no route counts under one label, and only in
+    ``create_app``'s own app (a host's unknown routes are the host's)."""
+    if request.scope.get("route_handler"):
+        return request.route_handler.opt.get(METRICS_OPT), request.scope.get("path_template") or UNMATCHED
+    state = request.app.state.get("ortserve")
+    return getattr(state, "metrics", None), UNMATCHED
 
 
 METRICS_OPT = "ortserve_metrics"
