@@ -192,3 +192,32 @@ def test_the_cli_names_the_runtimes_providers_and_engines() -> None:
     from ortserve_server import _cli
 
     assert _cli.PROVIDERS == PROVIDERS and _cli.ENGINES == ENGINES
+
+
+def test_sigterm_past_the_grace_period_ends_streams_in_band_and_exits_75() -> None:
+    # 16 prompts of 480 tokens, one at a time: seconds of work, far past a 0.5 s grace.
+    process, ready = start_server("--model", f"tiny={TINY_MODEL}", "--grace-period", "0.5", "--max-batch-size", "1")
+    url = f"http://127.0.0.1:{ready['port']}"
+    try:
+        body = {"model": "tiny", "prompt": ["x"] * 16, "max_tokens": 480, "min_tokens": 480, "stream": True}
+        lines: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line and not lines:
+                    process.send_signal(signal.SIGTERM)  # the stream has started: stop the server
+                if line:
+                    lines.append(line)
+        assert process.wait(timeout=30) == 75
+    finally:
+        stop(process)
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))
+    assert error == {
+        "error": {
+            "message": "the server is shutting down; the generation was cut off",
+            "type": "server_error",
+            "param": None,
+            "code": "server_shutting_down",
+        }
+    }
+    assert 2 < len(lines) < 16 * 480, "the stream was not cut"

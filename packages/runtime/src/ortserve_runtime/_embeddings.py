@@ -116,11 +116,23 @@ class EmbeddingModel:
         """Session runs so far: fewer than requests when micro-batching merges them."""
         self._pad_id = self.tokenizer.token_to_id("[PAD]") or 0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._serving = 0
+        """Requests in the session runs under way (worker thread writes, anyone reads)."""
         self._closed = False
         self._worker = threading.Thread(target=self._run, name=f"ortserve-embed-{name}", daemon=True)
         self._worker.start()
 
     # -- public API ------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the micro-batcher."""
+        return self._queue.qsize()
+
+    @property
+    def active(self) -> int:
+        """Requests in the session runs under way."""
+        return self._serving
 
     def tokenize(self, inputs: EmbeddingInput, *, truncate: bool | None = None) -> list[list[int]]:
         """Token ids for each input, checked against the model's limit and vocabulary."""
@@ -213,7 +225,11 @@ class EmbeddingModel:
                     break
                 jobs.append(more)
                 count += len(more.ids)
-            self._serve(jobs)
+            self._serving = len(jobs)
+            try:
+                self._serve(jobs)
+            finally:
+                self._serving = 0
         while not self._queue.empty():  # fail anything that raced with close()
             job = self._queue.get_nowait()
             if job is not None:

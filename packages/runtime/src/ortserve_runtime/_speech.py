@@ -127,8 +127,14 @@ class SpeechModel:
 
     @property
     def queued(self) -> int:
-        """Requests not finished yet (waiting, or taking turns)."""
-        return self._queue.qsize() + len(self._turns)
+        """Requests not taken in yet (the worker takes in every waiting request before
+        its next window, so this is rarely more than a moment's arrivals)."""
+        return self._queue.qsize()
+
+    @property
+    def active(self) -> int:
+        """Requests taken in, taking turns window by window."""
+        return len(self._turns)
 
     async def transcribe(
         self,

@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,9 +21,16 @@ from ._demo import demo_models
 if TYPE_CHECKING:
     from ortserve_runtime import ModelConfig
 
+    from ._state import OrtServe
+
 __all__ = ["main"]
 
 PARENT_PID_ENV = "ORTSERVE_PARENT_PID"
+EXIT_WORK_CUT = 75
+"""Exit status when a shutdown had to cut in-flight requests (sysexits' EX_TEMPFAIL: the
+work may be retried); 0 when everything finished within the grace period."""
+CUT_BACKSTOP = 2.0
+"""Seconds after the grace period that requests still running are cancelled outright."""
 logger = logging.getLogger("ortserve.server")
 
 
@@ -202,7 +209,31 @@ def _build_parser() -> argparse.ArgumentParser:
         help="send CORS headers to this origin (and allow it); repeatable; default: no CORS",
     )
     serve.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
-    serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight work gets on SIGTERM")
+    serve.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        help="seconds in-flight work gets on SIGTERM; then streams end with an error event and the exit status is 75",
+    )
+    connections = serve.add_argument_group("connections")
+    connections.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take to arrive, from connect or the previous response (default 10)",
+    )
+    connections.add_argument(
+        "--keep-alive-timeout", type=float, default=5.0, help="close a keep-alive connection idle this long (default 5)"
+    )
+    connections.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most; more are closed on accept (default 1000, less under a low open-file limit)",
+    )
+    connections.add_argument(
+        "--max-header-size", type=int, default=16384, help="bytes of request line and headers at most (default 16384)"
+    )
     serve.add_argument(
         "--ready-json",
         action="store_true",
@@ -233,6 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ._app import create_app
     from ._config import ServerConfig
+    from ._serving import ConnectionLimits, GuardedH11Protocol, default_max_connections, listen, raise_fd_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     models = dict(args.model) if args.model else demo_models()
@@ -270,20 +302,30 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ortserve: {exc}", file=sys.stderr)
         return 2
 
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    fd_limit = raise_fd_limit()
     try:
-        sock.bind((args.host, args.port))
+        sock = listen(args.host, args.port)
     except OSError as exc:
         print(f"ortserve: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
+    limits = ConnectionLimits(
+        header_timeout=args.header_timeout,
+        max_connections=args.max_connections or default_max_connections(fd_limit),
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.grace_period,
+            # uvicorn's own deadline is the last resort (it then cancels silently);
+            # _drain ends work in-band at the grace period itself.
+            timeout_graceful_shutdown=args.grace_period + 2 * CUT_BACKSTOP,
             lifespan="on",
+            http=GuardedH11Protocol.with_limits(limits),
+            ws="none",  # no websocket routes: upgrade requests are served as plain HTTP
+            # Typed int by uvicorn, but only ever handed to loop.call_later.
+            timeout_keep_alive=args.keep_alive_timeout,
+            h11_max_incomplete_event_size=args.max_header_size,
         )
     )
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then re-raises the signal
@@ -293,22 +335,26 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # Models load before the server starts, so a broken model is one clear line here
         # rather than a failed lifespan inside uvicorn.
-        asyncio.run(_run(server, sock, port, args.ready_json, app.state.ortserve.startup))
+        asyncio.run(_run(server, sock, port, args.ready_json, app.state.ortserve, args.grace_period))
     except ModelLoadError as exc:
         print(f"ortserve: {exc}", file=sys.stderr)
         return 2
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return EXIT_WORK_CUT if app.state.ortserve.cut_requests else 0
 
 
-async def _run(
-    server: object, sock: socket.socket, port: int, ready_json: bool, load_models: Callable[[], Awaitable[None]]
-) -> None:
+async def _run(server: object, sock: socket.socket, port: int, ready_json: bool, state: OrtServe, grace: float) -> None:
     import uvicorn
 
+    from ._serving import AcceptErrorLog
+
     assert isinstance(server, uvicorn.Server)
-    await load_models()
+    AcceptErrorLog().install(asyncio.get_running_loop())
+    await state.startup()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_watch_parent(server))
+    drain = asyncio.create_task(_drain(server, state, grace))
     try:
         while not server.started:
             if serving.done():
@@ -322,9 +368,31 @@ async def _run(
             print(f"ortserve listening on http://{line['host']}:{port}/v1", file=sys.stderr, flush=True)
         await serving
     finally:
-        watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watchdog
+        for task in (watchdog, drain):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _drain(server: object, state: OrtServe, grace: float) -> None:
+    """Once a shutdown begins (uvicorn stops accepting and waits for requests), give
+    in-flight work ``grace`` seconds; then end it in-band (streams get an error event and
+    ``[DONE]``, other generations a 503), and cancel what still runs CUT_BACKSTOP seconds
+    later. Anything ended here makes the exit code EXIT_WORK_CUT."""
+    while not server.should_exit:  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(grace)
+    tasks = server.server_state.tasks  # type: ignore[attr-defined]  # the requests in flight
+    if tasks:
+        logger.warning("grace period of %g s is over: ending %d request(s) still in flight", grace, len(tasks))
+        state.cut_work()
+    await asyncio.sleep(CUT_BACKSTOP)
+    left = [task for task in tasks if not task.done()]
+    if left:
+        logger.error("cancelling %d request(s) that did not end after the grace period", len(left))
+        state.cut_requests += len(left)
+        for task in left:
+            task.cancel()
 
 
 async def _watch_parent(server: object) -> None:

@@ -9,6 +9,7 @@ ServerError                  root; carries status_code, type, param, code
 ├── PayloadTooLargeError     413
 ├── UnsupportedMediaTypeError 415 (a body that is not the route's content type)
 ├── OverloadedError          503 + Retry-After (queue full)
+├── ShuttingDownError        503 (the grace period of a shutdown ran out)
 └── UnsupportedParameterError 400 for a parameter this server cannot honour
 ```
 
@@ -31,6 +32,8 @@ from litestar.types import ExceptionHandlersMap
 from ortserve_client.protocol import ErrorDetail, ErrorResponse
 from ortserve_runtime import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelNotFoundError
 
+from ._metrics import UNMATCHED
+
 __all__ = [
     "AuthenticationError",
     "BadRequestError",
@@ -40,6 +43,7 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "ServerError",
+    "ShuttingDownError",
     "UnsupportedMediaTypeError",
     "UnsupportedParameterError",
     "error_response",
@@ -123,6 +127,14 @@ class OverloadedError(ServerError):
     code = "server_overloaded"
 
 
+class ShuttingDownError(ServerError):
+    """The server is stopping and the grace period for in-flight work is over."""
+
+    status_code = 503
+    type = "server_error"
+    code = "server_shutting_down"
+
+
 def error_response(
     status: int, message: str, *, type: str, param: str | None = None, code: str | None = None, headers: Any = None
 ) -> Response[ErrorResponse]:
@@ -190,12 +202,23 @@ def _counted(handler: Callable[[Request[Any, Any, Any], Any], Response[ErrorResp
 
     def counting(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
         response = handler(request, exc)
-        metrics = request.route_handler.opt.get(METRICS_OPT) if request.scope.get("route_handler") else None
+        metrics, endpoint = _metrics_of(request)
         if metrics is not None:
-            metrics.errors.labels(request.url.path, str(response.status_code)).inc()
+            metrics.count_error(endpoint, response.status_code)
         return response
 
     return counting
+
+
+def _metrics_of(request: Request[Any, Any, Any]) -> tuple[Any, str]:
+    """The Metrics that count an error on ``request``, and its endpoint label: the route
+    template (``/v1/models/{model_id}``), never the raw path, which a client can vary
+    without end; a path that matched no route counts under one label, and only in
+    ``create_app``'s own app (a host's unknown routes are the host's)."""
+    if request.scope.get("route_handler"):
+        return request.route_handler.opt.get(METRICS_OPT), request.scope.get("path_template") or UNMATCHED
+    state = request.app.state.get("ortserve")
+    return getattr(state, "metrics", None), UNMATCHED
 
 
 METRICS_OPT = "ortserve_metrics"

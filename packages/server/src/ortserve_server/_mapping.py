@@ -88,8 +88,11 @@ async def require_embedding_model(state: OrtServe, name: str) -> EmbeddingModel:
 async def require_speech_model(state: OrtServe, name: str) -> SpeechModel:
     """The loaded speech-to-text model called ``name``, or a 404/400/503 that says why not."""
     model: SpeechModel = await _loaded(state, name, "speech")
-    if model.queued >= state.config.max_queued:
-        raise OverloadedError(f"model {name!r} has {model.queued} requests waiting", headers={"Retry-After": "1"})
+    # A speech model takes in every request at once and serves them by turns, so all it
+    # holds count against the limit, not only those not taken in yet.
+    held = model.queued + model.active
+    if held >= state.config.max_queued:
+        raise OverloadedError(f"model {name!r} has {held} requests waiting", headers={"Retry-After": "1"})
     return model
 
 

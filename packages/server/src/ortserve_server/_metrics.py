@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -9,11 +10,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["Metrics"]
+__all__ = ["UNMATCHED", "Metrics", "status_class"]
+
+UNMATCHED = "unmatched"
+"""The endpoint label of requests that matched no route: one label, whatever the path."""
+
+
+def status_class(status: int) -> str:
+    """``2xx``, ``4xx``, ``5xx``...: the status label, so that label values stay few."""
+    return f"{status // 100}xx"
 
 
 class Metrics:
-    """Requests, tokens, time to first token, queue depth and errors."""
+    """Requests, tokens, time to first token, queue depth and errors.
+
+    Labels take few values on purpose: endpoints are route templates
+    (``/v1/models/{model_id}``, never the path a client sent), statuses are classes, and
+    models are the names served. A label per raw path let one client grow ``/metrics``
+    by a series per request."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -37,15 +51,34 @@ class Metrics:
             registry=self.registry,
         )
         self.queue_depth = Gauge(
-            "ortserve_queue_depth", "Requests waiting for a batch row", ["model"], registry=self.registry
+            "ortserve_queue_depth", "Requests waiting for the model", ["model"], registry=self.registry
         )
         self.active = Gauge(
-            "ortserve_active_requests", "Requests holding a batch row", ["model"], registry=self.registry
+            "ortserve_active_requests", "Requests the model is working on", ["model"], registry=self.registry
         )
 
     def watch_prefix_caches(self, caches: Callable[[], Iterable[tuple[str, Any]]]) -> None:
         """Report the prefix caches ``caches()`` names (model, cache) at every scrape."""
         self.registry.register(_PrefixCacheCollector(caches))
+
+    def count_request(self, endpoint: str, model: str, status: int) -> None:
+        """A request to ``model`` that ended with ``status`` (an error is counted as one too)."""
+        self.requests.labels(endpoint, model, status_class(status)).inc()
+        if status >= 400:
+            self.count_error(endpoint, status)
+
+    def count_error(self, endpoint: str, status: int) -> None:
+        self.errors.labels(endpoint, status_class(status)).inc()
+
+    def set_load(self, model: str, queued: int | None, active: int | None) -> None:
+        """The queue depth and active requests of ``model``; ``None`` drops its series
+        (an unloaded model)."""
+        for gauge, value in ((self.queue_depth, queued), (self.active, active)):
+            if value is not None:
+                gauge.labels(model).set(value)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model)
 
     def __deepcopy__(self, memo: dict[int, object]) -> Metrics:
         # Litestar deep-copies route options; the registry is shared, never copied.

@@ -36,7 +36,7 @@ from ortserve_runtime import (
     ToolCallParser,
 )
 
-from ._errors import AuthenticationError, BadRequestError, ClientDisconnectedError, ServerError
+from ._errors import AuthenticationError, BadRequestError, ClientDisconnectedError, ServerError, ShuttingDownError
 from ._mapping import (
     chat_messages,
     check_chat_request,
@@ -75,20 +75,27 @@ def _sse(payload: Any) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
 
 
-async def _while_connected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
-    """``work``, cancelled if the client disconnects first: a non-streamed generation or
-    transcription stops and frees its slot, as a streamed one does when its stream closes."""
+async def _while_connected(request: Request[Any, Any, Any], state: OrtServe, work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client disconnects first (a non-streamed generation or
+    transcription stops and frees its slot, as a streamed one does when its stream
+    closes), or if a shutdown cuts work off (then a 503 answers)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    with state.cut_signal() as cut:
+        try:
+            waiting: set[asyncio.Future[Any]] = {task, gone, cut}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        was_cut = cut.done() and not cut.cancelled()
     if task.cancelled():
+        if was_cut:
+            state.cut_requests += 1
+            raise ShuttingDownError("the server is shutting down; the request was cut off")
         raise ClientDisconnectedError("the client disconnected before the answer was ready")
     return task.result()
 
@@ -100,9 +107,12 @@ async def _disconnected(request: Request[Any, Any, Any]) -> None:
         pass
 
 
-async def _merge(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, GenerationEvent]]:
-    """Events of several streams as they come, tagged with the stream's index."""
-    if len(streams) == 1:
+async def _merge(
+    streams: list[GenerationStream], cut: asyncio.Future[None] | None = None
+) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """Events of several streams as they come, tagged with the stream's index; once
+    ``cut`` resolves, :class:`ShuttingDownError` instead of the next event."""
+    if len(streams) == 1 and cut is None:
         async for event in streams[0]:
             yield 0, event
         return
@@ -117,6 +127,13 @@ async def _merge(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, Ge
             await queue.put((index, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+
+    def on_cut(done: asyncio.Future[None]) -> None:
+        if not done.cancelled():
+            queue.put_nowait((-1, ShuttingDownError("the server is shutting down; the generation was cut off")))
+
+    if cut is not None:
+        cut.add_done_callback(on_cut)
     try:
         remaining = len(tasks)
         while remaining:
@@ -147,6 +164,7 @@ class _Generation:
         tool_parsers: list[ToolCallParser] | None = None,
         parallel_calls: bool = True,
     ) -> None:
+        self.state = state
         self.metrics = state.metrics
         self.endpoint = endpoint
         self.model = model
@@ -192,9 +210,7 @@ class _Generation:
 
     def _done(self, completion_tokens: int, status: int = 200) -> p.CompletionUsage:
         name = self.model.name
-        self.metrics.requests.labels(self.endpoint, name, str(status)).inc()
-        if status >= 400:
-            self.metrics.errors.labels(self.endpoint, str(status)).inc()
+        self.metrics.count_request(self.endpoint, name, status)
         self.metrics.prompt_tokens.labels(name).inc(self.prompt_tokens)
         self.metrics.completion_tokens.labels(name).inc(completion_tokens)
         # A prompt counts once however many choices it has: its cached part is what every
@@ -238,15 +254,22 @@ class _Generation:
             yield chunk
         completion_tokens = 0
         try:
-            async for index, event in _merge(self.streams):
-                self._observe(event)
-                completion_tokens += self._record(index, event)
-                for chunk in events(index, *self._split(index, event)):
-                    yield chunk
+            with self.state.cut_signal() as cut:
+                async for index, event in _merge(self.streams, cut):
+                    self._observe(event)
+                    completion_tokens += self._record(index, event)
+                    for chunk in events(index, *self._split(index, event)):
+                        yield chunk
         except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band
-            self._done(completion_tokens, 500)
-            message = str(exc) if isinstance(exc, ServerError) else "the generation failed"
-            yield _sse(p.ErrorResponse(error=p.ErrorDetail(message=message, type="server_error")))
+            if isinstance(exc, ShuttingDownError):
+                self.state.cut_requests += 1
+            self._done(completion_tokens, exc.status_code if isinstance(exc, ServerError) else 500)
+            error = (
+                p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
+                if isinstance(exc, ServerError)
+                else p.ErrorDetail(message="the generation failed", type="server_error")
+            )
+            yield _sse(p.ErrorResponse(error=error))
         else:
             usage = self._done(completion_tokens)
             if usage_chunk is not None:
@@ -326,7 +349,7 @@ async def chat_completions(
         opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk, opening))
-    texts, calls, finish, usage = await _while_connected(request, run.collect())
+    texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
         tool_calls = [
@@ -371,6 +394,7 @@ async def _transcribe_chat(
     try:
         result = await _while_connected(
             request,
+            ortserve,
             model.transcribe(
                 decode_base64(encoded, where),
                 temperature=data.temperature if isinstance(data.temperature, float | int) else 0.0,
@@ -380,7 +404,7 @@ async def _transcribe_chat(
     except InvalidRequestError as exc:  # the runtime names the transcription API's "file"
         raise InvalidRequestError(str(exc), param=where if exc.param == "file" else exc.param) from exc
     endpoint = f"{ortserve.config.path}/chat/completions"
-    ortserve.metrics.requests.labels(endpoint, data.model, "200").inc()
+    ortserve.metrics.count_request(endpoint, data.model, 200)
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
     reason = "length" if isinstance(max_tokens, int) and result.tokens >= max_tokens else "stop"
     usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=result.tokens, total_tokens=result.tokens)
@@ -436,7 +460,7 @@ async def completions(
     if data.stream is True:
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk))
-    texts, _, finish, usage = await _while_connected(request, run.collect())
+    texts, _, finish, usage = await _while_connected(request, ortserve, run.collect())
     choices = [
         p.CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(zip(texts, finish, strict=True))
     ]
@@ -459,7 +483,7 @@ async def embeddings(
         )
         for i, vector in enumerate(result.vectors)
     ]
-    ortserve.metrics.requests.labels(f"{ortserve.config.path}/embeddings", data.model, "200").inc()
+    ortserve.metrics.count_request(f"{ortserve.config.path}/embeddings", data.model, 200)
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
     usage = p.EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
     return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))
@@ -512,11 +536,12 @@ async def transcriptions(
     timed = data.response_format in ("verbose_json", "srt", "vtt")
     result = await _while_connected(
         request,
+        ortserve,
         model.transcribe(
             audio, language=data.language, prompt=data.prompt, temperature=data.temperature, timestamps=timed
         ),
     )
-    ortserve.metrics.requests.labels(f"{ortserve.config.path}/audio/transcriptions", data.model, "200").inc()
+    ortserve.metrics.count_request(f"{ortserve.config.path}/audio/transcriptions", data.model, 200)
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
     if data.response_format == "text":
         return Response(result.text, media_type="text/plain")
@@ -641,10 +666,11 @@ async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Heal
 )
 async def metrics_handler(ortserve: NamedDependency[OrtServe]) -> bytes:
     for name in ortserve.registry.names():
-        model = ortserve.registry.loaded(name)
-        if model is not None and isinstance(model, ChatModel):
-            ortserve.metrics.queue_depth.labels(name).set(model.queued)
-            ortserve.metrics.active.labels(name).set(model.active)
+        model = ortserve.registry.loaded(name)  # every kind: generative, speech, embedding, rerank
+        if model is None:
+            ortserve.metrics.set_load(name, None, None)
+        else:
+            ortserve.metrics.set_load(name, model.queued, model.active)
     return ortserve.metrics.render()
 
 

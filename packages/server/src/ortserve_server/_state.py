@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ortserve_runtime import ModelRegistry
@@ -30,6 +31,10 @@ class OrtServe:
         self.metrics.watch_prefix_caches(self._prefix_caches)
         self.created = int(time.time())
         self.started = False
+        self.cut_requests = 0
+        """Requests that :meth:`cut_work` (or a harder stop) ended before they finished."""
+        self._cut_off = False
+        self._cut_waiters: set[asyncio.Future[None]] = set()
 
     def _prefix_caches(self) -> list[tuple[str, Any]]:
         loaded = ((name, self.registry.loaded(name)) for name in self.registry.names())
@@ -40,6 +45,28 @@ class OrtServe:
         # Litestar deep-copies routers when it registers them; the models, threads and
         # metrics behind them are one shared service, never copied.
         return self
+
+    def cut_work(self) -> None:
+        """End the generations and transcriptions under way now (a shutdown whose grace
+        period ran out): streams end with an in-band error event and ``[DONE]``, other
+        requests answer 503, so that no client sees a bare closed connection. Work that
+        starts afterwards is cut at once."""
+        self._cut_off = True
+        for waiter in list(self._cut_waiters):
+            waiter.get_loop().call_soon_threadsafe(_settle, waiter)
+
+    @contextlib.contextmanager
+    def cut_signal(self) -> Iterator[asyncio.Future[None]]:
+        """A future of the running loop that :meth:`cut_work` resolves, while in the block."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._cut_off:
+            waiter.set_result(None)
+        self._cut_waiters.add(waiter)
+        try:
+            yield waiter
+        finally:
+            self._cut_waiters.discard(waiter)
+            waiter.cancel()
 
     async def startup(self) -> None:
         if self.config.load_on_startup:
@@ -58,3 +85,8 @@ class OrtServe:
             yield
         finally:
             await self.shutdown()
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
