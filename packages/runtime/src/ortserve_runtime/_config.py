@@ -19,6 +19,8 @@ class EmbeddingConfig:
 
     max_batch_size: int = 64
     """Inputs the batcher merges from concurrent requests before it runs them."""
+    max_inputs: int = 2048
+    """Inputs one request may carry (OpenAI's limit); more are refused untokenized."""
     run_tokens: int = 256
     """Padded tokens per session run: merged inputs are sorted by length and cut into
     runs of at most this many (an input longer than this runs alone)."""
