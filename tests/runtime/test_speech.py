@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 import soundfile
 from audio import TINY_WHISPER, tone_wav
-from ortserve_runtime import InvalidRequestError, ModelRegistry, SpeechModel, detect_model_kind
+from ortserve_runtime import InvalidRequestError, ModelConfig, ModelRegistry, SpeechModel, detect_model_kind
+from serving import rss_growth
 
 pytestmark = pytest.mark.anyio
 
@@ -144,3 +146,51 @@ async def test_a_short_clip_is_not_stuck_behind_a_long_recording(whisper: Speech
     clip = await whisper.transcribe(tone_wav(1.0), max_tokens=4)
     assert clip.tokens == 4 and not recording.done()  # it took its turn between the recording's windows
     assert len((await recording).segments) == 4
+
+
+def _stereo_wav(seconds: float, rate: int) -> bytes:
+    mono, _ = soundfile.read(io.BytesIO(tone_wav(seconds, rate=rate)), dtype="int16")
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.stack([mono, mono // 2], axis=1), rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "audio", [tone_wav(31.0, rate=8000), tone_wav(31.0), tone_wav(31.0, rate=44100), _stereo_wav(31.0, 44100)]
+)
+async def test_speech_rates_go_window_by_window(whisper: SpeechModel, audio: bytes) -> None:
+    """Telephone, Whisper's own and CD rates, mono and stereo: read a window at a time."""
+    result = await whisper.transcribe(audio)
+    assert result.duration == 31.0
+    assert [(s.start, s.end) for s in result.segments] == [(0.0, 30.0), (30.0, 31.0)]
+    assert all(s.tokens for s in result.segments)
+
+
+@pytest.mark.parametrize(
+    ("audio", "words"), [(tone_wav(16_000.0, rate=1), "1 Hz"), (tone_wav(0.5, rate=3999), "3999 Hz")]
+)
+async def test_sample_rates_speech_is_never_recorded_at_are_refused(
+    whisper: SpeechModel, audio: bytes, words: str
+) -> None:
+    """A 32 KB WAV whose header says 1 Hz was 4.4 hours of audio brought up to 16 kHz in
+    float64 (8.7 GB, 104 s); it is refused from its header, at once and in little memory."""
+    with rss_growth() as grown:
+        started = time.perf_counter()
+        with pytest.raises(InvalidRequestError) as info:
+            await whisper.transcribe(audio)
+        took = time.perf_counter() - started
+    assert info.value.param == "file" and words in str(info.value)
+    assert took < 1.0 and grown[0] < 100 * 2**20
+
+
+async def test_audio_longer_than_the_limit_is_refused() -> None:
+    registry = ModelRegistry(ModelConfig(max_audio_seconds=60))
+    registry.add("whisper", TINY_WHISPER)
+    model: SpeechModel = await registry.get("whisper")
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            await model.transcribe(tone_wav(61.0, rate=8000))
+        assert info.value.param == "file" and "at most 60 s" in str(info.value)
+        assert (await model.transcribe(tone_wav(59.0, rate=8000), max_tokens=2)).duration == 59.0
+    finally:
+        await registry.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ import soundfile
 from audio import TINY_WHISPER, tone_wav
 from ortserve_client import AsyncClient, BadRequestError
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, rss_growth, running
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +201,18 @@ def test_fields_we_cannot_honour_are_refused(url: str, field: str) -> None:
     response = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("a.wav", tone_wav(0.3))}, data=data)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == field.removesuffix("[]")
+
+
+def test_a_hostile_sample_rate_is_refused_at_once_in_little_memory(url: str) -> None:
+    """Issue 14: a 32 KB WAV whose header says 1 Hz took 104 s and 8.7 GB to refuse."""
+    hostile = tone_wav(16_000.0, rate=1)
+    assert len(hostile) < 33_000
+    with rss_growth() as grown:  # the server runs in this process
+        started = time.perf_counter()
+        response = httpx.post(
+            f"{url}/v1/audio/transcriptions", files={"file": ("x.wav", hostile)}, data={"model": "whisper"}
+        )
+        took = time.perf_counter() - started
+    assert response.status_code == 400 and response.json()["error"]["param"] == "file"
+    assert "1 Hz" in response.json()["error"]["message"]
+    assert took < 1.0 and grown[0] < 100 * 2**20, (took, grown[0])

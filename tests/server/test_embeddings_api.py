@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from ortserve_runtime import EmbeddingConfig, ModelConfig
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import minilm_folder
 from serving import TINY_MODEL, running
@@ -104,3 +106,36 @@ def test_concurrent_single_sentence_requests(url: str) -> None:
         for i in (0, 13, 31):
             alone = client.embeddings.create(model="minilm", input=f"sentence {i}", encoding_format="float")
             np.testing.assert_allclose(together[i], alone.data[0].embedding, atol=1e-5)
+
+
+def test_inputs_per_request_are_capped_and_refused_at_once(url: str) -> None:
+    """Issue 14: 50,000 inputs held the event loop for 2 s; now at most 2048 (OpenAI's)."""
+    for body in (
+        {"input": ["word"] * 2049},
+        {"input": ["word"] * 50_000},
+        {"input": "word " * 3_000_000},  # 15 MB: past the model's 256 tokens untokenized
+    ):
+        content = json.dumps({"model": "minilm", **body}).encode()
+        started = time.perf_counter()
+        response = httpx.post(f"{url}/v1/embeddings", content=content, headers={"content-type": "application/json"})
+        took = time.perf_counter() - started
+        assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+        assert took < 1.0, took
+    cut = httpx.post(f"{url}/v1/embeddings", json={"model": "minilm", "input": "word " * 3_000_000, "truncate": True})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 256
+
+
+def test_embedding_batches_count_against_max_queued(tmp_path_factory: pytest.TempPathFactory) -> None:
+    folder = minilm_folder(tmp_path_factory.mktemp("m") / "minilm")
+    assert folder is not None
+    config = ServerConfig(
+        models={"minilm": folder},
+        max_queued=2,
+        model_config=ModelConfig(embeddings=EmbeddingConfig(max_batch_size=4)),
+    )
+    with running(create_app(config)) as base:
+        refused = httpx.post(f"{base}/v1/embeddings", json={"model": "minilm", "input": ["word"] * 9})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+        assert "3 batches" in refused.json()["error"]["message"]
+        fits = httpx.post(f"{base}/v1/embeddings", json={"model": "minilm", "input": ["word"] * 8})
+        assert fits.status_code == 200 and len(fits.json()["data"]) == 8

@@ -19,6 +19,8 @@ class EmbeddingConfig:
 
     max_batch_size: int = 64
     """Inputs the batcher merges from concurrent requests before it runs them."""
+    max_inputs: int = 2048
+    """Inputs one request may carry (OpenAI's limit); more are refused untokenized."""
     run_tokens: int = 256
     """Padded tokens per session run: merged inputs are sorted by length and cut into
     runs of at most this many (an input longer than this runs alone)."""
@@ -75,6 +77,9 @@ class ModelConfig:
     """Images one request may carry."""
     max_image_pixels: int = 25_000_000
     """Largest image (width x height) accepted; larger ones are refused before decoding."""
+    max_audio_seconds: float = 2 * 60 * 60
+    """Longest audio a speech model transcribes per request (2 hours: 240 of Whisper's
+    windows); longer audio is refused before it is decoded."""
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     last_position_logits: bool = True
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
@@ -94,6 +99,8 @@ class ModelConfig:
             raise ValueError("multimodal_concurrency must be at least 1")
         if self.prefix_cache_tokens < 0:
             raise ValueError("prefix_cache_tokens must not be negative (0 turns the cache off)")
+        if self.max_audio_seconds <= 0:
+            raise ValueError("max_audio_seconds must be positive")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be at least 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:

@@ -72,6 +72,7 @@ class EmbeddingModel:
         self.normalize = settings.normalize
         self.truncate = settings.truncate
         self.max_batch_size = settings.max_batch_size
+        self.max_inputs = settings.max_inputs
         self.run_tokens = settings.run_tokens
         self.max_wait = settings.max_wait_ms / 1000
         model_path = next((folder / c for c in _ONNX_CANDIDATES if (folder / c).exists()), None)
@@ -115,6 +116,13 @@ class EmbeddingModel:
         self.runs = 0
         """Session runs so far: fewer than requests when micro-batching merges them."""
         self._pad_id = self.tokenizer.token_to_id("[PAD]") or 0
+        # As ChatModel's max_prompt_chars: no token spans more characters than the longest
+        # in the vocabulary, and a normaliser composes at most 3 into one. A text longer
+        # than this is over the limit whatever its tokens; it is cut or refused untokenized.
+        longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        self.max_input_chars = self.max_tokens * max(longest, 1) * 3
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._serving = 0
         """Requests in the session runs under way (worker thread writes, anyone reads)."""
@@ -123,11 +131,6 @@ class EmbeddingModel:
         self._worker.start()
 
     # -- public API ------------------------------------------------------------------------
-
-    @property
-    def queued(self) -> int:
-        """Requests waiting for the micro-batcher."""
-        return self._queue.qsize()
 
     @property
     def active(self) -> int:
@@ -139,12 +142,25 @@ class EmbeddingModel:
         items = _as_list(inputs)
         if not items:
             raise InvalidRequestError("input must not be empty", param="input")
+        if len(items) > self.max_inputs:
+            raise InvalidRequestError(
+                f"input has {len(items)} items; this server embeds at most {self.max_inputs} per request",
+                param="input",
+            )
         cut = self.truncate if truncate is None else truncate
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         texts = [(i, x) for i, x in enumerate(items) if isinstance(x, str)]
-        for index, text in texts:
+        for number, (index, text) in enumerate(texts):
             if not text:
                 raise InvalidRequestError(f"input[{index}] is an empty string", param="input")
+            if len(text) > self.max_input_chars:
+                if not cut:
+                    raise ContextLengthError(
+                        f"input[{index}] has {len(text)} characters, more than this model's {self.max_tokens} "
+                        "tokens could hold; shorten it or ask for truncation",
+                        param="input",
+                    )
+                texts[number] = (index, text[: self.max_input_chars])  # still past the limit: cut below
         encoded = (
             dict(zip((i for i, _ in texts), self.tokenizer.encode_batch([t for _, t in texts]), strict=True))
             if texts
@@ -178,11 +194,14 @@ class EmbeddingModel:
     ) -> EmbeddingResult:
         """Embed text or token-id inputs; concurrent calls share session runs."""
         self._check_dimensions(dimensions)
-        ids = self.tokenize(inputs, truncate=truncate)
+        # Off the event loop: 50,000 inputs took the loop 2 s to tokenize.
+        ids = await asyncio.to_thread(self.tokenize, inputs, truncate=truncate)
         if self._closed:
             raise EngineClosedError(f"model {self.name!r} is closed")
         loop = asyncio.get_running_loop()
         job = _Job(ids=ids, loop=loop, future=loop.create_future())
+        with self._waiting_lock:
+            self._waiting += len(ids)
         self._queue.put(job)
         vectors: npt.NDArray[np.float32] = await job.future
         return EmbeddingResult(self._finish(vectors, dimensions), [len(x) for x in ids])
@@ -199,6 +218,15 @@ class EmbeddingModel:
         ids = self.tokenize(inputs, truncate=truncate)
         rows = self._run_batches(ids)
         return EmbeddingResult(self._finish(np.stack(rows), dimensions), [len(x) for x in ids])
+
+    def batches(self, inputs: int) -> int:
+        """Session runs of up to ``max_batch_size`` inputs that ``inputs`` inputs make."""
+        return -(-inputs // self.max_batch_size)
+
+    @property
+    def queued(self) -> int:
+        """Batches' worth of inputs handed to the batcher and not embedded yet."""
+        return self.batches(self._waiting)
 
     async def close(self) -> None:
         self._closed = True
@@ -243,6 +271,9 @@ class EmbeddingModel:
             for job in jobs:
                 resolve_future(job.loop, job.future, exc)
             return
+        finally:
+            with self._waiting_lock:
+                self._waiting -= len(flat)
         start = 0
         for job in jobs:
             resolve_future(job.loop, job.future, np.stack(rows[start : start + len(job.ids)]))

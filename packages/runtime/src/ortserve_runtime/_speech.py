@@ -14,7 +14,7 @@ import json
 import queue
 import threading
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,6 +37,13 @@ MAX_NEW_TOKENS = 440  # Whisper's decoder holds 448 positions, the prompt takes 
 WINDOW_SECONDS = 30  # what Whisper hears at once
 WHISPER_RATE = 16_000  # samples per second Whisper's features are computed at
 PREVIOUS_TEXT_TOKENS = 200  # of one window's text, to condition the next on (as Whisper does)
+MIN_SAMPLE_RATE = 4_000
+"""Below this no speech survives (telephone audio is 8 kHz). A header claiming less is
+broken or hostile: brought up to 16 kHz, a 32 KB WAV "at 1 Hz" becomes 4.4 hours of audio."""
+MAX_SAMPLE_RATE = 384_000  # the highest rate audio interfaces record at
+BLOCK_FRAMES = 16_384
+"""Frames read at a time: with libsndfile's 1024 channels at most, a block stays ~64 MB
+in float32 even for a hostile header, and is mixed down to mono at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,8 @@ class _Job:
     """Across all windows; each window also stops at ``MAX_NEW_TOKENS``."""
     temperature: float
     timestamps: bool
+    duration: float | None
+    """Seconds of audio, from its header (``None``: libsndfile cannot read it)."""
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[tuple[int, list[_Window], float | None]]
     cancelled: bool = field(default=False)
@@ -92,6 +101,7 @@ class SpeechModel:
     def __init__(self, name: str, folder: Path, config: ModelConfig) -> None:
         self.name = name
         self.folder = folder
+        self.max_audio_seconds = config.max_audio_seconds
         # On the provider the config names, or a ModelLoadError that says what to install.
         # decoder_threads=False: Whisper has an encoder too, which that overlay would leave
         # out; og's own thread defaults stay as they were on the CPU.
@@ -171,8 +181,13 @@ class SpeechModel:
                 raise InvalidRequestError(f"language {language!r} is not one this model knows", param="language")
         if self._closed:
             raise EngineClosedError(f"model {self.name!r} is closed")
+        # The header is read off the event loop (libsndfile may scan an MP3 to count its
+        # frames) and before the job queues, so bad audio is refused at once.
+        duration = await asyncio.to_thread(_probe, audio, self.max_audio_seconds)
         loop = asyncio.get_running_loop()
-        job = _Job(audio, prompt, language_id, max_tokens, temperature, timestamps, loop, loop.create_future())
+        job = _Job(
+            audio, prompt, language_id, max_tokens, temperature, timestamps, duration, loop, loop.create_future()
+        )
         self._queue.put(job)
         try:
             language_id, windows, duration = await job.future
@@ -230,12 +245,15 @@ class SpeechModel:
 
     def _generate(self, job: _Job) -> Generator[None, None, tuple[int, list[_Window], float | None]]:
         """The job window by window: yields after each; returns language, windows, duration."""
-        chunks, duration = _split(job.audio)
+        duration = job.duration
+        chunks = _windows(job.audio)
+        chunk: bytes | None = next(chunks)  # there is always one: the audio itself at least
         language_id = job.language_id
         windows: list[_Window] = []
         previous = job.prompt
         budget = job.max_tokens
-        for index, chunk in enumerate(chunks):
+        index = 0
+        while chunk is not None:
             if job.cancelled or budget == 0:
                 break
             offset = float(index * WINDOW_SECONDS)
@@ -247,7 +265,8 @@ class SpeechModel:
             budget = None if budget is None else budget - len(tokens)
             text_tokens = [t for t in tokens if t < self._end_of_text]
             previous = self._text(text_tokens[-PREVIOUS_TEXT_TOKENS:]) or None
-            if index + 1 < len(chunks):
+            chunk, index = next(chunks, None), index + 1
+            if chunk is not None:
                 yield
         assert language_id is not None  # chunks is never empty
         return language_id, windows, duration
@@ -349,32 +368,90 @@ class SpeechModel:
         return segments
 
 
-def _split(audio: bytes) -> tuple[list[bytes], float | None]:
-    """The audio in Whisper-sized windows (WAV), and its duration in seconds.
+def _probe(audio: bytes, max_seconds: float) -> float | None:
+    """The audio's duration in seconds from its header, or ``None`` when libsndfile cannot
+    read it (onnxruntime-genai's decoder then has the last word on whether it is audio).
+    A sample rate outside what speech is recorded at, or audio longer than ``max_seconds``,
+    is refused before anything is decoded."""
+    try:
+        with soundfile.SoundFile(io.BytesIO(audio)) as file:
+            rate, frames = int(file.samplerate), int(file.frames)
+    except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError):
+        return None
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise InvalidRequestError(
+            f"the audio's sample rate is {rate} Hz; this server takes {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz",
+            param="file",
+        )
+    duration = frames / rate
+    if duration > max_seconds:
+        raise InvalidRequestError(
+            f"the audio lasts {duration:.0f} s; this server transcribes at most {max_seconds:.0f} s per request",
+            param="file",
+        )
+    return round(duration, 3)
+
+
+def _windows(audio: bytes) -> Iterator[bytes]:
+    """The audio in Whisper-sized windows, each a mono 16-bit WAV, read from the file one
+    window at a time: memory stays that of a window however long the audio is.
 
     onnxruntime-genai's decoder resamples down only ("only down-sampling supported"), so
     audio below Whisper's 16 kHz (telephone audio at 8 kHz...) is brought up to it here,
-    by linear interpolation. What libsndfile cannot read goes to onnxruntime-genai whole,
-    as one window of unknown length: its decoder has the last word on whether it is audio.
+    by linear interpolation in float32. What libsndfile cannot read, or audio with no
+    frames, goes to onnxruntime-genai whole: its decoder says what is wrong with it.
     """
     try:
-        samples, rate = soundfile.read(io.BytesIO(audio), dtype="int16", always_2d=True)
-    except (soundfile.SoundFileError, RuntimeError, ValueError):
-        return [audio], None
-    if not len(samples):
-        return [audio], 0.0
-    duration = round(len(samples) / rate, 3)
-    if rate < WHISPER_RATE:
-        times = np.arange(round(len(samples) * WHISPER_RATE / rate)) * (rate / WHISPER_RATE)
-        positions = np.arange(len(samples))
-        columns = [np.interp(times, positions, samples[:, c]) for c in range(samples.shape[1])]
-        samples, rate = np.stack(columns, axis=1).round().astype(np.int16), WHISPER_RATE
-    elif duration <= WINDOW_SECONDS:
-        return [audio], duration
-    step = WINDOW_SECONDS * rate
-    windows = []
-    for start in range(0, len(samples), step):
-        buffer = io.BytesIO()
-        soundfile.write(buffer, samples[start : start + step], rate, format="WAV", subtype="PCM_16")
-        windows.append(buffer.getvalue())
-    return windows, duration
+        file = soundfile.SoundFile(io.BytesIO(audio))
+    except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError):
+        yield audio
+        return
+    with file:
+        rate = int(file.samplerate)
+        step = WINDOW_SECONDS * rate
+        first = True
+        while True:
+            samples = _read_mono(file, step)
+            if not len(samples):
+                break
+            first = False
+            if rate < WHISPER_RATE:
+                yield _wav(_upsample(samples, rate, WHISPER_RATE), WHISPER_RATE)
+            else:
+                yield _wav(samples, rate)
+            if len(samples) < step:
+                break
+        if first:
+            yield audio
+
+
+def _read_mono(file: soundfile.SoundFile, frames: int) -> npt.NDArray[np.float32]:
+    """Up to ``frames`` frames from ``file``, mixed down to mono block by block."""
+    mono = np.empty(frames, dtype=np.float32)
+    filled = 0
+    while filled < frames:
+        block = file.read(min(BLOCK_FRAMES, frames - filled), dtype="float32", always_2d=True)
+        if not len(block):
+            break
+        mono[filled : filled + len(block)] = block[:, 0] if block.shape[1] == 1 else block.mean(axis=1)
+        filled += len(block)
+    return mono[:filled]
+
+
+def _upsample(samples: npt.NDArray[np.float32], rate: int, to: int) -> npt.NDArray[np.float32]:
+    """Linear interpolation from ``rate`` up to ``to``, one window at a time. Each window
+    holds its own last sample past its end rather than reading ahead into the next: a step
+    of 1/16,000 s, inaudible, and every window is heard on its own anyway."""
+    count = round(len(samples) * to / rate)
+    positions = np.arange(count, dtype=np.float64) * (rate / to)  # float64: exact positions
+    left = np.minimum(positions.astype(np.int64), len(samples) - 1)
+    right = np.minimum(left + 1, len(samples) - 1)
+    fraction = (positions - left).astype(np.float32)
+    result: npt.NDArray[np.float32] = samples[left] + (samples[right] - samples[left]) * fraction
+    return result
+
+
+def _wav(samples: npt.NDArray[np.float32], rate: int) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()

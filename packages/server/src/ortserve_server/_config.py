@@ -59,6 +59,11 @@ class ServerConfig:
     """Upper bound on ``max_tokens`` a request may ask for (``None``: the model's context)."""
     max_n: int = 8
     """Largest ``n`` (choices per request)."""
+    max_guided_choices: int = 1000
+    """Options ``guided_choice`` may list (OpenAI allows 1000 enum values per schema)."""
+    max_grammar_bytes: int = 131_072
+    """Largest output constraint (``response_format`` schema, ``guided_regex``,
+    ``guided_grammar``, ``guided_choice`` as a grammar, a forced tool call's schema)."""
     image_url_hosts: tuple[str, ...] = ()
     """Hosts whose ``http(s)`` image URLs the server may fetch. Empty: images come inline as
     ``data:`` URLs only, since a server that fetches any URL it is given is an SSRF hole."""

@@ -5,6 +5,7 @@ A parameter this server cannot honour is refused with a 400 naming it, never ign
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -41,6 +42,7 @@ __all__ = [
     "GenerationPlan",
     "chat_messages",
     "check_chat_request",
+    "check_room",
     "completion_prompts",
     "decode_base64",
     "new_id",
@@ -77,6 +79,25 @@ async def require_model(state: OrtServe, name: str) -> ChatModel:
             f"model {name!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
         )
     return model
+
+
+def check_room(state: OrtServe, model: ChatModel | EmbeddingModel, wanted: int, param: str, unit: str) -> None:
+    """Refuse, before any work starts, a request that fans out into ``wanted`` queue
+    entries (prompts x ``n``, or an embedding request's batches) the queue has no room for:
+    400 naming ``param`` when no queue could ever take it, else 503 + Retry-After. One
+    request of 20,000 prompts queued 19,992 generations past ``max_queued`` of 64."""
+    limit = state.config.max_queued
+    if wanted > limit:
+        raise BadRequestError(
+            f"this request makes {wanted} {unit}; this server queues at most {limit} per model",
+            param=param,
+        )
+    queued = model.queued
+    if queued + wanted > limit:
+        raise OverloadedError(
+            f"model {model.name!r} has {queued} {unit} waiting, no room for {wanted} more; try again shortly",
+            headers={"Retry-After": "1"},
+        )
 
 
 async def require_embedding_model(state: OrtServe, name: str) -> EmbeddingModel:
@@ -261,7 +282,21 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
     )
 
 
-def _grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Grammar, str] | None:
+def _check_grammar_size(grammar: Grammar, field: str, config: ServerConfig) -> None:
+    """Compiling a grammar takes time in proportion to its size (50,000 guided_choice
+    options took 6 s): larger ones are refused before they reach the compiler."""
+    source = grammar.source
+    size = len(source.encode()) if isinstance(source, str) else len(msgspec.json.encode(source))
+    if size > config.max_grammar_bytes:
+        raise BadRequestError(
+            f"the {field} grammar is {size} bytes; this server compiles at most {config.max_grammar_bytes}",
+            param=field,
+        )
+
+
+def _grammar_of(
+    data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig
+) -> tuple[Grammar, str] | None:
     """The output constraint a request asks for, with the field that asked for it."""
     asked: list[tuple[Grammar, str]] = []
     response_format = data.response_format
@@ -279,6 +314,12 @@ def _grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Gr
     if isinstance(data.guided_choice, list):
         if not data.guided_choice or not all(data.guided_choice):
             raise BadRequestError("guided_choice needs non-empty strings", param="guided_choice")
+        if len(data.guided_choice) > config.max_guided_choices:
+            raise BadRequestError(
+                f"guided_choice has {len(data.guided_choice)} options; this server takes at most "
+                f"{config.max_guided_choices}",
+                param="guided_choice",
+            )
         # Lark string literals share JSON's escapes, so json.dumps quotes each choice.
         lark = "start: " + " | ".join(json.dumps(choice) for choice in data.guided_choice)
         asked.append((Grammar("lark", lark), "guided_choice"))
@@ -286,6 +327,8 @@ def _grammar_of(data: p.ChatCompletionRequest | p.CompletionRequest) -> tuple[Gr
         raise BadRequestError(
             f"ask for one output constraint, not {' and '.join(field for _, field in asked)}", param=asked[1][1]
         )
+    for grammar, field in asked:
+        _check_grammar_size(grammar, field, config)
     return asked[0] if asked else None
 
 
@@ -301,7 +344,9 @@ class ToolPlan:
     """Force a call (``required`` or a named function)."""
 
 
-def _tool_plan(data: p.ChatCompletionRequest, model: ChatModel, constraint: tuple[Grammar, str] | None) -> ToolPlan:
+def _tool_plan(
+    data: p.ChatCompletionRequest, model: ChatModel, constraint: tuple[Grammar, str] | None, config: ServerConfig
+) -> ToolPlan:
     tools = data.tools if isinstance(data.tools, list) and data.tools else None
     choice = data.tool_choice if _given(data.tool_choice) else ("auto" if tools else "none")
     if tools is None:
@@ -326,6 +371,7 @@ def _tool_plan(data: p.ChatCompletionRequest, model: ChatModel, constraint: tupl
             f"forcing tool calls is not supported for {model.tool_format}-format models; use tool_choice auto",
             param="tool_choice",
         )
+    _check_grammar_size(grammar, "tools", config)
     return ToolPlan(definitions, model.tool_format, grammar)
 
 
@@ -385,12 +431,27 @@ class GenerationPlan:
                 raise type(exc)(str(exc), param=self.fields[exc.param]) from exc
             raise
 
+    async def astart(
+        self, state: OrtServe, model: ChatModel, prompts: Sequence[str | list[int] | Prompt]
+    ) -> list[GenerationStream]:
+        """:meth:`start` for the server: every generation the request fans out into counts
+        against ``max_queued``, and tokenizing and grammar compiling run in a worker thread
+        (a 15 MB prompt froze every stream for 13 s on the event loop)."""
+        wanted = len(prompts) * self.n
+        param = "prompt" if len(prompts) > 1 else "n"
+        check_room(state, model, wanted, param, "generations")
+        streams = await asyncio.to_thread(self.start, model, prompts)
+        # Others may have queued while this one was prepared: looked at again, with no
+        # await between this check and handing the streams back to be read.
+        check_room(state, model, wanted, param, "generations")
+        return streams
+
 
 def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig) -> GenerationPlan:
     """Check a chat request (a 400 naming any parameter it cannot honour) and map it."""
     check_chat_request(data, config)
-    constraint = _grammar_of(data)
-    tools = _tool_plan(data, model, constraint)
+    constraint = _grammar_of(data, config)
+    tools = _tool_plan(data, model, constraint, config)
     grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
     return GenerationPlan(
@@ -401,6 +462,6 @@ def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerCon
 def plan_completion(data: p.CompletionRequest, config: ServerConfig) -> GenerationPlan:
     """Check a completion request (a 400 naming any parameter it cannot honour) and map it."""
     check_completion_request(data, config)
-    grammar, field = _grammar_of(data) or (None, "grammar")
+    grammar, field = _grammar_of(data, config) or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
     return GenerationPlan(n, _generation_options(data, config, n, grammar), ToolPlan(), {"grammar": field})

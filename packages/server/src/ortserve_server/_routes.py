@@ -40,6 +40,7 @@ from ._errors import AuthenticationError, BadRequestError, ClientDisconnectedErr
 from ._mapping import (
     chat_messages,
     check_chat_request,
+    check_room,
     completion_prompts,
     decode_base64,
     new_id,
@@ -299,8 +300,9 @@ async def chat_completions(
     model = await require_model(ortserve, data.model)
     plan = plan_chat(data, model, ortserve.config)
     n, tools = plan.n, plan.tools
+    check_room(ortserve, model, n, "n", "generations")  # before the prompt is prepared
     prompt = await model.aprepare_chat(await chat_messages(data.messages, ortserve.config), tools=tools.definitions)
-    streams = plan.start(model, [prompt])
+    streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     run = _Generation(
         ortserve,
@@ -443,7 +445,7 @@ async def completions(
     model = await require_model(ortserve, data.model)
     plan = plan_completion(data, ortserve.config)
     n = plan.n
-    streams = plan.start(model, completion_prompts(data.prompt))
+    streams = await plan.astart(ortserve, model, completion_prompts(data.prompt))
     run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     run.choices_per_prompt = n
@@ -472,6 +474,14 @@ async def embeddings(
     data: JSONBody[p.EmbeddingRequest], ortserve: NamedDependency[OrtServe]
 ) -> Response[p.CreateEmbeddingResponse]:
     model = await require_embedding_model(ortserve, data.model)
+    given = data.input
+    # Text, or token ids: one input; a list of texts or of token-id lists: one each.
+    inputs = len(given) if isinstance(given, list) and given and not isinstance(given[0], int) else 1
+    if inputs > model.max_inputs:
+        raise BadRequestError(
+            f"input has {inputs} items; this server embeds at most {model.max_inputs} per request", param="input"
+        )
+    check_room(ortserve, model, model.batches(inputs), "input", "batches")
     truncate = data.truncate if isinstance(data.truncate, bool) else None
     dimensions = data.dimensions if isinstance(data.dimensions, int) else None
     result = await model.embed(data.input, truncate=truncate, dimensions=dimensions)
@@ -622,7 +632,8 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
         tokens = list(prompt)  # a multimodal prompt counts each image as the features it becomes
     else:
         assert isinstance(data.prompt, str)
-        tokens = model.encode(data.prompt)
+        model.check_prompt_size(data.prompt)  # too long to generate from: not worth tokenizing
+        tokens = await asyncio.to_thread(model.encode, data.prompt)
     return p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_sequence_length)
 
 
@@ -634,7 +645,7 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
 )
 async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.DetokenizeResponse:
     model = await require_model(ortserve, data.model)
-    return p.DetokenizeResponse(prompt=model.decode(data.tokens))
+    return p.DetokenizeResponse(prompt=await asyncio.to_thread(model.decode, data.tokens))
 
 
 @get(

@@ -67,6 +67,14 @@ class ChatModel:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
+        # No token of the vocabulary spans more characters than its longest entry (byte-level
+        # vocabularies spell one byte per character, so never fewer characters than bytes);
+        # a normaliser may compose up to 3 characters into one (Hangul jamo). A text longer
+        # than this cannot fit the context, and is refused before the tokenizer sees it:
+        # tokenizing a 15 MB prompt takes over 10 s of a core.
+        longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        self.max_prompt_chars = self.max_sequence_length * max(longest, 1) * 3
+        """Characters a prompt may have before it is tokenized (its tokens are checked after)."""
         self.chat_template = ChatTemplate.from_folder(path)
         self.tool_format: ToolCallFormat | None = detect_tool_format(
             self.chat_template.source if self.chat_template else None
@@ -92,6 +100,17 @@ class ChatModel:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def check_prompt_size(self, text: str, param: str = "prompt") -> None:
+        """Refuse ``text`` with :class:`ContextLengthError` when it has more characters than
+        :attr:`max_prompt_chars`: too long for the context whatever its tokens, so there is
+        no need to tokenize it to say so."""
+        if len(text) > self.max_prompt_chars:
+            raise ContextLengthError(
+                f"the prompt has {len(text)} characters, more than this model's limit of "
+                f"{self.max_sequence_length} tokens could hold",
+                param=param,
+            )
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -138,9 +157,8 @@ class ChatModel:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> Prompt:
-        """:meth:`prepare_chat` without blocking the event loop on media."""
-        if not self.modalities:
-            return self.prepare_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        """:meth:`prepare_chat` in a worker thread: rendering the template, tokenizing and
+        decoding media take long enough for a large request to stall the event loop."""
         return await asyncio.to_thread(
             self.prepare_chat, messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
@@ -158,6 +176,11 @@ class ChatModel:
         Everything is validated here, before anything reaches the engine: bad options,
         an empty prompt, token ids outside the vocabulary and prompts that do not fit the
         context raise :class:`InvalidRequestError` (or :class:`ContextLengthError`).
+
+        Tokenizing and compiling a grammar take time in proportion to their size: from
+        asyncio code, call it in a worker thread (``asyncio.to_thread``), as the server
+        does; the stream is then read from the event loop as usual (it reaches the engine
+        on its first read).
         """
         options = options or GenerationOptions()
         options.validate()
@@ -168,6 +191,7 @@ class ChatModel:
         if messages is not None:
             prompt = self.prepare_chat(messages, tools=tools)
         elif isinstance(prompt, str):
+            self.check_prompt_size(prompt)
             prompt = Prompt(self.encode(prompt))
         elif not isinstance(prompt, Prompt):
             ids = [int(t) for t in prompt or ()]
@@ -232,6 +256,7 @@ class ChatModel:
 
     def _prepare(self, text: str, media: Media) -> Prompt:
         """The prompt of a rendered chat: its tokens, or the media processor's inputs."""
+        self.check_prompt_size(text, "messages")
         if self._media is not None:
             return self._media.prepare(text, media)
         return Prompt(self.encode(text, add_special_tokens=False))

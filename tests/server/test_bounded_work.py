@@ -1,0 +1,177 @@
+"""Issue 14, items 2 and 4: no single request stalls the event loop or floods the queue.
+
+Through a real server: a stream keeps flowing while hostile requests (a 15 MB prompt, a
+15 MB chat message, 50,000 ``guided_choice`` options) are refused, each at once; a
+request that fans out into more generations than ``max_queued`` is refused before any of
+them starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Self
+
+import httpx
+import pytest
+from ortserve_runtime import ModelConfig
+from ortserve_server import ServerConfig, create_app
+from serving import TINY_MODEL, running
+
+HUGE = "word " * 3_000_000  # 15 MB
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as base:
+        yield base
+
+
+class _Stream:
+    """Streamed completions one after another in a thread, every chunk's arrival noted."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.arrivals: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": "tiny", "prompt": "a b c", "max_tokens": 1000, "min_tokens": 1000, "stream": True}
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                with client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        self.arrivals.append(time.perf_counter())
+                        if self.stop.is_set():
+                            break
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while len(self.arrivals) < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(self.arrivals) >= 10, "the stream did not start"
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+    def longest_gap(self, start: float, end: float) -> float:
+        times = [t for t in self.arrivals if t >= start] + [end]
+        before = [t for t in self.arrivals if t < start]
+        times = ([before[-1]] if before else [start]) + times
+        return max(b - a for a, b in itertools.pairwise(times))
+
+
+HOSTILE: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {"model": "tiny", "prompt": HUGE, "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": HUGE}]}, "messages"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "pick one"}],
+            "guided_choice": [f"option {i}" for i in range(50_000)],
+        },
+        "guided_choice",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "guided_regex": "(" + "|".join(f"o{i}" for i in range(50_000)) + ")"},
+        "guided_regex",
+    ),
+    ("/v1/tokenize", {"model": "tiny", "prompt": HUGE}, "prompt"),
+]
+
+
+def test_hostile_requests_are_refused_at_once_while_a_stream_flows(url: str) -> None:
+    with _Stream(url) as stream, httpx.Client(timeout=120) as client:
+        start = time.perf_counter()
+        for path, body, param in HOSTILE:
+            content = json.dumps(body).encode()  # encoded first: the time is the server's
+            sent = time.perf_counter()
+            response = client.post(f"{url}{path}", content=content, headers={"content-type": "application/json"})
+            took = time.perf_counter() - sent
+            assert response.status_code == 400, (path, param, response.text[:300])
+            assert response.json()["error"]["param"] == param
+            assert took < 1.0, (param, took)
+            print(f"{path} ({param}): 400 in {took:.3f} s")
+        end = time.perf_counter()
+        gap = stream.longest_gap(start, end)
+    print(f"longest gap between stream chunks meanwhile: {gap:.3f} s")
+    assert gap < 1.0, gap
+
+
+def test_prompts_past_the_context_are_refused_by_their_length(url: str) -> None:
+    """The bound is the model's context in its longest tokens: nothing shorter is refused
+    untokenized, and what is refused says why."""
+    response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": HUGE, "max_tokens": 1})
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+    fits = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello " * 100, "max_tokens": 2})
+    assert fits.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def small_queue() -> Iterator[tuple[str, Any]]:
+    config = ServerConfig(
+        models={"tiny": TINY_MODEL},
+        max_queued=4,
+        model_config=ModelConfig(max_batch_size=1, max_sequence_length=1024),
+    )
+    app = create_app(config)
+    with running(app) as base:
+        yield base, app
+
+
+def test_a_fan_out_past_max_queued_is_refused_before_it_starts(small_queue: tuple[str, Any]) -> None:
+    """Issue 14: 20,000 prompts in one request queued 19,992 generations (limit 64)."""
+    url, app = small_queue
+    started = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ["x"] * 20_000, "max_tokens": 1})
+    assert time.perf_counter() - started < 1.0
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert "20000 generations" in response.json()["error"]["message"]
+    model = app.state.ortserve.registry.loaded("tiny")
+    assert (model.active, model.queued) == (0, 0)
+    for body, param in (
+        ({"prompt": ["x", "y", "z"], "n": 2}, "prompt"),  # 3 prompts x 2 choices
+        ({"prompt": "x", "n": 5}, "n"),
+    ):
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "max_tokens": 1, **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": 5}
+    refused = httpx.post(f"{url}/v1/chat/completions", json=chat)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    fits = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ["x"] * 4, "max_tokens": 1})
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 4
+
+
+def test_a_fan_out_the_queue_has_no_room_for_now_gets_503(small_queue: tuple[str, Any]) -> None:
+    url, app = small_queue
+    model = app.state.ortserve.registry.loaded("tiny")
+    long_body = {"model": "tiny", "prompt": ["a b c"] * 3, "max_tokens": 900, "min_tokens": 900}
+    background = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=long_body, timeout=120))
+    background.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (model.active, model.queued) != (1, 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (model.active, model.queued) == (1, 2)
+        for path, body in (
+            ("/v1/completions", {"prompt": ["x"] * 3, "max_tokens": 1}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 1}),
+        ):
+            refused = httpx.post(f"{url}{path}", json={"model": "tiny", **body})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "server_overloaded"
+        assert model.queued == 2  # nothing of the refused requests was queued
+        fits = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ["x"] * 2, "max_tokens": 1})
+        assert fits.status_code == 200
+    finally:
+        background.join()
