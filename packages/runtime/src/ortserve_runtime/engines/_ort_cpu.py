@@ -69,6 +69,12 @@ class _DecoderGraph:
         self.attention_mask = names.get("attention_mask", "attention_mask")
         self.position_ids = names.get("position_ids", "position_ids")
         self.logits = outputs.get("logits", "logits")
+        sliding = decoder.get("sliding_window")
+        sliding = sliding if isinstance(sliding, dict) else {}
+        self.window_size = int(sliding.get("window_size") or 0)
+        self.window_layers = set(sliding.get("layers", range(self.layers))) if self.window_size > 0 else set()
+        """Sliding-window layers (Gemma 2's local ones) and their window: GroupQueryAttention
+        keeps them in a ring (``sliding_window_cache``) that must hold at least the window."""
 
         model_path = folder / decoder.get("filename", "model.onnx")
         if not model_path.exists():
@@ -135,17 +141,19 @@ class OrtCpuEngine(OwnerThread):
         super().__init__(model_name)
         self._graph = _DecoderGraph(folder.path, folder.genai, config)
         self.max_batch_size = config.max_batch_size
-        shape = (self.max_batch_size, self._graph.kv_heads, max_sequence_length, self._graph.head_size)
+        graph = self._graph
         # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
-        self._cache = [
-            (np.zeros(shape, self._graph.cache_dtype), np.zeros(shape, self._graph.cache_dtype))
-            for _ in range(self._graph.layers)
-        ]
+        # A sliding layer's ring is a whole row too (it never wraps, so rows can be copied
+        # like any other), but GQA refuses one shorter than the window.
+        self._cache = []
+        for layer in range(graph.layers):
+            length = max(max_sequence_length, graph.window_size if layer in graph.window_layers else 0)
+            shape = (self.max_batch_size, graph.kv_heads, length, graph.head_size)
+            self._cache.append((np.zeros(shape, graph.cache_dtype), np.zeros(shape, graph.cache_dtype)))
         self._rows: list[Request] = []
         self._prefilling: Request | None = None
         """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
         self.prefill_chunk = config.prefill_chunk_tokens
-        graph = self._graph
         token_bytes = graph.layers * 2 * graph.kv_heads * graph.head_size * np.dtype(graph.cache_dtype).itemsize
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
         """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
