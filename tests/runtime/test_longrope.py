@@ -95,6 +95,23 @@ async def test_a_longer_prompt_after_a_cached_shorter_turn_matches_og(model: Cha
     assert cached == len(first) + len(reply) - 1
 
 
+async def test_turns_past_the_window_reuse_each_other_and_match_og(model: ChatModel) -> None:
+    """A row computed past the window (one call, long factors throughout) is what og
+    computes for a longer prompt past the window: it is reused, and the rest of the
+    prompt is prefilled in one call, past the window too."""
+    first = ids(300, seed=10)
+    reply, _ = await run(model, first)
+    assert reply == og_greedy(first, TOKENS, LONGROPE_MODEL)
+    second = first + reply + ids(100, seed=11)
+    assert await run(model, second) == (og_greedy(second, TOKENS, LONGROPE_MODEL), len(first) + len(reply) - 1)
+    # A prompt sharing only the beginning, shorter than the window after it: reused too.
+    third = first[:100] + ids(200, seed=12)
+    assert await run(model, third) == (og_greedy(third, TOKENS, LONGROPE_MODEL), 100)
+    # Within the window nothing of those rows is reused: og computes it with the short factors.
+    fourth = first[:200]
+    assert await run(model, fourth) == (og_greedy(fourth, TOKENS, LONGROPE_MODEL), 0)
+
+
 async def test_decoding_across_the_window_matches_og(model: ChatModel) -> None:
     """240 prompt tokens and 40 more: og's decode steps switch to the long factors at 257."""
     prompt = ids(240, seed=4)

@@ -17,8 +17,9 @@ graph the genai builder writes is driven directly with onnxruntime:
 
 LongRoPE models (Phi-3.x, Phi-4-mini) take the short or the long rotary factors at each
 call from the attention mask's width (see :func:`_longrope_window`), so the engine shapes its
-calls as onnxruntime-genai's do: a prompt past the window in one call, a decode step per
-side of the window, and only short-factor key/values in the prefix cache.
+calls as onnxruntime-genai's do: a prompt past the window in one call (the rest of it,
+after a prefix-cache hit), a decode step per side of the window, and prefix-cache entries
+reused only by prompts on their own side.
 """
 
 from __future__ import annotations
@@ -241,14 +242,14 @@ class OrtCpuEngine(OwnerThread):
         window = self._graph.rope_window
         return window is not None and length > window
 
+    def _cache_group(self, request: Request) -> str:
+        """The prefix-cache group of ``request``'s row: og computes a LongRoPE prompt past the
+        window with the long factors throughout, one within it with the short ones."""
+        return "long-rope" if self._past_window(len(request.prompt)) else ""
+
     def _reuse_prefix(self, request: Request) -> None:
         """Copy the longest cached prefix of ``request``'s prompt into its row."""
-        if self._past_window(len(request.prompt)):
-            # og computes such a prompt with the long factors throughout; every entry holds
-            # short-factor key/values (see _remember).
-            self.prefix_cache.misses += self.prefix_cache.budget_tokens > 0
-            return
-        entry, length = self.prefix_cache.lookup(request.prompt)
+        entry, length = self.prefix_cache.lookup(request.prompt, self._cache_group(request))
         if entry is None:
             return
         for (keys, values), (cached_keys, cached_values) in zip(self._cache, entry.rows, strict=True):
@@ -259,22 +260,22 @@ class OrtCpuEngine(OwnerThread):
     def _remember(self, request: Request, tokens: list[int]) -> None:
         """Keep the key/values of ``tokens`` (the start of ``request``'s row) in the cache.
 
-        For LongRoPE only what was computed with the short factors is kept, the only ones a
-        prompt within the window (the only kind that looks up) would have: nothing of a
-        prompt past the window, and no more than the window's tokens of a row that crossed
-        it while decoding (token ``i`` was fed in a call ``i + 1`` wide).
+        LongRoPE: a row of a prompt past the window was computed with the long factors
+        throughout (one prefill call, then decode steps wider still) and is kept whole for
+        prompts past the window. A row of a prompt within it keeps no more than the window's
+        tokens, those computed with the short factors (token ``i`` is fed in a call
+        ``i + 1`` wide), for prompts within it.
         """
+        group = self._cache_group(request)
         window = self._graph.rope_window
-        if window is not None:
-            if len(request.prompt) > window:
-                return
+        if window is not None and not group:
             tokens = tokens[:window]
         row = request.row
 
         def copy_rows(count: int) -> Rows:
             return [(keys[row, :, :count].copy(), values[row, :, :count].copy()) for keys, values in self._cache]
 
-        self.prefix_cache.store(tokens, copy_rows)
+        self.prefix_cache.store(tokens, copy_rows, group)
 
     def _bind(self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any) -> Any:
         graph = self._graph
@@ -300,8 +301,9 @@ class OrtCpuEngine(OwnerThread):
     def _prefill_chunk(self, request: Request) -> npt.NDArray[np.float32] | None:
         """Cache the next chunk of the prompt; the last chunk returns the logits.
 
-        A LongRoPE prompt past the window goes in one call, as og prefills it: chunks ending
-        within the window would be computed with the short factors, og's with the long ones.
+        A LongRoPE prompt past the window goes in one call, as og prefills it (after a
+        prefix-cache hit, all the rest in one): chunks ending within the window would be
+        computed with the short factors, og's with the long ones.
         """
         graph = self._graph
         start = request.prefilled
