@@ -14,6 +14,7 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from og_reference import og_greedy
@@ -132,3 +133,29 @@ async def test_batched_requests_on_both_sides_of_the_window_match_og(model: Chat
     prompts = [ids(100, seed=5), ids(300, seed=6), ids(250, seed=7), ids(40, seed=8)]
     results = await asyncio.gather(*(run(model, p, 24) for p in prompts))
     assert [tokens for tokens, _ in results] == [og_greedy(p, 24, LONGROPE_MODEL) for p in prompts]
+
+
+async def test_rows_on_both_sides_of_the_window_take_two_calls_a_step(
+    model: ChatModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Arrivals alternate sides and one row crosses while decoding: rows are reordered
+    (row copies) so that a step is one call per side, and every stream still equals og."""
+    engine: Any = model.engine
+    steps: list[list[list[bool]]] = []
+    decode_step, decode_rows = engine._decode_step, engine._decode_rows
+
+    def step() -> None:
+        steps.append([])
+        decode_step()
+
+    def rows(requests: list[Any], first: int) -> Any:
+        steps[-1].append([engine._past_window(r.length) for r in requests])
+        return decode_rows(requests, first)
+
+    monkeypatch.setattr(engine, "_decode_step", step)
+    monkeypatch.setattr(engine, "_decode_rows", rows)
+    prompts = [ids(100, seed=13), ids(300, seed=14), ids(245, seed=15), ids(40, seed=16), ids(280, seed=17)]
+    results = await asyncio.gather(*(run(model, p, 24) for p in prompts))
+    assert [tokens for tokens, _ in results] == [og_greedy(p, 24, LONGROPE_MODEL) for p in prompts]
+    assert max(len(calls) for calls in steps) == 2
+    assert all(len(set(call)) == 1 for calls in steps for call in calls)

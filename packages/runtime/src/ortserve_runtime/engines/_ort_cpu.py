@@ -319,10 +319,13 @@ class OrtCpuEngine(OwnerThread):
         return logits[0, -1] if end == len(request.prompt) else None
 
     def _decode_step(self) -> None:
+        if self._graph.rope_window is not None:
+            self._partition()
         rows = list(self._rows)
         # The batch's mask is as wide as its longest row, and a LongRoPE graph picks its
         # factors from that width: rows within the window and rows past it (og decodes each
-        # with its own length) go in separate calls, one per run of neighbouring rows.
+        # with its own length) go in separate calls, one per run of neighbouring rows
+        # (two at most after _partition).
         logits: list[npt.NDArray[np.float32]] = []
         start = 0
         for end in range(1, len(rows) + 1):
@@ -377,6 +380,33 @@ class OrtCpuEngine(OwnerThread):
             # The prompt being prefilled sits right after the running rows: follow them down.
             self._copy_row(pending.row, len(self._rows), pending.prefilled)
             pending.row = len(self._rows)
+
+    def _partition(self) -> None:
+        """Put the rows within LongRoPE's window before those past it, so that a decode step
+        takes two calls at most rather than one per run.
+
+        Rows arrive at the end and cross the window as they decode; each misplaced pair is
+        swapped once (copying both rows, a one-off cost against an extra call per step for
+        the rest of both requests).
+        """
+        rows = self._rows
+        first, last = 0, len(rows) - 1
+        while True:
+            while first < len(rows) and not self._past_window(rows[first].length):
+                first += 1
+            while last >= 0 and self._past_window(rows[last].length):
+                last -= 1
+            if first >= last:
+                return
+            # A row past the window at ``first``, one within it at ``last``: swap them.
+            past, within = rows[first], rows[last]
+            for keys, values in self._cache:
+                for cache in (keys, values):
+                    held = cache[first, :, : past.length].copy()
+                    cache[first, :, : within.length] = cache[last, :, : within.length]
+                    cache[last, :, : past.length] = held
+            rows[first], rows[last] = within, past
+            within.row, past.row = first, last
 
     def _copy_row(self, source: int, target: int, length: int) -> None:
         for keys, values in self._cache:
