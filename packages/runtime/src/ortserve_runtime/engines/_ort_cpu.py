@@ -14,6 +14,12 @@ graph the genai builder writes is driven directly with onnxruntime:
   cancelled, freeing its row at once (continuous batching);
 * sampling, stop strings and EOS handling run per request on the host, so requests with
   different options share one batch.
+
+LongRoPE models (Phi-3.x, Phi-4-mini) take the short or the long rotary factors at each
+call from the attention mask's width (see :func:`_longrope_window`), so the engine shapes its
+calls as onnxruntime-genai's do: a prompt past the window in one call (the rest of it,
+after a prefix-cache hit), a decode step per side of the window, and prefix-cache entries
+reused only by prompts on their own side.
 """
 
 from __future__ import annotations
@@ -64,10 +70,25 @@ class _DecoderGraph:
         self.attention_mask = names.get("attention_mask", "attention_mask")
         self.position_ids = names.get("position_ids", "position_ids")
         self.logits = outputs.get("logits", "logits")
+        sliding = decoder.get("sliding_window")
+        sliding = sliding if isinstance(sliding, dict) else {}
+        self.window_size = int(sliding.get("window_size") or 0)
+        self.window_layers = set(sliding.get("layers", range(self.layers))) if self.window_size > 0 else set()
+        """Sliding-window layers (Gemma 2's local ones) and their window: GroupQueryAttention
+        keeps them in a ring (``sliding_window_cache``) that must hold at least the window."""
 
         model_path = folder / decoder.get("filename", "model.onnx")
         if not model_path.exists():
             raise ModelLoadError(f"{model_path} does not exist", path=model_path)
+        try:
+            # Weights stay on disk: the graph alone says how the session is opened and
+            # whether the model uses LongRoPE.
+            graph_model = onnx.load(str(model_path), load_external_data=False)
+        except Exception as exc:  # onnx raises its own untyped errors for corrupt files
+            raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
+        self.rope_window = _longrope_window(graph_model.graph, self.attention_mask, model_path)
+        """LongRoPE's original window: a call whose attention mask is wider uses the long
+        rotary factors, otherwise the short ones; ``None`` for other models."""
         options = ort.SessionOptions()
         if config.intra_op_threads is not None:
             options.intra_op_num_threads = config.intra_op_threads
@@ -75,7 +96,9 @@ class _DecoderGraph:
         for key, value in config.session_options.items():
             options.add_session_config_entry(key, value)
         try:
-            self.session = _open_session(model_path, options, self.logits, last_only=config.last_position_logits)
+            self.session = _open_session(
+                model_path, graph_model, options, self.logits, last_only=config.last_position_logits
+            )
         except Exception as exc:  # onnx/onnxruntime raise their own untyped errors for corrupt files
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -119,17 +142,19 @@ class OrtCpuEngine(OwnerThread):
         super().__init__(model_name)
         self._graph = _DecoderGraph(folder.path, folder.genai, config)
         self.max_batch_size = config.max_batch_size
-        shape = (self.max_batch_size, self._graph.kv_heads, max_sequence_length, self._graph.head_size)
+        graph = self._graph
         # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
-        self._cache = [
-            (np.zeros(shape, self._graph.cache_dtype), np.zeros(shape, self._graph.cache_dtype))
-            for _ in range(self._graph.layers)
-        ]
+        # A sliding layer's ring is a whole row too (it never wraps, so rows can be copied
+        # like any other), but GQA refuses one shorter than the window.
+        self._cache = []
+        for layer in range(graph.layers):
+            length = max(max_sequence_length, graph.window_size if layer in graph.window_layers else 0)
+            shape = (self.max_batch_size, graph.kv_heads, length, graph.head_size)
+            self._cache.append((np.zeros(shape, graph.cache_dtype), np.zeros(shape, graph.cache_dtype)))
         self._rows: list[Request] = []
         self._prefilling: Request | None = None
         """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
         self.prefill_chunk = config.prefill_chunk_tokens
-        graph = self._graph
         token_bytes = graph.layers * 2 * graph.kv_heads * graph.head_size * np.dtype(graph.cache_dtype).itemsize
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
         """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
@@ -212,9 +237,19 @@ class OrtCpuEngine(OwnerThread):
             self._rows.append(request)
             self._accept(request, logits)
 
+    def _past_window(self, length: int) -> bool:
+        """Whether a call whose attention mask is ``length`` wide uses LongRoPE's long factors."""
+        window = self._graph.rope_window
+        return window is not None and length > window
+
+    def _cache_group(self, request: Request) -> str:
+        """The prefix-cache group of ``request``'s row: og computes a LongRoPE prompt past the
+        window with the long factors throughout, one within it with the short ones."""
+        return "long-rope" if self._past_window(len(request.prompt)) else ""
+
     def _reuse_prefix(self, request: Request) -> None:
         """Copy the longest cached prefix of ``request``'s prompt into its row."""
-        entry, length = self.prefix_cache.lookup(request.prompt)
+        entry, length = self.prefix_cache.lookup(request.prompt, self._cache_group(request))
         if entry is None:
             return
         for (keys, values), (cached_keys, cached_values) in zip(self._cache, entry.rows, strict=True):
@@ -223,13 +258,24 @@ class OrtCpuEngine(OwnerThread):
         request.prefilled = request.cached_tokens = length
 
     def _remember(self, request: Request, tokens: list[int]) -> None:
-        """Keep the key/values of ``tokens`` (the start of ``request``'s row) in the cache."""
+        """Keep the key/values of ``tokens`` (the start of ``request``'s row) in the cache.
+
+        LongRoPE: a row of a prompt past the window was computed with the long factors
+        throughout (one prefill call, then decode steps wider still) and is kept whole for
+        prompts past the window. A row of a prompt within it keeps no more than the window's
+        tokens, those computed with the short factors (token ``i`` is fed in a call
+        ``i + 1`` wide), for prompts within it.
+        """
+        group = self._cache_group(request)
+        window = self._graph.rope_window
+        if window is not None and not group:
+            tokens = tokens[:window]
         row = request.row
 
         def copy_rows(count: int) -> Rows:
             return [(keys[row, :, :count].copy(), values[row, :, :count].copy()) for keys, values in self._cache]
 
-        self.prefix_cache.store(tokens, copy_rows)
+        self.prefix_cache.store(tokens, copy_rows, group)
 
     def _bind(self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any) -> Any:
         graph = self._graph
@@ -253,10 +299,17 @@ class OrtCpuEngine(OwnerThread):
         return logits
 
     def _prefill_chunk(self, request: Request) -> npt.NDArray[np.float32] | None:
-        """Cache the next chunk of the prompt; the last chunk returns the logits."""
+        """Cache the next chunk of the prompt; the last chunk returns the logits.
+
+        A LongRoPE prompt past the window goes in one call, as og prefills it (after a
+        prefix-cache hit, all the rest in one): chunks ending within the window would be
+        computed with the short factors, og's with the long ones.
+        """
         graph = self._graph
         start = request.prefilled
         end = min(len(request.prompt), start + self.prefill_chunk)
+        if self._past_window(len(request.prompt)):
+            end = len(request.prompt)
         ids = np.asarray([request.prompt[start:end]], dtype=graph.ids_dtype)
         # The mask spans everything cached so far: GQA appends the chunk after it.
         mask = np.ones((1, end), dtype=graph.mask_dtype)
@@ -266,18 +319,35 @@ class OrtCpuEngine(OwnerThread):
         return logits[0, -1] if end == len(request.prompt) else None
 
     def _decode_step(self) -> None:
-        graph = self._graph
+        if self._graph.rope_window is not None:
+            self._partition()
         rows = list(self._rows)
+        # The batch's mask is as wide as its longest row, and a LongRoPE graph picks its
+        # factors from that width: rows within the window and rows past it (og decodes each
+        # with its own length) go in separate calls, one per run of neighbouring rows
+        # (two at most after _partition).
+        logits: list[npt.NDArray[np.float32]] = []
+        start = 0
+        for end in range(1, len(rows) + 1):
+            if end == len(rows) or self._past_window(rows[end].length) != self._past_window(rows[start].length):
+                logits.extend(self._decode_rows(rows[start:end], start))
+                start = end
+        # Only now: a request finishing here frees its row and moves another into it.
+        for request, row_logits in zip(rows, logits, strict=True):
+            if not request.cancelled:
+                self._accept(request, row_logits)
+
+    def _decode_rows(self, rows: list[Request], first: int) -> npt.NDArray[np.float32]:
+        """The next-token logits of ``rows``, which sit at batch rows ``first`` onwards."""
+        graph = self._graph
         lengths = np.fromiter((r.length for r in rows), dtype=np.int64, count=len(rows))
         ids = np.fromiter((r.tokens[-1] for r in rows), dtype=graph.ids_dtype, count=len(rows))[:, None]
         # Each row's new token sits right after its own cached tokens (right-aligned cache).
         width = int(lengths.max())
         mask = (np.arange(width)[None, :] < lengths[:, None]).astype(graph.mask_dtype)
         positions = (lengths - 1).astype(graph.ids_dtype)[:, None]
-        logits = self._bind(slice(0, len(rows)), ids, mask, positions)
-        for request, row_logits in zip(rows, logits[:, -1], strict=True):
-            if not request.cancelled:
-                self._accept(request, row_logits)
+        logits: npt.NDArray[np.float32] = self._bind(slice(first, first + len(rows)), ids, mask, positions)[:, -1]
+        return logits
 
     def _accept(self, request: Request, logits: npt.NDArray[np.float32]) -> None:
         """Sample the next token of ``request`` and tell its consumer."""
@@ -311,14 +381,80 @@ class OrtCpuEngine(OwnerThread):
             self._copy_row(pending.row, len(self._rows), pending.prefilled)
             pending.row = len(self._rows)
 
+    def _partition(self) -> None:
+        """Put the rows within LongRoPE's window before those past it, so that a decode step
+        takes two calls at most rather than one per run.
+
+        Rows arrive at the end and cross the window as they decode; each misplaced pair is
+        swapped once (copying both rows, a one-off cost against an extra call per step for
+        the rest of both requests).
+        """
+        rows = self._rows
+        first, last = 0, len(rows) - 1
+        while True:
+            while first < len(rows) and not self._past_window(rows[first].length):
+                first += 1
+            while last >= 0 and self._past_window(rows[last].length):
+                last -= 1
+            if first >= last:
+                return
+            # A row past the window at ``first``, one within it at ``last``: swap them.
+            past, within = rows[first], rows[last]
+            for keys, values in self._cache:
+                for cache in (keys, values):
+                    held = cache[first, :, : past.length].copy()
+                    cache[first, :, : within.length] = cache[last, :, : within.length]
+                    cache[last, :, : past.length] = held
+            rows[first], rows[last] = within, past
+            within.row, past.row = first, last
+
     def _copy_row(self, source: int, target: int, length: int) -> None:
         for keys, values in self._cache:
             keys[target, :, :length] = keys[source, :, :length]
             values[target, :, :length] = values[source, :, :length]
 
 
+def _longrope_window(graph: onnx.GraphProto, attention_mask: str, model_path: Path) -> int | None:
+    """The window of a LongRoPE graph, or ``None`` for a graph without one.
+
+    The genai builder (``make_rotary_embedding_multi_cache``, CPU and CUDA builds) writes
+    ``If(Greater(Shape(attention_mask)[1], original_max_position_embeddings))`` choosing
+    between constant cos/sin caches made with the long factors (then) and the short ones
+    (else). Nothing in genai_config.json says so. A selection by anything else is refused
+    rather than guessed: this engine could not reproduce og's factors.
+    """
+    producers = {output: node for node in graph.node for output in node.output}
+    constants = {tensor.name: tensor for tensor in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = node.attribute[0].t
+    for node in graph.node:
+        if node.op_type != "If" or not any("cos_cache" in output for output in node.output):
+            continue
+        greater = producers.get(node.input[0])
+        gather = producers.get(greater.input[0]) if greater is not None and greater.op_type == "Greater" else None
+        shape = producers.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" else None
+        if (
+            greater is not None
+            and gather is not None
+            and shape is not None
+            and shape.op_type == "Shape"
+            and shape.input[0] == attention_mask
+            and gather.input[1] in constants
+            and int(onnx.numpy_helper.to_array(constants[gather.input[1]])) == 1
+            and greater.input[1] in constants
+        ):
+            return int(onnx.numpy_helper.to_array(constants[greater.input[1]]))
+        raise ModelLoadError(
+            f"{model_path} chooses its rotary caches by a rule the ort-cpu engine does not know "
+            f"({node.name}); use --engine og-generator",
+            path=model_path,
+        )
+    return None
+
+
 def _open_session(
-    model_path: Path, options: ort.SessionOptions, logits: str, *, last_only: bool
+    model_path: Path, graph_model: onnx.ModelProto, options: ort.SessionOptions, logits: str, *, last_only: bool
 ) -> ort.InferenceSession:
     """An onnxruntime session for the decoder, computing logits of the last position only.
 
@@ -330,7 +466,6 @@ def _open_session(
     providers = ["CPUExecutionProvider"]
     if not last_only:
         return ort.InferenceSession(str(model_path), options, providers=providers)
-    graph_model = onnx.load(str(model_path), load_external_data=False)
     graph = graph_model.graph
     producers = [node for node in graph.node if logits in node.output]
     outputs = [o for o in graph.output if o.name == logits]

@@ -13,6 +13,8 @@ the memory held and an evicted entry frees it at once; the least recently used g
 An entry that is a prefix of a newer one is dropped (the newer covers it). Key/value
 vectors depend only on the tokens before them and their positions, so a copied prefix is
 what a prefill would compute (the tests check greedy tokens with and without the cache).
+Where they also depend on how the call was made (LongRoPE: short or long rotary factors by
+the call's width), entries carry a group and are reused only within it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _clock = itertools.count()
 class CacheEntry:
     tokens: npt.NDArray[np.int64]
     rows: Rows
+    group: str = ""
     used: int = field(default_factory=lambda: next(_clock))
 
 
@@ -63,15 +66,18 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[CacheEntry | None, int]:
-        """The entry sharing the longest prefix with ``prompt`` and how many of its tokens
-        to reuse (at most all but the last prompt token); ``(None, 0)`` below ``min_tokens``."""
+    def lookup(self, prompt: Sequence[int], group: str = "") -> tuple[CacheEntry | None, int]:
+        """The entry of ``group`` sharing the longest prefix with ``prompt`` and how many of
+        its tokens to reuse (at most all but the last prompt token); ``(None, 0)`` below
+        ``min_tokens``."""
         if not self._entries or len(prompt) <= self.min_tokens:
             self.misses += self.budget_tokens > 0
             return None, 0
         ids = np.asarray(prompt, dtype=np.int64)
         best, best_length = None, 0
         for entry in self._entries:
+            if entry.group != group:
+                continue
             length = _common_prefix(entry.tokens, ids)
             if length > best_length:
                 best, best_length = entry, length
@@ -84,21 +90,22 @@ class PrefixCache:
         self.hit_tokens += usable
         return best, usable
 
-    def store(self, tokens: Sequence[int], copy_rows: Callable[[int], Rows]) -> None:
-        """Keep the first ``len(tokens)`` positions of a row; ``copy_rows(n)`` copies them."""
+    def store(self, tokens: Sequence[int], copy_rows: Callable[[int], Rows], group: str = "") -> None:
+        """Keep the first ``len(tokens)`` positions of a row, in ``group``; ``copy_rows(n)``
+        copies them."""
         count = len(tokens)
         if count < self.min_tokens or count > self.budget_tokens:
             return
         ids = np.asarray(tokens, dtype=np.int64)
         for entry in self._entries:
-            if len(entry.tokens) >= count and _common_prefix(entry.tokens, ids) == count:
+            if entry.group == group and len(entry.tokens) >= count and _common_prefix(entry.tokens, ids) == count:
                 entry.used = next(_clock)  # already held, as part of a longer entry
                 return
-        self._entries = [e for e in self._entries if _common_prefix(e.tokens, ids) < len(e.tokens)]
+        self._entries = [e for e in self._entries if e.group != group or _common_prefix(e.tokens, ids) < len(e.tokens)]
         while self._entries and self.held_tokens + count > self.budget_tokens:
             self._entries.remove(min(self._entries, key=lambda e: e.used))
             self.evictions += 1
-        self._entries.append(CacheEntry(ids, copy_rows(count)))
+        self._entries.append(CacheEntry(ids, copy_rows(count), group))
 
     def clear(self) -> None:
         self._entries.clear()

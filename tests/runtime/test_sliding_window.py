@@ -1,0 +1,90 @@
+"""Sliding-window attention (Gemma 2's local layers, builder 0.18's bounded key/value cache)
+on the ort-cpu engine: the same greedy tokens as onnxruntime-genai's own generator on
+prompts and replies past the window."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from og_reference import og_greedy
+from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
+
+pytestmark = pytest.mark.anyio
+
+SLIDING_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-gemma2-sliding"
+WINDOW = 64
+TOKENS = 16
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def ids(count: int, seed: int = 0) -> list[int]:
+    """``count`` ordinary token ids (the specials sit at 1019 and up)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(count)]
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[ChatModel]:
+    """The fixture on ort-cpu with chunks of 48 tokens (less than the window) and the cache."""
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefill_chunk_tokens=48, prefix_cache_min_tokens=8))
+    registry.add("gemma2", SLIDING_MODEL)
+    yield await registry.get("gemma2")
+    await registry.close()
+
+
+async def run(model: ChatModel, prompt: list[int], tokens: int = TOKENS) -> tuple[list[int], int]:
+    _, out, _, usage = await model.generate(
+        prompt, options=GenerationOptions(max_tokens=tokens, temperature=0)
+    ).collect()
+    return out, usage.cached_tokens
+
+
+async def test_a_prompt_within_the_window_matches_og(model: ChatModel) -> None:
+    prompt = ids(40)
+    # og.Generator sizes the sliding layers' cache to max_length (prompt + 24 here) and
+    # refuses one smaller than the window, so its reference needs 64 tokens in all.
+    assert (await run(model, prompt, 24))[0] == og_greedy(prompt, 24, SLIDING_MODEL)
+
+
+async def test_a_prompt_past_the_window_matches_og(model: ChatModel) -> None:
+    prompt = ids(200, seed=1)
+    assert (await run(model, prompt))[0] == og_greedy(prompt, TOKENS, SLIDING_MODEL)
+
+
+async def test_decoding_past_the_window_matches_og(model: ChatModel) -> None:
+    prompt = ids(30, seed=2)
+    assert (await run(model, prompt, 60))[0] == og_greedy(prompt, 60, SLIDING_MODEL)
+
+
+async def test_a_next_turn_reusing_the_cache_matches_og(model: ChatModel) -> None:
+    first = ids(100, seed=3)
+    reply, _ = await run(model, first)
+    second = first + reply + ids(50, seed=4)
+    assert await run(model, second) == (og_greedy(second, TOKENS, SLIDING_MODEL), len(first) + len(reply) - 1)
+
+
+async def test_batched_requests_match_og(model: ChatModel) -> None:
+    prompts = [ids(100, seed=5), ids(20, seed=6), ids(150, seed=7)]
+    results = await asyncio.gather(*(run(model, p, 48) for p in prompts))
+    assert [tokens for tokens, _ in results] == [og_greedy(p, 48, SLIDING_MODEL) for p in prompts]
+
+
+async def test_a_context_shorter_than_the_window_still_runs() -> None:
+    """max_sequence_length 48 < window 64: GroupQueryAttention refuses a sliding layer's
+    ring shorter than the window, so those layers get the window's length."""
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu", max_sequence_length=48))
+    registry.add("gemma2", SLIDING_MODEL)
+    model = await registry.get("gemma2")
+    prompt = ids(20, seed=8)
+    try:
+        assert (await run(model, prompt, 8))[0] == og_greedy(prompt, 44, SLIDING_MODEL)[:8]
+    finally:
+        await registry.close()
