@@ -88,3 +88,18 @@ async def test_a_context_shorter_than_the_window_still_runs() -> None:
         assert (await run(model, prompt, 8))[0] == og_greedy(prompt, 44, SLIDING_MODEL)[:8]
     finally:
         await registry.close()
+
+
+@pytest.mark.parametrize("engine", ["og-engine", "og-generator"])
+async def test_the_og_engines_run_requests_shorter_than_the_window(engine: str) -> None:
+    """og sizes a sliding layer's cache by the request's length and refuses one below the
+    window: a short prompt with a few new tokens must still run (and give og's tokens)."""
+    registry = ModelRegistry(ModelConfig(engine=engine))  # type: ignore[arg-type]
+    registry.add("gemma2", SLIDING_MODEL)
+    model: ChatModel = await registry.get("gemma2")
+    try:
+        prompt = ids(10, 3)
+        _, tokens, _, _ = await model.generate(prompt, options=GenerationOptions(max_tokens=8, temperature=0)).collect()
+        assert tokens == og_greedy(prompt, WINDOW, SLIDING_MODEL)[: len(tokens)] and len(tokens) == 8
+    finally:
+        await registry.close()

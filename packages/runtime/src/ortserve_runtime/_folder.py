@@ -76,6 +76,14 @@ class GenaiFolder:
             ) from exc
 
     @property
+    def shortest_sequence(self) -> int:
+        """The least ``max_length`` og accepts for a request: a sliding-window layer's cache
+        (Gemma 2's local layers) is sized by it and must hold the whole window."""
+        sliding = self.decoder.get("sliding_window")
+        window = int(sliding.get("window_size") or 0) if isinstance(sliding, dict) else 0
+        return min(window, self.context_length)
+
+    @property
     def tokenizer_path(self) -> Path:
         """``tokenizer.json``, which the front reads (checked before any engine loads)."""
         path = self.path / "tokenizer.json"

@@ -114,10 +114,19 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         og_model = load_og_model(path, config)
         media = MediaProcessor(folder, og_model, config) if multimodal else None
         if choice == "og-engine":
-            engine = OgEngine(name, og_model, config, folder=path, dynamic=folder.paged_attention)
+            engine = OgEngine(
+                name,
+                og_model,
+                config,
+                folder=path,
+                dynamic=folder.paged_attention,
+                shortest_sequence=folder.shortest_sequence,
+            )
         else:
             concurrency = config.multimodal_concurrency if multimodal else config.max_batch_size
-            engine = OgGeneratorEngine(name, og_model, config, concurrency=concurrency)
+            engine = OgGeneratorEngine(
+                name, og_model, config, concurrency=concurrency, shortest_sequence=folder.shortest_sequence
+            )
     try:
         return ChatModel(name, folder, config, engine, media)
     except BaseException:

@@ -55,8 +55,19 @@ class OgEngine(OwnerThread):
 
     name = "og-engine"
 
-    def __init__(self, model_name: str, og_model: Any, config: ModelConfig, *, folder: Path, dynamic: bool) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        og_model: Any,
+        config: ModelConfig,
+        *,
+        folder: Path,
+        dynamic: bool,
+        shortest_sequence: int = 0,
+    ) -> None:
         super().__init__(model_name)
+        self._shortest = shortest_sequence
+        """og's least session length for this folder (see GenaiFolder.shortest_sequence)."""
         self.provider: str = config.provider
         self.capabilities = EngineCapabilities(
             host_sampling=False, seeds=dynamic, media=False, batching="dynamic" if dynamic else "static"
@@ -131,7 +142,7 @@ class OgEngine(OwnerThread):
         options = request.options
         try:
             request_options = og.RequestOptions()
-            request_options.set_max_session_tokens(len(request.prompt) + request.max_tokens)
+            request_options.set_max_session_tokens(max(len(request.prompt) + request.max_tokens, self._shortest))
             og_request = engine.create_request(options=request_options)
             turn = og.TurnOptions(og_request)
             turn.set_max_generated_tokens(request.max_tokens)

@@ -35,8 +35,13 @@ class OgGeneratorEngine(OwnerThread):
     name = "og-generator"
     capabilities = EngineCapabilities(host_sampling=True, seeds=True, media=True, batching="interleaved")
 
-    def __init__(self, model_name: str, og_model: Any, config: ModelConfig, *, concurrency: int) -> None:
+    def __init__(
+        self, model_name: str, og_model: Any, config: ModelConfig, *, concurrency: int, shortest_sequence: int = 0
+    ) -> None:
         super().__init__(model_name)
+        self._shortest = shortest_sequence
+        """og's least max_length for this folder (see GenaiFolder.shortest_sequence); the
+        request still stops at its own max_tokens."""
         self.provider: str = config.provider
         self._model = og_model
         self.concurrency = concurrency
@@ -101,7 +106,7 @@ class OgGeneratorEngine(OwnerThread):
     def _prefill(self, request: Request) -> Any:
         """On the prefill thread: a generator with the prompt in its cache."""
         params = og.GeneratorParams(self._model)
-        params.set_search_options(max_length=len(request.prompt) + request.max_tokens)
+        params.set_search_options(max_length=max(len(request.prompt) + request.max_tokens, self._shortest))
         generator = og.Generator(self._model, params)
         if request.media is not None:
             generator.set_inputs(request.media)
