@@ -97,14 +97,15 @@ async def test_concurrent_requests_get_what_they_get_alone(model: ChatModel) -> 
 
 
 async def test_cancel_frees_the_engine(model: ChatModel) -> None:
-    stream = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=500, temperature=0))
+    long = GenerationOptions(max_tokens=500, min_tokens=500, temperature=0)  # no EOS can end it first
+    stream = model.generate(PROMPTS[0], options=long)
     await anext(stream)
     await anext(stream)
     stream.cancel()
     rest = [e async for e in stream]
     assert rest[-1].finish_reason == "cancelled"
     await idle(model)
-    abandoned = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=500, temperature=0))
+    abandoned = model.generate(PROMPTS[0], options=long)
     await anext(abandoned)
     await abandoned.aclose()
     await idle(model)
@@ -145,7 +146,7 @@ async def test_context_errors_come_before_the_engine(model: ChatModel) -> None:
 
 
 async def test_close_fails_what_is_pending(model: ChatModel) -> None:
-    stream = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=900, temperature=0))
+    stream = model.generate(PROMPTS[0], options=GenerationOptions(max_tokens=900, min_tokens=900, temperature=0))
     await anext(stream)
     await model.close()
     with pytest.raises(EngineClosedError):
