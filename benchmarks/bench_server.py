@@ -1,27 +1,35 @@
 """HTTP overhead of ortserve-server against the runtime called directly, in one run.
 
-    uv run python benchmarks/bench_server.py [--model DIR]
+    uv run python benchmarks/bench_server.py [--model DIR] [--engine og-generator]
 
 Prints a table:
 - tokens/s of one SSE stream over HTTP vs the runtime called directly on the 0.5B-shaped
-  model (build it with `tests/fixtures/build_fixtures.py --bench`);
+  model (build it with `tests/fixtures/build_fixtures.py --bench`), and vs a raw
+  `og.Generator` (batch 1, every CPU as the decoder's intra-op threads, the same prompt
+  ids and exactly as many tokens) in the same run;
 - the per-token overhead of HTTP+SSE in microseconds on the tiny model (where the model
   step is cheap, so the overhead shows);
 - requests/s and p95 latency for 8 and 32 concurrent short chat requests (tiny model).
+
+--engine picks the generation engine (`ModelConfig(engine=...)`) of both the in-process
+server and the direct runtime: ort-cpu (the CPU default), og-engine or og-generator.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from ortserve_runtime import GenerationOptions, ModelConfig, ModelRegistry
+from bench_generation import raw_generator
+from ortserve_runtime import EngineName, GenerationOptions, ModelConfig, ModelRegistry
 from ortserve_server import ServerConfig, create_app
+from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serving import TINY_MODEL, running
@@ -30,8 +38,15 @@ BENCH_MODEL = Path.home() / ".cache" / "ortserve" / "bench-qwen2.5-0.5b-shape"
 PROMPT = "word " * 31
 
 
-async def runtime_tokens_per_s(model_dir: Path, new_tokens: int) -> float:
-    registry = ModelRegistry(ModelConfig(max_sequence_length=512))
+ENGINES: tuple[EngineName, ...] = ("auto", "ort-cpu", "og-engine", "og-generator")
+
+
+def model_config(engine: EngineName) -> ModelConfig:
+    return ModelConfig(engine=engine, max_sequence_length=512)
+
+
+async def runtime_tokens_per_s(model_dir: Path, new_tokens: int, engine: EngineName) -> float:
+    registry = ModelRegistry(model_config(engine))
     registry.add("m", model_dir)
     model = await registry.get("m")
     options = GenerationOptions(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0)
@@ -83,30 +98,40 @@ async def concurrent_chat(url: str, concurrency: int, rounds: int = 3) -> tuple[
     return concurrency * rounds / elapsed, p95
 
 
-def serve(model_dir: Path) -> object:
-    return running(create_app(ServerConfig(models={"m": model_dir}, model_config=ModelConfig(max_sequence_length=512))))
+def serve(model_dir: Path, engine: EngineName) -> object:
+    return running(create_app(ServerConfig(models={"m": model_dir}, model_config=model_config(engine))))
+
+
+def raw_tokens_per_s(model_dir: Path, new_tokens: int) -> float:
+    """og.Generator, batch 1, every CPU: the prompt's ids as the runtime gets them."""
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(PROMPT, add_special_tokens=False).ids
+    return raw_generator(model_dir, ids, new_tokens, threads=os.cpu_count()).tokens_per_s
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=BENCH_MODEL)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--engine", choices=ENGINES, default="auto", help="generation engine (ModelConfig.engine)")
     args = parser.parse_args()
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[str, str]] = [("engine", args.engine)]
     if (args.model / "genai_config.json").exists():
-        direct = asyncio.run(runtime_tokens_per_s(args.model, args.tokens))
-        with serve(args.model) as url:  # type: ignore[attr-defined]
+        raw = raw_tokens_per_s(args.model, args.tokens)
+        direct = asyncio.run(runtime_tokens_per_s(args.model, args.tokens, args.engine))
+        with serve(args.model, args.engine) as url:  # type: ignore[attr-defined]
             over_http = asyncio.run(http_tokens_per_s(url, args.tokens))
         rows += [
+            (f"0.5B-shape: raw og.Generator batch 1, {os.cpu_count()} threads, tokens/s", f"{raw:.1f}"),
             ("0.5B-shape: runtime direct, tokens/s", f"{direct:.1f}"),
             ("0.5B-shape: one SSE stream over HTTP, tokens/s", f"{over_http:.1f}"),
             ("0.5B-shape: HTTP / direct", f"{over_http / direct:.2f}x"),
+            ("0.5B-shape: HTTP / raw og.Generator", f"{over_http / raw:.2f}x"),
         ]
     else:
         print(f"(no benchmark model at {args.model}: build it with tests/fixtures/build_fixtures.py --bench)")
     tiny_tokens = 400
-    direct = asyncio.run(runtime_tokens_per_s(TINY_MODEL, tiny_tokens))
-    with serve(TINY_MODEL) as url:  # type: ignore[attr-defined]
+    direct = asyncio.run(runtime_tokens_per_s(TINY_MODEL, tiny_tokens, args.engine))
+    with serve(TINY_MODEL, args.engine) as url:  # type: ignore[attr-defined]
         over_http = asyncio.run(http_tokens_per_s(url, tiny_tokens))
         overhead_us = (1 / over_http - 1 / direct) * 1e6
         rows += [

@@ -119,6 +119,14 @@ class Request:
     def advance(self, logits: npt.NDArray[np.float32]) -> GenerationEvent:
         """Sample the next token from ``logits`` on the host, then :meth:`take` it."""
         sampler = self.sampler
+        options = sampler.options
+        if options.greedy and options.repetition_penalty == 1.0 and self.constraint is None:
+            # The sampler's greedy pick without its float64 copy: the first maximum of the
+            # row stays the first maximum once EOS is masked, unless it is an EOS the
+            # request may not end with yet (then the sampler masks and picks again).
+            token = int(np.argmax(logits))
+            if token not in self.eos or len(self.tokens) >= options.min_tokens:
+                return self.take(token)
         history = [t for t in self.prompt if t >= 0] + self.tokens if sampler.options.repetition_penalty != 1.0 else []
         if self.constraint is not None:
             logits = self.constraint.mask(logits)

@@ -5,7 +5,11 @@ batches dynamically: requests join and leave at any step, and og applies per-tur
 Otherwise (the CPU provider) its batches are static: at most 4 requests run together (og's
 own limit; its ``engine.static_batching.max_batch_size`` does not raise it, measured) and a
 newcomer waits for the whole batch; og refuses per-turn seeds there, so the front refuses
-``seed`` with a 400 rather than ignore it.
+``seed`` with a 400 rather than ignore it. Since a static batch starts with whatever og
+holds at the first ``Engine.run``, an idle engine gathers arrivals briefly before it runs
+(until ``_GATHER_QUIET_S`` pass without a new one, ``_GATHER_MAX_S`` at most, or a batch is
+full): requests sent together (asyncio.gather, concurrent HTTP calls) then share the first
+batch instead of the first arrival running alone while the rest wait for it.
 
 og samples (temperature, top-k/p, repetition penalty, min tokens, length) and applies
 grammars (its llguidance) itself; tokens come back as events. Detokenization, stop
@@ -16,6 +20,7 @@ every engine. Every og call happens on the owner thread, as og requires.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,10 @@ __all__ = ["OgEngine"]
 
 _EVENTS = 256
 """Capacity of the event buffer one ``Engine.run`` fills."""
+_GATHER_QUIET_S = 0.003
+"""An idle static engine starts its batch once no request has arrived for this long..."""
+_GATHER_MAX_S = 0.03
+"""...or this long after it woke, whichever comes first (see the module docstring)."""
 _LENGTH = frozenset({og.FinishReason.MAX_GENERATED_TOKENS, og.FinishReason.MAX_SESSION_TOKENS})
 
 
@@ -108,6 +117,8 @@ class OgEngine(OwnerThread):
             with self._cond:
                 while not (self._inbox or self._closing or self._cancels or engine.has_pending_requests()):
                     self._cond.wait()
+                if self._inbox and self.capabilities.batching != "dynamic" and not engine.has_pending_requests():
+                    self._gather()
                 if self._closing:
                     break
                 cancels, self._cancels = self._cancels, set()
@@ -137,6 +148,15 @@ class OgEngine(OwnerThread):
             turn.og_request.close()
         self._inbox.clear()
         self._turns.clear()
+
+    def _gather(self) -> None:
+        """With the lock held and og idle: wait while requests keep arriving (static batches)."""
+        deadline = time.monotonic() + _GATHER_MAX_S
+        while len(self._inbox) < max(self.batch_size, 1) and not self._closing:
+            remaining = deadline - time.monotonic()
+            seen = len(self._inbox)
+            if remaining <= 0 or (not self._cond.wait(min(_GATHER_QUIET_S, remaining)) and len(self._inbox) == seen):
+                return
 
     def _begin(self, engine: Any, request: Request) -> None:
         options = request.options
