@@ -762,6 +762,41 @@ async def test_contract_with_the_real_server(server_url: str) -> None:
         assert bad.value.body is not None and bad.value.body.error.param == "temperature"
 
 
+async def test_logprobs_and_sampling_keywords_with_the_real_server(server_url: str) -> None:
+    """The new keyword arguments reach the server and its logprobs decode as typed Structs."""
+    async with AsyncClient(f"{server_url}/v1") as client:
+        messages = [{"role": "user", "content": "hi"}]
+        chat = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            logit_bias={"7": -100},
+            min_p=0.05,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+        )
+        logprobs = chat.choices[0].logprobs
+        assert isinstance(logprobs, p.ChoiceLogprobs) and logprobs.content
+        first = logprobs.content[0]
+        assert isinstance(first, p.ChatCompletionTokenLogprob) and first.bytes is not None
+        assert [type(t) for t in first.top_logprobs] == [p.TopLogprob, p.TopLogprob]
+        assert first.top_logprobs[0].token == first.token  # greedy: the best token
+        chunks = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True, stream=True
+        )
+        streamed = [t.token async for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content or []]
+        assert streamed == [t.token for t in logprobs.content]
+        legacy = await client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0, logprobs=1)
+        assert isinstance(legacy.choices[0].logprobs, p.CompletionLogprobs)
+        assert len(legacy.choices[0].logprobs.tokens) == len(legacy.choices[0].logprobs.text_offset) > 0
+        with pytest.raises(BadRequestError) as bad:
+            await client.chat.completions.create(model="tiny", messages=messages, logit_bias={"1": 500})
+        assert bad.value.body is not None and bad.value.body.error.param == "logit_bias"
+
+
 async def test_images_as_protocol_structs(server_url: str) -> None:
     from images import image_bytes
 

@@ -223,7 +223,8 @@ def test_chat_completion_encodes_exactly_like_openai() -> None:
 
 
 def test_a_response_from_another_server_decodes() -> None:
-    """Unknown fields and log-probabilities (which ortserve never sends) do not break the client."""
+    """Unknown fields, and log-probabilities without the fields OpenAI sends too, do not
+    break the client."""
     raw = {
         "id": "x",
         "object": "chat.completion",
@@ -241,7 +242,9 @@ def test_a_response_from_another_server_decodes() -> None:
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "prompt_tokens_details": {}},
     }
     completion = msgspec.json.decode(json.dumps(raw), type=p.ChatCompletion)
-    assert completion.choices[0].logprobs == raw["choices"][0]["logprobs"]  # type: ignore[index]
+    assert completion.choices[0].logprobs == p.ChoiceLogprobs(
+        content=[p.ChatCompletionTokenLogprob(token="hi", logprob=-0.1)]
+    )
     assert completion.usage == p.CompletionUsage(
         prompt_tokens=1, completion_tokens=1, total_tokens=2, prompt_tokens_details=p.PromptTokensDetails()
     )
@@ -289,6 +292,36 @@ def test_chunks_encode_exactly_like_openai() -> None:
     assert encode(last)["choices"] == [] and encode(last)["usage"]["total_tokens"] == 3
     finish = p.ChatCompletionChunkChoice(index=0, delta=p.ChoiceDelta(), finish_reason="stop")
     assert encode(finish) == {"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None}
+
+
+def test_logprobs_encode_exactly_like_openai() -> None:
+    top = p.TopLogprob(token="hi", logprob=-0.25, bytes=[104, 105])
+    chat = p.ChoiceLogprobs(
+        content=[p.ChatCompletionTokenLogprob(token="hi", logprob=-0.25, bytes=[104, 105], top_logprobs=[top])]
+    )
+    assert encode(chat) == {
+        "content": [
+            {
+                "token": "hi",
+                "logprob": -0.25,
+                "bytes": [104, 105],
+                "top_logprobs": [{"token": "hi", "logprob": -0.25, "bytes": [104, 105]}],
+            }
+        ],
+        "refusal": None,
+    }
+    legacy = p.CompletionLogprobs(
+        tokens=["a", "b"],
+        token_logprobs=[-0.5, -1.0],
+        top_logprobs=[{"a": -0.5}, {"b": -1.0, "c": -2.0}],
+        text_offset=[0, 1],
+    )
+    assert encode(legacy) == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -1.0],
+        "top_logprobs": [{"a": -0.5}, {"b": -1.0, "c": -2.0}],
+        "text_offset": [0, 1],
+    }
 
 
 def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> None:

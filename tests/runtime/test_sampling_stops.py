@@ -140,6 +140,16 @@ def test_seed_makes_sampling_reproducible() -> None:
         (GenerationOptions(max_tokens=2, min_tokens=3), "min_tokens"),
         (GenerationOptions(seed=2**63), "seed"),
         (GenerationOptions(stop=tuple("abcdefghijklmnopq")), "stop"),
+        (GenerationOptions(logit_bias={5: 100.5}), "logit_bias"),
+        (GenerationOptions(logit_bias={5: math.nan}), "logit_bias"),
+        (GenerationOptions(logit_bias={-1: 1.0}), "logit_bias"),
+        (GenerationOptions(min_p=-0.1), "min_p"),
+        (GenerationOptions(min_p=1.5), "min_p"),
+        (GenerationOptions(presence_penalty=2.5), "presence_penalty"),
+        (GenerationOptions(frequency_penalty=-2.5), "frequency_penalty"),
+        (GenerationOptions(frequency_penalty=math.inf), "frequency_penalty"),
+        (GenerationOptions(logprobs=21), "logprobs"),
+        (GenerationOptions(logprobs=-1), "logprobs"),
     ],
 )
 def test_validate_names_the_param(options: GenerationOptions, param: str) -> None:
@@ -152,6 +162,60 @@ def test_validate_names_the_param(options: GenerationOptions, param: str) -> Non
 def test_sensible_options_validate() -> None:
     GenerationOptions().validate()
     GenerationOptions(max_tokens=1, min_tokens=1, temperature=2.0, top_p=1.0, top_k=1, seed=0, stop=("x",)).validate()
+
+
+def test_logit_bias_bans_and_forces() -> None:
+    row = logits(5)
+    assert Sampler(GenerationOptions(temperature=0, logit_bias={5: -100}), EOS).choose(row, [], 0) != 5
+    forced = Sampler(GenerationOptions(temperature=1.0, seed=0, logit_bias={2: 100}), EOS)
+    assert {forced.choose(row, [], 0) for _ in range(50)} == {2}
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    """logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty, over
+    the output only (the prompt is not penalised)."""
+    row = np.array([0.0, 3.0, 2.5, 1.0], dtype=np.float32)
+    options = GenerationOptions(temperature=0, presence_penalty=0.4, frequency_penalty=0.3, logprobs=3)
+    sampler = Sampler(options, frozenset())
+    assert sampler.choose(row, [1, 1, 1, 1], 2, [1, 1]) == 2  # 3.0 - 2 * 0.3 - 0.4 = 2.0 < 2.5
+    scored = sampler.scored(2)
+    expected = np.array([0.0, 2.0, 2.5, 1.0])
+    log_total = math.log(np.exp(expected).sum())
+    assert scored.top == tuple((i, pytest.approx(expected[i] - log_total)) for i in (2, 1, 3))
+    # A negative penalty encourages repeats.
+    assert Sampler(GenerationOptions(temperature=0, presence_penalty=-1.0), EOS).choose(row, [], 1, [2]) == 2
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    row = np.array([5.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)
+    sampler = Sampler(GenerationOptions(temperature=1.0, seed=1, min_p=0.2), EOS)
+    assert {sampler.choose(row, [], 0) for _ in range(300)} == {0, 1}  # exp(-1) > 0.2 > exp(-5)
+    free = Sampler(GenerationOptions(temperature=1.0, seed=1), EOS)
+    assert len({free.choose(row, [], 0) for _ in range(300)}) > 2
+
+
+def test_logprobs_are_a_log_softmax_and_greedy_picks_the_best() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        row = rng.normal(size=50).astype(np.float32)
+        sampler = Sampler(GenerationOptions(temperature=0, logprobs=5), EOS)
+        token = sampler.choose(row, [], 0)
+        scored = sampler.scored(token)
+        reference = row.astype(np.float64) - math.log(np.exp(row.astype(np.float64)).sum())
+        assert token == scored.top[0][0] == int(np.argmax(reference))
+        assert scored.logprob == pytest.approx(reference[token])
+        assert [t for t, _ in scored.top] == list(np.argsort(-reference)[:5])
+        assert [lp for _, lp in scored.top] == pytest.approx(sorted(reference, reverse=True)[:5])
+
+
+def test_logprobs_come_before_temperature_and_after_the_mask() -> None:
+    row = np.array([2.0, 1.0, -np.inf, 0.0], dtype=np.float32)  # token 2 masked by a grammar
+    sampler = Sampler(GenerationOptions(temperature=0.5, seed=0, logprobs=4), frozenset())
+    token = sampler.choose(row, [], 0)
+    scored = sampler.scored(token)
+    finite = np.array([2.0, 1.0, 0.0])
+    assert scored.top[0] == (0, pytest.approx(2.0 - math.log(np.exp(finite).sum())))
+    assert scored.top[-1] == (2, -9999.0)  # impossible: OpenAI's floor, JSON has no -inf
 
 
 # -- StopMatcher ------------------------------------------------------------------------------

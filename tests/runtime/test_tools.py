@@ -90,6 +90,35 @@ def test_markup_is_never_shown_early() -> None:
     assert ToolCallParser("hermes").feed("a <b>") == ("a <b>", [])
 
 
+@pytest.mark.parametrize(
+    ("format", "text", "forced", "call"),
+    [
+        ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b"', None, ToolCall("add", '{"a": 1, "b"')),
+        ("hermes", '<tool_call>\n{"name": "ad', None, ToolCall("ad", "")),
+        ("hermes", '<tool_call>\n{"na', "add", ToolCall("add", "")),
+        ("hermes", "<tool_call>", "", ToolCall("", "")),
+        ("phi4", '<|tool_call|>[{"name": "f", "arguments": {"x": [1,', None, ToolCall("f", '{"x": [1,')),
+        ("llama3", '{"name": "f", "parameters": {"q": "a\\"b', None, ToolCall("f", '{"q": "a\\"b')),
+    ],
+)
+def test_a_call_cut_short_is_a_call_as_far_as_it_got(
+    format: str, text: str, forced: str | None, call: ToolCall
+) -> None:
+    parser = ToolCallParser(format)  # type: ignore[arg-type]
+    content, calls = parser.feed(text)
+    rest, more = parser.finish(cut_short=True, forced=forced)
+    assert (content + rest, calls + more) == ("", [call])
+
+
+def test_an_unfinished_call_that_was_not_cut_short_stays_content() -> None:
+    parser = ToolCallParser("hermes")
+    parser.feed('<tool_call>\n{"name": "add", "arg')
+    assert parser.finish() == ('<tool_call>\n{"name": "add", "arg', [])
+    unnamed = ToolCallParser("hermes")
+    unnamed.feed('<tool_call>\n{"na')
+    assert unnamed.finish(cut_short=True) == ('<tool_call>\n{"na', [])  # not forced, no name: text
+
+
 def test_plain_text_is_content() -> None:
     for format in ("hermes", "llama3", "phi4", "mistral"):
         assert parse(format, "Just an answer, no tools.") == ("Just an answer, no tools.", [])

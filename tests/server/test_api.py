@@ -222,7 +222,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
         ({"model": "tiny", "messages": HELLO, "n": 0}, "n"),
         ({"model": "tiny", "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "tiny", "messages": []}, "messages"),
-        ({"model": "tiny", "messages": HELLO, "logprobs": True}, "logprobs"),
+        ({"model": "tiny", "messages": HELLO, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ({"model": "tiny", "messages": HELLO, "max_tokens": 100000}, "max_tokens"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
         (

@@ -180,3 +180,17 @@ async def test_concurrent_streams_each_get_their_own_text(served: tuple[str, Any
 
         alone = [await one(m) for m in prompts]
         assert list(await asyncio.gather(*(one(m) for m in prompts))) == alone
+
+
+def test_logprobs_on_the_host_sampling_engines_and_a_400_on_og_engine(client: openai.OpenAI, engine: str) -> None:
+    kwargs: dict[str, Any] = {"messages": ASK, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    if engine == "og-engine":  # og samples inside onnxruntime-genai: no logits come back
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=engine, **kwargs)
+        assert info.value.body["param"] == "logprobs"  # type: ignore[index]
+        return
+    result = client.chat.completions.create(model=engine, **kwargs)
+    reference = client.chat.completions.create(model="ort-cpu", **kwargs)
+    tokens = result.choices[0].logprobs.content
+    assert [t.token for t in tokens] == [t.token for t in reference.choices[0].logprobs.content]
+    assert all(t.top_logprobs[0].token == t.token for t in tokens)

@@ -81,6 +81,36 @@ def test_forced_calls_are_valid_streamed_or_not(
     assert calls[0]["id"].startswith("call_")
 
 
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "add"}}], ids=["required", "named"]
+)
+@pytest.mark.parametrize("max_tokens", [1, 3, 9, 14])
+def test_a_forced_call_cut_short_is_still_a_call(tiny_client: openai.OpenAI, tool_choice: Any, max_tokens: int) -> None:
+    """As OpenAI: ``finish_reason`` ``length`` and the call's arguments as far as they were
+    written, never the raw ``<tool_call>`` markup in the content (cut at 1 token: only the
+    start marker; then inside the name, inside the arguments)."""
+    kwargs: dict[str, Any] = {"model": "tiny", "messages": ASK, "tools": TOOLS, "tool_choice": tool_choice}
+    whole = tiny_client.chat.completions.create(max_tokens=200, temperature=0, **kwargs).choices[0]
+    assert whole.message.tool_calls is not None
+    full = whole.message.tool_calls[0].function
+    cut = tiny_client.chat.completions.create(max_tokens=max_tokens, temperature=0, **kwargs).choices[0]
+    assert cut.finish_reason == "length"
+    assert cut.message.content is None
+    assert cut.message.tool_calls is not None and len(cut.message.tool_calls) == 1
+    call = cut.message.tool_calls[0].function
+    assert full.arguments.startswith(call.arguments) and call.arguments != full.arguments
+    if isinstance(tool_choice, dict):
+        assert call.name == "add"
+    else:
+        assert full.name.startswith(call.name)
+
+    content, calls, finish = reassemble(
+        list(tiny_client.chat.completions.create(max_tokens=max_tokens, temperature=0, stream=True, **kwargs))
+    )
+    assert (content, finish) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.name, call.arguments)]
+
+
 def test_stream_puts_id_and_name_first_then_arguments(tiny_client: openai.OpenAI) -> None:
     chunks = list(
         tiny_client.chat.completions.create(
@@ -147,8 +177,8 @@ def test_parallel_tool_calls_false_keeps_the_first(tiny_url: str, monkeypatch: p
     two = [ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("add", '{"a": 3, "b": 4}')]
     original = ToolCallParser.finish
 
-    def finish(self: ToolCallParser) -> tuple[str, list[ToolCall]]:
-        rest, _ = original(self)
+    def finish(self: ToolCallParser, **kwargs: Any) -> tuple[str, list[ToolCall]]:
+        rest, _ = original(self, **kwargs)
         return rest, list(two)
 
     monkeypatch.setattr(ToolCallParser, "finish", finish)

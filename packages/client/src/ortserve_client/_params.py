@@ -46,6 +46,7 @@ class _SamplingParams(TypedDict, total=False):
     presence_penalty: float | None
     frequency_penalty: float | None
     logit_bias: Mapping[str, float] | None
+    min_p: float | None
     response_format: ResponseFormat | JSONObject | None
     guided_regex: str | None
     guided_grammar: str | None

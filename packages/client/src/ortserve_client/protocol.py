@@ -29,12 +29,15 @@ __all__ = [
     "ChatCompletionChunkChoice",
     "ChatCompletionMessage",
     "ChatCompletionRequest",
+    "ChatCompletionTokenLogprob",
     "ChatMessage",
     "ChoiceDelta",
     "ChoiceDeltaFunctionCall",
     "ChoiceDeltaToolCall",
+    "ChoiceLogprobs",
     "Completion",
     "CompletionChoice",
+    "CompletionLogprobs",
     "CompletionRequest",
     "CompletionUsage",
     "ContentPart",
@@ -73,6 +76,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolMessage",
+    "TopLogprob",
     "Transcription",
     "TranscriptionSegment",
     "TranscriptionVerbose",
@@ -280,6 +284,9 @@ class _GenerationRequest(_Request):
     presence_penalty: float | UnsetType | None = UNSET
     frequency_penalty: float | UnsetType | None = UNSET
     logit_bias: dict[str, float] | UnsetType | None = UNSET
+    """Token id (as a string, JSON keys being strings) -> bias in [-100, 100]."""
+    min_p: float | UnsetType | None = UNSET
+    """Extension (vLLM): drop tokens less likely than ``min_p`` times the most likely."""
     response_format: ResponseFormat | UnsetType | None = UNSET
     """Structured output: ``json_object`` or ``json_schema`` (constrained decoding)."""
     guided_regex: str | UnsetType | None = UNSET
@@ -297,6 +304,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     max_completion_tokens: int | UnsetType | None = UNSET
     logprobs: bool | UnsetType | None = UNSET
     top_logprobs: int | UnsetType | None = UNSET
+    """0-20 most likely alternatives per token (needs ``logprobs: true``)."""
     tools: list[Tool] | UnsetType | None = UNSET
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | UnsetType | None = UNSET
     parallel_tool_calls: bool | UnsetType | None = UNSET
@@ -331,14 +339,39 @@ class ChatCompletionMessage(_Response):
     tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
+class TopLogprob(_Response):
+    """One of the most likely tokens at a step. ``bytes``: the token's UTF-8 bytes (a token
+    may hold part of a character; its ``token`` is then ``bytes:\\xe2...``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionTokenLogprob(_Response):
+    """A generated token, its log-probability and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(_Response):
+    """A chat choice's log-probabilities (or, streamed, those of the chunk's tokens)."""
+
+    content: list[ChatCompletionTokenLogprob] | None = None
+    refusal: list[ChatCompletionTokenLogprob] | None = None
+
+
 class ChatCompletionChoice(_Response):
     """One of the ``n`` replies."""
 
     index: int
     message: ChatCompletionMessage
     finish_reason: str | None
-    logprobs: dict[str, Any] | None = None
-    """Always ``null`` from ortserve; other servers' log-probabilities decode as a dict."""
+    logprobs: ChoiceLogprobs | None = None
+    """``null`` unless the request set ``logprobs: true``."""
 
 
 class ChatCompletion(_Response):
@@ -384,7 +417,7 @@ class ChatCompletionChunkChoice(_Response):
     index: int
     delta: ChoiceDelta
     finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -413,6 +446,18 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     suffix: str | UnsetType | None = UNSET
     best_of: int | UnsetType | None = UNSET
     logprobs: int | UnsetType | None = UNSET
+    """0-5: each token's log-probability and that many most likely alternatives."""
+
+
+class CompletionLogprobs(_Response):
+    """The legacy shape: one entry per token in each list. ``top_logprobs`` maps token text
+    to log-probability (the chosen token always among them); ``text_offset`` is where each
+    token's text begins in the completion."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
 
 
 class CompletionChoice(_Response):
@@ -421,7 +466,7 @@ class CompletionChoice(_Response):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Response):

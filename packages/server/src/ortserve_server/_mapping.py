@@ -54,6 +54,10 @@ __all__ = [
 ]
 
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on chat ``top_logprobs``."""
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's limit on the legacy completions' ``logprobs``."""
 T = TypeVar("T")
 D = TypeVar("D")
 
@@ -137,12 +141,9 @@ def _refuse(param: str, why: str = "is not supported by this server") -> Unsuppo
 
 
 def _check_common(data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig) -> None:
-    if _given(data.logit_bias) and data.logit_bias:
-        raise _refuse("logit_bias")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(data, name)
-        if _given(value) and value != 0:
-            raise _refuse(name, "is not supported; use repetition_penalty")
+    if _given(data.stream_options) and data.stream is not True:
+        # As OpenAI: the options of a stream make no sense without one.
+        raise BadRequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     n = data.n if _given(data.n) else 1
     if not isinstance(n, int) or n < 1 or n > config.max_n:
         raise BadRequestError(f"'n' must be between 1 and {config.max_n}", param="n")
@@ -154,8 +155,11 @@ def _check_common(data: p.ChatCompletionRequest | p.CompletionRequest, config: S
 def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> None:
     """Refuse what we cannot honour, naming the parameter."""
     _check_common(data, config)
-    if data.logprobs is True or _given(data.top_logprobs):
-        raise _refuse("logprobs" if data.logprobs is True else "top_logprobs")
+    top = data.top_logprobs
+    if _given(top) and not (isinstance(top, int) and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise BadRequestError(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if isinstance(top, int) and top > 0 and data.logprobs is not True:
+        raise BadRequestError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
     if not data.messages:
         raise BadRequestError("'messages' must not be empty", param="messages")
     if isinstance(data.modalities, list) and set(data.modalities) - {"text"}:
@@ -166,8 +170,9 @@ def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> N
 
 def check_completion_request(data: p.CompletionRequest, config: ServerConfig) -> None:
     _check_common(data, config)
-    if _given(data.logprobs):
-        raise _refuse("logprobs")
+    logprobs = data.logprobs
+    if _given(logprobs) and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+        raise BadRequestError(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs")
     if data.echo is True:
         raise _refuse("echo")
     if _given(data.suffix) and data.suffix:
@@ -342,6 +347,8 @@ class ToolPlan:
     """Parse the output for calls in this format (``None``: plain content)."""
     grammar: Grammar | None = None
     """Force a call (``required`` or a named function)."""
+    forced: str | None = None
+    """The name of the function a forced call must call (``""``: any), else ``None``."""
 
 
 def _tool_plan(
@@ -372,7 +379,7 @@ def _tool_plan(
             param="tool_choice",
         )
     _check_grammar_size(grammar, "tools", config)
-    return ToolPlan(definitions, model.tool_format, grammar)
+    return ToolPlan(definitions, model.tool_format, grammar, name or "")
 
 
 def _generation_options(
@@ -391,6 +398,11 @@ def _generation_options(
     stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
     top_k = _or(data.top_k, 0)
     seed = _or(data.seed, None)
+    bias = _logit_bias(data.logit_bias)
+    if isinstance(data, p.ChatCompletionRequest):
+        logprobs = _or(data.top_logprobs, 0) if data.logprobs is True else None
+    else:
+        logprobs = _or(data.logprobs, None)
     options = [
         GenerationOptions(
             max_tokens=max_tokens,
@@ -402,12 +414,31 @@ def _generation_options(
             seed=None if seed is None else seed + i,
             stop=stops,
             grammar=grammar,
+            logit_bias=bias,
+            min_p=_or(data.min_p, 0.0),
+            presence_penalty=_or(data.presence_penalty, 0.0),
+            frequency_penalty=_or(data.frequency_penalty, 0.0),
+            logprobs=logprobs,
         )
         for i in range(n)
     ]
     for o in options:
         o.validate()
     return options
+
+
+def _logit_bias(given: dict[str, float] | msgspec.UnsetType | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON's string keys) with integer keys; the model
+    checks that each id is in its vocabulary, the options that each bias is in range."""
+    if not isinstance(given, dict):
+        return {}
+    bias: dict[int, float] = {}
+    for key, value in given.items():
+        try:
+            bias[int(key)] = float(value)
+        except ValueError:
+            raise BadRequestError(f"logit_bias keys must be token ids, not {key!r}", param="logit_bias") from None
+    return bias
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from ortserve_runtime import (
     GenerationStream,
     InvalidRequestError,
     Segment,
+    TokenLogprob,
     ToolCall,
     ToolCallParser,
 )
@@ -164,6 +165,7 @@ class _Generation:
         streams: list[GenerationStream],
         tool_parsers: list[ToolCallParser] | None = None,
         parallel_calls: bool = True,
+        forced_tool: str | None = None,
     ) -> None:
         self.state = state
         self.metrics = state.metrics
@@ -172,6 +174,8 @@ class _Generation:
         self.streams = streams
         self.tool_parsers = tool_parsers
         self.parallel_calls = parallel_calls
+        self.forced_tool = forced_tool
+        """The function a forced call calls (``""``: any; ``None``: not forced)."""
         self.calls_made = [0] * len(streams)
         self.prompt_tokens = sum(s.prompt_tokens for s in streams)
         self.choices_per_prompt = 1
@@ -179,6 +183,10 @@ class _Generation:
         """Per stream, the prompt tokens its engine took from the prefix cache."""
         self.start = time.perf_counter()
         self.first = True
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
+        """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
+        self.event_logprobs: TokenLogprob | None = None
+        """Those of the event that :meth:`sse`'s ``events`` callback is turning into chunks."""
 
     def _observe(self, event: GenerationEvent) -> None:
         if self.first and event.token_id is not None:
@@ -193,7 +201,8 @@ class _Generation:
         parser = self.tool_parsers[index]
         text, calls = parser.feed(event.text)
         if event.finish_reason is not None:
-            rest, more = parser.finish()
+            # A call cut short by max_tokens is still a call (arguments as written so far).
+            rest, more = parser.finish(cut_short=event.finish_reason == "length", forced=self.forced_tool)
             text, calls = text + rest, calls + more
         if not self.parallel_calls:  # parallel_tool_calls=false: the first call only
             calls = calls[: max(0, 1 - self.calls_made[index])]
@@ -237,6 +246,8 @@ class _Generation:
             texts[index] += text
             calls[index] += made
             completion_tokens += self._record(index, event)
+            if event.logprobs is not None:
+                self.logprobs[index].append(event.logprobs)
             if reason is not None:
                 finish[index] = reason
         return texts, calls, finish, self._done(completion_tokens)
@@ -259,6 +270,7 @@ class _Generation:
                 async for index, event in _merge(self.streams, cut):
                     self._observe(event)
                     completion_tokens += self._record(index, event)
+                    self.event_logprobs = event.logprobs
                     for chunk in events(index, *self._split(index, event)):
                         yield chunk
         except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band
@@ -276,6 +288,36 @@ class _Generation:
             if usage_chunk is not None:
                 yield usage_chunk(usage)
         yield b"data: [DONE]\n\n"
+
+
+def _chat_logprobs(items: list[TokenLogprob]) -> p.ChoiceLogprobs:
+    return p.ChoiceLogprobs(
+        content=[
+            p.ChatCompletionTokenLogprob(
+                token=item.text,
+                logprob=item.logprob,
+                bytes=list(item.bytes),
+                top_logprobs=[p.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.bytes)) for t in item.top],
+            )
+            for item in items
+        ]
+    )
+
+
+def _completion_logprobs(items: list[TokenLogprob]) -> p.CompletionLogprobs:
+    """The legacy shape; as OpenAI documents, the chosen token is always among a step's
+    ``top_logprobs`` (so it may hold one more than asked for)."""
+    top: list[dict[str, float] | None] = []
+    for item in items:
+        best = {t.text: t.logprob for t in item.top}
+        best.setdefault(item.text, item.logprob)
+        top.append(best)
+    return p.CompletionLogprobs(
+        tokens=[item.text for item in items],
+        token_logprobs=[item.logprob for item in items],
+        top_logprobs=top,
+        text_offset=[item.offset for item in items],
+    )
 
 
 def _include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:
@@ -311,6 +353,7 @@ async def chat_completions(
         streams,
         parsers,
         data.parallel_tool_calls is not False,
+        tools.forced,
     )
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     run.choices_per_prompt = n
@@ -329,7 +372,15 @@ async def chat_completions(
         return chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(**fields))])
 
     def events(index: int, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
-        out = [delta(index, content=text)] if text else []
+        scored = run.event_logprobs
+        out = []
+        if scored is not None:  # a token's chunk carries its logprobs, even while text is held back
+            logprobs = _chat_logprobs([scored])
+            out.append(
+                chunk([p.ChatCompletionChunkChoice(index=index, delta=p.ChoiceDelta(content=text), logprobs=logprobs)])
+            )
+        elif text:
+            out.append(delta(index, content=text))
         first = run.calls_made[index] - len(calls)
         for number, call in enumerate(calls, start=first):
             # OpenAI's shape: id, type and name first, then the arguments as fragments.
@@ -363,7 +414,8 @@ async def chat_completions(
             content=text if text or not tool_calls else None,
             tool_calls=tool_calls or msgspec.UNSET,
         )
-        choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason))
+        logprobs = _chat_logprobs(run.logprobs[i]) if data.logprobs is True else None
+        choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
     return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
@@ -379,6 +431,17 @@ async def _transcribe_chat(
             raise BadRequestError(f"'{name}' does not apply to a speech-to-text model", param=name)
     if data.n not in (None, msgspec.UNSET, 1):
         raise BadRequestError("a speech-to-text model gives one choice ('n' must be 1)", param="n")
+    # Whisper decodes in onnxruntime-genai: there are no logits here to score or bias.
+    sampling = {
+        "logprobs": data.logprobs is True,
+        "logit_bias": bool(data.logit_bias),
+        "min_p": data.min_p not in (None, msgspec.UNSET, 0),
+        "presence_penalty": data.presence_penalty not in (None, msgspec.UNSET, 0),
+        "frequency_penalty": data.frequency_penalty not in (None, msgspec.UNSET, 0),
+    }
+    for name, asked in sampling.items():
+        if asked:
+            raise BadRequestError(f"'{name}' does not apply to a speech-to-text model", param=name)
     audio = [
         (f"messages[{i}].content[{j}].input_audio.data", part.input_audio.data)
         for i, message in enumerate(data.messages)
@@ -455,16 +518,22 @@ async def completions(
         return _sse(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
     def events(index: int, text: str, _: list[ToolCall], reason: str | None) -> list[bytes]:
-        if not text and reason is None:
+        scored = run.event_logprobs
+        if not text and reason is None and scored is None:
             return []
-        return [chunk([p.CompletionChoice(index=index, text=text, finish_reason=reason)])]
+        logprobs = _completion_logprobs([scored]) if scored is not None else None
+        return [chunk([p.CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)])]
 
     if data.stream is True:
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk))
     texts, _, finish, usage = await _while_connected(request, ortserve, run.collect())
+    wanted = isinstance(data.logprobs, int)
     choices = [
-        p.CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(zip(texts, finish, strict=True))
+        p.CompletionChoice(
+            index=i, text=t, finish_reason=f, logprobs=_completion_logprobs(run.logprobs[i]) if wanted else None
+        )
+        for i, (t, f) in enumerate(zip(texts, finish, strict=True))
     ]
     return Response(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 

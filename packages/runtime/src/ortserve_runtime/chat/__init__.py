@@ -1,6 +1,7 @@
 """The front of generative models: chat template, tools, grammars, validation, prompts."""
 
 from ._constraints import Grammar
+from ._logprobs import TokenBytes, TokenLogprob, TopLogprob
 from ._media import AudioInput, ImageInput
 from ._model import ChatModel
 from ._multimodal import MULTIMODAL_TYPES, MediaProcessor
@@ -24,9 +25,12 @@ __all__ = [
     "Message",
     "Prompt",
     "Request",
+    "TokenBytes",
+    "TokenLogprob",
     "ToolCall",
     "ToolCallFormat",
     "ToolCallParser",
+    "TopLogprob",
     "Usage",
     "detect_tool_format",
     "forced_tool_grammar",

@@ -15,6 +15,7 @@ from .._config import ModelConfig
 from .._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
 from ._constraints import GrammarCompiler
+from ._logprobs import TokenBytes
 from ._media import Media, flatten_messages
 from ._multimodal import MediaProcessor
 from ._request import GenerationStream, Prompt, Request
@@ -81,6 +82,15 @@ class ChatModel:
         )
         """How this model writes tool calls (from its chat template), or None."""
         self.grammars = GrammarCompiler(tokenizer_path.read_text(encoding="utf-8"), self.vocab_size, self.eos_token_ids)
+        self._token_bytes: TokenBytes | None = None
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """Token id -> text and bytes, for log-probabilities (made on first use: it reads
+        the whole tokenizer once, which most requests never need)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes
 
     @property
     def queued(self) -> int:
@@ -224,12 +234,36 @@ class ChatModel:
             stops=StopMatcher(options.stop),
             tokenizer=self.tokenizer,
             eos=self.eos_token_ids,
+            token_bytes=self.token_bytes if options.logprobs is not None else None,
         )
         return GenerationStream(self.engine, request)
 
     def _check_engine(self, prompt: Prompt, options: GenerationOptions) -> None:
         """Refuse what this engine cannot honour, naming the field, rather than ignore it."""
         capabilities = self.engine.capabilities
+        bad = [t for t in options.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="logit_bias"
+            )
+        if not capabilities.host_sampling:
+            # og samples inside onnxruntime-genai: its TurnOptions take temperature, top-k/p
+            # and the repetition penalty only, and no logits come back to score.
+            asked = [
+                ("logprobs", options.logprobs is not None),
+                ("logit_bias", bool(options.logit_bias)),
+                ("min_p", options.min_p != 0.0),
+                ("presence_penalty", options.presence_penalty != 0.0),
+                ("frequency_penalty", options.frequency_penalty != 0.0),
+            ]
+            for name, wanted in asked:
+                if wanted:
+                    raise InvalidRequestError(
+                        f"{name}: model {self.name!r} runs on the {self.engine.name} engine, which samples inside "
+                        "onnxruntime-genai and cannot do this; serve the model with --engine og-generator "
+                        "(or ort-cpu on the CPU)",
+                        param=name,
+                    )
         if options.seed is not None and not options.greedy and not capabilities.seeds:
             raise InvalidRequestError(
                 f"seed: model {self.name!r} runs on the {self.engine.name} engine with {capabilities.batching} "

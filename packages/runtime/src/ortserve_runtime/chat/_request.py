@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, decoders
 
 from .._errors import EngineClosedError
 from ._constraints import Constraint
+from ._logprobs import TokenBytes, TokenLogprob
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
 
@@ -57,6 +58,9 @@ class GenerationEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     """Set on the final event only."""
+    logprobs: TokenLogprob | None = None
+    """The token's log-probability and alternatives, when the options asked for them (and
+    the engine hands back logits); an end-of-sequence token has none (no event names it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,8 @@ class Request:
     """The grammar matcher that masks logits on the host (engines that hand back logits)."""
     media: Any = None
     """The processor's inputs for a multimodal prompt (see :class:`Prompt`)."""
+    token_bytes: TokenBytes | None = None
+    """Names the tokens of log-probabilities; set only when the options ask for them."""
     id: int = field(default_factory=lambda: next(_request_ids))
     tokens: list[int] = field(default_factory=list)
     decoder: Any = field(default_factory=lambda: decoders.DecodeStream(skip_special_tokens=True))
@@ -130,13 +136,16 @@ class Request:
         history = [t for t in self.prompt if t >= 0] + self.tokens if sampler.options.repetition_penalty != 1.0 else []
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
-        return self.take(sampler.choose(logits, history, len(self.tokens)))
+        token = sampler.choose(logits, history, len(self.tokens), self.tokens)
+        if self.token_bytes is None:
+            return self.take(token)
+        return self.take(token, self.token_bytes.named(sampler.scored(token), self.decoded_chars))
 
-    def take(self, token: int) -> GenerationEvent:
+    def take(self, token: int, logprobs: TokenLogprob | None = None) -> GenerationEvent:
         """Record ``token`` as the next one; the event says whether the request is done."""
         self.tokens.append(token)
         complete = self.constraint is not None and self.constraint.advance(token)
-        if token in self.eos:
+        if token in self.eos:  # the end is no output token: its logprob is not reported
             return self.final("stop", self.stops.feed(self._tail())[0] + self.stops.flush())
         piece = self.decoder.step(self.tokenizer, token) or ""
         self.decoded_chars += len(piece)
@@ -144,16 +153,18 @@ class Request:
             piece += self._tail()
         text, stopped = self.stops.feed(piece)
         if stopped:
-            return self.final("stop", text, token)
+            return self.final("stop", text, token, logprobs)
         if complete:
-            return self.final("stop", text + self.stops.flush(), token)
+            return self.final("stop", text + self.stops.flush(), token, logprobs)
         if len(self.tokens) >= self.max_tokens:
-            return self.final("length", text + self.stops.flush(), token)
-        return GenerationEvent(token_id=token, text=text)
+            return self.final("length", text + self.stops.flush(), token, logprobs)
+        return GenerationEvent(token_id=token, text=text, logprobs=logprobs)
 
-    def final(self, reason: FinishReason, text: str = "", token: int | None = None) -> GenerationEvent:
+    def final(
+        self, reason: FinishReason, text: str = "", token: int | None = None, logprobs: TokenLogprob | None = None
+    ) -> GenerationEvent:
         usage = Usage(len(self.prompt), len(self.tokens), self.cached_tokens)
-        return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage)
+        return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage, logprobs=logprobs)
 
     def _tail(self) -> str:
         """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),

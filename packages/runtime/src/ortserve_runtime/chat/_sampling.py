@@ -1,14 +1,26 @@
 """Per-request generation options and the host-side sampler.
 
 Sampling runs in NumPy on the logits the model returns, one row per request, so every
-request in a batch keeps its own temperature, top-k/top-p, penalty and seed. Order of the
-logit processors follows transformers: repetition penalty, EOS suppression for
-``min_tokens``, temperature, top-k, top-p.
+request in a batch keeps its own temperature, top-k/top-p, penalties and seed. The order:
+
+1. the grammar mask (applied by the request before the sampler sees the row);
+2. ``logit_bias`` (OpenAI: added to the logit, before anything else of the sampler's);
+3. ``repetition_penalty`` (transformers/CTRL: over prompt and output);
+4. ``presence_penalty`` / ``frequency_penalty`` (OpenAI: over the output only, as vLLM);
+5. EOS suppression while fewer than ``min_tokens`` exist;
+6. -- log-probabilities are taken here: what the model would pick among the tokens the
+   request allows, so greedy decoding picks the token of highest logprob --
+7. temperature, then top-k, top-p and min-p truncate what is sampled from.
+
+Log-probabilities are reported before temperature and truncation, as the model's
+distribution over what the request allows; vLLM reports the raw model's by default, but
+a caller who biased or constrained a token expects its logprob to say so.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,9 +29,11 @@ import numpy.typing as npt
 from .._errors import InvalidRequestError
 from ._constraints import Grammar
 
-__all__ = ["GenerationOptions", "Sampler"]
+__all__ = ["MAX_TOP_LOGPROBS", "GenerationOptions", "Sampler", "Scored"]
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on ``top_logprobs``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +55,17 @@ class GenerationOptions:
     """Text that ends generation; neither it nor anything after it is ever emitted."""
     grammar: Grammar | None = None
     """Constrain the output to a JSON schema, regular expression or Lark grammar."""
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    """Token id -> bias in [-100, 100] added to its logit (-100 bans, +100 all but forces)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one (0 disables)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token the output already has."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time the output has it."""
+    logprobs: int | None = None
+    """Report each token's log-probability and this many most likely alternatives
+    (0: the token's own only); ``None``: none, and no work spent on them."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first option out of range."""
@@ -61,6 +86,28 @@ class GenerationOptions:
                 "must not exceed max_tokens",
             ),
             (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be a non-negative 63-bit integer"),
+            (
+                all(math.isfinite(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values()),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            ),
+            (all(t >= 0 for t in self.logit_bias), "logit_bias", "keys must be non-negative token ids"),
+            (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (
+                math.isfinite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty",
+                "must be in [-2, 2]",
+            ),
+            (
+                math.isfinite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                "must be in [-2, 2]",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
             (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"allows at most {MAX_STOP_STRINGS} strings"),
             (all(self.stop), "stop", "must not contain empty strings"),
         ]
@@ -74,6 +121,21 @@ class GenerationOptions:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """The log-probability of the chosen token and of the most likely ones (best first),
+    from the scores the sampler chose among (see the module's order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+# OpenAI reports an impossible token (a grammar or ``min_tokens`` banned it) as -9999.0;
+# JSON has no -Infinity.
+_FLOOR = -9999.0
+
+
 class Sampler:
     """Chooses the next token for one request from its logits row."""
 
@@ -81,33 +143,44 @@ class Sampler:
         self.options = options
         self._eos = np.fromiter(eos_token_ids, dtype=np.int64)
         self._rng = np.random.default_rng(options.seed)
-        self._plain_greedy = options.greedy and options.repetition_penalty == 1.0 and options.min_tokens == 0
+        self._bias_ids = np.fromiter(options.logit_bias.keys(), dtype=np.int64)
+        self._bias = np.fromiter(options.logit_bias.values(), dtype=np.float64)
+        self._penalised = options.presence_penalty != 0.0 or options.frequency_penalty != 0.0
+        self._plain = (
+            options.repetition_penalty == 1.0
+            and options.min_tokens == 0
+            and not options.logit_bias
+            and not self._penalised
+        )
+        self._plain_greedy = options.greedy and self._plain and options.logprobs is None
+        self._scores: npt.NDArray[np.float64] | npt.NDArray[np.float32] | None = None
 
-    def choose(self, logits: npt.NDArray[np.float32], previous: list[int], generated: int) -> int:
-        """Pick the next token. ``previous`` is the prompt plus generated ids (for the penalty)."""
+    def choose(
+        self, logits: npt.NDArray[np.float32], previous: list[int], generated: int, output: Sequence[int] = ()
+    ) -> int:
+        """Pick the next token. ``previous`` is the prompt plus generated ids (for the
+        repetition penalty), ``output`` the generated ids (presence/frequency penalties)."""
         if self._plain_greedy:
             return int(np.argmax(logits))
         options = self.options
-        scores = logits.astype(np.float64, copy=True)
-        if options.repetition_penalty != 1.0 and previous:
-            seen = np.unique(np.asarray(previous, dtype=np.int64))
-            values = scores[seen]
-            scores[seen] = np.where(
-                values > 0, values / options.repetition_penalty, values * options.repetition_penalty
-            )
-        if generated < options.min_tokens and self._eos.size:
-            kept = scores[self._eos].copy()
-            scores[self._eos] = -np.inf
-            if not np.isfinite(scores).any():  # a grammar allows only the end: let it end
-                scores[self._eos] = kept
+        scores = logits if self._plain and options.greedy else self._process(logits, previous, generated, output)
+        if options.logprobs is not None:
+            self._scores = scores  # kept for scored(): log-probabilities before temperature
         if options.greedy:
             return int(np.argmax(scores))
-        scores /= options.temperature
+        if options.logprobs is None:
+            scores /= options.temperature  # a copy already (_process): no second row to allocate
+        else:
+            scores = scores / options.temperature  # the kept row stays untempered
         if 0 < options.top_k < scores.size:
             kth = np.partition(scores, -options.top_k)[-options.top_k]
             scores[scores < kth] = -np.inf
         probs = np.exp(scores - scores.max())
         probs /= probs.sum()
+        if options.min_p > 0.0:
+            # Relative to the most likely token after temperature, as vLLM and transformers.
+            probs[probs < options.min_p * probs.max()] = 0.0
+            probs /= probs.sum()
         if options.top_p < 1.0:
             order = np.argsort(-probs)
             cumulative = np.cumsum(probs[order])
@@ -117,3 +190,48 @@ class Sampler:
             kept = probs[keep] / probs[keep].sum()
             return int(keep[self._rng.choice(keep.size, p=kept)])
         return int(self._rng.choice(probs.size, p=probs))
+
+    def _process(
+        self, logits: npt.NDArray[np.float32], previous: list[int], generated: int, output: Sequence[int]
+    ) -> npt.NDArray[np.float64]:
+        """The logits after bias, penalties and ``min_tokens``, as a new float64 row."""
+        options = self.options
+        scores = logits.astype(np.float64, copy=True)
+        if self._bias_ids.size:
+            scores[self._bias_ids] += self._bias
+        if options.repetition_penalty != 1.0 and previous:
+            seen = np.unique(np.asarray(previous, dtype=np.int64))
+            values = scores[seen]
+            scores[seen] = np.where(
+                values > 0, values / options.repetition_penalty, values * options.repetition_penalty
+            )
+        if self._penalised and output:
+            ids, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
+            scores[ids] -= counts * options.frequency_penalty + options.presence_penalty
+        if generated < options.min_tokens and self._eos.size:
+            kept = scores[self._eos].copy()
+            scores[self._eos] = -np.inf
+            if not np.isfinite(scores).any():  # a grammar allows only the end: let it end
+                scores[self._eos] = kept
+        return scores
+
+    def scored(self, token: int) -> Scored:
+        """Log-probabilities of the last :meth:`choose` (``options.logprobs`` must be set)."""
+        scores = self._scores
+        assert scores is not None, "scored() needs options.logprobs and a choose() first"
+        self._scores = None
+        top = self.options.logprobs or 0
+        finite = scores[np.isfinite(scores)].astype(np.float64)
+        peak = float(finite.max()) if finite.size else 0.0
+        log_total = peak + math.log(float(np.exp(finite - peak).sum())) if finite.size else 0.0
+
+        def logprob(index: int) -> float:
+            value = float(scores[index]) - log_total
+            return value if math.isfinite(value) and value > _FLOOR else _FLOOR
+
+        best: list[tuple[int, float]] = []
+        if top:
+            candidates = np.argpartition(-scores, top - 1)[:top] if top < scores.size else np.arange(scores.size)
+            ordered = sorted(candidates.tolist(), key=lambda i: (-float(scores[i]), i))
+            best = [(int(i), logprob(int(i))) for i in ordered]
+        return Scored(token, logprob(token), tuple(best))

@@ -8,12 +8,15 @@ The format follows from the model's chat template, never from the caller:
 - ``phi4`` (Phi-4-mini): ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|>``
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
 
-Malformed markup is never an error: it stays in the content as the model wrote it.
+Malformed markup is never an error: it stays in the content as the model wrote it. A call
+cut short by the length limit is a call, with its arguments as far as they were written
+(as OpenAI returns a forced call that ran out of tokens), never markup in the content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -116,14 +119,24 @@ class ToolCallParser:
                 calls.extend(parsed)
         return "".join(content), calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut_short: bool = False, forced: str | None = None) -> tuple[str, list[ToolCall]]:
+        """Settle what is held back. ``cut_short``: the output ended at the length limit,
+        so an unfinished call is returned as far as it got (its name, and its arguments as
+        written so far) rather than as text. ``forced``: the call was forced (the name
+        ``tool_choice`` named, or ``""``), so even one cut before its name is a call."""
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
             return rest, []
         self._in_call = False
         body = rest.removeprefix(self._markers.start)
         parsed = self._parse(body)
-        return ("", parsed) if parsed is not None else (rest, [])
+        if parsed is not None:
+            return "", parsed
+        if cut_short:
+            name, arguments = _unfinished(body, self._markers.arguments_key)
+            if name is not None or forced is not None:
+                return "", [ToolCall(forced or name or "", arguments)]
+        return rest, []
 
     def _bare_json_start(self) -> int:
         """Llama 3 may answer with the call's JSON alone; only a leading ``{`` counts."""
@@ -154,6 +167,23 @@ class ToolCallParser:
                 return None
             calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
         return calls or None
+
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)')
+
+
+def _unfinished(body: str, arguments_key: str) -> tuple[str | None, str]:
+    """The name (``None`` if not begun) and the arguments text so far of a call whose JSON
+    was cut off; the text is the model's, not parsed (it cannot be, being unfinished)."""
+    found = _NAME.search(body)
+    name = None
+    if found is not None:
+        try:
+            name = json.loads(f'"{found.group(1)}"')
+        except ValueError:  # cut inside an escape: the name up to it
+            name = found.group(1).rpartition("\\")[0]
+    arguments = re.search(rf'"(?:{re.escape(arguments_key)}|arguments)"\s*:\s*', body)
+    return name, body[arguments.end() :].rstrip() if arguments is not None else ""
 
 
 def _held(text: str, marker: str) -> int:
