@@ -23,6 +23,7 @@ from ._errors import (
     translate_transport_errors,
 )
 from ._params import ChatCompletionParams, CompletionParams, EmbeddingParams, MessageParam, PromptParam
+from ._responses import Responses
 from ._streaming import AsyncStream
 from .protocol import (
     ChatCompletion,
@@ -100,6 +101,7 @@ class AsyncClient:
         self.embeddings = _Embeddings(self)
         self.models = _Models(self)
         self.audio = _Audio(self)
+        self.responses = Responses(self)
 
     async def __aenter__(self) -> Self:
         return self

@@ -9,12 +9,13 @@ import httpx
 import msgspec
 
 from ._errors import StreamError, translate_transport_errors
-from .protocol import ErrorResponse
+from .protocol import ErrorDetail, ErrorResponse
 
 __all__ = ["AsyncStream", "ServerSentEvent", "iter_sse"]
 
-T = TypeVar("T", bound=msgspec.Struct)
+T = TypeVar("T")  # a Struct, or a tagged union of them (the Responses API's events)
 _decode_error = msgspec.json.Decoder(ErrorResponse).decode
+_decode_error_event = msgspec.json.Decoder(ErrorDetail).decode
 
 
 class ServerSentEvent(msgspec.Struct, frozen=True):
@@ -102,5 +103,8 @@ def _stream_error(data: str) -> StreamError:
     try:
         body = _decode_error(data)
     except msgspec.DecodeError:
-        return StreamError(f"unexpected event in the stream: {data[:200]!r}")
+        try:  # the Responses API's error event: the error's fields at the top level
+            body = ErrorResponse(error=_decode_error_event(data))
+        except msgspec.DecodeError:
+            return StreamError(f"unexpected event in the stream: {data[:200]!r}")
     return StreamError(f"the server reported an error mid-stream: {body.error.message}", body=body)

@@ -25,6 +25,7 @@ from litestar.types import Guard
 from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
 from ._openapi import RequestLimits
+from ._responses import responses_route_handlers
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler
 from ._security import SiteGuard, body_guard
 from ._state import OrtServe
@@ -46,7 +47,7 @@ def _routers(state: OrtServe) -> list[Router]:
     routers = [
         Router(
             path=config.path,
-            route_handlers=api_route_handlers,
+            route_handlers=[*api_route_handlers, *responses_route_handlers],
             dependencies=provide,
             guards=[*_guards(config), body_guard],
             exception_handlers=exception_handlers,

@@ -257,11 +257,15 @@ class _Generation:
         events: Callable[[int, str, list[ToolCall], str | None], list[bytes]],
         usage_chunk: Callable[[p.CompletionUsage], bytes] | None,
         opening: list[bytes] = [],  # noqa: B006  # read only
+        *,
+        error_event: Callable[[p.ErrorDetail], bytes] | None = None,
+        closing: bytes = b"data: [DONE]\n\n",
     ) -> AsyncIterator[bytes]:
         """Server-sent events: ``opening``, the chunks ``events`` makes of each event (as
         content, tool calls and finish reason), the
-        usage chunk when asked for, then ``[DONE]``. Errors after the headers went out are
-        reported in-band, as OpenAI does."""
+        usage chunk when asked for, then ``closing`` (``[DONE]``). Errors after the headers
+        went out are reported in-band, as OpenAI does: as ``error_event`` makes them (an
+        API family's own error event), else as a ``data:`` error body."""
         for chunk in opening:
             yield chunk
         completion_tokens = 0
@@ -282,12 +286,28 @@ class _Generation:
                 if isinstance(exc, ServerError)
                 else p.ErrorDetail(message="the generation failed", type="server_error")
             )
-            yield _sse(p.ErrorResponse(error=error))
+            yield _sse(p.ErrorResponse(error=error)) if error_event is None else error_event(error)
         else:
             usage = self._done(completion_tokens)
             if usage_chunk is not None:
                 yield usage_chunk(usage)
-        yield b"data: [DONE]\n\n"
+        if closing:
+            yield closing
+
+
+async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletionRequest, endpoint: str) -> _Generation:
+    """A chat request checked, its prompt prepared and its generations started: what every
+    API family that speaks in messages (chat completions, Responses) runs the same way."""
+    plan = plan_chat(data, model, ortserve.config)
+    tools = plan.tools
+    check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
+    prompt = await model.aprepare_chat(await chat_messages(data.messages, ortserve.config), tools=tools.definitions)
+    streams = await plan.astart(ortserve, model, [prompt])
+    parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
+    run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
+    run.prompt_tokens = len(prompt)  # the n choices share one prompt
+    run.choices_per_prompt = plan.n
+    return run
 
 
 def _chat_logprobs(items: list[TokenLogprob]) -> p.ChoiceLogprobs:
@@ -340,23 +360,8 @@ async def chat_completions(
     if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
         return await _transcribe_chat(data, ortserve, request)
     model = await require_model(ortserve, data.model)
-    plan = plan_chat(data, model, ortserve.config)
-    n, tools = plan.n, plan.tools
-    check_room(ortserve, model, n, "n", "generations")  # before the prompt is prepared
-    prompt = await model.aprepare_chat(await chat_messages(data.messages, ortserve.config), tools=tools.definitions)
-    streams = await plan.astart(ortserve, model, [prompt])
-    parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
-    run = _Generation(
-        ortserve,
-        f"{ortserve.config.path}/chat/completions",
-        model,
-        streams,
-        parsers,
-        data.parallel_tool_calls is not False,
-        tools.forced,
-    )
-    run.prompt_tokens = len(prompt)  # the n choices share one prompt
-    run.choices_per_prompt = n
+    run = await start_chat(ortserve, model, data, f"{ortserve.config.path}/chat/completions")
+    n = run.choices_per_prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
     call_ids: dict[tuple[int, int], str] = {}
 

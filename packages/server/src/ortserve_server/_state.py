@@ -12,6 +12,7 @@ from ortserve_runtime import ModelRegistry
 
 from ._config import ServerConfig
 from ._metrics import Metrics
+from ._response_store import ResponseStore
 
 __all__ = ["OrtServe"]
 
@@ -30,6 +31,10 @@ class OrtServe:
         self.metrics = Metrics()
         self.metrics.watch_prefix_caches(self._prefix_caches)
         self.created = int(time.time())
+        self.responses = ResponseStore(
+            config.responses_store_max, config.responses_store_max_bytes, config.responses_store_ttl
+        )
+        """Responses kept for ``previous_response_id`` (``/v1/responses`` with ``store: true``)."""
         self.started = False
         self.cut_requests = 0
         """Requests that :meth:`cut_work` (or a harder stop) ended before they finished."""

@@ -126,7 +126,7 @@ class Request:
         """Sample the next token from ``logits`` on the host, then :meth:`take` it."""
         sampler = self.sampler
         options = sampler.options
-        if options.greedy and options.repetition_penalty == 1.0 and self.constraint is None:
+        if sampler.argmax_unless_eos and self.constraint is None:
             # The sampler's greedy pick without its float64 copy: the first maximum of the
             # row stays the first maximum once EOS is masked, unless it is an EOS the
             # request may not end with yet (then the sampler masks and picks again).

@@ -153,6 +153,15 @@ class Sampler:
             and not self._penalised
         )
         self._plain_greedy = options.greedy and self._plain and options.logprobs is None
+        self.argmax_unless_eos = (
+            options.greedy
+            and options.repetition_penalty == 1.0
+            and not options.logit_bias
+            and not self._penalised
+            and options.logprobs is None
+        )
+        """The pick is the row's argmax unless that is an EOS ``min_tokens`` still forbids (a
+        fast path for the caller: no copy of the row, no processing)."""
         self._scores: npt.NDArray[np.float64] | npt.NDArray[np.float32] | None = None
 
     def choose(

@@ -1,0 +1,123 @@
+"""``client.responses``: the OpenAI Responses API (``/responses``) on :class:`AsyncClient`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack, cast, overload
+
+import msgspec
+
+from . import responses_protocol as rp
+from ._streaming import AsyncStream
+
+if TYPE_CHECKING:
+    from ._client import AsyncClient
+
+__all__ = ["InputItemParam", "ResponseCreateParams", "Responses"]
+
+JSONObject = Mapping[str, Any]
+InputItemParam = rp.InputItem | JSONObject
+"""An input item: an item Struct or ``{"role": ..., "content": ...}`` / ``{"type": ...}``."""
+
+
+class ResponseCreateParams(TypedDict, total=False):
+    """Optional fields of :class:`~ortserve_client.responses_protocol.ResponseCreateRequest`."""
+
+    instructions: str | None
+    tools: Sequence[rp.FunctionTool | JSONObject] | None
+    tool_choice: Literal["none", "auto", "required"] | rp.ToolChoiceFunction | JSONObject | None
+    parallel_tool_calls: bool | None
+    text: rp.TextConfig | JSONObject | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    reasoning: rp.Reasoning | JSONObject | None
+    store: bool | None
+    previous_response_id: str | None
+    metadata: Mapping[str, str] | None
+    user: str | None
+    background: bool | None
+    include: Sequence[str] | None
+    truncation: str | None
+    top_logprobs: int | None
+    max_tool_calls: int | None
+    conversation: Any
+    prompt: Any
+
+
+_STREAM_EVENT = cast("type[rp.ResponseStreamEvent]", rp.ResponseStreamEvent)
+"""The tagged union of the stream's events, as the type the stream decodes each one to."""
+
+
+class Responses:
+    """``client.responses``: create (whole or streamed), retrieve and delete responses."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        input: str | Sequence[InputItemParam],
+        stream: Literal[False] = False,
+        **options: Unpack[ResponseCreateParams],
+    ) -> rp.Response: ...
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        input: str | Sequence[InputItemParam],
+        stream: Literal[True],
+        **options: Unpack[ResponseCreateParams],
+    ) -> AsyncStream[rp.ResponseStreamEvent]: ...
+
+    @overload
+    async def create(
+        self,
+        *,
+        model: str,
+        input: str | Sequence[InputItemParam],
+        stream: bool,
+        **options: Unpack[ResponseCreateParams],
+    ) -> rp.Response | AsyncStream[rp.ResponseStreamEvent]: ...
+
+    async def create(
+        self,
+        *,
+        model: str,
+        input: str | Sequence[InputItemParam],
+        stream: bool = False,
+        **options: Unpack[ResponseCreateParams],
+    ) -> rp.Response | AsyncStream[rp.ResponseStreamEvent]:
+        """``POST /responses``. ``input`` is text or items (Structs or dicts); ``options``
+        are the request's other fields. With ``stream=True``, an :class:`AsyncStream` of
+        the typed events (``response.created`` ... ``response.completed``); an ``error``
+        event raises :class:`~ortserve_client.StreamError`."""
+        from ._client import _request  # here: _client imports this module
+
+        # The wire Struct keeps input items as JSON objects (see responses_protocol), so
+        # Structs become their JSON form first; checked as Structs all the same.
+        items = input if isinstance(input, str) else [msgspec.to_builtins(item) for item in input]
+        if not isinstance(items, str):
+            try:
+                rp.input_items(items)
+            except msgspec.ValidationError as exc:  # as _request reports its fields'
+                raise TypeError(f"invalid input items: {exc}") from exc
+        body = _request(rp.ResponseCreateRequest, {"model": model, "input": items, "stream": stream, **options})
+        url = f"{self._client.base_url}/responses"
+        if stream:
+            return await self._client._stream(url, body, _STREAM_EVENT)
+        return await self._client._send("POST", url, body, rp.Response)
+
+    async def retrieve(self, response_id: str) -> rp.Response:
+        """``GET /responses/{id}``: a response stored with ``store=True``."""
+        return await self._client._send("GET", f"{self._client.base_url}/responses/{response_id}", None, rp.Response)
+
+    async def delete(self, response_id: str) -> rp.ResponseDeleted:
+        """``DELETE /responses/{id}``."""
+        url = f"{self._client.base_url}/responses/{response_id}"
+        return await self._client._send("DELETE", url, None, rp.ResponseDeleted)

@@ -1,0 +1,423 @@
+"""The OpenAI Responses API (``/v1/responses``) as msgspec Structs, shared by client and server.
+
+Same conventions as :mod:`ortserve_client.protocol`: request-side Structs omit absent
+fields, response-side Structs always carry the fields OpenAI always sends, and decoding
+tolerates unknown fields. Items, content parts, tools and stream events are unions tagged
+by ``type``.
+
+One exception to the typing: a request's ``input`` list is decoded as plain JSON objects,
+because OpenAI lets a message item leave out its ``"type": "message"`` tag, and msgspec
+needs the tag to pick a Struct. :func:`input_items` turns that list into
+:data:`InputItem` Structs (the server calls it; a ``msgspec.ValidationError`` names the
+offending item).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from .protocol import _Request, _Response  # the same conventions as the chat protocol
+
+__all__ = [
+    "ContentPartAddedEvent",
+    "ContentPartDoneEvent",
+    "ErrorEvent",
+    "FunctionCallArgumentsDeltaEvent",
+    "FunctionCallArgumentsDoneEvent",
+    "FunctionCallItem",
+    "FunctionCallOutputItem",
+    "FunctionTool",
+    "IncompleteDetails",
+    "InputContent",
+    "InputImage",
+    "InputItem",
+    "InputMessage",
+    "InputText",
+    "InputTokensDetails",
+    "OutputItem",
+    "OutputItemAddedEvent",
+    "OutputItemDoneEvent",
+    "OutputMessage",
+    "OutputText",
+    "OutputTextDeltaEvent",
+    "OutputTextDoneEvent",
+    "OutputTokensDetails",
+    "Reasoning",
+    "Response",
+    "ResponseCompletedEvent",
+    "ResponseCreateRequest",
+    "ResponseCreatedEvent",
+    "ResponseDeleted",
+    "ResponseError",
+    "ResponseFailedEvent",
+    "ResponseInProgressEvent",
+    "ResponseIncompleteEvent",
+    "ResponseStreamEvent",
+    "ResponseUsage",
+    "TextConfig",
+    "TextFormat",
+    "TextFormatJSONObject",
+    "TextFormatJSONSchema",
+    "TextFormatText",
+    "ToolChoiceFunction",
+    "input_items",
+]
+
+
+# -- input items ----------------------------------------------------------------------------
+
+
+class InputText(_Request, tag_field="type", tag="input_text"):
+    """``{"type": "input_text", "text": ...}``."""
+
+    text: str
+
+
+class InputImage(_Request, tag_field="type", tag="input_image"):
+    """An image as a ``data:`` URL (or an ``http(s)`` URL where the server allows its host).
+    ``file_id`` is OpenAI's Files API, which ortserve does not have."""
+
+    image_url: str | UnsetType | None = UNSET
+    file_id: str | UnsetType | None = UNSET
+    detail: Literal["auto", "low", "high"] | UnsetType = UNSET
+
+    @classmethod
+    def from_bytes(cls, data: bytes, media_type: str = "image/png") -> InputImage:
+        """The image inline, as a ``data:`` URL."""
+        return cls(image_url=f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}")
+
+
+class OutputText(_Response, tag_field="type", tag="output_text"):
+    """Text the model wrote: a part of an output message, and of an assistant message
+    handed back as input."""
+
+    text: str
+    annotations: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+InputContent = InputText | InputImage | OutputText
+
+
+class InputMessage(_Request, tag_field="type", tag="message"):
+    """A message of the conversation (``type`` may be left out on the wire)."""
+
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputContent]
+    id: str | UnsetType = UNSET
+    status: str | UnsetType = UNSET
+
+
+class FunctionCallItem(_Response, tag_field="type", tag="function_call"):
+    """A call the model made: an output item, and an input item when handed back."""
+
+    call_id: str
+    name: str
+    arguments: str
+    """The arguments as a JSON string."""
+    id: str | UnsetType = UNSET
+    status: Literal["in_progress", "completed", "incomplete"] | UnsetType = UNSET
+
+
+class FunctionCallOutputItem(_Request, tag_field="type", tag="function_call_output"):
+    """The result of the call ``call_id``, as the caller's code computed it."""
+
+    call_id: str
+    output: str | list[InputContent]
+    id: str | UnsetType = UNSET
+    status: str | UnsetType = UNSET
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+_input_item_list = list[InputItem]
+
+
+def input_items(items: Sequence[dict[str, Any]]) -> list[InputItem]:
+    """The ``input`` list as Structs; an item without ``type`` is a message, as OpenAI
+    reads it. Raises ``msgspec.ValidationError`` naming ``$[i]...``."""
+    tagged = [item if "type" in item else {**item, "type": "message"} for item in items]
+    return msgspec.convert(tagged, _input_item_list)
+
+
+# -- tools, text format, reasoning ----------------------------------------------------------
+
+
+class FunctionTool(_Response, tag_field="type", tag="function"):
+    """A function the model may call: ``parameters`` is its arguments' JSON schema."""
+
+    name: str
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ToolChoiceFunction(_Response, tag_field="type", tag="function"):
+    """``tool_choice: {"type": "function", "name": ...}``: call this function."""
+
+    name: str
+
+
+class TextFormatText(_Response, tag_field="type", tag="text"):
+    """Free text (the default)."""
+
+
+class TextFormatJSONObject(_Response, tag_field="type", tag="json_object"):
+    """Any JSON object."""
+
+
+class TextFormatJSONSchema(_Response, tag_field="type", tag="json_schema"):
+    """JSON that matches ``schema`` (constrained decoding, so always, strict or not)."""
+
+    name: str
+    schema: dict[str, Any]
+    description: str | UnsetType | None = UNSET
+    strict: bool | None = None
+
+
+TextFormat = TextFormatText | TextFormatJSONObject | TextFormatJSONSchema
+
+
+class TextConfig(_Response):
+    """``text``: the format of the text output."""
+
+    format: TextFormat = msgspec.field(default_factory=TextFormatText)
+    verbosity: str | UnsetType | None = UNSET
+
+
+class Reasoning(_Response):
+    """``reasoning``: accepted only empty (``effort`` and ``summary`` null), since no model
+    here reasons; the response echoes it so."""
+
+    effort: str | None = None
+    summary: str | None = None
+
+
+# -- the request ----------------------------------------------------------------------------
+
+
+class ResponseCreateRequest(_Request):
+    """``POST /v1/responses``."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    """Text (one user message) or items: see :func:`input_items`."""
+    instructions: str | UnsetType | None = UNSET
+    """A system message put first; not carried over to a follow-up (as OpenAI does)."""
+    tools: list[FunctionTool] | UnsetType | None = UNSET
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | UnsetType | None = UNSET
+    parallel_tool_calls: bool | UnsetType | None = UNSET
+    text: TextConfig | UnsetType | None = UNSET
+    max_output_tokens: int | UnsetType | None = UNSET
+    temperature: float | UnsetType | None = UNSET
+    top_p: float | UnsetType | None = UNSET
+    reasoning: Reasoning | UnsetType | None = UNSET
+    stream: bool | UnsetType | None = UNSET
+    store: bool | UnsetType | None = UNSET
+    previous_response_id: str | UnsetType | None = UNSET
+    metadata: dict[str, str] | UnsetType | None = UNSET
+    user: str | UnsetType | None = UNSET
+    # Fields ortserve refuses unless they ask for nothing (so that they are not ignored):
+    background: bool | UnsetType | None = UNSET
+    include: list[str] | UnsetType | None = UNSET
+    truncation: str | UnsetType | None = UNSET
+    top_logprobs: int | UnsetType | None = UNSET
+    max_tool_calls: int | UnsetType | None = UNSET
+    conversation: Any = UNSET
+    prompt: Any = UNSET
+
+
+# -- the response ---------------------------------------------------------------------------
+
+
+class OutputMessage(_Response, tag_field="type", tag="message"):
+    """The model's text, as ``output_text`` parts."""
+
+    id: str
+    content: list[OutputText]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
+class InputTokensDetails(_Response):
+    cached_tokens: int = 0
+    """Input tokens taken from the prefix cache (an earlier request's key/values)."""
+
+
+class OutputTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Response):
+    """Token counts of a response."""
+
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails = msgspec.field(default_factory=InputTokensDetails)
+    output_tokens_details: OutputTokensDetails = msgspec.field(default_factory=OutputTokensDetails)
+
+
+class IncompleteDetails(_Response):
+    reason: Literal["max_output_tokens", "content_filter"] | str
+
+
+class ResponseError(_Response):
+    code: str
+    message: str
+
+
+class Response(_Response):
+    """A model response: ``POST /v1/responses`` (not streamed), ``GET /v1/responses/{id}``,
+    and the snapshot in the lifecycle events of a stream."""
+
+    id: str
+    created_at: int
+    model: str
+    output: list[OutputItem]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "cancelled", "queued"]
+    object: Literal["response"] = "response"
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: Reasoning = msgspec.field(default_factory=Reasoning)
+    store: bool = False
+    temperature: float | None = None
+    text: TextConfig = msgspec.field(default_factory=TextConfig)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
+    tools: list[FunctionTool] = msgspec.field(default_factory=list)
+    top_p: float | None = None
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """The text of every ``output_text`` part, joined (what OpenAI's SDKs compute)."""
+        return "".join(part.text for item in self.output if isinstance(item, OutputMessage) for part in item.content)
+
+
+class ResponseDeleted(_Response):
+    """``DELETE /v1/responses/{id}``."""
+
+    id: str
+    deleted: bool = True
+    object: Literal["response.deleted"] = "response.deleted"
+
+
+# -- stream events --------------------------------------------------------------------------
+
+
+class _Event(_Response, tag_field="type"):
+    sequence_number: int
+
+
+class ResponseCreatedEvent(_Event, tag="response.created"):
+    response: Response
+
+
+class ResponseInProgressEvent(_Event, tag="response.in_progress"):
+    response: Response
+
+
+class ResponseCompletedEvent(_Event, tag="response.completed"):
+    response: Response
+
+
+class ResponseIncompleteEvent(_Event, tag="response.incomplete"):
+    response: Response
+
+
+class ResponseFailedEvent(_Event, tag="response.failed"):
+    response: Response
+
+
+class OutputItemAddedEvent(_Event, tag="response.output_item.added"):
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDoneEvent(_Event, tag="response.output_item.done"):
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAddedEvent(_Event, tag="response.content_part.added"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDoneEvent(_Event, tag="response.content_part.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDeltaEvent(_Event, tag="response.output_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class OutputTextDoneEvent(_Event, tag="response.output_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class FunctionCallArgumentsDeltaEvent(_Event, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDoneEvent(_Event, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    arguments: str
+    name: str | UnsetType = UNSET
+
+
+class ErrorEvent(_Event, tag="error"):
+    """A failure after the stream started (the HTTP status was 200 by then)."""
+
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+
+ResponseStreamEvent = (
+    ResponseCreatedEvent
+    | ResponseInProgressEvent
+    | ResponseCompletedEvent
+    | ResponseIncompleteEvent
+    | ResponseFailedEvent
+    | OutputItemAddedEvent
+    | OutputItemDoneEvent
+    | ContentPartAddedEvent
+    | ContentPartDoneEvent
+    | OutputTextDeltaEvent
+    | OutputTextDoneEvent
+    | FunctionCallArgumentsDeltaEvent
+    | FunctionCallArgumentsDoneEvent
+    | ErrorEvent
+)

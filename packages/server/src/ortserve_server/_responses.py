@@ -1,0 +1,511 @@
+"""``/v1/responses``: OpenAI's Responses API as a thin adapter over the chat path.
+
+A request becomes a :class:`~ortserve_client.protocol.ChatCompletionRequest` (items ->
+messages, flat function tools -> chat tools, ``text.format`` -> ``response_format``,
+``max_output_tokens`` -> ``max_completion_tokens``) and runs through exactly what chat
+completions run (:func:`start_chat`: the checks, the template, forced-call grammars, the
+tool-call parser, the queue limits); errors that name a chat field are renamed to the
+Responses field they came from. What comes back is turned into output items, whole or as
+the typed stream events.
+
+Decisions, where OpenAI leaves room:
+
+- ``store`` defaults to false (stateless), unlike OpenAI: a stored response lives only
+  in this process's bounded :class:`ResponseStore` (``responses_store_*`` settings), so
+  storing is asked for, not assumed.
+- ``reasoning.effort`` (or ``summary``) is a 400 naming it, as OpenAI answers for a model
+  that does not reason: no model served here does yet.
+- An unknown ``previous_response_id`` is a 400 naming it (OpenAI's
+  ``previous_response_not_found``); an unknown id in the path of ``GET``/``DELETE`` a 404.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
+from ortserve_client import protocol as p
+from ortserve_client import responses_protocol as rp
+from ortserve_runtime import InvalidRequestError, ToolCall
+
+from ._errors import BadRequestError, ServerError, UnsupportedParameterError
+from ._mapping import require_model
+from ._openapi import GET_ERRORS, error_responses, generation_docs
+from ._routes import _Generation, _stream_response, _while_connected, start_chat
+from ._state import OrtServe
+
+__all__ = ["PreviousResponseNotFoundError", "ResponseNotFoundError", "responses_route_handlers"]
+
+_encode = msgspec.json.Encoder().encode
+_METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's bounds on ``metadata`` (which a stored response keeps)."""
+
+
+class ResponseNotFoundError(ServerError):
+    status_code = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
+
+
+class PreviousResponseNotFoundError(BadRequestError):
+    code = "previous_response_not_found"  # OpenAI's code for it
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- request checks and mapping -------------------------------------------------------------
+
+
+def _check(data: rp.ResponseCreateRequest, state: OrtServe) -> None:
+    """Refuse what we cannot honour, naming the field, rather than ignore it."""
+    reasoning = data.reasoning
+    if isinstance(reasoning, rp.Reasoning):
+        for name in ("effort", "summary"):
+            if getattr(reasoning, name) is not None:
+                raise UnsupportedParameterError(
+                    f"'reasoning.{name}' is not supported with model {data.model!r}: it is not a reasoning model",
+                    param=f"reasoning.{name}",
+                )
+    refused: dict[str, bool] = {
+        "background": data.background is True,
+        "include": bool(data.include),
+        "truncation": data.truncation not in (msgspec.UNSET, None, "disabled"),
+        "top_logprobs": data.top_logprobs not in (msgspec.UNSET, None, 0),
+        "max_tool_calls": data.max_tool_calls not in (msgspec.UNSET, None),
+        "conversation": data.conversation not in (msgspec.UNSET, None),
+        "prompt": data.prompt not in (msgspec.UNSET, None),
+    }
+    for name, asked in refused.items():
+        if asked:
+            raise UnsupportedParameterError(f"'{name}' is not supported by this server", param=name)
+    if data.store is True and not state.responses.enabled:
+        raise UnsupportedParameterError("this server stores no responses (responses_store_max is 0)", param="store")
+    metadata = data.metadata if isinstance(data.metadata, dict) else {}
+    if len(metadata) > _METADATA_KEYS or any(
+        len(k) > _METADATA_KEY_CHARS or len(v) > _METADATA_VALUE_CHARS for k, v in metadata.items()
+    ):
+        raise BadRequestError(
+            f"'metadata' holds at most {_METADATA_KEYS} pairs, keys of at most {_METADATA_KEY_CHARS} characters "
+            f"and values of at most {_METADATA_VALUE_CHARS}",
+            param="metadata",
+        )
+
+
+_AT_PATH = re.compile(r" - at `\$\[(\d+)\](.*)`$")
+
+
+def _input(data: rp.ResponseCreateRequest) -> list[rp.InputItem]:
+    if isinstance(data.input, str):
+        return [rp.InputMessage(role="user", content=data.input)]
+    try:
+        return rp.input_items(data.input)
+    except msgspec.ValidationError as exc:
+        where = _AT_PATH.search(str(exc))
+        param = f"input[{where.group(1)}]{where.group(2)}" if where else "input"
+        raise BadRequestError(f"{_AT_PATH.sub('', str(exc))} (field {param!r})", param=param) from exc
+
+
+def _text_parts(content: str | list[rp.InputContent], where: str) -> str | list[p.TextContentPart]:
+    """Content that may hold text only (system, developer, assistant, tool results)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for number, part in enumerate(content):
+        if isinstance(part, rp.InputImage):
+            raise BadRequestError("only user messages may hold images", param=f"{where}.content[{number}]")
+        parts.append(p.TextContentPart(text=part.text))
+    return parts
+
+
+def _user_parts(content: str | list[rp.InputContent], where: str) -> str | list[p.ContentPart]:
+    if isinstance(content, str):
+        return content
+    parts: list[p.ContentPart] = []
+    for number, part in enumerate(content):
+        if not isinstance(part, rp.InputImage):
+            parts.append(p.TextContentPart(text=part.text))
+        elif not isinstance(part.image_url, str):
+            # file_id names OpenAI's Files API, which this server does not have.
+            raise BadRequestError(
+                "an input_image needs image_url (a data: URL); file_id is not supported",
+                param=f"{where}.content[{number}].image_url",
+            )
+        else:
+            parts.append(p.ImageContentPart(image_url=p.ImageURL(url=part.image_url, detail=part.detail)))
+    return parts
+
+
+def _messages(instructions: str | None, items: list[tuple[str, rp.InputItem]]) -> tuple[list[p.ChatMessage], list[str]]:
+    """Chat messages for the model's template, and per message the request field it came
+    from (``instructions``, ``input[2]``, ``previous_response_id``). Consecutive function
+    calls, and calls right after assistant text, make one assistant message with
+    ``tool_calls``, which is how the model wrote them."""
+    messages: list[p.ChatMessage] = []
+    origins: list[str] = []
+    if instructions:
+        messages.append(p.SystemMessage(content=instructions))
+        origins.append("instructions")
+    for where, item in items:
+        message: p.ChatMessage
+        if isinstance(item, rp.FunctionCallItem):
+            call = p.ToolCall(id=item.call_id, function=p.FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if isinstance(last, p.AssistantMessage):
+                last.tool_calls = [*(last.tool_calls or []), call]
+                continue
+            message = p.AssistantMessage(content=None, tool_calls=[call])
+        elif isinstance(item, rp.FunctionCallOutputItem):
+            output = _text_parts(item.output, where)
+            text = output if isinstance(output, str) else "".join(part.text for part in output)
+            message = p.ToolMessage(content=text, tool_call_id=item.call_id)
+        elif item.role == "user":
+            message = p.UserMessage(content=_user_parts(item.content, where))
+        elif item.role == "assistant":
+            message = p.AssistantMessage(content=_text_parts(item.content, where))
+        elif item.role == "system":
+            message = p.SystemMessage(content=_text_parts(item.content, where))
+        else:
+            message = p.DeveloperMessage(content=_text_parts(item.content, where))
+        messages.append(message)
+        origins.append(where)
+    return messages, origins
+
+
+def _chat_request(data: rp.ResponseCreateRequest, messages: list[p.ChatMessage]) -> p.ChatCompletionRequest:
+    tools = (
+        msgspec.UNSET
+        if not data.tools
+        else [
+            p.Tool(
+                function=p.FunctionDefinition(
+                    name=tool.name,
+                    description=msgspec.UNSET if tool.description is None else tool.description,
+                    parameters=msgspec.UNSET if tool.parameters is None else tool.parameters,
+                    strict=tool.strict,
+                )
+            )
+            for tool in data.tools
+        ]
+    )
+    choice = data.tool_choice
+    tool_choice = (
+        p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name))
+        if isinstance(choice, rp.ToolChoiceFunction)
+        else choice
+    )
+    fmt = data.text.format if isinstance(data.text, rp.TextConfig) else None
+    response_format: p.ResponseFormat | msgspec.UnsetType = msgspec.UNSET
+    if isinstance(fmt, rp.TextFormatJSONObject):
+        response_format = p.ResponseFormatJSONObject()
+    elif isinstance(fmt, rp.TextFormatJSONSchema):
+        schema = p.JSONSchema(name=fmt.name, schema=fmt.schema, strict=fmt.strict)
+        response_format = p.ResponseFormatJSONSchema(json_schema=schema)
+    return p.ChatCompletionRequest(
+        model=data.model,
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=data.parallel_tool_calls,
+        response_format=response_format,
+        max_completion_tokens=data.max_output_tokens,
+        temperature=data.temperature,
+        top_p=data.top_p,
+    )
+
+
+_FIELDS = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+}
+"""Chat fields the chat path's errors name -> the Responses fields they came from."""
+_MESSAGE_PATH = re.compile(r"^messages\[(\d+)\](.*)$")
+
+
+def _rename(param: str | None, origins: list[str]) -> str | None:
+    if param is None:
+        return None
+    found = _MESSAGE_PATH.match(param)
+    if found and int(found.group(1)) < len(origins):
+        # A chat part's image_url.url is an input_image's image_url (detail: its detail).
+        rest = found.group(2).replace(".image_url.url", ".image_url").replace(".image_url.detail", ".detail")
+        return origins[int(found.group(1))] + rest
+    return _FIELDS.get(param, param)
+
+
+@contextlib.contextmanager
+def _named_as_responses(origins: list[str]) -> Iterator[None]:
+    """Errors of the chat path, naming the Responses fields instead of the chat ones."""
+    try:
+        yield
+    except (ServerError, InvalidRequestError) as exc:
+        exc.param = _rename(exc.param, origins)
+        raise
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+class _Output:
+    """Builds the output items from the generation's text, calls and finish, and says each
+    step as the stream events OpenAI sends (the whole answer runs through it too, so both
+    forms have the same items). ``sequence_number`` counts every event of the stream."""
+
+    def __init__(self) -> None:
+        self.items: list[rp.OutputItem] = []
+        self.sequence = 0
+        self._message: rp.OutputMessage | None = None
+
+    def event(self, kind: type[Any], **fields: Any) -> bytes:
+        event = kind(sequence_number=self.sequence, **fields)
+        self.sequence += 1
+        tag: str = kind.__struct_config__.tag
+        return b"event: " + tag.encode() + b"\ndata: " + _encode(event) + b"\n\n"
+
+    def text(self, text: str) -> list[bytes]:
+        out = []
+        message = self._message
+        if message is None:
+            message = self._message = rp.OutputMessage(id=_new_id("msg"), content=[], status="in_progress")
+            self.items.append(message)
+            index = len(self.items) - 1
+            out.append(self.event(rp.OutputItemAddedEvent, output_index=index, item=message))
+            message.content.append(rp.OutputText(text=""))
+            out.append(
+                self.event(
+                    rp.ContentPartAddedEvent,
+                    item_id=message.id,
+                    output_index=index,
+                    content_index=0,
+                    part=rp.OutputText(text=""),
+                )
+            )
+        if text:
+            message.content[0].text += text
+            where = {"item_id": message.id, "output_index": len(self.items) - 1, "content_index": 0}
+            out.append(self.event(rp.OutputTextDeltaEvent, delta=text, **where))
+        return out
+
+    def close_message(self, status: str = "completed") -> list[bytes]:
+        message = self._message
+        if message is None:
+            return []
+        self._message = None
+        message.status = status  # type: ignore[assignment]  # one of the three, by the callers
+        part = message.content[0]
+        where = {"item_id": message.id, "output_index": self.items.index(message), "content_index": 0}
+        return [
+            self.event(rp.OutputTextDoneEvent, text=part.text, **where),
+            self.event(rp.ContentPartDoneEvent, part=part, **where),
+            self.event(rp.OutputItemDoneEvent, output_index=where["output_index"], item=message),
+        ]
+
+    def call(self, call: ToolCall) -> list[bytes]:
+        out = self.close_message()
+        item = rp.FunctionCallItem(
+            id=_new_id("fc"),
+            call_id="call_" + uuid.uuid4().hex[:24],
+            name=call.name,
+            arguments="",
+            status="in_progress",
+        )
+        self.items.append(item)
+        index = len(self.items) - 1
+        out.append(self.event(rp.OutputItemAddedEvent, output_index=index, item=item))
+        out.append(
+            self.event(rp.FunctionCallArgumentsDeltaEvent, item_id=item.id, output_index=index, delta=call.arguments)
+        )
+        item.arguments, item.status = call.arguments, "completed"
+        out.append(
+            self.event(
+                rp.FunctionCallArgumentsDoneEvent,
+                item_id=item.id,
+                output_index=index,
+                arguments=call.arguments,
+                name=call.name,
+            )
+        )
+        out.append(self.event(rp.OutputItemDoneEvent, output_index=index, item=item))
+        return out
+
+    def finish(self, reason: str) -> list[bytes]:
+        """The end: an answer with neither text nor calls is one empty message (so that
+        ``output_text`` is ``""``, not missing)."""
+        out = [] if self.items else self.text("")
+        return out + self.close_message("incomplete" if reason == "length" else "completed")
+
+    def feed(self, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
+        out = self.text(text) if text else []
+        for call in calls:
+            out += self.call(call)
+        if reason is not None:
+            out += self.finish(reason)
+        return out
+
+
+def _usage(usage: p.CompletionUsage) -> rp.ResponseUsage:
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return rp.ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        input_tokens_details=rp.InputTokensDetails(cached_tokens=cached),
+    )
+
+
+def _as_input(item: rp.OutputItem) -> rp.InputItem:
+    """An output item as the input item a follow-up hands back."""
+    if isinstance(item, rp.OutputMessage):
+        return rp.InputMessage(role="assistant", content=list(item.content), id=item.id)
+    return item
+
+
+class _Exchange:
+    """One ``POST /v1/responses``: the echo of the request in the response object, and
+    the response kept in the store when it asks for that."""
+
+    def __init__(self, data: rp.ResponseCreateRequest, state: OrtServe, items: list[rp.InputItem]) -> None:
+        self.data = data
+        self.state = state
+        self.items = items
+        self.id = _new_id("resp")
+        self.created = int(time.time())
+
+    def response(
+        self, output: list[rp.OutputItem], status: str, usage: rp.ResponseUsage | None = None, reason: str | None = None
+    ) -> rp.Response:
+        data = self.data
+        return rp.Response(
+            id=self.id,
+            created_at=self.created,
+            model=data.model,
+            output=output,
+            status=status,  # type: ignore[arg-type]  # one of the literals, by the callers
+            incomplete_details=rp.IncompleteDetails(reason="max_output_tokens") if reason == "length" else None,
+            instructions=data.instructions if isinstance(data.instructions, str) else None,
+            max_output_tokens=data.max_output_tokens if isinstance(data.max_output_tokens, int) else None,
+            metadata=data.metadata if isinstance(data.metadata, dict) else {},
+            parallel_tool_calls=data.parallel_tool_calls is not False,
+            previous_response_id=data.previous_response_id if isinstance(data.previous_response_id, str) else None,
+            store=data.store is True,
+            temperature=data.temperature if isinstance(data.temperature, float | int) else 1.0,
+            text=data.text if isinstance(data.text, rp.TextConfig) else rp.TextConfig(),
+            tool_choice=data.tool_choice if isinstance(data.tool_choice, str | rp.ToolChoiceFunction) else "auto",
+            tools=list(data.tools) if isinstance(data.tools, list) else [],
+            top_p=data.top_p if isinstance(data.top_p, float | int) else 1.0,
+            usage=usage,
+            user=data.user if isinstance(data.user, str) else None,
+        )
+
+    def finished(self, output: list[rp.OutputItem], reason: str, usage: p.CompletionUsage) -> rp.Response:
+        status = "incomplete" if reason == "length" else "completed"
+        response = self.response(output, status, _usage(usage), reason)
+        if self.data.store is True:
+            self.state.responses.put(response, [*self.items, *(_as_input(item) for item in output)])
+        return response
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+
+@post(
+    "/responses",
+    status_code=200,
+    summary="Create a model response (OpenAI Responses API)",
+    **generation_docs(rp.Response, "The response"),
+)
+async def create_response(
+    data: JSONBody[rp.ResponseCreateRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[Any]:
+    model = await require_model(ortserve, data.model)
+    _check(data, ortserve)
+    history: list[tuple[str, rp.InputItem]] = []
+    if isinstance(data.previous_response_id, str):
+        previous = ortserve.responses.get(data.previous_response_id)
+        if previous is None:
+            raise PreviousResponseNotFoundError(
+                f"previous response {data.previous_response_id!r} was not found (responses are kept only when "
+                "created with store: true, in this server process, for a limited time)",
+                param="previous_response_id",
+            )
+        history = [("previous_response_id", item) for item in previous.items]
+    new = _input(data)
+    items = [*history, *((f"input[{i}]", item) for i, item in enumerate(new))]
+    instructions = data.instructions if isinstance(data.instructions, str) else None
+    messages, origins = _messages(instructions, items)
+    with _named_as_responses(origins):
+        run = await start_chat(ortserve, model, _chat_request(data, messages), f"{ortserve.config.path}/responses")
+    exchange = _Exchange(data, ortserve, [item for _, item in items])
+    output = _Output()
+    if data.stream is True:
+        return _stream_response(_events(run, exchange, output))
+    texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
+    output.feed(texts[0], calls[0], finish[0])
+    return Response(exchange.finished(output.items, finish[0], usage))
+
+
+def _events(run: _Generation, exchange: _Exchange, output: _Output) -> Any:
+    reason = ["stop"]
+
+    def events(_: int, text: str, calls: list[ToolCall], finish: str | None) -> list[bytes]:
+        if finish is not None:
+            reason[0] = finish
+        return output.feed(text, calls, finish)
+
+    def completed(usage: p.CompletionUsage) -> bytes:
+        response = exchange.finished(output.items, reason[0], usage)
+        kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
+        return output.event(kind, response=response)
+
+    def error(detail: p.ErrorDetail) -> bytes:
+        return output.event(rp.ErrorEvent, message=detail.message, code=detail.code or detail.type, param=detail.param)
+
+    opening = exchange.response([], "in_progress")
+    return run.sse(
+        events,
+        completed,
+        [
+            output.event(rp.ResponseCreatedEvent, response=opening),
+            output.event(rp.ResponseInProgressEvent, response=opening),
+        ],
+        error_event=error,
+        closing=b"",
+    )
+
+
+@get(
+    "/responses/{response_id:str}",
+    summary="Retrieve a stored response",
+    responses=error_responses(404, *GET_ERRORS),
+)
+async def retrieve_response(response_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> rp.Response:
+    stored = ortserve.responses.get(response_id)
+    if stored is None:
+        raise ResponseNotFoundError(f"response {response_id!r} was not found", param="response_id")
+    return stored.response
+
+
+@delete(
+    "/responses/{response_id:str}",
+    status_code=200,
+    summary="Delete a stored response",
+    responses=error_responses(404, *GET_ERRORS),
+)
+async def delete_response(response_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> rp.ResponseDeleted:
+    if not ortserve.responses.delete(response_id):
+        raise ResponseNotFoundError(f"response {response_id!r} was not found", param="response_id")
+    return rp.ResponseDeleted(id=response_id)
+
+
+responses_route_handlers = [create_response, retrieve_response, delete_response]

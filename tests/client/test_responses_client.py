@@ -1,0 +1,112 @@
+"""``AsyncClient.responses`` against the real server: typed Structs whole and streamed,
+and the Responses API's error event raised as :class:`StreamError`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import msgspec
+import pytest
+import respx
+from ortserve_client import AsyncClient, BadRequestError, NotFoundError, StreamError
+from ortserve_client import responses_protocol as rp
+from ortserve_client._responses import ResponseCreateParams
+
+pytestmark = pytest.mark.anyio
+
+ADD = rp.FunctionTool(
+    name="add",
+    parameters={
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    strict=True,
+)
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    pytest.importorskip("ortserve_server", reason="the contract test needs the server installed")
+    from ortserve_server import ServerConfig, create_app
+    from serving import TINY_MODEL, running
+
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as url:
+        yield url
+
+
+def test_params_match_the_request_struct() -> None:
+    optional = set(rp.ResponseCreateRequest.__struct_fields__) - {"model", "input", "stream"}
+    assert set(ResponseCreateParams.__annotations__) == optional
+
+
+async def test_create_whole_and_streamed(server_url: str) -> None:
+    async with AsyncClient(f"{server_url}/v1") as client:
+        whole = await client.responses.create(
+            model="tiny", input="hi", instructions="Be brief", max_output_tokens=6, temperature=0
+        )
+        assert isinstance(whole, rp.Response) and whole.status == "incomplete"
+        assert whole.usage is not None and whole.usage.output_tokens == 6
+        stream = await client.responses.create(
+            model="tiny", input="hi", instructions="Be brief", max_output_tokens=6, temperature=0, stream=True
+        )
+        events = [event async for event in stream]
+        assert isinstance(events[0], rp.ResponseCreatedEvent)
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if isinstance(e, rp.OutputTextDeltaEvent))
+        assert text == whole.output_text
+        last = events[-1]
+        assert isinstance(last, rp.ResponseIncompleteEvent) and last.response.output_text == text
+
+
+async def test_function_call_round_trip_with_structs_and_store(server_url: str) -> None:
+    async with AsyncClient(f"{server_url}/v1") as client:
+        first = await client.responses.create(
+            model="tiny",
+            input=[rp.InputMessage(role="user", content=[rp.InputText(text="Add 2 and 3")])],
+            tools=[ADD],
+            tool_choice=rp.ToolChoiceFunction(name="add"),
+            store=True,
+        )
+        [call] = [item for item in first.output if isinstance(item, rp.FunctionCallItem)]
+        jsonschema.validate(json.loads(call.arguments), ADD.parameters)
+        result = rp.FunctionCallOutputItem(call_id=call.call_id, output='{"sum": 5}')
+        follow = await client.responses.create(
+            model="tiny", input=[result], previous_response_id=first.id, tools=[ADD], max_output_tokens=2
+        )
+        assert follow.previous_response_id == first.id and follow.usage is not None
+        assert follow.usage.input_tokens_details.cached_tokens > 0
+        assert (await client.responses.retrieve(first.id)).id == first.id
+        assert (await client.responses.delete(first.id)).deleted is True
+        with pytest.raises(NotFoundError):
+            await client.responses.retrieve(first.id)
+        with pytest.raises(BadRequestError) as bad:
+            await client.responses.create(model="tiny", input="hi", previous_response_id=first.id)
+        assert bad.value.body is not None and bad.value.body.error.param == "previous_response_id"
+
+
+async def test_error_event_raises() -> None:
+    created = rp.ResponseCreatedEvent(
+        sequence_number=0, response=rp.Response(id="resp_1", created_at=0, model="m", output=[], status="in_progress")
+    )
+    body = (
+        b"event: response.created\ndata: " + msgspec.json.encode(created) + b"\n\n"
+        b'event: error\ndata: {"type": "error", "sequence_number": 1, "code": "server_error", "message": "boom"}\n\n'
+    )
+    with respx.mock(base_url="http://test/v1") as mock:
+        mock.post("/responses").respond(200, content=body, headers={"content-type": "text/event-stream"})
+        async with AsyncClient("http://test/v1", max_retries=0) as client:
+            stream = await client.responses.create(model="m", input="hi", stream=True)
+            assert isinstance(await stream.__anext__(), rp.ResponseCreatedEvent)
+            with pytest.raises(StreamError, match="boom"):
+                await stream.__anext__()
+
+
+async def test_bad_items_fail_before_sending() -> None:
+    async with AsyncClient("http://test/v1", transport=httpx.MockTransport(lambda _: httpx.Response(500))) as client:
+        with pytest.raises(TypeError, match=r"input items.*\$\[0\]\.content"):
+            await client.responses.create(model="m", input=[{"role": "user", "content": 3}])

@@ -1,0 +1,253 @@
+"""``/v1/responses`` through the official openai SDK, on the tiny (random) model: only
+constrained output (a JSON schema, a forced call) is well-formed, so those carry the
+checks of content; the rest checks shapes, statuses, events and token counts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from images import TINY_PHI3V, data_url, image_bytes
+from ortserve_server import ServerConfig, create_app
+from serving import TINY_MODEL, running
+
+ADD_PARAMS = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "name": "add", "description": "Sum", "parameters": ADD_PARAMS, "strict": True},
+    {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS, "strict": True},
+]
+PARAMS = {"add": ADD_PARAMS, "get_weather": WEATHER_PARAMS}
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+LONG_INSTRUCTIONS = "You sort lists and explain the order of things, briefly. " * 4
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    config = ServerConfig(models={"tiny": TINY_MODEL, "vision": TINY_PHI3V}, responses_store_max=8)
+    with running(create_app(config)) as base:
+        yield base
+
+
+def test_plain_input_and_usage(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0)
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == "tiny"
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
+    assert message.content[0].type == "output_text" and response.output_text == message.content[0].text
+    usage = response.usage
+    assert usage is not None and usage.output_tokens == 4
+    assert usage.total_tokens == usage.input_tokens + 4
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    assert response.store is False  # stateless unless asked
+
+
+def test_instructions_reach_the_prompt(client: openai.OpenAI) -> None:
+    bare = client.responses.create(model="tiny", input="Hi", max_output_tokens=1)
+    told = client.responses.create(model="tiny", input="Hi", instructions=LONG_INSTRUCTIONS, max_output_tokens=1)
+    assert bare.usage is not None and told.usage is not None
+    assert told.usage.input_tokens > bare.usage.input_tokens + 40
+    assert told.instructions == LONG_INSTRUCTIONS
+
+
+def test_json_schema_format_is_followed(client: openai.OpenAI) -> None:
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    response = client.responses.create(model="tiny", input="2+2?", text=text, max_output_tokens=60, temperature=0)  # type: ignore[arg-type]
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), ANSWER_SCHEMA)
+    assert response.text.format is not None and response.text.format.type == "json_schema"
+    loose = client.responses.create(
+        model="tiny", input="An object", text={"format": {"type": "json_object"}}, max_output_tokens=60
+    )
+    assert isinstance(json.loads(loose.output_text), dict)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "add"}], ids=["required", "named"])
+def test_forced_function_call(client: openai.OpenAI, tool_choice: Any) -> None:
+    response = client.responses.create(
+        model="tiny", input="Add 2 and 3", tools=TOOLS, tool_choice=tool_choice, max_output_tokens=200, temperature=0
+    )
+    assert response.status == "completed"
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.call_id.startswith("call_") and call.id is not None and call.status == "completed"
+    if isinstance(tool_choice, dict):
+        assert call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+    assert response.output_text == ""
+
+
+def test_function_call_output_round_trip(client: openai.OpenAI) -> None:
+    """The call and its result go back as items: the template sees the tool turn (the
+    prompt grows by both), and a forced call after it is still well-formed."""
+    first = client.responses.create(
+        model="tiny", input="Add 2 and 3", tools=TOOLS, tool_choice={"type": "function", "name": "add"}
+    )
+    [call] = [item for item in first.output if item.type == "function_call"]
+    base: list[Any] = [{"role": "user", "content": "Add 2 and 3"}]
+    returned: list[Any] = [
+        *base,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sum": 5})},
+    ]
+    shorter = client.responses.create(model="tiny", input=base, tools=TOOLS, max_output_tokens=1)
+    second = client.responses.create(
+        model="tiny", input=returned, tools=TOOLS, tool_choice="required", max_output_tokens=200
+    )
+    assert shorter.usage is not None and second.usage is not None
+    assert second.usage.input_tokens > shorter.usage.input_tokens + len(call.arguments) // 4
+    [again] = [item for item in second.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(again.arguments), PARAMS[again.name])
+
+
+def test_previous_response_id_continues_from_the_prefix_cache(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model="tiny", input=[{"role": "user", "content": LONG_INSTRUCTIONS}], max_output_tokens=6, store=True
+    )
+    assert first.store is True
+    follow = client.responses.create(
+        model="tiny", input="And 9 8?", previous_response_id=first.id, max_output_tokens=3, store=True
+    )
+    assert follow.previous_response_id == first.id
+    assert first.usage is not None and follow.usage is not None
+    # The follow-up's prompt holds the first one's input and output: the first prompt's
+    # tokens came from the prefix cache.
+    assert follow.usage.input_tokens > first.usage.input_tokens + 3
+    assert follow.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 2
+    # A chain: the third sees both turns before it.
+    third = client.responses.create(model="tiny", input="Done?", previous_response_id=follow.id, max_output_tokens=1)
+    assert third.usage is not None and third.usage.input_tokens > follow.usage.input_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_unknown_previous_response_id(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="Hi", previous_response_id="resp_nothing")
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["param"] == "previous_response_id"
+    assert caught.value.body["code"] == "previous_response_not_found"
+    # Not stored unless asked: its id is unknown too.
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="Hi", previous_response_id=unstored.id)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"background": True}, "background"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input[0]"),
+        ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
+        ({"input": [{"role": "system", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "ftp://x/y.png"}]}]}, "input"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ],
+)
+def test_refusals_name_the_field(client: openai.OpenAI, fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{"model": "tiny", "input": "Hi", **fields})
+    assert isinstance(caught.value.body, dict)
+    assert str(caught.value.body["param"]).startswith(param), caught.value.body
+
+
+def test_images_reach_a_vision_model(client: openai.OpenAI) -> None:
+    content: list[Any] = [
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": data_url(image_bytes())},
+    ]
+    response = client.responses.create(
+        model="vision", input=[{"role": "user", "content": content}], max_output_tokens=2
+    )
+    text_only = client.responses.create(model="vision", input="What is this?", max_output_tokens=2)
+    assert response.usage is not None and text_only.usage is not None
+    assert response.usage.input_tokens > text_only.usage.input_tokens + 100  # phi3v: hundreds per image
+
+
+def test_stream_events_in_order(client: openai.OpenAI) -> None:
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA}}
+    with client.responses.stream(model="tiny", input="2+2?", text=text, max_output_tokens=60, temperature=0) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 2
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    jsonschema.validate(json.loads(streamed), ANSWER_SCHEMA)
+    assert final.output_text == streamed and final.usage is not None and final.usage.output_tokens > 0
+
+
+def test_stream_of_a_function_call_and_of_a_cut_answer(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model="tiny", input="Weather?", tools=TOOLS, tool_choice="required", max_output_tokens=200, stream=True
+        )
+    )
+    kinds = [event.type for event in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    done = events[-2]
+    assert done.type == "response.output_item.done" and done.item.type == "function_call"
+    jsonschema.validate(json.loads(done.item.arguments), PARAMS[done.item.name])
+    completed = events[-1]
+    assert completed.type == "response.completed" and completed.response.output[0].type == "function_call"
+    cut = list(client.responses.create(model="tiny", input="Hello", max_output_tokens=3, stream=True))
+    last = cut[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details is not None
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_store_is_bounded(url: str, client: openai.OpenAI) -> None:
+    """The module's server keeps 8 responses: the oldest of 9 is gone."""
+    ids = [client.responses.create(model="tiny", input="Hi", max_output_tokens=1, store=True).id for _ in range(9)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    assert client.responses.retrieve(ids[-1]).id == ids[-1]
+    gone = httpx.delete(f"{url}/v1/responses/resp_nothing")
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "response_id"
