@@ -57,6 +57,9 @@ class GenerationEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     """Set on the final event only."""
+    stop_sequence: str | None = None
+    """On the final event, the stop string that ended the generation (``None`` when it
+    ended otherwise): Anthropic's API reports which one matched."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +148,9 @@ class Request:
 
     def final(self, reason: FinishReason, text: str = "", token: int | None = None) -> GenerationEvent:
         usage = Usage(len(self.prompt), len(self.tokens), self.cached_tokens)
-        return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage)
+        return GenerationEvent(
+            token_id=token, text=text, finish_reason=reason, usage=usage, stop_sequence=self.stops.matched
+        )
 
     def _tail(self) -> str:
         """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),
