@@ -293,3 +293,12 @@ def test_a_full_queue_is_anthropics_overloaded_error() -> None:
             create(c)
         assert caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
         assert caught.value.response.headers["retry-after"] == "1"
+
+
+def test_earlier_thinking_blocks_are_dropped_as_anthropic_drops_them(client: anthropic.Anthropic) -> None:
+    said: Any = {"type": "text", "text": "Sunny."}
+    thought: Any = {"type": "thinking", "thinking": "The user wants weather.", "signature": "sig"}
+    with_thinking: Any = [*ASK, {"role": "assistant", "content": [thought, said]}, {"role": "user", "content": "Ok"}]
+    without: Any = [*ASK, {"role": "assistant", "content": [said]}, {"role": "user", "content": "Ok"}]
+    counted = client.messages.count_tokens(model="tiny", messages=with_thinking).input_tokens
+    assert counted == client.messages.count_tokens(model="tiny", messages=without).input_tokens
