@@ -249,6 +249,17 @@ def test_stop_spanning_many_pieces() -> None:
     assert emitted == [("ok", False), ("", False), ("", False), ("", False), ("", True)]
 
 
+def test_the_matched_stop_is_the_earliest_in_the_text() -> None:
+    """Anthropic's stop_sequence names the stop string that ended the text."""
+    matcher = StopMatcher(("world", "lo"))
+    assert matcher.matched is None
+    assert matcher.feed("hello world") == ("hel", True)
+    assert matcher.matched == "lo"
+    unmatched = StopMatcher(("zz",))
+    feed_all(unmatched, ["abc"])
+    assert unmatched.matched is None
+
+
 def test_held_back_text_is_released_when_it_is_not_a_stop() -> None:
     matcher = StopMatcher(("STOP",))
     assert matcher.feed("abST") == ("ab", False)

@@ -22,6 +22,7 @@ from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.plugins import InitPlugin
 from litestar.types import Guard
 
+from ._anthropic import anthropic_exception_handlers, anthropic_route_handlers
 from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
 from ._openapi import RequestLimits
@@ -35,10 +36,11 @@ __all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespa
 logger = logging.getLogger("ortserve.server")
 
 
-def _guards(config: ServerConfig, *, keyed: bool = True) -> list[Guard]:
+def _guards(config: ServerConfig, *, keyed: bool = True, x_api_key: bool = False) -> list[Guard]:
     """Host/Origin/content type first (a rebinding page learns nothing, not even whether a
     key is set), then the API key where the route needs it."""
-    return [SiteGuard(config), *([make_auth_guard(config.api_key)] if keyed and config.api_key else [])]
+    key = config.api_key
+    return [SiteGuard(config), *([make_auth_guard(key, x_api_key=x_api_key)] if keyed and key else [])]
 
 
 def _routers(state: OrtServe) -> list[Router]:
@@ -53,7 +55,17 @@ def _routers(state: OrtServe) -> list[Router]:
             exception_handlers=exception_handlers,
             request_max_body_size=config.max_body_size,
             opt={METRICS_OPT: state.metrics},
-        )
+        ),
+        # Anthropic's Messages API: its own error shape, and its clients' x-api-key header.
+        Router(
+            path=config.path,
+            route_handlers=anthropic_route_handlers,
+            dependencies=provide,
+            guards=[*_guards(config, x_api_key=True), body_guard],
+            exception_handlers=anthropic_exception_handlers,
+            request_max_body_size=config.max_body_size,
+            opt={METRICS_OPT: state.metrics},
+        ),
     ]
     # Health stays open for probes and LocalServer's readiness wait; metrics name models
     # and traffic, so they need the key unless the operator says otherwise.

@@ -48,6 +48,7 @@ __all__ = [
     "UnsupportedParameterError",
     "error_response",
     "exception_handlers",
+    "reshaped_exception_handlers",
 ]
 
 logger = logging.getLogger("ortserve.server")
@@ -197,10 +198,10 @@ def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
-def _counted(handler: Callable[[Request[Any, Any, Any], Any], Response[ErrorResponse]]) -> Any:
+def _counted(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) -> Any:
     """Count every error response in the metrics of the ortserve mount that produced it."""
 
-    def counting(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    def counting(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         response = handler(request, exc)
         metrics, endpoint = _metrics_of(request)
         if metrics is not None:
@@ -224,10 +225,22 @@ def _metrics_of(request: Request[Any, Any, Any]) -> tuple[Any, str]:
 METRICS_OPT = "ortserve_metrics"
 """The route option under which our routers carry their Metrics (for the handlers above)."""
 
-exception_handlers: ExceptionHandlersMap = {
-    ServerError: _counted(_server_error),
-    EngineError: _counted(_engine_error),
-    HTTPException: _counted(_http_exception),
-    Exception: _counted(_unexpected),
+_HANDLERS: dict[type[Exception], Callable[[Request[Any, Any, Any], Any], Response[ErrorResponse]]] = {
+    ServerError: _server_error,
+    EngineError: _engine_error,
+    HTTPException: _http_exception,
+    Exception: _unexpected,
 }
+
+exception_handlers: ExceptionHandlersMap = {kind: _counted(handler) for kind, handler in _HANDLERS.items()}
 """Scoped to our own routers, so a host app's handlers stay in charge of its routes."""
+
+
+def reshaped_exception_handlers(reshape: Callable[[Response[ErrorResponse]], Response[Any]]) -> ExceptionHandlersMap:
+    """The same translation for another API family's routes: each OpenAI-shaped error
+    response goes through ``reshape`` (its body and status), then is counted as sent."""
+
+    def reshaping(handler: Callable[[Request[Any, Any, Any], Any], Response[ErrorResponse]]) -> Any:
+        return lambda request, exc: reshape(handler(request, exc))
+
+    return {kind: _counted(reshaping(handler)) for kind, handler in _HANDLERS.items()}

@@ -40,6 +40,7 @@ _ERRORS = {
     415: "The body does not have this route's content type.",
     500: "An unexpected error; the message reveals nothing internal.",
     503: "The model's queue is full or the model is shutting down; retry after Retry-After seconds.",
+    529: "The model's queue is full (Anthropic's overloaded_error); retry after Retry-After seconds.",
 }
 
 
@@ -47,18 +48,21 @@ POST_ERRORS = (400, 401, 403, 404, 413, 415, 500, 503)
 GET_ERRORS = (401, 403, 500)
 
 
-def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
-    """OpenAI-shaped error bodies for these statuses (they replace Litestar's own 400)."""
+def error_responses(*statuses: int, body: type[Any] = p.ErrorResponse) -> dict[int, ResponseSpec]:
+    """Error bodies (OpenAI's shape unless ``body`` says otherwise) for these statuses
+    (they replace Litestar's own 400)."""
     return {
-        status: ResponseSpec(data_container=p.ErrorResponse, description=_ERRORS[status], generate_examples=False)
+        status: ResponseSpec(data_container=body, description=_ERRORS[status], generate_examples=False)
         for status in statuses
     }
 
 
-def with_error_responses(ok: type[Any], description: str, *statuses: int) -> dict[int, ResponseSpec]:
+def with_error_responses(
+    ok: type[Any], description: str, *statuses: int, error_body: type[Any] = p.ErrorResponse
+) -> dict[int, ResponseSpec]:
     """``ok`` as the 200 body (for handlers whose return annotation cannot say it), plus errors."""
     return {200: ResponseSpec(data_container=ok, description=description, generate_examples=False)} | (
-        error_responses(*statuses)
+        error_responses(*statuses, body=error_body)
     )
 
 

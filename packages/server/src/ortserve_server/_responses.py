@@ -39,7 +39,7 @@ from ortserve_runtime import InvalidRequestError, ToolCall
 from ._errors import BadRequestError, ServerError, UnsupportedParameterError
 from ._mapping import require_model
 from ._openapi import GET_ERRORS, error_responses, generation_docs
-from ._routes import _Generation, _stream_response, _while_connected, start_chat
+from ._routes import _Generation, _stream_response, _while_connected, error_detail, start_chat
 from ._state import OrtServe
 
 __all__ = ["PreviousResponseNotFoundError", "ResponseNotFoundError", "responses_route_handlers"]
@@ -468,7 +468,8 @@ def _events(run: _Generation, exchange: _Exchange, output: _Output) -> Any:
         kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
         return output.event(kind, response=response)
 
-    def error(detail: p.ErrorDetail) -> bytes:
+    def error(exc: Exception) -> bytes:
+        detail = error_detail(exc)
         return output.event(rp.ErrorEvent, message=detail.message, code=detail.code or detail.type, param=detail.param)
 
     opening = exchange.response([], "in_progress")

@@ -61,14 +61,19 @@ T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def make_auth_guard(api_key: str) -> Any:
-    """A guard that wants ``Authorization: Bearer <api_key>``, compared in constant time."""
+def make_auth_guard(api_key: str, *, x_api_key: bool = False) -> Any:
+    """A guard that wants ``Authorization: Bearer <api_key>`` (or, with ``x_api_key``, the
+    ``x-api-key`` header Anthropic's clients send), compared in constant time."""
     expected = api_key.encode()
+    ask = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if x_api_key else "'Authorization: Bearer <key>'"
 
     def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        given_key = connection.headers.get("x-api-key") if x_api_key else None
+        if given_key is not None and hmac.compare_digest(given_key.strip().encode(), expected):
+            return
         scheme, _sep, given = connection.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>'")
+            raise AuthenticationError(f"missing or wrong API key: send {ask}")
 
     return auth_guard
 
@@ -181,6 +186,8 @@ class _Generation:
         self.choices_per_prompt = 1
         self.cached = [0] * len(streams)
         """Per stream, the prompt tokens its engine took from the prefix cache."""
+        self.stop_sequences: list[str | None] = [None] * len(streams)
+        """Per stream, the stop string that ended it (once it ended on one)."""
         self.start = time.perf_counter()
         self.first = True
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
@@ -216,6 +223,7 @@ class _Generation:
         if event.usage is None:
             return 0
         self.cached[index] = event.usage.cached_tokens
+        self.stop_sequences[index] = event.stop_sequence
         return event.usage.completion_tokens
 
     def _done(self, completion_tokens: int, status: int = 200) -> p.CompletionUsage:
@@ -258,14 +266,14 @@ class _Generation:
         usage_chunk: Callable[[p.CompletionUsage], bytes] | None,
         opening: list[bytes] = [],  # noqa: B006  # read only
         *,
-        error_event: Callable[[p.ErrorDetail], bytes] | None = None,
+        error_event: Callable[[Exception], bytes] | None = None,
         closing: bytes = b"data: [DONE]\n\n",
     ) -> AsyncIterator[bytes]:
         """Server-sent events: ``opening``, the chunks ``events`` makes of each event (as
-        content, tool calls and finish reason), the
-        usage chunk when asked for, then ``closing`` (``[DONE]``). Errors after the headers
-        went out are reported in-band, as OpenAI does: as ``error_event`` makes them (an
-        API family's own error event), else as a ``data:`` error body."""
+        content, tool calls and finish reason), the usage chunk when asked for, then
+        ``closing`` (``[DONE]``; empty for API families without it). Errors after the headers
+        went out are reported in-band, as OpenAI does, or as ``error_event`` frames them for
+        another API family."""
         for chunk in opening:
             yield chunk
         completion_tokens = 0
@@ -281,18 +289,25 @@ class _Generation:
             if isinstance(exc, ShuttingDownError):
                 self.state.cut_requests += 1
             self._done(completion_tokens, exc.status_code if isinstance(exc, ServerError) else 500)
-            error = (
-                p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
-                if isinstance(exc, ServerError)
-                else p.ErrorDetail(message="the generation failed", type="server_error")
-            )
-            yield _sse(p.ErrorResponse(error=error)) if error_event is None else error_event(error)
+            yield (error_event or _openai_error_chunk)(exc)
         else:
             usage = self._done(completion_tokens)
             if usage_chunk is not None:
                 yield usage_chunk(usage)
         if closing:
             yield closing
+
+
+def error_detail(exc: Exception) -> p.ErrorDetail:
+    """An error in a stream that has started, as OpenAI's error body describes it (the
+    message of an unexpected error reveals nothing internal)."""
+    if isinstance(exc, ServerError):
+        return p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
+    return p.ErrorDetail(message="the generation failed", type="server_error")
+
+
+def _openai_error_chunk(exc: Exception) -> bytes:
+    return _sse(p.ErrorResponse(error=error_detail(exc)))
 
 
 async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletionRequest, endpoint: str) -> _Generation:

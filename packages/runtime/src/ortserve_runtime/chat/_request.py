@@ -61,6 +61,9 @@ class GenerationEvent:
     logprobs: TokenLogprob | None = None
     """The token's log-probability and alternatives, when the options asked for them (and
     the engine hands back logits); an end-of-sequence token has none (no event names it)."""
+    stop_sequence: str | None = None
+    """On the final event, the stop string that ended the generation (``None`` when it
+    ended otherwise): Anthropic's API reports which one matched."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +167,14 @@ class Request:
         self, reason: FinishReason, text: str = "", token: int | None = None, logprobs: TokenLogprob | None = None
     ) -> GenerationEvent:
         usage = Usage(len(self.prompt), len(self.tokens), self.cached_tokens)
-        return GenerationEvent(token_id=token, text=text, finish_reason=reason, usage=usage, logprobs=logprobs)
+        return GenerationEvent(
+            token_id=token,
+            text=text,
+            finish_reason=reason,
+            usage=usage,
+            logprobs=logprobs,
+            stop_sequence=self.stops.matched,
+        )
 
     def _tail(self) -> str:
         """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),

@@ -16,6 +16,8 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = stops
         self._pending = ""
+        self.matched: str | None = None
+        """The stop string that was found (the earliest in the text), once one was."""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return ``(safe_text, stopped)``; once stopped, the caller must not feed more."""
@@ -25,7 +27,9 @@ class StopMatcher:
         hits = [i for i in (pending.find(stop) for stop in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            return pending[: min(hits)], True
+            at = min(hits)
+            self.matched = next(stop for stop in self._stops if pending.find(stop) == at)
+            return pending[:at], True
         hold = self._held_suffix(pending)
         self._pending = pending[len(pending) - hold :] if hold else ""
         return pending[: len(pending) - hold], False

@@ -1,0 +1,339 @@
+"""The Anthropic Messages API (``POST /v1/messages``) as msgspec Structs.
+
+The wire contract of ortserve's Anthropic-compatible routes, kept apart from the OpenAI one
+in :mod:`ortserve_client.protocol`. Requests use ``UNSET`` for absent fields; responses
+always carry the fields Anthropic always sends (``null`` included), so the official
+``anthropic`` SDK decodes them. Unions are tagged by ``type`` as in Anthropic's JSON:
+content blocks (:data:`ContentBlockParam`), image sources, ``tool_choice``, stream events
+(:data:`StreamEvent`) and deltas. Decoding tolerates unknown fields (``cache_control``,
+``citations``...), so newer SDKs keep working. Names that OpenAI's protocol also uses carry
+a prefix (``AnthropicErrorResponse``), so the two sit side by side in one OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from msgspec import UNSET, UnsetType
+
+# The same bases as OpenAI's protocol: requests omit absent fields, responses send them all.
+from .protocol import _Request, _Response
+
+__all__ = [
+    "AnthropicErrorDetail",
+    "AnthropicErrorResponse",
+    "Base64ImageSource",
+    "ContentBlock",
+    "ContentBlockDeltaEvent",
+    "ContentBlockParam",
+    "ContentBlockStartEvent",
+    "ContentBlockStopEvent",
+    "CountTokensRequest",
+    "CountTokensResponse",
+    "ImageBlockParam",
+    "InputJSONDelta",
+    "Message",
+    "MessageDelta",
+    "MessageDeltaEvent",
+    "MessageDeltaUsage",
+    "MessageParam",
+    "MessageStartEvent",
+    "MessageStopEvent",
+    "MessageUsage",
+    "MessagesRequest",
+    "PingEvent",
+    "RedactedThinkingBlockParam",
+    "StreamEvent",
+    "TextBlock",
+    "TextBlockParam",
+    "TextDelta",
+    "ThinkingBlockParam",
+    "ToolChoice",
+    "ToolChoiceAny",
+    "ToolChoiceAuto",
+    "ToolChoiceNone",
+    "ToolChoiceTool",
+    "ToolParam",
+    "ToolResultBlockParam",
+    "ToolUseBlock",
+    "ToolUseBlockParam",
+    "URLImageSource",
+]
+
+
+# -- request content blocks ----------------------------------------------------------------
+
+
+class TextBlockParam(_Request, tag_field="type", tag="text"):
+    """``{"type": "text", "text": ...}``."""
+
+    text: str
+
+
+class Base64ImageSource(_Request, tag_field="type", tag="base64"):
+    """An image inline: base64 ``data`` of ``media_type``."""
+
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLImageSource(_Request, tag_field="type", tag="url"):
+    """An image by URL (the server fetches only from hosts it is told to allow)."""
+
+    url: str
+
+
+class ImageBlockParam(_Request, tag_field="type", tag="image"):
+    """``{"type": "image", "source": {...}}``."""
+
+    source: Base64ImageSource | URLImageSource
+
+
+class ToolUseBlockParam(_Request, tag_field="type", tag="tool_use"):
+    """An earlier call of the assistant's, sent back in the history."""
+
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlockParam(_Request, tag_field="type", tag="tool_result"):
+    """The result of the call ``tool_use_id`` (in a user message)."""
+
+    tool_use_id: str
+    content: str | list[TextBlockParam | ImageBlockParam] | UnsetType = UNSET
+    is_error: bool | UnsetType = UNSET
+
+
+class ThinkingBlockParam(_Request, tag_field="type", tag="thinking"):
+    """An earlier turn's thinking, as clients send the history back. Anthropic drops the
+    thinking of earlier turns from the context, and so does ortserve."""
+
+    thinking: str
+    signature: str | UnsetType = UNSET
+
+
+class RedactedThinkingBlockParam(_Request, tag_field="type", tag="redacted_thinking"):
+    """Redacted thinking of an earlier turn (dropped like :class:`ThinkingBlockParam`)."""
+
+    data: str
+
+
+ContentBlockParam = (
+    TextBlockParam
+    | ImageBlockParam
+    | ToolUseBlockParam
+    | ToolResultBlockParam
+    | ThinkingBlockParam
+    | RedactedThinkingBlockParam
+)
+
+
+class MessageParam(_Request):
+    """One turn: ``content`` is a string or content blocks."""
+
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlockParam]
+
+
+# -- tools ---------------------------------------------------------------------------------
+
+
+class ToolParam(_Request):
+    """A client tool: ``input_schema`` is its input's JSON schema. Anthropic's server tools
+    (web search, code execution...) have other ``type`` values and are refused."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str | UnsetType = UNSET
+    type: Literal["custom"] | UnsetType | None = UNSET
+
+
+class ToolChoiceAuto(_Request, tag_field="type", tag="auto"):
+    """The model decides whether to call a tool."""
+
+    disable_parallel_tool_use: bool | UnsetType = UNSET
+
+
+class ToolChoiceAny(_Request, tag_field="type", tag="any"):
+    """The model must call one of the tools (OpenAI's ``required``)."""
+
+    disable_parallel_tool_use: bool | UnsetType = UNSET
+
+
+class ToolChoiceTool(_Request, tag_field="type", tag="tool"):
+    """The model must call the tool ``name``."""
+
+    name: str
+    disable_parallel_tool_use: bool | UnsetType = UNSET
+
+
+class ToolChoiceNone(_Request, tag_field="type", tag="none"):
+    """The model must not call tools (they stay in the prompt)."""
+
+
+ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+class CountTokensRequest(_Request):
+    """``POST /v1/messages/count_tokens``: what the prompt of these messages would take."""
+
+    model: str
+    messages: list[MessageParam]
+    system: str | list[TextBlockParam] | UnsetType = UNSET
+    tools: list[ToolParam] | UnsetType = UNSET
+    tool_choice: ToolChoice | UnsetType = UNSET
+    thinking: dict[str, Any] | UnsetType = UNSET
+    """``{"type": "enabled", "budget_tokens": N}`` and the like; refused unless disabled
+    (ortserve does not separate reasoning yet)."""
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    """``POST /v1/messages``."""
+
+    max_tokens: int
+    stop_sequences: list[str] | UnsetType = UNSET
+    temperature: float | UnsetType = UNSET
+    """0 to 1, as Anthropic allows."""
+    top_p: float | UnsetType = UNSET
+    top_k: int | UnsetType = UNSET
+    stream: bool | UnsetType = UNSET
+    metadata: dict[str, Any] | UnsetType = UNSET
+    """Accepted (``user_id``) and not used."""
+
+
+class CountTokensResponse(_Response):
+    """``{"input_tokens": N}``."""
+
+    input_tokens: int
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class TextBlock(_Response, tag_field="type", tag="text"):
+    """Text the model wrote."""
+
+    text: str
+    citations: list[Any] | None = None
+
+
+class ToolUseBlock(_Response, tag_field="type", tag="tool_use"):
+    """A call the model made: ``input`` is a JSON object matching the tool's schema."""
+
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = TextBlock | ToolUseBlock
+
+
+class MessageUsage(_Response):
+    """Token counts. As Anthropic counts them, ``input_tokens`` excludes the prompt tokens
+    read from the prefix cache (``cache_read_input_tokens``); their sum is the prompt."""
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class Message(_Response):
+    """The response of ``POST /v1/messages`` (and the snapshot in ``message_start``)."""
+
+    id: str
+    model: str
+    content: list[ContentBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: MessageUsage
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+
+
+# -- stream events -------------------------------------------------------------------------
+
+
+class TextDelta(_Response, tag_field="type", tag="text_delta"):
+    text: str
+
+
+class InputJSONDelta(_Response, tag_field="type", tag="input_json_delta"):
+    """A fragment of a tool call's ``input`` as JSON text."""
+
+    partial_json: str
+
+
+class MessageStartEvent(_Response, tag_field="type", tag="message_start"):
+    message: Message
+
+
+class ContentBlockStartEvent(_Response, tag_field="type", tag="content_block_start"):
+    index: int
+    content_block: ContentBlock
+
+
+class ContentBlockDeltaEvent(_Response, tag_field="type", tag="content_block_delta"):
+    index: int
+    delta: TextDelta | InputJSONDelta
+
+
+class ContentBlockStopEvent(_Response, tag_field="type", tag="content_block_stop"):
+    index: int
+
+
+class MessageDelta(_Response):
+    stop_reason: str | None
+    stop_sequence: str | None = None
+
+
+class MessageDeltaUsage(_Response):
+    """Cumulative counts at the end of a streamed message."""
+
+    output_tokens: int
+    input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class MessageDeltaEvent(_Response, tag_field="type", tag="message_delta"):
+    delta: MessageDelta
+    usage: MessageDeltaUsage
+
+
+class MessageStopEvent(_Response, tag_field="type", tag="message_stop"):
+    pass
+
+
+class PingEvent(_Response, tag_field="type", tag="ping"):
+    pass
+
+
+class AnthropicErrorDetail(_Response):
+    """``type``: ``invalid_request_error``, ``authentication_error``, ``permission_error``,
+    ``not_found_error``, ``request_too_large``, ``overloaded_error`` or ``api_error``."""
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Response, tag_field="type", tag="error"):
+    """The body of every error on these routes, ``{"type": "error", "error": {...}}``, and
+    the payload of ``event: error`` when a stream fails after it started."""
+
+    error: AnthropicErrorDetail
+
+
+StreamEvent = (
+    MessageStartEvent
+    | ContentBlockStartEvent
+    | ContentBlockDeltaEvent
+    | ContentBlockStopEvent
+    | MessageDeltaEvent
+    | MessageStopEvent
+    | PingEvent
+    | AnthropicErrorResponse
+)
