@@ -152,3 +152,27 @@ async def test_sampled_requests_reuse_too_and_stay_reproducible(models: tuple[Ch
     reference, _ = await run(plain, prompt, options)
     await run(cached, prompt, options)
     assert await run(cached, prompt, options) == (reference, len(prompt) - 1)
+
+
+async def test_prompts_differing_only_in_the_image_never_share_a_cache_entry() -> None:
+    """Multimodal prompts run on og-generator, which keeps no prefix cache: two prompts with
+    the same text and placeholder ids but different images each get their own answer."""
+    from images import TINY_PHI3V, image_bytes
+    from ortserve_runtime import ImageInput
+
+    registry = ModelRegistry()
+    registry.add("vision", TINY_PHI3V)
+    model: ChatModel = await registry.get("vision")
+    try:
+        results = {}
+        colours = {"red": (200, 30, 30), "blue": (30, 30, 200)}
+        for colour in ("red", "blue", "red"):
+            content = [ImageInput(image_bytes(colour=colours[colour])), "What is in the picture?"]
+            prompt = await model.aprepare_chat([{"role": "user", "content": content}])
+            _, tokens, _, usage = await model.generate(prompt, options=GREEDY).collect()
+            assert usage.cached_tokens == 0
+            results.setdefault(colour, tokens)
+            assert results[colour] == tokens  # the same image again: the same tokens
+        assert results["red"] != results["blue"]
+    finally:
+        await registry.close()
