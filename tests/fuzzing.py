@@ -124,6 +124,10 @@ def _steer(context: schemathesis.HookContext, case: schemathesis.Case) -> st.Sea
     itself the generator mostly drew the unknown name, so few requests reached an engine);
     for transcriptions, half the time a real WAV with a supported response_format, since
     random bytes and random text fields are refused before any audio is decoded."""
+    if case.path_parameters and "model_id" in case.path_parameters:
+        # GET /v1/models/{model_id}: random names (slashes, unicode) half the time, served ones else.
+        served = st.sampled_from(MODEL_NAMES).map(lambda name: _with_path(case, name))
+        return st.one_of(st.just(case), served)
     right = _MODEL_FOR_PATH.get(case.operation.path)
     body = case.body
     if right is None or not isinstance(body, dict) or case.meta is None or case.meta.generation.mode.is_negative:
@@ -142,6 +146,11 @@ def _steer(context: schemathesis.HookContext, case: schemathesis.Case) -> st.Sea
     )
     generated = model.map(lambda name: {**body, "model": name})
     return st.one_of(generated, audio).map(lambda new: _with_body(case, new))
+
+
+def _with_path(case: schemathesis.Case, model_id: str) -> schemathesis.Case:
+    case.path_parameters = {**(case.path_parameters or {}), "model_id": model_id}
+    return case
 
 
 def _with_body(case: schemathesis.Case, body: dict[str, Any]) -> schemathesis.Case:
