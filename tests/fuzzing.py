@@ -200,15 +200,15 @@ def operations_of(schema: schemathesis.BaseSchema) -> list[tuple[str, str]]:
     return [(op.method.upper(), op.path) for op in (result.ok() for result in schema.get_all_operations())]
 
 
-def fuzz_settings(max_examples: int, seed: int | None = 0) -> Any:
+def fuzz_settings(max_examples: int, derandomize: bool = True) -> Any:
     """Hypothesis settings for a fuzz run: no deadline, since timing on a shared machine is
     no verdict (the server's own limits are what bound the work); health checks off, since
-    slow generation of big bodies is expected here; a fixed seed in CI (``derandomize``) so
-    that a failure reproduces, a random one in the longer run."""
+    slow generation of big bodies is expected here; derandomized in CI so that a failure
+    reproduces, random (or ``hypothesis.seed``) in the longer run."""
     return settings(
         max_examples=max_examples,
         deadline=None,
-        derandomize=seed is not None,
+        derandomize=derandomize,
         suppress_health_check=list(HealthCheck),
         database=None,
         print_blob=True,
