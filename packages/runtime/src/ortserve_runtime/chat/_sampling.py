@@ -92,9 +92,10 @@ class Sampler:
         if options.repetition_penalty != 1.0 and previous:
             seen = np.unique(np.asarray(previous, dtype=np.int64))
             values = scores[seen]
-            scores[seen] = np.where(
-                values > 0, values / options.repetition_penalty, values * options.repetition_penalty
-            )
+            with np.errstate(over="ignore"):  # a tiny penalty overflows to +inf: see below
+                scores[seen] = np.where(
+                    values > 0, values / options.repetition_penalty, values * options.repetition_penalty
+                )
         if generated < options.min_tokens and self._eos.size:
             kept = scores[self._eos].copy()
             scores[self._eos] = -np.inf
@@ -102,11 +103,15 @@ class Sampler:
                 scores[self._eos] = kept
         if options.greedy:
             return int(np.argmax(scores))
-        scores /= options.temperature
+        with np.errstate(over="ignore"):
+            scores /= options.temperature
         if 0 < options.top_k < scores.size:
             kth = np.partition(scores, -options.top_k)[-options.top_k]
             scores[scores < kth] = -np.inf
-        probs = np.exp(scores - scores.max())
+        top = scores.max()
+        # A temperature or penalty near zero (valid, e.g. 1e-308) scales logits past the float
+        # range, and inf - inf would be NaN; softmax's limit: the largest ones share evenly.
+        probs = (scores == top).astype(np.float64) if np.isposinf(top) else np.exp(scores - top)
         probs /= probs.sum()
         if options.top_p < 1.0:
             order = np.argsort(-probs)
