@@ -81,6 +81,27 @@ def test_repetition_penalty_applies_before_sampling() -> None:
     assert {sampler.choose(row, [0], 0) for _ in range(100)} == {1}
 
 
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (GenerationOptions(temperature=1e-308, seed=0), {1, 2}),
+        (GenerationOptions(temperature=5e-324, seed=0), {1, 2}),
+        (GenerationOptions(temperature=1.0, repetition_penalty=1e-308, seed=0), {1, 2}),
+        (GenerationOptions(temperature=0, repetition_penalty=5e-324), {1}),  # argmax: the first
+    ],
+    ids=["tiny temperature", "subnormal temperature", "tiny penalty", "tiny penalty greedy"],
+)
+def test_extreme_valid_options_pick_the_limit_not_nan(options: GenerationOptions, expected: set[int]) -> None:
+    # Found by fuzzing (a 500 "Probabilities contain NaN"): a temperature or penalty this
+    # small is in range but overflows the scaled logits to +inf, and inf - inf is NaN. The
+    # limit of softmax is an even choice among the largest logits, and so it must sample.
+    row = np.array([-1.0, 3.0, 3.0, -2.0, -0.5], dtype=np.float32)
+    sampler = Sampler(options, frozenset())
+    with np.errstate(all="raise"):  # no overflow warnings either: they become errors in tests
+        picks = {sampler.choose(row, [1, 2], 0) for _ in range(100)}
+    assert picks == expected
+
+
 def test_top_p_and_top_k_restrict_the_choice() -> None:
     row = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
     narrow = Sampler(GenerationOptions(temperature=1.0, top_p=0.4, seed=0), frozenset())

@@ -267,7 +267,9 @@ class ResponseUsage(_Response):
 
 
 class IncompleteDetails(_Response):
-    reason: Literal["max_output_tokens", "content_filter"] | str
+    reason: str
+    """``max_output_tokens`` (or OpenAI's ``content_filter``); a plain string, since a union
+    of the literals and ``str`` documents as a ``oneOf`` that both branches match."""
 
 
 class ResponseError(_Response):

@@ -177,14 +177,18 @@ class Sampler:
             self._scores = scores  # kept for scored(): log-probabilities before temperature
         if options.greedy:
             return int(np.argmax(scores))
-        if options.logprobs is None:
-            scores /= options.temperature  # a copy already (_process): no second row to allocate
-        else:
-            scores = scores / options.temperature  # the kept row stays untempered
+        with np.errstate(over="ignore"):  # a tiny temperature overflows to +inf: see below
+            if options.logprobs is None:
+                scores /= options.temperature  # a copy already (_process): no second row to allocate
+            else:
+                scores = scores / options.temperature  # the kept row stays untempered
         if 0 < options.top_k < scores.size:
             kth = np.partition(scores, -options.top_k)[-options.top_k]
             scores[scores < kth] = -np.inf
-        probs = np.exp(scores - scores.max())
+        top = scores.max()
+        # A temperature or penalty near zero (valid, e.g. 1e-308) scales logits past the float
+        # range, and inf - inf would be NaN; softmax's limit: the largest ones share evenly.
+        probs = (scores == top).astype(np.float64) if np.isposinf(top) else np.exp(scores - top)
         probs /= probs.sum()
         if options.min_p > 0.0:
             # Relative to the most likely token after temperature, as vLLM and transformers.
@@ -211,9 +215,10 @@ class Sampler:
         if options.repetition_penalty != 1.0 and previous:
             seen = np.unique(np.asarray(previous, dtype=np.int64))
             values = scores[seen]
-            scores[seen] = np.where(
-                values > 0, values / options.repetition_penalty, values * options.repetition_penalty
-            )
+            with np.errstate(over="ignore"):  # a tiny penalty overflows to +inf: see choose()
+                scores[seen] = np.where(
+                    values > 0, values / options.repetition_penalty, values * options.repetition_penalty
+                )
         if self._penalised and output:
             ids, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
             scores[ids] -= counts * options.frequency_penalty + options.presence_penalty
