@@ -186,6 +186,10 @@ class AssistantMessage(_Request, tag_field="role", tag="assistant"):
     tool_calls: list[ToolCall] | UnsetType = UNSET
     name: str | UnsetType = UNSET
     refusal: str | UnsetType | None = UNSET
+    reasoning_content: str | UnsetType | None = UNSET
+    """An earlier turn's reasoning, as this server returns it (llama-server's name);
+    ``reasoning`` is vLLM's. The chat template decides what of it the model sees."""
+    reasoning: str | UnsetType | None = UNSET
 
 
 class ToolMessage(_Request, tag_field="role", tag="tool"):
@@ -312,6 +316,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     """Output modalities; this server writes ``["text"]``."""
     audio: dict[str, Any] | UnsetType | None = UNSET
     """Audio output settings (refused: no model here speaks)."""
+    reasoning_effort: str | UnsetType | None = UNSET
+    """Handed to the chat template as ``reasoning_effort`` (templates that know it use it)."""
+    chat_template_kwargs: dict[str, Any] | UnsetType | None = UNSET
+    """Extension (vLLM, llama-server): more chat template variables, such as
+    ``{"enable_thinking": false}``."""
 
 
 class PromptTokensDetails(_Response):
@@ -337,6 +346,10 @@ class ChatCompletionMessage(_Response):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    """A reasoning model's thinking (llama-server's and older vLLM's name); absent otherwise."""
+    reasoning: str | UnsetType = UNSET
+    """The same thinking under vLLM's current name."""
 
 
 class TopLogprob(_Response):
@@ -409,6 +422,9 @@ class ChoiceDelta(_Request):
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType | None = UNSET
     tool_calls: list[ChoiceDeltaToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    """A piece of a reasoning model's thinking (also sent as ``reasoning``)."""
+    reasoning: str | UnsetType = UNSET
 
 
 class ChatCompletionChunkChoice(_Response):

@@ -51,6 +51,7 @@ __all__ = [
     "require_embedding_model",
     "require_model",
     "require_speech_model",
+    "template_kwargs",
 ]
 
 MAX_STOP = 4
@@ -199,6 +200,10 @@ async def chat_messages(messages: Sequence[p.ChatMessage], config: ServerConfig)
         tool_calls = getattr(message, "tool_calls", None)
         if _given(tool_calls) and tool_calls:
             item["tool_calls"] = [msgspec.to_builtins(call) for call in tool_calls]
+        thought = getattr(message, "reasoning_content", None)
+        thought = thought if isinstance(thought, str) else getattr(message, "reasoning", None)
+        if isinstance(thought, str):
+            item["reasoning_content"] = thought  # the name Qwen3's and DeepSeek's templates read
         for key in ("tool_call_id", "name"):
             value = getattr(message, key, None)
             if _given(value):
@@ -488,6 +493,15 @@ def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerCon
     return GenerationPlan(
         n, _generation_options(data, config, n, grammar), tools, {"prompt": "messages", "grammar": field}
     )
+
+
+def template_kwargs(data: p.ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template variables a request adds: ``chat_template_kwargs`` and
+    ``reasoning_effort`` (the render never lets them replace the messages or tools)."""
+    kwargs = dict(data.chat_template_kwargs) if isinstance(data.chat_template_kwargs, dict) else {}
+    if isinstance(data.reasoning_effort, str):
+        kwargs.setdefault("reasoning_effort", data.reasoning_effort)
+    return kwargs
 
 
 def plan_completion(data: p.CompletionRequest, config: ServerConfig) -> GenerationPlan:

@@ -31,6 +31,7 @@ from ortserve_runtime import (
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
+    ReasoningParser,
     Segment,
     TokenLogprob,
     ToolCall,
@@ -50,6 +51,7 @@ from ._mapping import (
     require_embedding_model,
     require_model,
     require_speech_model,
+    template_kwargs,
 )
 from ._openapi import GET_ERRORS, POST_ERRORS, also_sends, error_responses, generation_docs, with_error_responses
 from ._state import OrtServe
@@ -194,6 +196,12 @@ class _Generation:
         """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
         self.event_logprobs: TokenLogprob | None = None
         """Those of the event that :meth:`sse`'s ``events`` callback is turning into chunks."""
+        self.reasoning_parsers: list[ReasoningParser] | None = None
+        """Per stream, the splitter of a reasoning model's thinking from its answer."""
+        self.event_reasoning = ""
+        """The thinking of the event :meth:`_split` split last (content is the answer only)."""
+        self.reasonings = [""] * len(streams)
+        """Per stream, all its thinking (:meth:`collect`)."""
 
     def _observe(self, event: GenerationEvent) -> None:
         if self.first and event.token_id is not None:
@@ -202,11 +210,19 @@ class _Generation:
 
     def _split(self, index: int, event: GenerationEvent) -> tuple[str, list[ToolCall], str | None]:
         """The event as content, completed tool calls and finish reason (``tool_calls``
-        when the choice called a tool)."""
+        when the choice called a tool); a reasoning model's thinking goes to
+        :attr:`event_reasoning`, and only the answer after it is parsed for calls."""
+        text, self.event_reasoning = event.text, ""
+        if self.reasoning_parsers is not None:
+            splitter = self.reasoning_parsers[index]
+            self.event_reasoning, text = splitter.feed(text)
+            if event.finish_reason is not None:
+                thought, answer = splitter.finish()
+                self.event_reasoning, text = self.event_reasoning + thought, text + answer
         if self.tool_parsers is None:
-            return event.text, [], event.finish_reason
+            return text, [], event.finish_reason
         parser = self.tool_parsers[index]
-        text, calls = parser.feed(event.text)
+        text, calls = parser.feed(text)
         if event.finish_reason is not None:
             # A call cut short by max_tokens is still a call (arguments as written so far).
             rest, more = parser.finish(cut_short=event.finish_reason == "length", forced=self.forced_tool)
@@ -251,6 +267,7 @@ class _Generation:
         async for index, event in _merge(self.streams):
             self._observe(event)
             text, made, reason = self._split(index, event)
+            self.reasonings[index] += self.event_reasoning
             texts[index] += text
             calls[index] += made
             completion_tokens += self._record(index, event)
@@ -316,10 +333,16 @@ async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletio
     plan = plan_chat(data, model, ortserve.config)
     tools = plan.tools
     check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
-    prompt = await model.aprepare_chat(await chat_messages(data.messages, ortserve.config), tools=tools.definitions)
+    prompt = await model.aprepare_chat(
+        await chat_messages(data.messages, ortserve.config),
+        tools=tools.definitions,
+        template_kwargs=template_kwargs(data),
+    )
     streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
+    if model.reasoning is not None and prompt.reasoning is not None:
+        run.reasoning_parsers = [ReasoningParser(model.reasoning, prompt.reasoning) for _ in streams]
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     run.choices_per_prompt = plan.n
     return run
@@ -394,6 +417,9 @@ async def chat_completions(
     def events(index: int, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
         scored = run.event_logprobs
         out = []
+        if run.event_reasoning:  # both names: llama-server's (older vLLM's) and vLLM's
+            thought = run.event_reasoning
+            out.append(delta(index, reasoning_content=thought, reasoning=thought))
         if scored is not None:  # a token's chunk carries its logprobs, even while text is held back
             logprobs = _chat_logprobs([scored])
             out.append(
@@ -434,6 +460,8 @@ async def chat_completions(
             content=text if text or not tool_calls else None,
             tool_calls=tool_calls or msgspec.UNSET,
         )
+        if run.reasoning_parsers is not None:
+            message.reasoning_content = message.reasoning = run.reasonings[i]
         logprobs = _chat_logprobs(run.logprobs[i]) if data.logprobs is True else None
         choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
     return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))

@@ -5,6 +5,7 @@ from ._logprobs import TokenBytes, TokenLogprob, TopLogprob
 from ._media import AudioInput, ImageInput
 from ._model import ChatModel
 from ._multimodal import MULTIMODAL_TYPES, MediaProcessor
+from ._reasoning import ReasoningMarkers, ReasoningParser, ReasoningStart, detect_reasoning
 from ._request import FinishReason, GenerationEvent, GenerationStream, Prompt, Request, Usage
 from ._sampling import GenerationOptions
 from ._template import ChatTemplate, Message
@@ -24,6 +25,9 @@ __all__ = [
     "MediaProcessor",
     "Message",
     "Prompt",
+    "ReasoningMarkers",
+    "ReasoningParser",
+    "ReasoningStart",
     "Request",
     "TokenBytes",
     "TokenLogprob",
@@ -32,6 +36,7 @@ __all__ = [
     "ToolCallParser",
     "TopLogprob",
     "Usage",
+    "detect_reasoning",
     "detect_tool_format",
     "forced_tool_grammar",
 ]

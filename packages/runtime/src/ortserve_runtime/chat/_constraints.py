@@ -18,6 +18,7 @@ import numpy.typing as npt
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .._errors import InvalidRequestError
+from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
 
 __all__ = ["Constraint", "Grammar", "GrammarCompiler", "og_guidance"]
 
@@ -29,6 +30,9 @@ class Grammar:
 
     kind: Literal["json_schema", "regex", "lark"]
     source: str | dict[str, Any]
+    after_reasoning: tuple[ReasoningMarkers, ReasoningStart] | None = None
+    """Set for a reasoning model: the grammar holds for the answer only, after a free
+    think block (opened by the model, or already open in the prompt)."""
 
 
 class Constraint:
@@ -81,7 +85,8 @@ class GrammarCompiler:
 
 def og_guidance(grammar: Grammar) -> tuple[str, str]:
     """``grammar`` as onnxruntime-genai's guidance (``TurnOptions.set_guidance``) takes it:
-    the same sources, and the same strict whitespace for JSON, as the host matcher."""
+    the same sources, and the same strict whitespace for JSON, as the host matcher.
+    A grammar after reasoning has no such form: the model refuses it on og engines."""
     if grammar.kind == "json_schema":
         schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)
         schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
@@ -90,6 +95,13 @@ def og_guidance(grammar: Grammar) -> tuple[str, str]:
 
 
 def _grammar_text(grammar: Grammar) -> str:
+    if grammar.after_reasoning is not None:
+        # llguidance nests grammars: the think block, then the asked-for grammar by name.
+        inner = _grammar_text(Grammar(grammar.kind, grammar.source))
+        entry = json.loads(inner)["grammars"][0] if inner.lstrip().startswith("{") else {"lark_grammar": inner}
+        entry = {key: value for key, value in entry.items() if value is not None and key != "name"}
+        prefix = reasoning_prefix_lark(*grammar.after_reasoning)
+        return json.dumps({"grammars": [{"lark_grammar": prefix}, {**entry, "name": "inner"}]})
     try:
         if grammar.kind == "json_schema":
             schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)

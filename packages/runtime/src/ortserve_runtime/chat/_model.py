@@ -6,6 +6,7 @@ hands it to its :class:`~ortserve_runtime.engines.Engine`; it never touches onnx
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -14,10 +15,11 @@ from tokenizers import Tokenizer
 from .._config import ModelConfig
 from .._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
-from ._constraints import GrammarCompiler
+from ._constraints import Grammar, GrammarCompiler
 from ._logprobs import TokenBytes
 from ._media import Media, flatten_messages
 from ._multimodal import MediaProcessor
+from ._reasoning import ReasoningMarkers, detect_reasoning, reasoning_start
 from ._request import GenerationStream, Prompt, Request
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
@@ -81,6 +83,10 @@ class ChatModel:
             self.chat_template.source if self.chat_template else None
         )
         """How this model writes tool calls (from its chat template), or None."""
+        self.reasoning: ReasoningMarkers | None = detect_reasoning(
+            self.chat_template.source if self.chat_template else None
+        )
+        """The think markers of a reasoning model (from its chat template), or None."""
         self.grammars = GrammarCompiler(tokenizer_path.read_text(encoding="utf-8"), self.vocab_size, self.eos_token_ids)
         self._token_bytes: TokenBytes | None = None
 
@@ -136,13 +142,15 @@ class ChatModel:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text the model's own template makes of ``messages`` (and ``tools``).
 
         Content may be a list of parts (text, :class:`ImageInput`, :class:`AudioInput`);
-        media parts appear as the model's placeholders.
+        media parts appear as the model's placeholders. ``template_kwargs`` are more
+        template variables (``enable_thinking``, ``reasoning_effort``...).
         """
-        return self._render(messages, tools, add_generation_prompt)[0]
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)[0]
 
     def prepare_chat(
         self,
@@ -150,15 +158,19 @@ class ChatModel:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         """The prompt for ``messages``, ready for :meth:`generate` (``n`` choices may share it);
-        ``list(prompt)`` gives its token ids (images as the negative ids of their features).
+        ``list(prompt)`` gives its token ids (images as the negative ids of their features);
+        ``prompt.reasoning`` says whether a reasoning model's output starts in its thinking.
 
         For multimodal models this decodes the media and runs the processor: call it from a
         worker thread in asyncio code (:meth:`aprepare_chat`).
         """
-        text, media = self._render(messages, tools, add_generation_prompt)
-        return self._prepare(text, media)
+        text, media = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        prompt = self._prepare(text, media)
+        start = reasoning_start(self.reasoning, text) if add_generation_prompt else None
+        return dataclasses.replace(prompt, reasoning=start) if start is not None else prompt
 
     async def aprepare_chat(
         self,
@@ -166,11 +178,16 @@ class ChatModel:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         """:meth:`prepare_chat` in a worker thread: rendering the template, tokenizing and
         decoding media take long enough for a large request to stall the event loop."""
         return await asyncio.to_thread(
-            self.prepare_chat, messages, tools=tools, add_generation_prompt=add_generation_prompt
+            self.prepare_chat,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
         )
 
     def generate(
@@ -222,8 +239,12 @@ class ChatModel:
                 f"{self.max_sequence_length} tokens",
                 param="max_tokens" if room >= 1 else field_name,
             )
-        self._check_engine(prompt, options)
-        constraint = self.grammars.constraint(options.grammar) if options.grammar is not None else None
+        grammar = options.grammar
+        if grammar is not None and prompt.reasoning is not None and self.reasoning is not None:
+            # The constraint holds for the answer; the reasoning before it stays free.
+            grammar = dataclasses.replace(grammar, after_reasoning=(self.reasoning, prompt.reasoning))
+        self._check_engine(prompt, options, grammar)
+        constraint = self.grammars.constraint(grammar) if grammar is not None else None
         request = Request(
             prompt=list(prompt.ids),
             media=prompt.media,
@@ -238,9 +259,17 @@ class ChatModel:
         )
         return GenerationStream(self.engine, request)
 
-    def _check_engine(self, prompt: Prompt, options: GenerationOptions) -> None:
+    def _check_engine(self, prompt: Prompt, options: GenerationOptions, grammar: Grammar | None) -> None:
         """Refuse what this engine cannot honour, naming the field, rather than ignore it."""
         capabilities = self.engine.capabilities
+        if grammar is not None and grammar.after_reasoning is not None and not capabilities.host_sampling:
+            # og takes a grammar for the whole output: it would stop the model thinking.
+            raise InvalidRequestError(
+                f"model {self.name!r} reasons before it answers, and its {self.engine.name} engine constrains the "
+                "whole output inside onnxruntime-genai; turn thinking off (chat_template_kwargs "
+                '{"enable_thinking": false}), or serve the model with --engine og-generator (or ort-cpu on the CPU)',
+                param="grammar",
+            )
         bad = [t for t in options.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(
@@ -280,13 +309,20 @@ class ChatModel:
     # -- prompts -----------------------------------------------------------------------------
 
     def _render(
-        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, Media]:
         if self.chat_template is None:
             raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
         placeholders = self._media.placeholders if self._media is not None else {}
         flat, media = flatten_messages(messages, placeholders, self.name)
-        return self.chat_template.render(flat, tools=tools, add_generation_prompt=add_generation_prompt), media
+        text = self.chat_template.render(
+            flat, tools=tools, add_generation_prompt=add_generation_prompt, extra=template_kwargs
+        )
+        return text, media
 
     def _prepare(self, text: str, media: Media) -> Prompt:
         """The prompt of a rendered chat: its tokens, or the media processor's inputs."""

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders
 from .._errors import EngineClosedError
 from ._constraints import Constraint
 from ._logprobs import TokenBytes, TokenLogprob
+from ._reasoning import ReasoningStart
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
 
@@ -73,6 +74,9 @@ class Prompt:
 
     ids: Sequence[int]
     media: Any = None
+    reasoning: ReasoningStart | None = None
+    """For a reasoning model's chat: whether the output starts inside a think block
+    (``open``), may open one (``opens``), or has none (``None``: thinking turned off)."""
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -78,17 +78,24 @@ class ChatTemplate:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text for ``messages``; template errors become :class:`InvalidRequestError`."""
+        """The prompt text for ``messages``; template errors become :class:`InvalidRequestError`.
+
+        ``extra``: more template variables (``enable_thinking``, ``reasoning_effort``...);
+        they never replace the messages, tools, generation prompt or special tokens."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         try:
-            return self._template.render(
+            variables = dict(extra or {})
+            # Set last, so that no extra variable can stand in for them.
+            variables.update(
                 messages=[dict(m) for m in messages],
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
             )
+            return self._template.render(variables)
         except InvalidRequestError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:

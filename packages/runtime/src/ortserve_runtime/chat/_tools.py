@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._constraints import Grammar
+from ._reasoning import _held
 
 __all__ = ["ToolCall", "ToolCallFormat", "ToolCallParser", "detect_tool_format", "forced_tool_grammar"]
 
@@ -184,14 +185,6 @@ def _unfinished(body: str, arguments_key: str) -> tuple[str | None, str]:
             name = found.group(1).rpartition("\\")[0]
     arguments = re.search(rf'"(?:{re.escape(arguments_key)}|arguments)"\s*:\s*', body)
     return name, body[arguments.end() :].rstrip() if arguments is not None else ""
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that starts ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
 
 
 def forced_tool_grammar(

@@ -1,0 +1,151 @@
+"""Reasoning ("thinking") models: their markup, a streaming splitter, and grammars that
+leave the reasoning free.
+
+Qwen3, the DeepSeek-R1 distills and Phi-4-reasoning write their reasoning between
+``<think>`` and ``</think>`` before the answer; some templates open the block in the
+generation prompt themselves (then the output starts inside it). The markers are matched
+in the decoded text, not as token ids: in these models they are added tokens that are
+not "special" (they survive decoding), and a small vocabulary may spell them in pieces.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "ReasoningMarkers",
+    "ReasoningParser",
+    "ReasoningStart",
+    "detect_reasoning",
+    "reasoning_prefix_lark",
+    "reasoning_start",
+]
+
+ReasoningStart = Literal["opens", "open"]
+"""How a generation begins: ``opens``: the model opens its think block itself (or answers
+at once); ``open``: the prompt opened it, so the output starts inside the reasoning."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningMarkers:
+    start: str = "<think>"
+    end: str = "</think>"
+
+
+def detect_reasoning(template_source: str | None) -> ReasoningMarkers | None:
+    """The think markers a chat template teaches (it writes or strips both), if any."""
+    if template_source and "<think>" in template_source and "</think>" in template_source:
+        return ReasoningMarkers()
+    return None
+
+
+def reasoning_start(markers: ReasoningMarkers | None, prompt_text: str) -> ReasoningStart | None:
+    """Where the output of ``prompt_text`` begins: inside a think block the template
+    opened, before one the model may open, or ``None`` when the template closed it
+    (Qwen3 with ``enable_thinking: false`` renders an empty ``<think></think>``)."""
+    if markers is None:
+        return None
+    tail = prompt_text.rstrip()
+    if tail.endswith(markers.end):
+        return None
+    if tail.endswith(markers.start):
+        return "open"
+    return "opens"
+
+
+class ReasoningParser:
+    """Splits streamed text into reasoning and answer, like :class:`ToolCallParser`.
+
+    ``feed`` returns ``(reasoning, answer)`` safe to show now; text that may be part of a
+    marker split across tokens is held back until it is decided. Whitespace around the
+    markers (Qwen3 writes ``<think>\\n...\\n</think>\\n\\n``) belongs to neither part.
+    Only a think block at the very start counts: ``<think>`` later in an answer is text.
+    """
+
+    def __init__(self, markers: ReasoningMarkers, start: ReasoningStart) -> None:
+        self._markers = markers
+        # "before": not yet known whether a block opens; "in": reasoning; "after": answer.
+        self._state = "in" if start == "open" else "before"
+        self._buffer = ""
+        self._leading = True  # strip whitespace at the start of the current part
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buffer += text
+        reasoning: list[str] = []
+        answer: list[str] = []
+        while True:
+            if self._state == "before":
+                stripped = self._buffer.lstrip()
+                if stripped.startswith(self._markers.start):
+                    self._buffer = stripped[len(self._markers.start) :]
+                    self._state, self._leading = "in", True
+                    continue
+                if not stripped or self._markers.start.startswith(stripped):
+                    break  # still undecided
+                self._state, self._leading = "after", False  # no think block: all answer
+                continue
+            if self._state == "in":
+                if self._leading:
+                    self._buffer = self._buffer.lstrip()
+                    if not self._buffer:
+                        break
+                    self._leading = False
+                end = self._buffer.find(self._markers.end)
+                if end >= 0:
+                    reasoning.append(self._buffer[:end].rstrip())
+                    self._buffer = self._buffer[end + len(self._markers.end) :]
+                    self._state, self._leading = "after", True
+                    continue
+                # Hold back a possible partial end marker and trailing whitespace (which
+                # belongs to the marker if it follows).
+                keep = len(self._buffer) - _held(self._buffer, self._markers.end)
+                safe = self._buffer[:keep].rstrip()
+                reasoning.append(safe)
+                self._buffer = self._buffer[len(safe) :]
+                break
+            if self._leading:
+                self._buffer = self._buffer.lstrip()
+                if not self._buffer:
+                    break
+                self._leading = False
+            answer.append(self._buffer)
+            self._buffer = ""
+            break
+        return "".join(reasoning), "".join(answer)
+
+    def finish(self) -> tuple[str, str]:
+        """Settle what is held back: an unfinished block (cut by ``max_tokens``) is
+        reasoning; an undecided start is answer."""
+        rest, self._buffer = self._buffer, ""
+        if self._state == "in":
+            return (rest.strip() if self._leading else rest.rstrip()), ""
+        return "", rest.strip() if self._leading else rest
+
+    @property
+    def reasoning_done(self) -> bool:
+        """Whether the answer has begun (the think block closed, or none opened)."""
+        return self._state == "after"
+
+
+def _held(text: str, marker: str) -> int:
+    """Length (shared with the tool-call parser) of the longest suffix of ``text`` that starts ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+def reasoning_prefix_lark(markers: ReasoningMarkers, start: ReasoningStart) -> str:
+    """The Lark rules (llguidance syntax) of a free think block followed by the grammar
+    ``@inner``: ``lazy`` ends the block at the first end marker, so the reasoning is any
+    text without one; the whitespace after it is free, then the constraint applies."""
+    opening = "" if start == "open" else _lark_string(markers.start)
+    return (
+        f"start: think gap @inner\ngap: /[ \\t\\n]*/\nthink[lazy]: {opening} /(.|\\n)*/ {_lark_string(markers.end)}\n"
+    )
+
+
+def _lark_string(text: str) -> str:
+    return '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
