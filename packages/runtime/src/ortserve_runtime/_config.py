@@ -51,9 +51,11 @@ class ModelConfig:
     """onnxruntime session config entries (``SessionOptions.add_session_config_entry``)."""
     intra_op_threads: int | None = None
     """Threads per onnxruntime call; ``None`` lets onnxruntime use every physical core."""
-    max_batch_size: int = 8
+    max_batch_size: int = 32
     """Requests decoded together in one step (og-generator: generators stepped in turn);
-    more wait in a queue. og-engine batches what og schedules: 4 in its static batches
+    more wait in a queue. 32 from the measured curve (benchmarks/bench_concurrency.py, see
+    README): with 8, the ninth request waits for whole generations (16 concurrent: TTFT p95
+    22 s against 1.6 s with 32), while rows only cost memory when they hold tokens. og-engine batches what og schedules: 4 in its static batches
     on the CPU (measured: og's ``engine.static_batching.max_batch_size`` is reported but
     does not raise it), the folder's ``engine.dynamic_batching`` with paged attention."""
     max_sequence_length: int | None = 4096

@@ -170,7 +170,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="NAME:KEY=VALUE",
         help=f"a setting for one model: {', '.join(_MODEL_KEYS)}, or provider-option.KEY; repeatable",
     )
-    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together (default 32)")
     serve.add_argument("--max-sequence-length", type=int, default=4096)
     serve.add_argument("--max-queued", type=int, default=64)
     serve.add_argument(
