@@ -64,6 +64,8 @@ class ChatCompletionParams(_SamplingParams, total=False):
     parallel_tool_calls: bool | None
     modalities: Sequence[str] | None
     audio: JSONObject | None
+    reasoning_effort: str | None
+    chat_template_kwargs: JSONObject | None
 
 
 class CompletionParams(_SamplingParams, total=False):
