@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from ortserve_runtime import ModelConfig
@@ -223,3 +224,79 @@ def test_responses_without_reasoning_have_no_reasoning_item(client: openai.OpenA
     response = client.responses.create(model="tiny", input=PROMPT, max_output_tokens=3)
     assert [item.type for item in response.output] == ["message"]
     assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == 0
+
+
+# -- the Anthropic Messages API -------------------------------------------------------------
+
+THINK: Any = {"type": "enabled", "budget_tokens": 1024}
+GREEDY = {"temperature": 0}  # the SDK's methods no longer take it (newer Claude models refuse it)
+ASK: Any = [{"role": "user", "content": PROMPT}]
+
+
+@pytest.fixture(scope="module")
+def claude(client: openai.OpenAI) -> Iterator[anthropic.Anthropic]:
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    with anthropic.Anthropic(base_url=base, api_key="x", max_retries=0) as c:
+        yield c
+
+
+def test_anthropic_thinking_is_a_thinking_block(claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    message = claude.messages.create(model="think", messages=ASK, max_tokens=12, extra_body=GREEDY, thinking=THINK)
+    [block] = message.content  # the block never closes: no text block after it
+    assert block.type == "thinking" and block.thinking and block.signature == ""
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 12
+    chat = client.chat.completions.create(model="think", messages=HELLO, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert block.thinking == (chat.choices[0].message.model_extra or {})["reasoning_content"]
+
+
+def test_anthropic_streamed_thinking_equals_whole(claude: anthropic.Anthropic) -> None:
+    whole = claude.messages.create(model="think", messages=ASK, max_tokens=12, extra_body=GREEDY, thinking=THINK)
+    with claude.messages.stream(
+        model="think", messages=ASK, max_tokens=12, extra_body=GREEDY, thinking=THINK
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = "".join(
+        e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [e.content_block.type for e in starts] == ["thinking"] and starts[0].index == 0
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0]
+    assert deltas == whole.content[0].thinking == final.content[0].thinking  # type: ignore[union-attr]
+    assert final.stop_reason == "max_tokens"
+
+
+def test_anthropic_thinking_off_unless_asked(claude: anthropic.Anthropic) -> None:
+    # Anthropic's default: no thinking. The template closes the block, so all is answer.
+    for thinking in (anthropic.NOT_GIVEN, {"type": "disabled"}):
+        message = claude.messages.create(
+            model="think", messages=ASK, max_tokens=4, extra_body=GREEDY, thinking=thinking
+        )  # type: ignore[arg-type]
+        assert [block.type for block in message.content] == ["text"]
+    on = claude.messages.count_tokens(model="think", messages=ASK, thinking=THINK).input_tokens
+    off = claude.messages.count_tokens(model="think", messages=ASK).input_tokens
+    assert off > on  # "<think>\n\n</think>\n\n" rendered instead of "<think>\n"
+
+
+def test_anthropic_thinking_refused_for_other_models_and_checked(claude: anthropic.Anthropic) -> None:
+    for model, thinking, param in (
+        ("tiny", THINK, "thinking"),
+        ("think", {"type": "enabled"}, "thinking.budget_tokens"),
+        ("think", {"type": "sometimes"}, "thinking.type"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.create(model=model, messages=ASK, max_tokens=2, thinking=thinking)
+        assert refused.value.body["error"]["message"].startswith(param)  # type: ignore[index]
+
+
+def test_anthropic_earlier_thinking_reaches_the_template(claude: anthropic.Anthropic) -> None:
+    call: Any = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1, "b": 2}}
+    result: Any = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "3"}
+    thought: Any = {"type": "thinking", "thinking": "I should add them.", "signature": ""}
+
+    def count(blocks: list[Any]) -> int:
+        history = [*ASK, {"role": "assistant", "content": blocks}, {"role": "user", "content": [result]}]
+        return claude.messages.count_tokens(model="think", messages=history, thinking=THINK).input_tokens
+
+    # Qwen3's template keeps the thinking of the turn in progress (a tool loop).
+    assert count([thought, call]) > count([call])
