@@ -295,7 +295,9 @@ def test_a_full_queue_is_anthropics_overloaded_error() -> None:
         assert caught.value.response.headers["retry-after"] == "1"
 
 
-def test_earlier_thinking_blocks_are_dropped_as_anthropic_drops_them(client: anthropic.Anthropic) -> None:
+def test_earlier_thinking_blocks_are_accepted_and_left_to_the_template(client: anthropic.Anthropic) -> None:
+    # Thinking reaches the template as reasoning_content; tiny's does not read it (for a
+    # template that does, see test_reasoning_api.py).
     said: Any = {"type": "text", "text": "Sunny."}
     thought: Any = {"type": "thinking", "thinking": "The user wants weather.", "signature": "sig"}
     with_thinking: Any = [*ASK, {"role": "assistant", "content": [thought, said]}, {"role": "user", "content": "Ok"}]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anthropic
 import openai
 import pytest
 from ortserve_runtime import ModelConfig
@@ -17,7 +19,8 @@ from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, running
 
 THINK_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen3-think"
-HELLO = [{"role": "user", "content": "Tell me about the iterable in sorted order"}]
+PROMPT = "Tell me about the iterable in sorted order"
+HELLO = [{"role": "user", "content": PROMPT}]
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
@@ -120,3 +123,180 @@ def test_reasoning_effort_and_earlier_reasoning_are_accepted(client: openai.Open
 def test_a_model_without_thinking_markup_has_no_reasoning_fields(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
     assert "reasoning_content" not in (reply.choices[0].message.model_extra or {})
+
+
+# -- the Responses API ----------------------------------------------------------------------
+
+
+def _reasoning(response: Any) -> Any:
+    first = response.output[0]
+    assert first.type == "reasoning" and first.id.startswith("rs_")
+    return first
+
+
+def test_responses_thinking_is_a_reasoning_item(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="think", input=PROMPT, max_output_tokens=12, temperature=0)
+    item = _reasoning(response)
+    [part] = item.content or []
+    assert part.type == "reasoning_text" and part.text and item.summary == []
+    # The block never closes: the answer is one empty message, both cut short.
+    assert item.status == "incomplete" and response.status == "incomplete"
+    [message] = response.output[1:]
+    assert message.type == "message" and response.output_text == ""
+    usage = response.usage
+    assert usage is not None and usage.output_tokens == 12
+    assert usage.output_tokens_details.reasoning_tokens == 12  # every token was in the block
+    chat = client.chat.completions.create(model="think", messages=HELLO, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert part.text == (chat.choices[0].message.model_extra or {})["reasoning_content"]
+
+
+def test_responses_streamed_reasoning_equals_whole(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model="think", input=PROMPT, max_output_tokens=12, temperature=0)
+    with client.responses.stream(model="think", input=PROMPT, max_output_tokens=12, temperature=0) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"  # cut by max_output_tokens (not "completed")
+    final = events[-1].response
+    kinds = [event.type for event in events]
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert deltas == done.text == _reasoning(whole).content[0].text == _reasoning(final).content[0].text
+    # The reasoning item opens first and closes before the message opens.
+    assert kinds.index("response.output_item.added") < kinds.index("response.reasoning_text.delta")
+    opened = [i for i, kind in enumerate(kinds) if kind == "response.output_item.added"]
+    assert kinds.index("response.output_item.done") < opened[1]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.item.type for e in added] == ["reasoning", "message"] and [e.output_index for e in added] == [0, 1]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 12
+
+
+def test_responses_summary_and_effort(client: openai.OpenAI) -> None:
+    asked = {"effort": "low", "summary": "auto"}
+    response = client.responses.create(
+        model="think",
+        input=PROMPT,
+        max_output_tokens=6,
+        temperature=0,
+        reasoning=asked,  # type: ignore[arg-type]
+    )
+    item = _reasoning(response)
+    assert [s.text for s in item.summary] == [item.content[0].text]
+    assert response.reasoning is not None and response.reasoning.effort == "low"
+    with client.responses.stream(
+        model="think",
+        input=PROMPT,
+        max_output_tokens=6,
+        temperature=0,
+        reasoning=asked,  # type: ignore[arg-type]
+    ) as stream:
+        events = list(stream)
+    summary = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+    assert summary == item.summary[0].text
+    kinds = {event.type for event in events}
+    assert {"response.reasoning_summary_part.added", "response.reasoning_summary_part.done"} <= kinds
+    with pytest.raises(openai.BadRequestError) as refused:  # a model that does not reason
+        client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2, reasoning={"effort": "low"})
+    assert refused.value.body["param"] == "reasoning.effort"  # type: ignore[index]
+
+
+def test_responses_reasoning_items_go_back_as_input(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="think", input=PROMPT, max_output_tokens=4, temperature=0, store=True)
+    follow = client.responses.create(
+        model="think", input="more", previous_response_id=first.id, max_output_tokens=2, temperature=0
+    )
+    assert follow.status == "incomplete"
+    # Handed back by the client, as a stateless agent does: the item is accepted as input.
+    items: list[Any] = [
+        {"role": "user", "content": PROMPT},
+        _reasoning(first).model_dump(exclude_none=True),
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"},
+    ]
+    again = client.responses.create(model="think", input=items, max_output_tokens=2, temperature=0)
+    assert again.status == "incomplete"
+    # The template keeps the thinking of the turn in progress: the prompt is longer with it.
+    without = client.responses.create(model="think", input=items[:1] + items[2:], max_output_tokens=1)
+    assert again.usage is not None and without.usage is not None
+    assert again.usage.input_tokens > without.usage.input_tokens
+
+
+def test_responses_without_reasoning_have_no_reasoning_item(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="tiny", input=PROMPT, max_output_tokens=3)
+    assert [item.type for item in response.output] == ["message"]
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == 0
+
+
+# -- the Anthropic Messages API -------------------------------------------------------------
+
+THINK: Any = {"type": "enabled", "budget_tokens": 1024}
+GREEDY = {"temperature": 0}  # the SDK's methods no longer take it (newer Claude models refuse it)
+ASK: Any = [{"role": "user", "content": PROMPT}]
+
+
+@pytest.fixture(scope="module")
+def claude(client: openai.OpenAI) -> Iterator[anthropic.Anthropic]:
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    with anthropic.Anthropic(base_url=base, api_key="x", max_retries=0) as c:
+        yield c
+
+
+def test_anthropic_thinking_is_a_thinking_block(claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    message = claude.messages.create(model="think", messages=ASK, max_tokens=12, extra_body=GREEDY, thinking=THINK)
+    [block] = message.content  # the block never closes: no text block after it
+    assert block.type == "thinking" and block.thinking and block.signature == ""
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 12
+    chat = client.chat.completions.create(model="think", messages=HELLO, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert block.thinking == (chat.choices[0].message.model_extra or {})["reasoning_content"]
+
+
+def test_anthropic_streamed_thinking_equals_whole(claude: anthropic.Anthropic) -> None:
+    whole = claude.messages.create(model="think", messages=ASK, max_tokens=12, extra_body=GREEDY, thinking=THINK)
+    with claude.messages.stream(
+        model="think", messages=ASK, max_tokens=12, extra_body=GREEDY, thinking=THINK
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = "".join(
+        e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [e.content_block.type for e in starts] == ["thinking"] and starts[0].index == 0
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0]
+    assert deltas == whole.content[0].thinking == final.content[0].thinking  # type: ignore[union-attr]
+    assert final.stop_reason == "max_tokens"
+
+
+def test_anthropic_thinking_off_unless_asked(claude: anthropic.Anthropic) -> None:
+    # Anthropic's default: no thinking. The template closes the block, so all is answer.
+    for thinking in (anthropic.NOT_GIVEN, {"type": "disabled"}):
+        message = claude.messages.create(
+            model="think", messages=ASK, max_tokens=4, extra_body=GREEDY, thinking=thinking
+        )  # type: ignore[arg-type]
+        assert [block.type for block in message.content] == ["text"]
+    on = claude.messages.count_tokens(model="think", messages=ASK, thinking=THINK).input_tokens
+    off = claude.messages.count_tokens(model="think", messages=ASK).input_tokens
+    assert off > on  # "<think>\n\n</think>\n\n" rendered instead of "<think>\n"
+
+
+def test_anthropic_thinking_refused_for_other_models_and_checked(claude: anthropic.Anthropic) -> None:
+    for model, thinking, param in (
+        ("tiny", THINK, "thinking"),
+        ("think", {"type": "enabled"}, "thinking.budget_tokens"),
+        ("think", {"type": "sometimes"}, "thinking.type"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.create(model=model, messages=ASK, max_tokens=2, thinking=thinking)
+        assert refused.value.body["error"]["message"].startswith(param)  # type: ignore[index]
+
+
+def test_anthropic_earlier_thinking_reaches_the_template(claude: anthropic.Anthropic) -> None:
+    call: Any = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1, "b": 2}}
+    result: Any = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "3"}
+    thought: Any = {"type": "thinking", "thinking": "I should add them.", "signature": ""}
+
+    def count(blocks: list[Any]) -> int:
+        history = [*ASK, {"role": "assistant", "content": blocks}, {"role": "user", "content": [result]}]
+        return claude.messages.count_tokens(model="think", messages=history, thinking=THINK).input_tokens
+
+    # Qwen3's template keeps the thinking of the turn in progress (a tool loop).
+    assert count([thought, call]) > count([call])

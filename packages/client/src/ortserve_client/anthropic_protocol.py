@@ -47,7 +47,9 @@ __all__ = [
     "TextBlock",
     "TextBlockParam",
     "TextDelta",
+    "ThinkingBlock",
     "ThinkingBlockParam",
+    "ThinkingDelta",
     "ToolChoice",
     "ToolChoiceAny",
     "ToolChoiceAuto",
@@ -106,15 +108,18 @@ class ToolResultBlockParam(_Request, tag_field="type", tag="tool_result"):
 
 
 class ThinkingBlockParam(_Request, tag_field="type", tag="thinking"):
-    """An earlier turn's thinking, as clients send the history back. Anthropic drops the
-    thinking of earlier turns from the context, and so does ortserve."""
+    """An earlier turn's thinking, as clients send the history back. ortserve hands it to
+    the chat template as the assistant message's ``reasoning_content``; the template
+    decides what the model sees (Qwen3's keeps only the thinking of the turn in progress,
+    as Anthropic keeps it only within a tool-use loop). The signature is not checked."""
 
     thinking: str
     signature: str | UnsetType = UNSET
 
 
 class RedactedThinkingBlockParam(_Request, tag_field="type", tag="redacted_thinking"):
-    """Redacted thinking of an earlier turn (dropped like :class:`ThinkingBlockParam`)."""
+    """Redacted (encrypted) thinking of an earlier turn: dropped, since ortserve has no
+    way to read it (and never sends it)."""
 
     data: str
 
@@ -187,8 +192,11 @@ class CountTokensRequest(_Request):
     tools: list[ToolParam] | UnsetType = UNSET
     tool_choice: ToolChoice | UnsetType = UNSET
     thinking: dict[str, Any] | UnsetType = UNSET
-    """``{"type": "enabled", "budget_tokens": N}`` and the like; refused unless disabled
-    (ortserve does not separate reasoning yet)."""
+    """``{"type": "enabled", "budget_tokens": N}`` (or ``adaptive``): for a reasoning
+    model, thinking on (the budget is not enforced: ``max_tokens`` bounds thinking and
+    answer together); ``{"type": "disabled"}`` or none: thinking off, as Anthropic's
+    default is, where the template can turn it off. A 400 for other models unless
+    disabled."""
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -229,7 +237,15 @@ class ToolUseBlock(_Response, tag_field="type", tag="tool_use"):
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ToolUseBlock
+class ThinkingBlock(_Response, tag_field="type", tag="thinking"):
+    """A reasoning model's thinking, before the answer. ``signature`` is empty: nothing
+    here is signed, and the thinking a client hands back is taken as it is."""
+
+    thinking: str
+    signature: str = ""
+
+
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class MessageUsage(_Response):
@@ -262,6 +278,10 @@ class TextDelta(_Response, tag_field="type", tag="text_delta"):
     text: str
 
 
+class ThinkingDelta(_Response, tag_field="type", tag="thinking_delta"):
+    thinking: str
+
+
 class InputJSONDelta(_Response, tag_field="type", tag="input_json_delta"):
     """A fragment of a tool call's ``input`` as JSON text."""
 
@@ -279,7 +299,7 @@ class ContentBlockStartEvent(_Response, tag_field="type", tag="content_block_sta
 
 class ContentBlockDeltaEvent(_Response, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta | InputJSONDelta
+    delta: TextDelta | ThinkingDelta | InputJSONDelta
 
 
 class ContentBlockStopEvent(_Response, tag_field="type", tag="content_block_stop"):

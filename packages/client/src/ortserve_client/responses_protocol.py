@@ -48,6 +48,14 @@ __all__ = [
     "OutputTextDoneEvent",
     "OutputTokensDetails",
     "Reasoning",
+    "ReasoningItem",
+    "ReasoningSummaryPartAddedEvent",
+    "ReasoningSummaryPartDoneEvent",
+    "ReasoningSummaryTextDeltaEvent",
+    "ReasoningSummaryTextDoneEvent",
+    "ReasoningText",
+    "ReasoningTextDeltaEvent",
+    "ReasoningTextDoneEvent",
     "Response",
     "ResponseCompletedEvent",
     "ResponseCreateRequest",
@@ -59,6 +67,7 @@ __all__ = [
     "ResponseIncompleteEvent",
     "ResponseStreamEvent",
     "ResponseUsage",
+    "SummaryText",
     "TextConfig",
     "TextFormat",
     "TextFormatJSONObject",
@@ -133,7 +142,37 @@ class FunctionCallOutputItem(_Request, tag_field="type", tag="function_call_outp
     status: str | UnsetType = UNSET
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+class SummaryText(_Response, tag_field="type", tag="summary_text"):
+    """A part of a reasoning item's ``summary``."""
+
+    text: str
+
+
+class ReasoningText(_Response, tag_field="type", tag="reasoning_text"):
+    """A part of a reasoning item's ``content``: the model's thinking as it wrote it."""
+
+    text: str
+
+
+class ReasoningItem(_Response, tag_field="type", tag="reasoning"):
+    """A reasoning model's thinking: an output item before the answer, and an input item
+    when handed back. ortserve has no summarizer, so ``content`` carries the thinking
+    verbatim (``reasoning_text``, as vLLM sends it); ``summary`` carries the same text
+    only when the request asked for a summary (``reasoning.summary``), and is empty
+    otherwise. Nothing is encrypted: ``encrypted_content`` is never sent."""
+
+    id: str
+    summary: list[SummaryText] = msgspec.field(default_factory=list)
+    content: list[ReasoningText] = msgspec.field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] | UnsetType = UNSET
+
+    @property
+    def text(self) -> str:
+        """The thinking: the content's text, else the summary's (what a client kept)."""
+        return "".join(part.text for part in self.content) or "\n\n".join(part.text for part in self.summary)
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 _input_item_list = list[InputItem]
 
@@ -191,8 +230,9 @@ class TextConfig(_Response):
 
 
 class Reasoning(_Response):
-    """``reasoning``: accepted only empty (``effort`` and ``summary`` null), since no model
-    here reasons; the response echoes it so."""
+    """``reasoning``: for a reasoning model, ``effort`` reaches its chat template as
+    ``reasoning_effort`` and ``summary`` (any value) adds the thinking to the reasoning
+    item's ``summary``; for other models both must be null. The response echoes it."""
 
     effort: str | None = None
     summary: str | None = None
@@ -244,7 +284,7 @@ class OutputMessage(_Response, tag_field="type", tag="message"):
     role: Literal["assistant"] = "assistant"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(_Response):
@@ -360,14 +400,14 @@ class ContentPartAddedEvent(_Event, tag="response.content_part.added"):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class ContentPartDoneEvent(_Event, tag="response.content_part.done"):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class OutputTextDeltaEvent(_Event, tag="response.output_text.delta"):
@@ -399,6 +439,48 @@ class FunctionCallArgumentsDoneEvent(_Event, tag="response.function_call_argumen
     name: str | UnsetType = UNSET
 
 
+class ReasoningTextDeltaEvent(_Event, tag="response.reasoning_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDoneEvent(_Event, tag="response.reasoning_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class ReasoningSummaryPartAddedEvent(_Event, tag="response.reasoning_summary_part.added"):
+    item_id: str
+    output_index: int
+    summary_index: int
+    part: SummaryText
+
+
+class ReasoningSummaryPartDoneEvent(_Event, tag="response.reasoning_summary_part.done"):
+    item_id: str
+    output_index: int
+    summary_index: int
+    part: SummaryText
+
+
+class ReasoningSummaryTextDeltaEvent(_Event, tag="response.reasoning_summary_text.delta"):
+    item_id: str
+    output_index: int
+    summary_index: int
+    delta: str
+
+
+class ReasoningSummaryTextDoneEvent(_Event, tag="response.reasoning_summary_text.done"):
+    item_id: str
+    output_index: int
+    summary_index: int
+    text: str
+
+
 class ErrorEvent(_Event, tag="error"):
     """A failure after the stream started (the HTTP status was 200 by then)."""
 
@@ -421,5 +503,11 @@ ResponseStreamEvent = (
     | OutputTextDoneEvent
     | FunctionCallArgumentsDeltaEvent
     | FunctionCallArgumentsDoneEvent
+    | ReasoningTextDeltaEvent
+    | ReasoningTextDoneEvent
+    | ReasoningSummaryPartAddedEvent
+    | ReasoningSummaryPartDoneEvent
+    | ReasoningSummaryTextDeltaEvent
+    | ReasoningSummaryTextDoneEvent
     | ErrorEvent
 )

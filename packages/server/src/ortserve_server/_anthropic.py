@@ -26,7 +26,7 @@ from ortserve_client import protocol as p
 from ortserve_runtime import ChatModel, InvalidRequestError, Prompt, ToolCall, ToolCallParser
 
 from ._errors import BadRequestError, ServerError, UnsupportedParameterError, reshaped_exception_handlers
-from ._mapping import GenerationPlan, chat_messages, check_room, plan_chat, require_model
+from ._mapping import GenerationPlan, chat_messages, check_room, plan_chat, require_model, template_kwargs
 from ._openapi import POST_ERRORS, also_sends, with_error_responses
 from ._routes import _Generation, _stream_response, _while_connected
 from ._state import OrtServe
@@ -181,17 +181,23 @@ def _assistant(mapped: _Mapped, message: a.MessageParam, path: str) -> None:
         mapped.add(p.AssistantMessage(content=message.content), path)
         return
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[p.ToolCall] = []
     for number, block in enumerate(message.content):
         if isinstance(block, a.TextBlockParam):
             texts.append(block.text)
+        elif isinstance(block, a.ThinkingBlockParam):
+            thoughts.append(block.thinking)
         elif isinstance(block, a.ToolUseBlockParam):
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(p.ToolCall(id=block.id, function=p.FunctionCall(name=block.name, arguments=arguments)))
-        elif not isinstance(block, a.ThinkingBlockParam | a.RedactedThinkingBlockParam):
-            # Earlier turns' thinking is dropped, as Anthropic drops it from the context.
+        elif not isinstance(block, a.RedactedThinkingBlockParam):  # redacted: unreadable, dropped
             raise BadRequestError("an assistant message cannot hold an image block", param=f"{path}.content.{number}")
-    mapped.add(p.AssistantMessage(content="".join(texts), tool_calls=calls or msgspec.UNSET), path)
+    # Thinking goes to the template as chat completions pass it; the template decides
+    # what of it the model sees (Qwen3's: only the thinking of the turn in progress).
+    thought = "\n\n".join(thoughts) if thoughts else msgspec.UNSET
+    assistant = p.AssistantMessage(content="".join(texts), tool_calls=calls or msgspec.UNSET, reasoning_content=thought)
+    mapped.add(assistant, path)
 
 
 def _tool_choice(choice: a.ToolChoice | msgspec.UnsetType) -> tuple[Any, bool | msgspec.UnsetType]:
@@ -204,15 +210,30 @@ def _tool_choice(choice: a.ToolChoice | msgspec.UnsetType) -> tuple[Any, bool | 
     return {"any": "required"}.get(str(choice.__struct_config__.tag), str(choice.__struct_config__.tag)), parallel
 
 
+def _thinking(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) -> dict[str, Any]:
+    """The template variables of ``thinking``: a reasoning model thinks only when asked
+    (Anthropic's default is off), through ``enable_thinking`` (Qwen3's variable; a
+    template that always thinks, as DeepSeek-R1's, ignores it and thinks anyway)."""
+    thinking = data.thinking
+    kind = thinking.get("type") if isinstance(thinking, dict) else "disabled"
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise BadRequestError("thinking.type must be 'enabled', 'adaptive' or 'disabled'", param="thinking.type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise BadRequestError("thinking.budget_tokens must be a positive integer", param="thinking.budget_tokens")
+    if model.reasoning is None:
+        if kind != "disabled":
+            raise UnsupportedParameterError(
+                f"'thinking' is not supported: model {model.name!r} does not reason", param="thinking"
+            )
+        return {}  # other templates are left as they are
+    return {"enable_thinking": kind != "disabled"}
+
+
 def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) -> _Mapped:
     """The chat completion an Anthropic request means (refusing what it cannot mean)."""
-    thinking = data.thinking
-    if not isinstance(thinking, msgspec.UnsetType) and thinking.get("type") != "disabled":
-        raise UnsupportedParameterError(
-            f"'thinking' is not supported: model {model.name!r} does not reason, and this server does not yet "
-            "separate reasoning from the answer",
-            param="thinking",
-        )
+    template_variables = _thinking(data, model)
     choice, parallel = _tool_choice(data.tool_choice)
     tools: list[p.Tool] | msgspec.UnsetType = msgspec.UNSET
     if not isinstance(data.tools, msgspec.UnsetType):
@@ -221,7 +242,12 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) -> _M
             for t in data.tools
         ]
     request = p.ChatCompletionRequest(
-        model=data.model, messages=[], tools=tools, tool_choice=choice, parallel_tool_calls=parallel
+        model=data.model,
+        messages=[],
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=template_variables or msgspec.UNSET,
     )
     if isinstance(data, a.MessagesRequest):
         if not isinstance(data.temperature, msgspec.UnsetType) and not 0 <= data.temperature <= 1:
@@ -262,7 +288,9 @@ async def _prepare(
         if isinstance(data, a.MessagesRequest):  # counting tokens queues nothing
             check_room(state, model, plan.n, "n", "generations")  # before the prompt is prepared
         messages = await chat_messages(mapped.request.messages, state.config)
-        prompt = await model.aprepare_chat(messages, tools=plan.tools.definitions)
+        prompt = await model.aprepare_chat(
+            messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(mapped.request)
+        )
     except (ServerError, InvalidRequestError) as exc:
         exc.param = mapped.param(exc.param)
         raise
@@ -299,18 +327,28 @@ def _usage(usage: p.CompletionUsage) -> a.MessageUsage:
 
 
 class _Blocks:
-    """Turns a streamed generation's text and tool calls into content block events."""
+    """Turns a streamed generation's thinking, text and tool calls into content block
+    events; the thinking block (first, since the think block starts the output) closes
+    when the answer or a call begins."""
 
     def __init__(self) -> None:
         self.index = 0
-        self.open_text = False
+        self.open: str | None = None
+        """The kind of the block open now (``thinking`` or ``text``), if any."""
+
+    def thinking(self, text: str) -> list[bytes]:
+        return self._delta("thinking", a.ThinkingBlock(thinking=""), a.ThinkingDelta(thinking=text))
 
     def text(self, text: str) -> list[bytes]:
+        return self._delta("text", a.TextBlock(text=""), a.TextDelta(text=text))
+
+    def _delta(self, kind: str, empty: a.ContentBlock, delta: a.TextDelta | a.ThinkingDelta) -> list[bytes]:
         out = []
-        if not self.open_text:
-            out.append(_event(a.ContentBlockStartEvent(index=self.index, content_block=a.TextBlock(text=""))))
-            self.open_text = True
-        out.append(_event(a.ContentBlockDeltaEvent(index=self.index, delta=a.TextDelta(text=text))))
+        if self.open != kind:
+            out += self.close()
+            out.append(_event(a.ContentBlockStartEvent(index=self.index, content_block=empty)))
+            self.open = kind
+        out.append(_event(a.ContentBlockDeltaEvent(index=self.index, delta=delta)))
         return out
 
     def tool(self, call: ToolCall) -> list[bytes]:
@@ -325,9 +363,9 @@ class _Blocks:
         ]
 
     def close(self) -> list[bytes]:
-        if not self.open_text:
+        if self.open is None:
             return []
-        self.open_text = False
+        self.open = None
         return self._stop()
 
     def _stop(self) -> list[bytes]:
@@ -353,10 +391,12 @@ async def create_message(
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     parallel = getattr(data.tool_choice, "disable_parallel_tool_use", None) is not True
     run = _Generation(ortserve, f"{ortserve.config.path}/messages", model, streams, parsers, parallel)
+    run.split_reasoning(prompt)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if data.stream is not True:
         texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
-        content: list[a.ContentBlock] = [a.TextBlock(text=texts[0])] if texts[0] else []
+        content: list[a.ContentBlock] = [a.ThinkingBlock(thinking=run.reasonings[0])] if run.reasonings[0] else []
+        content += [a.TextBlock(text=texts[0])] if texts[0] else []
         content += [_tool_use(call) for call in calls[0]]
         stop_reason, stop_sequence = _stop_reason(finish[0], run.stop_sequences[0])
         message = a.Message(
@@ -373,7 +413,8 @@ async def create_message(
     reasons: list[str] = []
 
     def events(_: int, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
-        out = blocks.text(text) if text else []
+        out = blocks.thinking(run.event_reasoning) if run.event_reasoning else []
+        out += blocks.text(text) if text else []
         for call in calls:
             out += blocks.tool(call)
         if reason is not None:

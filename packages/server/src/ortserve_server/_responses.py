@@ -13,8 +13,19 @@ Decisions, where OpenAI leaves room:
 - ``store`` defaults to false (stateless), unlike OpenAI: a stored response lives only
   in this process's bounded :class:`ResponseStore` (``responses_store_*`` settings), so
   storing is asked for, not assumed.
-- ``reasoning.effort`` (or ``summary``) is a 400 naming it, as OpenAI answers for a model
-  that does not reason: no model served here does yet.
+- A reasoning model's thinking is a ``reasoning`` item before the answer, its text
+  verbatim in ``content`` (``reasoning_text`` parts, streamed as
+  ``response.reasoning_text.delta``/``.done``, as vLLM does); there is no summarizer, so
+  ``summary`` is empty unless ``reasoning.summary`` asks for one, and then it holds the
+  same text (streamed as ``response.reasoning_summary_text.*``). ``reasoning.effort``
+  reaches the chat template as ``reasoning_effort``, as chat completions pass it.
+- For a model that does not reason, ``reasoning.effort`` (or ``summary``) is a 400
+  naming it, as OpenAI answers.
+- ``reasoning`` input items (an earlier turn's output handed back, or kept with a
+  stored response) are not dropped, as OpenAI may for stateless use: their text becomes
+  the next assistant message's ``reasoning_content``, as chat completions pass it, and
+  the template decides what the model sees (Qwen3's keeps it only for the turn still in
+  progress, e.g. between a function call and its output).
 - An unknown ``previous_response_id`` is a 400 naming it (OpenAI's
   ``previous_response_not_found``); an unknown id in the path of ``GET``/``DELETE`` a 404.
 """
@@ -34,7 +45,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
-from ortserve_runtime import InvalidRequestError, ToolCall
+from ortserve_runtime import ChatModel, InvalidRequestError, ToolCall
 
 from ._errors import BadRequestError, ServerError, UnsupportedParameterError
 from ._mapping import require_model
@@ -66,10 +77,10 @@ def _new_id(prefix: str) -> str:
 # -- request checks and mapping -------------------------------------------------------------
 
 
-def _check(data: rp.ResponseCreateRequest, state: OrtServe) -> None:
+def _check(data: rp.ResponseCreateRequest, state: OrtServe, model: ChatModel) -> None:
     """Refuse what we cannot honour, naming the field, rather than ignore it."""
     reasoning = data.reasoning
-    if isinstance(reasoning, rp.Reasoning):
+    if isinstance(reasoning, rp.Reasoning) and model.reasoning is None:
         for name in ("effort", "summary"):
             if getattr(reasoning, name) is not None:
                 raise UnsupportedParameterError(
@@ -155,13 +166,18 @@ def _messages(instructions: str | None, items: list[tuple[str, rp.InputItem]]) -
     if instructions:
         messages.append(p.SystemMessage(content=instructions))
         origins.append("instructions")
+    thought = ""  # a reasoning item's text, for the assistant message it came before
     for where, item in items:
         message: p.ChatMessage
+        if isinstance(item, rp.ReasoningItem):
+            thought = "\n\n".join(filter(None, (thought, item.text)))
+            continue
         if isinstance(item, rp.FunctionCallItem):
             call = p.ToolCall(id=item.call_id, function=p.FunctionCall(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if isinstance(last, p.AssistantMessage):
                 last.tool_calls = [*(last.tool_calls or []), call]
+                thought = _add_thought(last, thought)
                 continue
             message = p.AssistantMessage(content=None, tool_calls=[call])
         elif isinstance(item, rp.FunctionCallOutputItem):
@@ -176,9 +192,20 @@ def _messages(instructions: str | None, items: list[tuple[str, rp.InputItem]]) -
             message = p.SystemMessage(content=_text_parts(item.content, where))
         else:
             message = p.DeveloperMessage(content=_text_parts(item.content, where))
+        # Thinking with no assistant turn right after it belongs to none: dropped.
+        thought = _add_thought(message, thought) if isinstance(message, p.AssistantMessage) else ""
         messages.append(message)
         origins.append(where)
     return messages, origins
+
+
+def _add_thought(message: p.AssistantMessage, thought: str) -> str:
+    """Puts a reasoning item's text on the assistant message it preceded (as chat
+    completions take an earlier turn's ``reasoning_content``); returns what is left."""
+    if thought:
+        given = message.reasoning_content if isinstance(message.reasoning_content, str) else ""
+        message.reasoning_content = "\n\n".join(filter(None, (given, thought)))
+    return ""
 
 
 def _chat_request(data: rp.ResponseCreateRequest, messages: list[p.ChatMessage]) -> p.ChatCompletionRequest:
@@ -220,6 +247,8 @@ def _chat_request(data: rp.ResponseCreateRequest, messages: list[p.ChatMessage])
         max_completion_tokens=data.max_output_tokens,
         temperature=data.temperature,
         top_p=data.top_p,
+        # _check let it through only for a reasoning model; the template reads it.
+        reasoning_effort=data.reasoning.effort if isinstance(data.reasoning, rp.Reasoning) else msgspec.UNSET,
     )
 
 
@@ -262,10 +291,14 @@ class _Output:
     step as the stream events OpenAI sends (the whole answer runs through it too, so both
     forms have the same items). ``sequence_number`` counts every event of the stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, summarize: bool = False) -> None:
         self.items: list[rp.OutputItem] = []
         self.sequence = 0
         self._message: rp.OutputMessage | None = None
+        self._reasoning: rp.ReasoningItem | None = None
+        self.summarize = summarize
+        """Whether the reasoning item's ``summary`` carries the thinking too (asked for
+        with ``reasoning.summary``; there is nothing shorter to give)."""
 
     def event(self, kind: type[Any], **fields: Any) -> bytes:
         event = kind(sequence_number=self.sequence, **fields)
@@ -273,8 +306,53 @@ class _Output:
         tag: str = kind.__struct_config__.tag
         return b"event: " + tag.encode() + b"\ndata: " + _encode(event) + b"\n\n"
 
-    def text(self, text: str) -> list[bytes]:
+    def reasoning(self, text: str) -> list[bytes]:
+        """Thinking: the reasoning item opens at its first piece (it comes first: the
+        think block starts the output) and closes when the answer or a call begins."""
         out = []
+        item = self._reasoning
+        if item is None:
+            item = self._reasoning = rp.ReasoningItem(id=_new_id("rs"), status="in_progress")
+            self.items.append(item)
+            out.append(self.event(rp.OutputItemAddedEvent, output_index=len(self.items) - 1, item=item))
+        where = {"item_id": item.id, "output_index": self.items.index(item)}
+        if not item.content:  # the parts open at once, as OpenAI's stream opens them
+            item.content.append(rp.ReasoningText(text=""))
+            out.append(self.event(rp.ContentPartAddedEvent, content_index=0, part=rp.ReasoningText(text=""), **where))
+            if self.summarize:
+                item.summary.append(rp.SummaryText(text=""))
+                summary = rp.SummaryText(text="")
+                out.append(self.event(rp.ReasoningSummaryPartAddedEvent, summary_index=0, part=summary, **where))
+        if text:
+            item.content[0].text += text
+            out.append(self.event(rp.ReasoningTextDeltaEvent, content_index=0, delta=text, **where))
+            if self.summarize:
+                item.summary[0].text += text
+                out.append(self.event(rp.ReasoningSummaryTextDeltaEvent, summary_index=0, delta=text, **where))
+        return out
+
+    def close_reasoning(self, status: str = "completed") -> list[bytes]:
+        item = self._reasoning
+        if item is None:
+            return []
+        self._reasoning = None
+        item.status = status  # type: ignore[assignment]  # one of the three, by the callers
+        index = self.items.index(item)
+        part = item.content[0]
+        where = {"item_id": item.id, "output_index": index}
+        out = [
+            self.event(rp.ReasoningTextDoneEvent, content_index=0, text=part.text, **where),
+            self.event(rp.ContentPartDoneEvent, content_index=0, part=part, **where),
+        ]
+        if self.summarize:
+            summary = item.summary[0]
+            out.append(self.event(rp.ReasoningSummaryTextDoneEvent, summary_index=0, text=summary.text, **where))
+            out.append(self.event(rp.ReasoningSummaryPartDoneEvent, summary_index=0, part=summary, **where))
+        out.append(self.event(rp.OutputItemDoneEvent, output_index=index, item=item))
+        return out
+
+    def text(self, text: str) -> list[bytes]:
+        out = self.close_reasoning()
         message = self._message
         if message is None:
             message = self._message = rp.OutputMessage(id=_new_id("msg"), content=[], status="in_progress")
@@ -312,7 +390,7 @@ class _Output:
         ]
 
     def call(self, call: ToolCall) -> list[bytes]:
-        out = self.close_message()
+        out = self.close_reasoning() + self.close_message()
         item = rp.FunctionCallItem(
             id=_new_id("fc"),
             call_id="call_" + uuid.uuid4().hex[:24],
@@ -341,12 +419,17 @@ class _Output:
 
     def finish(self, reason: str) -> list[bytes]:
         """The end: an answer with neither text nor calls is one empty message (so that
-        ``output_text`` is ``""``, not missing)."""
-        out = [] if self.items else self.text("")
-        return out + self.close_message("incomplete" if reason == "length" else "completed")
+        ``output_text`` is ``""``, not missing), after any reasoning (which ``max_tokens``
+        may have cut short: then it is incomplete)."""
+        status = "incomplete" if reason == "length" else "completed"
+        out = self.close_reasoning(status)
+        if all(isinstance(item, rp.ReasoningItem) for item in self.items):
+            out += self.text("")
+        return out + self.close_message(status)
 
-    def feed(self, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
-        out = self.text(text) if text else []
+    def feed(self, reasoning: str, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
+        out = self.reasoning(reasoning) if reasoning else []
+        out += self.text(text) if text else []
         for call in calls:
             out += self.call(call)
         if reason is not None:
@@ -354,13 +437,14 @@ class _Output:
         return out
 
 
-def _usage(usage: p.CompletionUsage) -> rp.ResponseUsage:
+def _usage(usage: p.CompletionUsage, reasoning_tokens: int) -> rp.ResponseUsage:
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     return rp.ResponseUsage(
         input_tokens=usage.prompt_tokens,
         output_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         input_tokens_details=rp.InputTokensDetails(cached_tokens=cached),
+        output_tokens_details=rp.OutputTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 
@@ -398,6 +482,7 @@ class _Exchange:
             metadata=data.metadata if isinstance(data.metadata, dict) else {},
             parallel_tool_calls=data.parallel_tool_calls is not False,
             previous_response_id=data.previous_response_id if isinstance(data.previous_response_id, str) else None,
+            reasoning=data.reasoning if isinstance(data.reasoning, rp.Reasoning) else rp.Reasoning(),
             store=data.store is True,
             temperature=data.temperature if isinstance(data.temperature, float | int) else 1.0,
             text=data.text if isinstance(data.text, rp.TextConfig) else rp.TextConfig(),
@@ -408,9 +493,11 @@ class _Exchange:
             user=data.user if isinstance(data.user, str) else None,
         )
 
-    def finished(self, output: list[rp.OutputItem], reason: str, usage: p.CompletionUsage) -> rp.Response:
+    def finished(
+        self, output: list[rp.OutputItem], reason: str, usage: p.CompletionUsage, reasoning_tokens: int
+    ) -> rp.Response:
         status = "incomplete" if reason == "length" else "completed"
-        response = self.response(output, status, _usage(usage), reason)
+        response = self.response(output, status, _usage(usage, reasoning_tokens), reason)
         if self.data.store is True:
             self.state.responses.put(response, [*self.items, *(_as_input(item) for item in output)])
         return response
@@ -429,7 +516,7 @@ async def create_response(
     data: JSONBody[rp.ResponseCreateRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     model = await require_model(ortserve, data.model)
-    _check(data, ortserve)
+    _check(data, ortserve, model)
     history: list[tuple[str, rp.InputItem]] = []
     if isinstance(data.previous_response_id, str):
         previous = ortserve.responses.get(data.previous_response_id)
@@ -447,12 +534,12 @@ async def create_response(
     with _named_as_responses(origins):
         run = await start_chat(ortserve, model, _chat_request(data, messages), f"{ortserve.config.path}/responses")
     exchange = _Exchange(data, ortserve, [item for _, item in items])
-    output = _Output()
+    output = _Output(summarize=isinstance(data.reasoning, rp.Reasoning) and data.reasoning.summary is not None)
     if data.stream is True:
         return _stream_response(_events(run, exchange, output))
     texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
-    output.feed(texts[0], calls[0], finish[0])
-    return Response(exchange.finished(output.items, finish[0], usage))
+    output.feed(run.reasonings[0], texts[0], calls[0], finish[0])
+    return Response(exchange.finished(output.items, finish[0], usage, run.reasoning_tokens[0]))
 
 
 def _events(run: _Generation, exchange: _Exchange, output: _Output) -> Any:
@@ -461,10 +548,10 @@ def _events(run: _Generation, exchange: _Exchange, output: _Output) -> Any:
     def events(_: int, text: str, calls: list[ToolCall], finish: str | None) -> list[bytes]:
         if finish is not None:
             reason[0] = finish
-        return output.feed(text, calls, finish)
+        return output.feed(run.event_reasoning, text, calls, finish)
 
     def completed(usage: p.CompletionUsage) -> bytes:
-        response = exchange.finished(output.items, reason[0], usage)
+        response = exchange.finished(output.items, reason[0], usage, run.reasoning_tokens[0])
         kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
         return output.event(kind, response=response)
 

@@ -31,6 +31,7 @@ from ortserve_runtime import (
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
+    Prompt,
     ReasoningParser,
     Segment,
     TokenLogprob,
@@ -202,6 +203,15 @@ class _Generation:
         """The thinking of the event :meth:`_split` split last (content is the answer only)."""
         self.reasonings = [""] * len(streams)
         """Per stream, all its thinking (:meth:`collect`)."""
+        self.reasoning_tokens = [0] * len(streams)
+        """Per stream, the tokens generated inside its think block (markers included):
+        the Responses API's ``reasoning_tokens``."""
+
+    def split_reasoning(self, prompt: Prompt) -> None:
+        """Split each stream's thinking from its answer when the model reasons and the
+        prompt left thinking on (a template that closed the block leaves only answer)."""
+        if self.model.reasoning is not None and prompt.reasoning is not None:
+            self.reasoning_parsers = [ReasoningParser(self.model.reasoning, prompt.reasoning) for _ in self.streams]
 
     def _observe(self, event: GenerationEvent) -> None:
         if self.first and event.token_id is not None:
@@ -215,7 +225,12 @@ class _Generation:
         text, self.event_reasoning = event.text, ""
         if self.reasoning_parsers is not None:
             splitter = self.reasoning_parsers[index]
+            # A token is reasoning if the block was open before it (it may close it) or
+            # after it (it opened it); the held-back text does not matter for counting.
+            was_in = splitter.in_reasoning
             self.event_reasoning, text = splitter.feed(text)
+            if event.token_id is not None and (was_in or splitter.in_reasoning):
+                self.reasoning_tokens[index] += 1
             if event.finish_reason is not None:
                 thought, answer = splitter.finish()
                 self.event_reasoning, text = self.event_reasoning + thought, text + answer
@@ -341,8 +356,7 @@ async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletio
     streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
-    if model.reasoning is not None and prompt.reasoning is not None:
-        run.reasoning_parsers = [ReasoningParser(model.reasoning, prompt.reasoning) for _ in streams]
+    run.split_reasoning(prompt)
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     run.choices_per_prompt = plan.n
     return run

@@ -128,6 +128,13 @@ class ReasoningParser:
         """Whether the answer has begun (the think block closed, or none opened)."""
         return self._state == "after"
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the output is inside the think block now (so the token just fed, if
+        the block was open before it, was reasoning; this is how reasoning tokens are
+        counted)."""
+        return self._state == "in"
+
 
 def _held(text: str, marker: str) -> int:
     """Length (shared with the tool-call parser) of the longest suffix of ``text`` that starts ``marker``."""
