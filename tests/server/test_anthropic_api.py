@@ -147,7 +147,9 @@ def test_stop_sequences_cut_the_text_exactly(client: anthropic.Anthropic) -> Non
 
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "add"}], ids=["any", "tool"])
 def test_forced_tool_calls_are_valid_tool_use_blocks(client: anthropic.Anthropic, choice: Any) -> None:
-    message = create(client, tools=TOOLS, tool_choice=choice, max_tokens=200, temperature=1.0)
+    # Greedy: a sampled call of the random model can run past max_tokens (an integer of
+    # 200 digits); a call cut short is the next test's.
+    message = create(client, tools=TOOLS, tool_choice=choice, max_tokens=200, temperature=0)
     assert message.stop_reason == "tool_use"
     uses = [block for block in message.content if block.type == "tool_use"]
     assert len(uses) >= 1
@@ -164,6 +166,14 @@ def test_forced_tool_calls_are_valid_tool_use_blocks(client: anthropic.Anthropic
     assert streamed and all(block.id.startswith("toolu_") for block in streamed)
     for use in streamed:  # the SDK rebuilt input from the input_json_delta fragments
         jsonschema.validate(use.input, SCHEMAS[use.name])
+
+
+def test_a_forced_call_cut_short_is_a_tool_use_block_with_stop_reason_max_tokens(client: anthropic.Anthropic) -> None:
+    """Its arguments do not parse yet: the block's input is empty (it was a 500 before)."""
+    message = create(client, tools=TOOLS, tool_choice={"type": "tool", "name": "add"}, max_tokens=6)
+    assert message.stop_reason == "max_tokens"
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "add" and uses[0].input == {}
 
 
 def test_one_call_only_when_parallel_use_is_disabled(client: anthropic.Anthropic) -> None:

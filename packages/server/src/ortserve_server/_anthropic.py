@@ -313,7 +313,15 @@ def _stop_reason(reason: str, stop_sequence: str | None) -> tuple[str, str | Non
 
 def _tool_use(call: ToolCall) -> a.ToolUseBlock:
     # The parser hands back arguments as a JSON object in text; Anthropic sends the object.
-    return a.ToolUseBlock(id=f"toolu_{uuid.uuid4().hex[:24]}", name=call.name, input=json.loads(call.arguments))
+    # A call cut short by max_tokens (stop_reason max_tokens) holds JSON that does not parse
+    # yet: its input is then empty (a stream's input_json_delta still carries what was written).
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = {}
+    return a.ToolUseBlock(
+        id=f"toolu_{uuid.uuid4().hex[:24]}", name=call.name, input=arguments if isinstance(arguments, dict) else {}
+    )
 
 
 def _usage(usage: p.CompletionUsage) -> a.MessageUsage:
@@ -390,7 +398,7 @@ async def create_message(
     streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     parallel = getattr(data.tool_choice, "disable_parallel_tool_use", None) is not True
-    run = _Generation(ortserve, f"{ortserve.config.path}/messages", model, streams, parsers, parallel)
+    run = _Generation(ortserve, f"{ortserve.config.path}/messages", model, streams, parsers, parallel, tools.forced)
     run.split_reasoning(prompt)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if data.stream is not True:
