@@ -141,9 +141,9 @@ async def main() -> None:
     system = text_tokens(cached, args.system_tokens, 7)
     with_cache, hits = await shared(cached, args.users, system)
     without, _ = await shared(plain, args.users, system)
-    fresh = text_tokens(cached, 256, 4242)
-    rate_on = [await single(cached, [*fresh, i], args.new_tokens) for i in range(3)]
-    rate_off = [await single(plain, [*fresh, i + 10], args.new_tokens) for i in range(3)]
+    # Prompts that share nothing (not even with each other): the cache can only cost here.
+    rate_on = [await single(cached, text_tokens(cached, 256, 4242 + i), args.new_tokens) for i in range(3)]
+    rate_off = [await single(plain, text_tokens(plain, 256, 4242 + i), args.new_tokens) for i in range(3)]
     end_rss = rss_mb()
 
     rows = [
