@@ -194,3 +194,13 @@ async def test_audio_longer_than_the_limit_is_refused() -> None:
         assert (await model.transcribe(tone_wav(59.0, rate=8000), max_tokens=2)).duration == 59.0
     finally:
         await registry.close()
+
+
+def test_threads_and_session_options_reach_whisper() -> None:
+    """--threads and session options apply to Whisper's encoder and decoder (they were
+    ignored): a malformed entry shows they arrive, since onnxruntime refuses it."""
+    from ortserve_runtime import ModelLoadError
+
+    asyncio.run(SpeechModel("whisper", TINY_WHISPER, ModelConfig(intra_op_threads=1)).close())  # loads
+    with pytest.raises(ModelLoadError):
+        SpeechModel("whisper", TINY_WHISPER, ModelConfig(session_options={"session.dynamic_block_base": "abc"}))

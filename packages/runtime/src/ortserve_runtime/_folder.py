@@ -108,11 +108,12 @@ class GenaiFolder:
         return any(flag is True for flag in flags)
 
 
-def load_og_model(folder: Path, config: ModelConfig, *, decoder_threads: bool = True) -> Any:
+def load_og_model(folder: Path, config: ModelConfig, *, every_core: bool = True) -> Any:
     """``og.Model`` for ``folder`` on ``config.provider``, with ``intra_op_threads`` and
-    ``session_options`` (onnxruntime session config entries, which og passes on from the
-    decoder's session_options) applied to the decoder; a load failure is a
-    :class:`ModelLoadError` naming provider and fix."""
+    ``session_options`` (onnxruntime session config entries, which og passes on from a
+    section's session_options) applied to the decoder and, where there is one, the encoder;
+    ``every_core``: on the CPU without ``intra_op_threads``, use every core (og's default is
+    about one); a load failure is a :class:`ModelLoadError` naming provider and fix."""
     import onnxruntime_genai as og
 
     started = time.perf_counter()
@@ -120,15 +121,16 @@ def load_og_model(folder: Path, config: ModelConfig, *, decoder_threads: bool = 
         og_config = og.Config(str(folder))
         apply_og_provider(og_config, config.provider, config.provider_options)
         threads = config.intra_op_threads
-        if threads is None and config.provider == "cpu":
+        if threads is None and every_core and config.provider == "cpu":
             # og's own default keeps to about one core; onnxruntime's (the ort-cpu engine's)
             # takes every core, so the og engines get the same.
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         session: dict[str, Any] = dict(config.session_options)
-        if decoder_threads and threads is not None:
+        if threads is not None:
             session["intra_op_num_threads"] = threads
         if session:
-            og_config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
+            sections = ["decoder"] + (["encoder"] if "encoder" in GenaiFolder.read(folder).model else [])
+            og_config.overlay(json.dumps({"model": {s: {"session_options": session} for s in sections}}))
         model = og.Model(og_config)
     except ValueError:
         raise

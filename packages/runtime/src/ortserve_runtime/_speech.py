@@ -103,9 +103,9 @@ class SpeechModel:
         self.folder = folder
         self.max_audio_seconds = config.max_audio_seconds
         # On the provider the config names, or a ModelLoadError that says what to install.
-        # decoder_threads=False: Whisper has an encoder too, which that overlay would leave
-        # out; og's own thread defaults stay as they were on the CPU.
-        self._model = load_og_model(folder, config, decoder_threads=False)
+        # Whisper keeps og's own thread default unless intra_op_threads (--threads) is set,
+        # which then reaches its encoder and decoder, as session_options do.
+        self._model = load_og_model(folder, config, every_core=False)
         try:
             self._processor = self._model.create_multimodal_processor()
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
