@@ -215,7 +215,13 @@ def test_chat_completion_encodes_exactly_like_openai() -> None:
                 "logprobs": None,
             }
         ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": None},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
         "system_fingerprint": None,
     }
     plain = p.ChatCompletionMessage(content="hi")
@@ -338,7 +344,13 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
         "created": 1,
         "model": "m",
         "choices": [{"index": 0, "text": "abc", "finish_reason": "length", "logprobs": None}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4, "prompt_tokens_details": None},
+        "usage": {
+            "prompt_tokens": 1,
+            "completion_tokens": 3,
+            "total_tokens": 4,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
         "system_fingerprint": None,
     }
     embeddings = p.CreateEmbeddingResponse(

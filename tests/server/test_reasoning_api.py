@@ -41,6 +41,9 @@ def test_thinking_is_reasoning_not_content(client: openai.OpenAI) -> None:
     assert extra["reasoning_content"] and extra["reasoning"] == extra["reasoning_content"]
     assert message.content == ""
     assert reply.choices[0].finish_reason == "length"
+    # The random model never closes its think block: every token is reasoning.
+    assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+    assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens == 12
 
 
 def test_streamed_reasoning_equals_whole(client: openai.OpenAI) -> None:
@@ -123,6 +126,7 @@ def test_reasoning_effort_and_earlier_reasoning_are_accepted(client: openai.Open
 def test_a_model_without_thinking_markup_has_no_reasoning_fields(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
     assert "reasoning_content" not in (reply.choices[0].message.model_extra or {})
+    assert reply.usage is not None and reply.usage.completion_tokens_details is None
 
 
 # -- the Responses API ----------------------------------------------------------------------

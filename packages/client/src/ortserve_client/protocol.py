@@ -39,6 +39,7 @@ __all__ = [
     "CompletionChoice",
     "CompletionLogprobs",
     "CompletionRequest",
+    "CompletionTokensDetails",
     "CompletionUsage",
     "ContentPart",
     "CreateEmbeddingResponse",
@@ -330,6 +331,13 @@ class PromptTokensDetails(_Response):
     """Prompt tokens taken from the prefix cache (an earlier request's key/values)."""
 
 
+class CompletionTokensDetails(_Response):
+    """What the completion tokens were spent on."""
+
+    reasoning_tokens: int = 0
+    """Tokens of a reasoning model's thinking (its think block, markers included)."""
+
+
 class CompletionUsage(_Response):
     """Token counts of a completion."""
 
@@ -337,6 +345,8 @@ class CompletionUsage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """Set for reasoning models only."""
 
 
 class ChatCompletionMessage(_Response):

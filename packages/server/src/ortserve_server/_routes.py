@@ -271,6 +271,11 @@ class _Generation:
             completion_tokens=completion_tokens,
             total_tokens=self.prompt_tokens + completion_tokens,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=(
+                p.CompletionTokensDetails(reasoning_tokens=sum(self.reasoning_tokens))
+                if self.reasoning_parsers is not None
+                else None
+            ),
         )
 
     async def collect(self) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
