@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -26,3 +27,10 @@ def og_greedy(prompt_ids: list[int], n: int, folder: Path = TINY_MODEL, provider
         generator.generate_next_token()
         out.append(int(generator.get_next_tokens()[0]))
     return out
+
+
+def ordinary_ids(count: int, seed: int = 0) -> list[int]:
+    """``count`` ordinary token ids of the tiny ChatML vocabulary (its specials sit at 1019
+    and up), for prompts of an exact length."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(count)]

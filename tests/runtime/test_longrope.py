@@ -11,13 +11,13 @@ crossing the window while decoding keeps the short-factor keys of its first 256 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from og_reference import og_greedy
+from og_reference import ordinary_ids as ids
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
 
 pytestmark = pytest.mark.anyio
@@ -30,12 +30,6 @@ TOKENS = 16
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def ids(count: int, seed: int = 0) -> list[int]:
-    """``count`` ordinary token ids (the specials sit at 1019 and up)."""
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(count)]
 
 
 @pytest.fixture
