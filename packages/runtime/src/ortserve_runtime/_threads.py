@@ -4,8 +4,13 @@ results handed back.
 onnxruntime-genai requires Engine calls from the thread that owns the engine, and a
 session run must never block the event loop; so each engine owns one thread, asyncio
 callers only append to its inbox (``submit``/``cancel``), and events go back through
-``request.deliver`` (see :class:`~ortserve_runtime.chat.GenerationStream`); speech and
-embeddings hand results back with :func:`resolve_future`.
+``request.deliver`` (see :class:`~ortserve_runtime.chat.GenerationStream`), which calls
+:func:`hand_back`; speech and embeddings hand results back with :func:`resolve_future`.
+
+Each hand-back wakes the event loop through its self-pipe, and the owner thread then
+waits for the GIL while the loop runs (measured: about 2 ms a wake-up on 2 busy cores,
+against a 17 ms decode step). An engine that produces many events at once (a decode step
+of a batch) wraps them in :func:`batched_hand_backs`: one wake-up per loop for all of them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import contextlib
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._errors import EngineClosedError
@@ -21,7 +27,45 @@ from ._errors import EngineClosedError
 if TYPE_CHECKING:
     from .chat._request import Request
 
-__all__ = ["OwnerThread", "resolve_future"]
+__all__ = ["OwnerThread", "batched_hand_backs", "hand_back", "resolve_future"]
+
+_batch = threading.local()
+"""``pending``: while :func:`batched_hand_backs` runs on a thread, the hand-backs it collects."""
+
+
+def hand_back(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], item: object) -> bool:
+    """Call ``callback(item)`` on ``loop`` from any thread (later, within
+    :func:`batched_hand_backs`); ``False`` if the loop is gone."""
+    pending: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], None], object]]] | None
+    pending = getattr(_batch, "pending", None)
+    if pending is not None:
+        pending.setdefault(loop, []).append((callback, item))
+        return True
+    try:
+        loop.call_soon_threadsafe(callback, item)
+    except RuntimeError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def batched_hand_backs() -> Iterator[None]:
+    """Collect the :func:`hand_back` calls of this thread and make them on leaving, one
+    wake-up per event loop. A loop that is gone by then drops its items (its consumers
+    cancelled their requests when the loop closed)."""
+    _batch.pending = {}
+    try:
+        yield
+    finally:
+        pending, _batch.pending = _batch.pending, None
+        for loop, calls in pending.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_call_each, calls)
+
+
+def _call_each(calls: list[tuple[Callable[[Any], None], object]]) -> None:
+    for callback, item in calls:
+        callback(item)
 
 
 def resolve_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: object) -> None:

@@ -20,6 +20,7 @@ import numpy.typing as npt
 from tokenizers import Tokenizer, decoders
 
 from .._errors import EngineClosedError
+from .._threads import hand_back
 from ._constraints import Constraint
 from ._logprobs import TokenBytes, TokenLogprob
 from ._reasoning import ReasoningStart
@@ -218,9 +219,7 @@ class GenerationStream:
             queue = self._queue
 
             def deliver(item: GenerationEvent | BaseException) -> None:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-                except RuntimeError:  # the consumer's loop is gone: nobody wants the rest
+                if not hand_back(loop, queue.put_nowait, item):  # the consumer's loop is gone
                     self._engine.cancel(self._request)
 
             self._request.deliver = deliver
