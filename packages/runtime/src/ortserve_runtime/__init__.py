@@ -14,7 +14,7 @@ if _missing:
         '"ortserve-runtime[cpu]", "[cuda]", "[directml]" or "[openvino]"'
     )
 
-from ._config import EmbeddingConfig, EngineName, ModelConfig
+from ._config import EmbeddingConfig, EngineName, ModelConfig, RerankConfig
 from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (
     ContextLengthError,
@@ -34,6 +34,7 @@ from ._registry import (
     load_chat_model,
     pick_engine,
 )
+from ._rerank import RerankModel, RerankResult
 from ._speech import Segment, SpeechModel, Transcription
 from .chat import (
     AudioInput,
@@ -97,6 +98,9 @@ __all__ = [
     "ReasoningMarkers",
     "ReasoningParser",
     "ReasoningStart",
+    "RerankConfig",
+    "RerankModel",
+    "RerankResult",
     "Segment",
     "SpeechModel",
     "TokenLogprob",

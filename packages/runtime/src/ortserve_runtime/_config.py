@@ -7,7 +7,7 @@ from typing import Literal, get_args
 
 from ._providers import Provider, check_provider
 
-__all__ = ["EmbeddingConfig", "EngineName", "ModelConfig"]
+__all__ = ["EmbeddingConfig", "EngineName", "ModelConfig", "RerankConfig"]
 
 EngineName = Literal["auto", "ort-cpu", "og-engine", "og-generator"]
 ENGINES: tuple[EngineName, ...] = get_args(EngineName)
@@ -32,6 +32,32 @@ class EmbeddingConfig:
     """L2-normalise the vectors (what sentence-transformers models expect)."""
     truncate: bool = False
     """Cut inputs longer than the model's limit instead of refusing them."""
+
+
+@dataclass(frozen=True, slots=True)
+class RerankConfig:
+    """How rerank (cross-encoder) models batch, limit and score."""
+
+    max_batch_size: int = 64
+    """(query, document) pairs the batcher merges from concurrent requests before it runs them."""
+    max_documents: int = 1000
+    """Documents (pairs) one request may carry (Cohere's limit); more are refused untokenized."""
+    run_tokens: int = 512
+    """Padded tokens per session run, as :attr:`EmbeddingConfig.run_tokens` (pairs are
+    longer than sentences)."""
+    max_wait_ms: float = 2.0
+    """How long the batcher waits for more requests once one has arrived."""
+    truncate: bool = False
+    """Cut pairs longer than the model's limit (longest first, as transformers'
+    ``truncation=True``) instead of refusing them."""
+    activation: Literal["sigmoid", "none"] | None = None
+    """What turns the logit into the score: ``sigmoid`` (0 to 1) or ``none`` (the raw
+    logit). ``None``: what sentence-transformers' CrossEncoder would apply, from the folder's
+    config.json (sigmoid unless it names Identity)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_documents < 1 or self.run_tokens < 1:
+            raise ValueError("max_batch_size, max_documents and run_tokens must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +109,7 @@ class ModelConfig:
     """Longest audio a speech model transcribes per request (2 hours: 240 of Whisper's
     windows); longer audio is refused before it is decoded."""
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    rerank: RerankConfig = field(default_factory=RerankConfig)
     last_position_logits: bool = True
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
 

@@ -13,6 +13,7 @@ from ._config import EngineName, ModelConfig
 from ._embeddings import EmbeddingModel
 from ._errors import ModelLoadError, ModelNotFoundError
 from ._folder import GenaiFolder, load_og_model
+from ._rerank import RerankModel
 from ._speech import SpeechModel
 from ._threads import OwnerThread
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
@@ -28,8 +29,9 @@ __all__ = [
     "pick_engine",
 ]
 
-ModelKind = Literal["generative", "embedding", "speech"]
+ModelKind = Literal["generative", "embedding", "rerank", "speech"]
 ModelState = Literal["unloaded", "loading", "ready", "error"]
+Model = ChatModel | EmbeddingModel | RerankModel | SpeechModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +64,23 @@ def detect_model_kind(folder: Path) -> ModelKind:
         return "speech" if model_type == "whisper" else "generative"
     has_onnx = (folder / "model.onnx").exists() or (folder / "onnx" / "model.onnx").exists()
     if has_onnx and ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
-        return "embedding"
+        return "rerank" if _is_sequence_classifier(folder) else "embedding"
     raise ModelLoadError(
         f"{folder} is not a model folder: expected genai_config.json (generative or speech model) "
-        "or an ONNX encoder with tokenizer.json (embedding model)",
+        "or an ONNX encoder with tokenizer.json (embedding model; a *ForSequenceClassification "
+        "config.json makes it a rerank model)",
         path=folder,
+    )
+
+
+def _is_sequence_classifier(folder: Path) -> bool:
+    """config.json's architectures name a ``*ForSequenceClassification`` (a cross-encoder)."""
+    try:
+        architectures = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return False  # no config.json, or not one of transformers': an embedding model
+    return isinstance(architectures, list) and any(
+        isinstance(a, str) and a.endswith("ForSequenceClassification") for a in architectures
     )
 
 
@@ -157,11 +171,18 @@ class ModelRegistry:
         self.config = config or ModelConfig()
         self._entries: dict[str, _Entry] = {}
 
-    def add(self, name: str, path: str | Path, config: ModelConfig | None = None) -> ModelKind:
+    def add(
+        self, name: str, path: str | Path, config: ModelConfig | None = None, *, kind: ModelKind | None = None
+    ) -> ModelKind:
         """Register a folder under ``name`` (run with ``config``, else the registry's);
-        raises :class:`ModelLoadError` if it is no model."""
+        raises :class:`ModelLoadError` if it is no model. ``kind`` overrides what the folder
+        says between the two kinds an ONNX encoder folder can be (``embedding``, ``rerank``)."""
         folder = Path(path).expanduser().resolve()
-        kind = detect_model_kind(folder)
+        detected = detect_model_kind(folder)
+        encoders = ("embedding", "rerank")
+        if kind is not None and kind != detected and not (kind in encoders and detected in encoders):
+            raise ValueError(f"model {name!r}: {folder} is a {detected} model folder, it cannot be served as {kind}")
+        kind = kind or detected
         if name in self._entries:
             raise ValueError(f"a model named {name!r} is already registered")
         if config is not None and kind != "generative" and config.engine != "auto":
@@ -246,9 +267,14 @@ class ModelRegistry:
         return model
 
     @staticmethod
-    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], ChatModel | EmbeddingModel | SpeechModel]:
-        factories: dict[ModelKind, Callable[[str, Path, ModelConfig], ChatModel | EmbeddingModel | SpeechModel]]
-        factories = {"generative": load_chat_model, "embedding": EmbeddingModel, "speech": SpeechModel}
+    def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], Model]:
+        factories: dict[ModelKind, Callable[[str, Path, ModelConfig], Model]]
+        factories = {
+            "generative": load_chat_model,
+            "embedding": EmbeddingModel,
+            "rerank": RerankModel,
+            "speech": SpeechModel,
+        }
         return factories[kind]
 
     def _entry(self, name: str) -> _Entry:
