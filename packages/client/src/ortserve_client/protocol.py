@@ -65,10 +65,18 @@ __all__ = [
     "NamedToolChoice",
     "NamedToolChoiceFunction",
     "PromptTokensDetails",
+    "RerankDocument",
+    "RerankRequest",
+    "RerankResponse",
+    "RerankResult",
+    "RerankUsage",
     "ResponseFormat",
     "ResponseFormatJSONObject",
     "ResponseFormatJSONSchema",
     "ResponseFormatText",
+    "ScoreData",
+    "ScoreRequest",
+    "ScoreResponse",
     "StreamOptions",
     "SystemMessage",
     "TextContentPart",
@@ -547,6 +555,82 @@ class CreateEmbeddingResponse(_Response):
     object: Literal["list"] = "list"
 
 
+# -- rerank and score (cross-encoder models) -----------------------------------------------
+
+
+class RerankDocument(_Response):
+    """A document as an object (Jina's and Cohere v2's shape), and as results return it."""
+
+    text: str
+
+
+class RerankRequest(_Request):
+    """``POST /v1/rerank``: the Jina/Cohere shape vLLM and llama-server accept. ``top_n``
+    absent or 0 returns every document; ``return_documents`` defaults to true (vLLM and
+    Jina send the documents back); ``truncate`` is an extension, as for embeddings."""
+
+    model: str
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | UnsetType | None = UNSET
+    return_documents: bool | UnsetType | None = UNSET
+    truncate: bool | UnsetType | None = UNSET
+
+
+class RerankResult(_Response):
+    """One document's place: its index in the request and its score (higher: more relevant)."""
+
+    index: int
+    relevance_score: float
+    document: RerankDocument | UnsetType = UNSET
+    """Absent when the request said ``return_documents: false``."""
+
+
+class RerankUsage(_Response):
+    """Tokens of every (query, document) pair scored."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(_Response):
+    """The response of ``POST /v1/rerank``: results sorted by score, best first."""
+
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ScoreRequest(_Request):
+    """``POST /v1/score`` (vLLM's): ``text_1`` against ``text_2``: one with one, one with
+    each of a list (1:N), or pairwise (N:N, equal lengths)."""
+
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate: bool | UnsetType | None = UNSET
+
+
+class ScoreData(_Response):
+    """The score of one pair, by its index in ``text_2``."""
+
+    index: int
+    score: float
+    object: Literal["score"] = "score"
+
+
+class ScoreResponse(_Response):
+    """The response of ``POST /v1/score``, pairs in input order."""
+
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: RerankUsage
+    object: Literal["list"] = "list"
+
+
 # -- models, tokenizer extensions, health, errors ------------------------------------------
 
 
@@ -559,7 +643,7 @@ class Model(_Response):
     object: Literal["model"] = "model"
     # ortserve's extensions (OpenAI's SDKs keep unknown fields as attributes):
     kind: str | None = None
-    """``generative``, ``embedding`` or ``speech``."""
+    """``generative``, ``embedding``, ``rerank`` or ``speech``."""
     status: str | None = None
     """``unloaded``, ``loading``, ``ready`` or ``error``."""
     provider: str | None = None

@@ -27,7 +27,7 @@ from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
 from ._openapi import RequestLimits
 from ._responses import responses_route_handlers
-from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler
+from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler, rerank_alias_handlers
 from ._security import SiteGuard, body_guard
 from ._state import OrtServe
 
@@ -50,6 +50,16 @@ def _routers(state: OrtServe) -> list[Router]:
         Router(
             path=config.path,
             route_handlers=[*api_route_handlers, *responses_route_handlers],
+            dependencies=provide,
+            guards=[*_guards(config), body_guard],
+            exception_handlers=exception_handlers,
+            request_max_body_size=config.max_body_size,
+            opt={METRICS_OPT: state.metrics},
+        ),
+        # /rerank and /v2/rerank: the aliases vLLM serves (llama-server: /rerank), at the root.
+        Router(
+            path="/",
+            route_handlers=rerank_alias_handlers,
             dependencies=provide,
             guards=[*_guards(config), body_guard],
             exception_handlers=exception_handlers,

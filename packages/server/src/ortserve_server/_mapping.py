@@ -29,6 +29,7 @@ from ortserve_runtime import (
     InvalidRequestError,
     ModelKind,
     Prompt,
+    RerankModel,
     SpeechModel,
     ToolCallFormat,
     forced_tool_grammar,
@@ -50,6 +51,7 @@ __all__ = [
     "plan_completion",
     "require_embedding_model",
     "require_model",
+    "require_rerank_model",
     "require_speech_model",
     "template_kwargs",
 ]
@@ -86,9 +88,11 @@ async def require_model(state: OrtServe, name: str) -> ChatModel:
     return model
 
 
-def check_room(state: OrtServe, model: ChatModel | EmbeddingModel, wanted: int, param: str, unit: str) -> None:
+def check_room(
+    state: OrtServe, model: ChatModel | EmbeddingModel | RerankModel, wanted: int, param: str, unit: str
+) -> None:
     """Refuse, before any work starts, a request that fans out into ``wanted`` queue
-    entries (prompts x ``n``, or an embedding request's batches) the queue has no room for:
+    entries (prompts x ``n``, or an embedding or rerank request's batches) the queue has no room for:
     400 naming ``param`` when no queue could ever take it, else 503 + Retry-After. One
     request of 20,000 prompts queued 19,992 generations past ``max_queued`` of 64."""
     limit = state.config.max_queued
@@ -108,6 +112,12 @@ def check_room(state: OrtServe, model: ChatModel | EmbeddingModel, wanted: int, 
 async def require_embedding_model(state: OrtServe, name: str) -> EmbeddingModel:
     """The loaded embedding model called ``name``, or a 404/400 that says why not."""
     model: EmbeddingModel = await _loaded(state, name, "embedding")
+    return model
+
+
+async def require_rerank_model(state: OrtServe, name: str) -> RerankModel:
+    """The loaded rerank (cross-encoder) model called ``name``, or a 404/400 that says why not."""
+    model: RerankModel = await _loaded(state, name, "rerank")
     return model
 
 
@@ -131,6 +141,7 @@ async def _loaded(state: OrtServe, name: str, kind: ModelKind) -> Any:
         use = {
             "generative": "/v1/chat/completions or /v1/completions",
             "embedding": "/v1/embeddings",
+            "rerank": "/v1/rerank or /v1/score",
             "speech": "/v1/audio/transcriptions",
         }[actual]
         raise BadRequestError(f"model {name!r} is a {actual} model; use {use}", param="model")

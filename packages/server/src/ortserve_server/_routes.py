@@ -51,13 +51,14 @@ from ._mapping import (
     plan_completion,
     require_embedding_model,
     require_model,
+    require_rerank_model,
     require_speech_model,
     template_kwargs,
 )
 from ._openapi import GET_ERRORS, POST_ERRORS, also_sends, error_responses, generation_docs, with_error_responses
 from ._state import OrtServe
 
-__all__ = ["api_route_handlers", "health_handler", "make_auth_guard", "metrics_handler"]
+__all__ = ["api_route_handlers", "health_handler", "make_auth_guard", "metrics_handler", "rerank_alias_handlers"]
 
 _encode = msgspec.json.Encoder().encode
 T = TypeVar("T")
@@ -635,6 +636,89 @@ async def embeddings(
     return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))
 
 
+async def _rerank(data: p.RerankRequest, ortserve: OrtServe) -> Response[p.RerankResponse]:
+    model = await require_rerank_model(ortserve, data.model)
+    documents = [d if isinstance(d, str) else d.text for d in data.documents]
+    top_n = data.top_n if isinstance(data.top_n, int) else 0
+    if top_n < 0:
+        raise BadRequestError("top_n must be 0 or more (0 or absent: every document)", param="top_n")
+    if len(documents) > model.max_documents:
+        raise BadRequestError(
+            f"documents has {len(documents)} items; this server reranks at most {model.max_documents} per request",
+            param="documents",
+        )
+    check_room(ortserve, model, model.batches(len(documents)), "documents", "batches")
+    truncate = data.truncate if isinstance(data.truncate, bool) else None
+    result = await model.score(data.query, documents, truncate=truncate)
+    # Best first; equal scores keep the documents' order (sorted is stable).
+    order = sorted(range(len(documents)), key=lambda i: -float(result.scores[i]))
+    keep_documents = data.return_documents is not False
+    results = [
+        p.RerankResult(
+            index=i,
+            relevance_score=float(result.scores[i]),
+            document=p.RerankDocument(text=documents[i]) if keep_documents else msgspec.UNSET,
+        )
+        for i in order[: top_n or None]
+    ]
+    tokens = result.prompt_tokens
+    ortserve.metrics.count_request(f"{ortserve.config.path}/rerank", data.model, 200)
+    ortserve.metrics.prompt_tokens.labels(data.model).inc(tokens)
+    usage = p.RerankUsage(prompt_tokens=tokens, total_tokens=tokens)
+    return Response(p.RerankResponse(id=new_id("rerank"), model=data.model, usage=usage, results=results))
+
+
+@post(
+    "/rerank",
+    status_code=200,
+    summary="Rerank documents by relevance to a query (cross-encoder models; Jina/Cohere shape, as vLLM)",
+    responses=error_responses(*POST_ERRORS),
+)
+async def rerank(data: JSONBody[p.RerankRequest], ortserve: NamedDependency[OrtServe]) -> Response[p.RerankResponse]:
+    return await _rerank(data, ortserve)
+
+
+@post(["/rerank", "/v2/rerank"], status_code=200, include_in_schema=False)
+async def rerank_alias(
+    data: JSONBody[p.RerankRequest], ortserve: NamedDependency[OrtServe]
+) -> Response[p.RerankResponse]:
+    """vLLM's aliases of ``/v1/rerank`` (llama-server also answers ``/rerank``), at the root."""
+    return await _rerank(data, ortserve)
+
+
+@post(
+    "/score",
+    status_code=200,
+    summary="Score text pairs (cross-encoder models; vLLM's shape): 1:1, 1:N or N:N",
+    responses=error_responses(*POST_ERRORS),
+)
+async def score(data: JSONBody[p.ScoreRequest], ortserve: NamedDependency[OrtServe]) -> Response[p.ScoreResponse]:
+    model = await require_rerank_model(ortserve, data.model)
+    # vLLM's pairing: one text_1 (a string, or a list of one) with each text_2, else pairwise.
+    first = data.text_1[0] if isinstance(data.text_1, list) and len(data.text_1) == 1 else data.text_1
+    second = [data.text_2] if isinstance(data.text_2, str) else data.text_2
+    if len(second) > model.max_documents:
+        raise BadRequestError(
+            f"text_2 has {len(second)} items; this server scores at most {model.max_documents} per request",
+            param="text_2",
+        )
+    check_room(ortserve, model, model.batches(len(second)), "text_2", "batches")
+    truncate = data.truncate if isinstance(data.truncate, bool) else None
+    result = await model.score(first, second, truncate=truncate, names=("text_1", "text_2"))
+    tokens = result.prompt_tokens
+    ortserve.metrics.count_request(f"{ortserve.config.path}/score", data.model, 200)
+    ortserve.metrics.prompt_tokens.labels(data.model).inc(tokens)
+    return Response(
+        p.ScoreResponse(
+            id=new_id("score"),
+            created=int(time.time()),
+            model=data.model,
+            data=[p.ScoreData(index=i, score=float(value)) for i, value in enumerate(result.scores)],
+            usage=p.RerankUsage(prompt_tokens=tokens, total_tokens=tokens),
+        )
+    )
+
+
 @dataclass
 class TranscriptionForm:
     """The multipart form of ``POST /v1/audio/transcriptions``."""
@@ -825,9 +909,13 @@ api_route_handlers = [
     chat_completions,
     completions,
     embeddings,
+    rerank,
+    score,
     transcriptions,
     list_models,
     retrieve_model,
     tokenize,
     detokenize,
 ]
+rerank_alias_handlers = [rerank_alias]
+"""Served at the root, beside the API's own prefix."""
