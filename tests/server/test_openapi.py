@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,11 +16,14 @@ from serving import TINY_MODEL, running
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 KEY = {"Authorization": "Bearer k"}
+CROSS_ENCODER = Path(__file__).parents[1] / "fixtures" / "tiny-cross-encoder"
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[httpx.Client, dict[str, Any]]]:
-    config = ServerConfig(models={"tiny": TINY_MODEL}, api_key="k", max_n=3, max_body_size=64 * 1024)
+    config = ServerConfig(
+        models={"tiny": TINY_MODEL, "ce": CROSS_ENCODER}, api_key="k", max_n=3, max_body_size=64 * 1024
+    )
     with running(create_app(config)) as url, httpx.Client(base_url=url, headers=KEY, timeout=60) as client:
         yield client, client.get("/schema/openapi.json").json()
 
@@ -64,6 +68,11 @@ def test_real_responses_match_the_schema(served: tuple[httpx.Client, dict[str, A
         client.post("/v1/tokenize", json={"model": "tiny", "prompt": "hello"}),
         client.post("/v1/detokenize", json={"model": "tiny", "tokens": [1, 2]}),
         client.post("/v1/embeddings", json={"model": "tiny", "input": "x"}),  # 400: not an embedding model
+        client.post("/v1/rerank", json={"model": "ce", "query": "q", "documents": ["a", {"text": "b"}]}),
+        client.post("/v1/rerank", json={"model": "ce", "query": "q", "documents": ["a"], "return_documents": False}),
+        client.post("/v1/rerank", json={"model": "ce", "query": "q", "documents": []}),  # 400
+        client.post("/v1/score", json={"model": "ce", "text_1": "q", "text_2": ["a", "b"]}),
+        client.post("/v1/score", json={"model": "tiny", "text_1": "q", "text_2": "a"}),  # 400: not a rerank model
         client.get("/health"),
         client.get("/metrics"),
     ]

@@ -38,6 +38,11 @@ from .protocol import (
     Health,
     Model,
     ModelList,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
     Transcription,
@@ -147,6 +152,49 @@ class AsyncClient:
         """``POST /detokenize`` (extension): the text of ``tokens``."""
         body = DetokenizeRequest(model=model, tokens=list(tokens))
         return await self._send("POST", f"{self.base_url}/detokenize", body, DetokenizeResponse)
+
+    async def rerank(
+        self,
+        *,
+        model: str,
+        query: str,
+        documents: Sequence[str | RerankDocument | Mapping[str, Any]],
+        top_n: int | None = None,
+        return_documents: bool | None = None,
+        truncate: bool | None = None,
+    ) -> RerankResponse:
+        """``POST /rerank`` (a rerank model): ``documents`` (strings, or ``{"text": ...}``)
+        ordered by relevance to ``query``, best first; ``top_n`` keeps the best ones (all
+        when ``None``); the server sends each document back unless ``return_documents`` is
+        false; ``truncate`` (extension) cuts pairs longer than the model takes."""
+        body = _request(
+            RerankRequest,
+            {
+                "model": model,
+                "query": query,
+                "documents": list(documents),
+                "top_n": msgspec.UNSET if top_n is None else top_n,
+                "return_documents": msgspec.UNSET if return_documents is None else return_documents,
+                "truncate": msgspec.UNSET if truncate is None else truncate,
+            },
+        )
+        return await self._send("POST", f"{self.base_url}/rerank", body, RerankResponse)
+
+    async def score(
+        self, *, model: str, text_1: str | Sequence[str], text_2: str | Sequence[str], truncate: bool | None = None
+    ) -> ScoreResponse:
+        """``POST /score`` (a rerank model; vLLM's API): the score of ``text_1`` with each
+        ``text_2`` (one ``text_1``), or of each pair (lists of equal length), in input order."""
+        body = _request(
+            ScoreRequest,
+            {
+                "model": model,
+                "text_1": text_1 if isinstance(text_1, str) else list(text_1),
+                "text_2": text_2 if isinstance(text_2, str) else list(text_2),
+                "truncate": msgspec.UNSET if truncate is None else truncate,
+            },
+        )
+        return await self._send("POST", f"{self.base_url}/score", body, ScoreResponse)
 
     async def health(self) -> Health:
         """``GET /health`` at the server root; a 503 with a health body (models still
