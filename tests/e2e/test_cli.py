@@ -112,7 +112,13 @@ def test_serve_without_models_uses_the_demo() -> None:
     process, ready = start_server()
     try:
         models = httpx.get(f"http://127.0.0.1:{ready['port']}/v1/models").json()
-        assert [m["id"] for m in models["data"]] == ["tiny-qwen2", "tiny-phi3v", "tiny-whisper", "all-minilm-l6-v2"]
+        assert [m["id"] for m in models["data"]] == [
+            "tiny-qwen2",
+            "tiny-phi3v",
+            "tiny-whisper",
+            "tiny-cross-encoder",
+            "all-minilm-l6-v2",
+        ]
         assert ready["pid"] == process.pid
         process.terminate()
         assert process.wait(timeout=30) == 0

@@ -39,8 +39,10 @@ def test_random_paths_do_not_grow_metrics(url: str) -> None:
 
 def test_every_model_kind_has_load_gauges(url: str) -> None:
     httpx.post(f"{url}/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "warm"}).raise_for_status()
+    rerank = {"model": "tiny-cross-encoder", "query": "q", "documents": ["d"]}
+    httpx.post(f"{url}/v1/rerank", json=rerank).raise_for_status()
     metrics = httpx.get(f"{url}/metrics").text
-    for name in ("tiny-qwen2", "tiny-whisper", "all-minilm-l6-v2"):
+    for name in ("tiny-qwen2", "tiny-whisper", "all-minilm-l6-v2", "tiny-cross-encoder"):
         for gauge in ("ortserve_queue_depth", "ortserve_active_requests"):
             assert re.search(rf'^{gauge}{{model="{name}"}} 0\.0$', metrics, re.MULTILINE), (gauge, name)
     assert 'ortserve_requests_total{endpoint="/v1/embeddings",model="all-minilm-l6-v2",status="2xx"}' in metrics

@@ -191,3 +191,19 @@ def test_metrics_count_rerank_and_score(url: str) -> None:
     assert 'ortserve_requests_total{endpoint="/v1/score",model="ce",status="2xx"}' in text
     assert 'ortserve_requests_total{endpoint="/v1/rerank",model="ce",status="2xx"}' in text
     assert 'ortserve_prompt_tokens_total{model="ce"}' in text
+
+
+def test_rerank_score_and_the_aliases_need_the_api_key() -> None:
+    with running(create_app(ServerConfig(models={"ce": FOLDER}, api_key="k"))) as base:
+        bodies = {
+            "/v1/rerank": {"model": "ce", "query": "q", "documents": ["d"]},
+            "/rerank": {"model": "ce", "query": "q", "documents": ["d"]},
+            "/v2/rerank": {"model": "ce", "query": "q", "documents": ["d"]},
+            "/v1/score": {"model": "ce", "text_1": "q", "text_2": "d"},
+        }
+        for path, body in bodies.items():
+            refused = httpx.post(f"{base}{path}", json=body)
+            assert refused.status_code == 401, path
+            assert refused.json()["error"]["type"] == "authentication_error"
+            allowed = httpx.post(f"{base}{path}", json=body, headers={"Authorization": "Bearer k"})
+            assert allowed.status_code == 200, (path, allowed.text)

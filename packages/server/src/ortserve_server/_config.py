@@ -15,7 +15,7 @@ class ServerConfig:
     """Everything the HTTP layer needs. Defaults suit a local, single-user server."""
 
     models: dict[str, str | Path] = field(default_factory=dict)
-    """Model name -> model folder (a genai folder or an embedding model folder)."""
+    """Model name -> model folder (a genai folder, or an ONNX encoder: embedding or rerank model)."""
     path: str = "/v1"
     """Where the OpenAI-compatible routes are mounted."""
     health_path: str | None = "/health"

