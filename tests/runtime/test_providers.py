@@ -1,4 +1,4 @@
-"""Execution providers for embedding and speech models: a provider that is not installed
+"""Execution providers for embedding, rerank and speech models: a provider that is not installed
 fails the load and says what to install; a session built without the provider asked for
 fails too. Never a silent CPU fallback.
 
@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from audio import TINY_WHISPER
-from ortserve_runtime import EmbeddingModel, ModelConfig, ModelLoadError, SpeechModel
+from ortserve_runtime import EmbeddingModel, ModelConfig, ModelLoadError, RerankModel, SpeechModel
 from ortserve_runtime._providers import check_session_provider
 from ortserve_server._demo import minilm_folder
 
@@ -27,6 +27,8 @@ BF16 = json.dumps({"CPU": {"INFERENCE_PRECISION_HINT": "bf16"}})
 has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
 has_openvino = "OpenVINOExecutionProvider" in ort.get_available_providers()
 without_openvino = pytest.mark.skipif(not has_openvino, reason="onnxruntime-openvino is not installed")
+CROSS_ENCODER = Path(__file__).parents[1] / "fixtures" / "tiny-cross-encoder"
+CROSS_ENCODER_REFERENCE = json.loads((CROSS_ENCODER / "reference.json").read_text("utf-8"))
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,12 @@ def test_embedding_on_a_provider_not_installed_names_it_and_the_fix(folder: Path
     message = str(caught.value)
     assert "'cuda'" in message and "CUDAExecutionProvider" in message
     assert "onnxruntime-gpu" in message and "ortserve-runtime[cuda]" in message
+
+
+@pytest.mark.skipif(has_cuda, reason="this onnxruntime has CUDA")
+def test_rerank_on_a_provider_not_installed_names_it_and_the_fix() -> None:
+    with pytest.raises(ModelLoadError, match=r"'cuda'.*CUDAExecutionProvider"):
+        RerankModel("m", CROSS_ENCODER, ModelConfig(provider="cuda"))
 
 
 @pytest.mark.skipif(has_cuda, reason="this onnxruntime has CUDA")
@@ -93,6 +101,17 @@ def test_openvino_embeds_like_the_cpu(
     assert cosines.min() >= 1 - tolerance, cosines
     # Two runs of different shapes in one session: dynamic shapes work on OpenVINO.
     assert model.embed_sync(TEXTS[:1]).vectors.shape == (1, 384)
+
+
+@pytest.mark.openvino
+@without_openvino
+def test_openvino_reranks_like_transformers() -> None:
+    model = RerankModel("m", CROSS_ENCODER, ModelConfig(provider="openvino"))
+    assert model.session.get_providers()[0] == "OpenVINOExecutionProvider"
+    queries = [r["query"] for r in CROSS_ENCODER_REFERENCE]
+    documents = [r["document"] for r in CROSS_ENCODER_REFERENCE]
+    scores = model.score_sync(queries, documents).scores
+    np.testing.assert_allclose(scores, [r["score"] for r in CROSS_ENCODER_REFERENCE], atol=1e-4)
 
 
 @pytest.mark.openvino
