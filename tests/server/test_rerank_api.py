@@ -207,3 +207,11 @@ def test_rerank_score_and_the_aliases_need_the_api_key() -> None:
             assert refused.json()["error"]["type"] == "authentication_error"
             allowed = httpx.post(f"{base}{path}", json=body, headers={"Authorization": "Bearer k"})
             assert allowed.status_code == 200, (path, allowed.text)
+
+
+def test_the_root_aliases_can_be_left_to_the_host() -> None:
+    with running(create_app(ServerConfig(models={"ce": FOLDER}, rerank_aliases=False))) as base:
+        body = {"model": "ce", "query": "q", "documents": ["d"]}
+        assert httpx.post(f"{base}/v1/rerank", json=body).status_code == 200
+        assert httpx.post(f"{base}/rerank", json=body).status_code == 404
+        assert httpx.post(f"{base}/v2/rerank", json=body).status_code == 404

@@ -56,16 +56,6 @@ def _routers(state: OrtServe) -> list[Router]:
             request_max_body_size=config.max_body_size,
             opt={METRICS_OPT: state.metrics},
         ),
-        # /rerank and /v2/rerank: the aliases vLLM serves (llama-server: /rerank), at the root.
-        Router(
-            path="/",
-            route_handlers=rerank_alias_handlers,
-            dependencies=provide,
-            guards=[*_guards(config), body_guard],
-            exception_handlers=exception_handlers,
-            request_max_body_size=config.max_body_size,
-            opt={METRICS_OPT: state.metrics},
-        ),
         # Anthropic's Messages API: its own error shape, and its clients' x-api-key header.
         Router(
             path=config.path,
@@ -77,6 +67,19 @@ def _routers(state: OrtServe) -> list[Router]:
             opt={METRICS_OPT: state.metrics},
         ),
     ]
+    if config.rerank_aliases:
+        # /rerank and /v2/rerank: the aliases vLLM serves (llama-server: /rerank), at the root.
+        routers.append(
+            Router(
+                path="/",
+                route_handlers=rerank_alias_handlers,
+                dependencies=provide,
+                guards=[*_guards(config), body_guard],
+                exception_handlers=exception_handlers,
+                request_max_body_size=config.max_body_size,
+                opt={METRICS_OPT: state.metrics},
+            )
+        )
     # Health stays open for probes and LocalServer's readiness wait; metrics name models
     # and traffic, so they need the key unless the operator says otherwise.
     extras = [

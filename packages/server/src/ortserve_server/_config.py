@@ -22,6 +22,9 @@ class ServerConfig:
     """Liveness/readiness route (never behind the API key); ``None`` leaves it out."""
     metrics_path: str | None = "/metrics"
     """Prometheus text metrics; ``None`` leaves it out."""
+    rerank_aliases: bool = True
+    """Also answer ``POST /rerank`` and ``/v2/rerank`` at the root, as vLLM does (clients
+    written for it call those); ``False`` leaves the root to a host app's own routes."""
     api_key: str | None = None
     """When set, every route but health needs ``Authorization: Bearer <api_key>``: the API,
     metrics (unless ``public_metrics``) and the OpenAPI schema."""
