@@ -96,6 +96,11 @@ class BatchedEncoder:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
+        # The pad token: from the tokenizer's own padding settings, else by its usual names
+        # (BERT's [PAD], RoBERTa's and XLM-R's <pad>, which is id 1 there, not 0).
+        padding = self.tokenizer.padding
+        named = (self.tokenizer.token_to_id(token) for token in ("[PAD]", "<pad>"))
+        self._pad_id: int = padding["pad_id"] if padding else next((i for i in named if i is not None), 0)
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
         self.max_tokens = _max_tokens(folder)
@@ -109,7 +114,6 @@ class BatchedEncoder:
         """The session output :meth:`_reduce` reads (the subclass picks it)."""
         self.runs = 0
         """Session runs so far: fewer than requests when micro-batching merges them."""
-        self._pad_id = self.tokenizer.token_to_id("[PAD]") or 0
         # As ChatModel's max_prompt_chars: no token spans more characters than the longest
         # in the vocabulary, and a normaliser composes at most 3 into one. A text longer
         # than this is over the limit whatever its tokens; it is cut or refused untokenized.
