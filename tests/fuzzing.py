@@ -28,8 +28,9 @@ from serving import TINY_MODEL
 
 # The names the fuzz server serves, plus one it does not: a generated ``model`` is drawn from
 # these, since a random string is a 404 before any of the interesting work happens.
-CHAT_MODEL, SPEECH_MODEL, EMBEDDING_MODEL, UNKNOWN_MODEL = "tiny", "whisper", "minilm", "nope"
-MODEL_NAMES = [CHAT_MODEL, SPEECH_MODEL, EMBEDDING_MODEL, UNKNOWN_MODEL]
+CHAT_MODEL, SPEECH_MODEL, EMBEDDING_MODEL, RERANK_MODEL, UNKNOWN_MODEL = "tiny", "whisper", "minilm", "ce", "nope"
+MODEL_NAMES = [CHAT_MODEL, SPEECH_MODEL, EMBEDDING_MODEL, RERANK_MODEL, UNKNOWN_MODEL]
+CROSS_ENCODER = Path(__file__).resolve().parent / "fixtures" / "tiny-cross-encoder"
 
 # Small bounds so that no generated request is expensive: a fuzzed max_tokens of 10**9 is a 400,
 # an absent one generates at most this many tokens; n and prompt lists fan out at most
@@ -40,7 +41,12 @@ MAX_N = 2
 
 def fuzz_config(embedding_folder: Path) -> ServerConfig:
     return ServerConfig(
-        models={CHAT_MODEL: TINY_MODEL, SPEECH_MODEL: TINY_WHISPER, EMBEDDING_MODEL: embedding_folder},
+        models={
+            CHAT_MODEL: TINY_MODEL,
+            SPEECH_MODEL: TINY_WHISPER,
+            EMBEDDING_MODEL: embedding_folder,
+            RERANK_MODEL: CROSS_ENCODER,
+        },
         max_tokens_limit=MAX_TOKENS,
         max_n=MAX_N,
         # Generated bodies are small; a lower cap also puts 413 within the fuzzer's reach.
@@ -107,6 +113,8 @@ _MODEL_FOR = {
     "TokenizeRequest": CHAT_MODEL,
     "DetokenizeRequest": CHAT_MODEL,
     "EmbeddingRequest": EMBEDDING_MODEL,
+    "RerankRequest": RERANK_MODEL,
+    "ScoreRequest": RERANK_MODEL,
     "TranscriptionForm": SPEECH_MODEL,
     "MessagesRequest": CHAT_MODEL,
     "CountTokensRequest": CHAT_MODEL,
@@ -118,6 +126,8 @@ _MODEL_FOR_PATH = {
     "/v1/tokenize": CHAT_MODEL,
     "/v1/detokenize": CHAT_MODEL,
     "/v1/embeddings": EMBEDDING_MODEL,
+    "/v1/rerank": RERANK_MODEL,
+    "/v1/score": RERANK_MODEL,
     "/v1/audio/transcriptions": SPEECH_MODEL,
     "/v1/messages": CHAT_MODEL,
     "/v1/messages/count_tokens": CHAT_MODEL,
@@ -189,6 +199,8 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"),
+    ("POST", "/v1/rerank"),
+    ("POST", "/v1/score"),
     ("POST", "/v1/audio/transcriptions"),
     ("POST", "/v1/tokenize"),
     ("POST", "/v1/detokenize"),
