@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +16,8 @@ from images import TINY_PHI3V, image_part
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import minilm_folder
 from serving import TINY_MODEL, running
+
+CROSS_ENCODER = Path(__file__).parents[1] / "fixtures" / "tiny-cross-encoder"
 
 AUDIO = {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone_wav(0.2)).decode(), "format": "wav"}}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
@@ -49,6 +52,11 @@ VALID: list[tuple[str, dict[str, Any]]] = [
     ("/v1/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/detokenize", {"model": "tiny", "tokens": [1, 2, 3]}),
     ("/v1/embeddings", {"model": "minilm", "input": ["one", "two"], "encoding_format": "float", "dimensions": 384}),
+    (
+        "/v1/rerank",
+        {"model": "ce", "query": "q", "documents": ["one", {"text": "two"}], "top_n": 1, "return_documents": True},
+    ),
+    ("/v1/score", {"model": "ce", "text_1": ["a", "b"], "text_2": ["one", "two"], "truncate": True}),
 ]
 WRONG = [None, -1, "x", {"a": [1]}]
 
@@ -76,7 +84,7 @@ def _replaced(body: dict[str, Any], path: tuple[Any, ...], value: Any) -> Any:
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     minilm = minilm_folder(tmp_path_factory.mktemp("m") / "minilm")
     assert minilm is not None
-    models = {"vision": TINY_PHI3V, "tiny": TINY_MODEL, "whisper": TINY_WHISPER, "minilm": minilm}
+    models = {"vision": TINY_PHI3V, "tiny": TINY_MODEL, "whisper": TINY_WHISPER, "minilm": minilm, "ce": CROSS_ENCODER}
     with running(create_app(ServerConfig(models=models))) as base:
         yield base
 
