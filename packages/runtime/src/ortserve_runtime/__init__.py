@@ -17,6 +17,7 @@ if _missing:
 from ._config import EmbeddingConfig, EngineName, ModelConfig
 from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (
+    AdapterNotFoundError,
     ContextLengthError,
     EngineClosedError,
     EngineError,
@@ -63,6 +64,7 @@ from .engines import Engine, EngineCapabilities
 
 __all__ = [
     "PROVIDERS",
+    "AdapterNotFoundError",
     "AudioInput",
     "ChatModel",
     "ChatTemplate",
