@@ -566,6 +566,10 @@ class Model(_Response):
     """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu``, ``trt-rtx``."""
     engine: str | None = None
     """A loaded generative model's engine: ``ort-cpu``, ``og-engine`` or ``og-generator``."""
+    parent: str | None = None
+    """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
+    root: str | None = None
+    """For a LoRA adapter: the base model it derives from (``parent`` here: adapters do not stack)."""
 
 
 class ModelList(_Response):
