@@ -116,3 +116,18 @@ def test_an_adapter_of_a_model_without_adapters_says_so(client: openai.OpenAI) -
     )
     with pytest.raises(openai.NotFoundError, match="model 'nope:alpha' does not exist"):
         client.completions.create(model="nope:alpha", prompt="hello", max_tokens=2)
+
+
+def test_llama_servers_lora_field_is_refused_pointing_at_the_model_id(client: openai.OpenAI) -> None:
+    """Per-request adapter scales cannot be honoured (onnxruntime adapters carry their
+    scale); a request with them gets a 400 rather than the base model in silence."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model="lora", prompt="hello", max_tokens=2, extra_body={"lora": [{"id": 0, "scale": 0.5}]}
+        )
+    assert caught.value.body["param"] == "lora"  # type: ignore[index]
+    assert "model id MODEL:ADAPTER" in caught.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="'lora' is not supported"):
+        client.chat.completions.create(
+            model="lora-og", messages=[{"role": "user", "content": "hi"}], extra_body={"lora": []}
+        )

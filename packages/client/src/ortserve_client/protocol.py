@@ -299,6 +299,9 @@ class _GenerationRequest(_Request):
     the given strings."""
     guided_grammar: str | UnsetType | None = UNSET
     guided_choice: list[str] | UnsetType | None = UNSET
+    lora: list[Any] | UnsetType | None = UNSET
+    """llama-server's per-request adapter scales (``[{"id", "scale"}]``): refused with a 400
+    that points at the model id ``MODEL:ADAPTER``, which is how a request picks an adapter here."""
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):

@@ -173,6 +173,13 @@ def _check_common(data: p.ChatCompletionRequest | p.CompletionRequest, config: S
     n = data.n if _given(data.n) else 1
     if not isinstance(n, int) or n < 1 or n > config.max_n:
         raise BadRequestError(f"'n' must be between 1 and {config.max_n}", param="n")
+    if _given(data.lora):
+        # llama-server mixes adapters by scale; onnxruntime's adapters have their scale
+        # baked in and og activates one per generator, so a silent ignore would be wrong.
+        raise _refuse(
+            "lora",
+            "is not supported: pick a LoRA adapter with the model id MODEL:ADAPTER (listed in /v1/models)",
+        )
     stop = data.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise BadRequestError(f"'stop' allows at most {MAX_STOP} strings", param="stop")
