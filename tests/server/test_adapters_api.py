@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -64,6 +65,24 @@ def test_chat_streams_through_an_adapter(client: openai.OpenAI, url: str, model:
     chunks = list(stream)
     assert {c.model for c in chunks} == {f"{model}:beta"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
+
+
+def test_every_api_family_takes_the_adapter_model_id(client: openai.OpenAI, url: str) -> None:
+    """Chat Completions, Responses and Anthropic Messages: the same greedy answer through beta."""
+    chat = client.chat.completions.create(
+        model="lora:beta", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
+    base = client.chat.completions.create(
+        model="lora", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content != base.choices[0].message.content
+    response = client.responses.create(model="lora:beta", input="Hi", max_output_tokens=8, temperature=0)
+    assert (response.model, response.output_text) == ("lora:beta", chat.choices[0].message.content)
+    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as messages_client:
+        message = messages_client.messages.create(  # the SDK no longer types temperature
+            model="lora:beta", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, extra_body={"temperature": 0}
+        )
+    assert message.content[0].text == chat.choices[0].message.content  # type: ignore[union-attr]
 
 
 def test_two_adapters_in_concurrent_requests(url: str) -> None:
