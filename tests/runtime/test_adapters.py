@@ -96,3 +96,6 @@ async def test_an_adapter_that_does_not_fit_fails_the_load_naming_it(engine: str
 def test_adapter_names_and_kinds_are_checked() -> None:
     with pytest.raises(ValueError, match="adapter name 'a:b' must be non-empty and free of ':'"):
         ModelConfig(adapters={"a:b": LORA_ADAPTERS["alpha"]})
+    registry = ModelRegistry(ModelConfig(adapters=dict(LORA_ADAPTERS)))
+    with pytest.raises(ValueError, match="'whisper' is a speech model: LoRA adapters apply to generative models only"):
+        registry.add("whisper", TINY_MODEL.parent / "tiny-whisper")

@@ -182,7 +182,7 @@ class ModelRegistry:
             raise ValueError(
                 f"model {name!r} is a {kind} model: the engine ({config.engine}) applies to generative models only"
             )
-        if config is not None and kind != "generative" and config.adapters:
+        if kind != "generative" and (config or self.config).adapters:
             raise ValueError(f"model {name!r} is a {kind} model: LoRA adapters apply to generative models only")
         self._entries[name] = _Entry(name, folder, kind, config or self.config)
         return kind
