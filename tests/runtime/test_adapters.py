@@ -63,6 +63,23 @@ async def test_adapters_in_concurrent_requests(model: ChatModel) -> None:
     assert [tokens for _, tokens, _, _ in results] == [REFERENCE[adapter] for adapter in order]
 
 
+async def test_ort_cpu_decodes_each_adapters_rows_in_one_call() -> None:
+    """Rows arriving interleaved (a, base, b, a, base, b) are regrouped: a decode step makes
+    one call per adapter in use, not one per row."""
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu", adapters=dict(LORA_ADAPTERS)))
+    registry.add("lora", LORA_MODEL)
+    model: ChatModel = await registry.get("lora")
+    order = ["alpha", None, "beta"] * 2
+    before = model.engine.steps  # type: ignore[attr-defined]
+    streams = [model.with_adapter(adapter).generate(PROMPT, options=GREEDY).collect() for adapter in order]
+    results = await asyncio.gather(*streams)
+    assert [tokens for _, tokens, _, _ in results] == [REFERENCE[adapter] for adapter in order]
+    calls = model.engine.steps - before  # type: ignore[attr-defined]
+    # 6 prefills, then 15 steps of 3 calls (one per group); one per row would be 6 a step.
+    assert calls <= 6 + 3 * 16, calls
+    await registry.close()
+
+
 async def test_an_unknown_adapter_is_named(model: ChatModel) -> None:
     with pytest.raises(
         AdapterNotFoundError, match=r"model 'lora' has no LoRA adapter 'gamma': its adapters are 'alpha', 'beta'"

@@ -22,8 +22,8 @@ after a prefix-cache hit), a decode step per side of the window, and prefix-cach
 reused only by prompts on their own side.
 
 LoRA adapters (see :func:`_adapter_inputs`) are bound as extra inputs, one adapter per
-session call, so a decode step makes one call per run of neighbouring rows of the same
-adapter (rows of one adapter that arrived together decode together).
+session call: the rows are kept grouped by adapter (see :meth:`OrtCpuEngine._regroup`), so
+a decode step makes one call per adapter in use, each batching all of that adapter's rows.
 """
 
 from __future__ import annotations
@@ -269,9 +269,10 @@ class OrtCpuEngine(OwnerThread):
         window = self._graph.rope_window
         return window is not None and length > window
 
-    def _call_group(self, request: Request) -> tuple[bool, str | None]:
-        """Rows decoded in one session call share this: the LongRoPE side, and the adapter."""
-        return self._past_window(request.length), request.adapter
+    def _call_group(self, request: Request) -> tuple[bool, str]:
+        """Rows decoded in one session call share this: the LongRoPE side (rows within the
+        window sort first), and the adapter (``""``: the base model)."""
+        return self._past_window(request.length), request.adapter or ""
 
     def _cache_group(self, request: Request) -> str:
         """The prefix-cache group of ``request``'s row: og computes a LongRoPE prompt past the
@@ -383,13 +384,13 @@ class OrtCpuEngine(OwnerThread):
         return logits[0, -1] if end == len(request.prompt) else None
 
     def _decode_step(self) -> None:
-        if self._graph.rope_window is not None:
-            self._partition()
+        if self._graph.rope_window is not None or self._adapter_inputs:
+            self._regroup()
         rows = list(self._rows)
         # The batch's mask is as wide as its longest row, and a LongRoPE graph picks its
         # factors from that width: rows within the window and rows past it (og decodes each
         # with its own length) go in separate calls, one per run of neighbouring rows
-        # (two at most after _partition); so do rows of different adapters.
+        # (one run per side after _regroup); so do rows of different adapters.
         logits: list[npt.NDArray[np.float32]] = []
         start = 0
         for end in range(1, len(rows) + 1):
@@ -446,32 +447,29 @@ class OrtCpuEngine(OwnerThread):
             self._copy_row(pending.row, len(self._rows), pending.prefilled)
             pending.row = len(self._rows)
 
-    def _partition(self) -> None:
-        """Put the rows within LongRoPE's window before those past it, so that a decode step
-        takes two calls at most rather than one per run.
+    def _regroup(self) -> None:
+        """Order the rows by :meth:`_call_group` (LongRoPE's side of the window, then the
+        adapter), so that a decode step makes one call per group rather than one per run.
 
-        Rows arrive at the end and cross the window as they decode; each misplaced pair is
-        swapped once (copying both rows, a one-off cost against an extra call per step for
-        the rest of both requests).
+        Rows arrive at the end, leave by the last row moving into the hole, and cross the
+        window as they decode; each misplaced row is swapped into place once (copying both
+        rows, a one-off cost against an extra call per step for the rest of both requests).
         """
         rows = self._rows
-        first, last = 0, len(rows) - 1
-        while True:
-            while first < len(rows) and not self._past_window(rows[first].length):
-                first += 1
-            while last >= 0 and self._past_window(rows[last].length):
-                last -= 1
-            if first >= last:
-                return
-            # A row past the window at ``first``, one within it at ``last``: swap them.
-            past, within = rows[first], rows[last]
-            for keys, values in self._cache:
-                for cache in (keys, values):
-                    held = cache[first, :, : past.length].copy()
-                    cache[first, :, : within.length] = cache[last, :, : within.length]
-                    cache[last, :, : past.length] = held
-            rows[first], rows[last] = within, past
-            within.row, past.row = first, last
+        for target, request in enumerate(sorted(rows, key=self._call_group)):
+            if rows[target] is not request:
+                self._swap_rows(target, request.row)
+
+    def _swap_rows(self, first: int, second: int) -> None:
+        rows = self._rows
+        one, other = rows[first], rows[second]
+        for keys, values in self._cache:
+            for cache in (keys, values):
+                held = cache[first, :, : one.length].copy()
+                cache[first, :, : other.length] = cache[second, :, : other.length]
+                cache[second, :, : one.length] = held
+        rows[first], rows[second] = other, one
+        other.row, one.row = first, second
 
     def _copy_row(self, source: int, target: int, length: int) -> None:
         for keys, values in self._cache:
