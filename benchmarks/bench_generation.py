@@ -90,15 +90,23 @@ def og_model(folder: Path, threads: int | None) -> og.Model:
     return og.Model(config)
 
 
-def raw_generator(folder: Path, prompt: list[int], new_tokens: int, threads: int | None = None) -> Row:
-    """og.Generator, batch 1, greedy; one warm-up run, then the best of two."""
+def raw_generator(
+    folder: Path, prompt: list[int], new_tokens: int, threads: int | None = None, adapter: Path | None = None
+) -> Row:
+    """og.Generator, batch 1, greedy (through the LoRA ``adapter`` file when given); one
+    warm-up run, then the best of two."""
     model = og_model(folder, threads)
+    adapters = og.Adapters(model) if adapter is not None else None
+    if adapters is not None:
+        adapters.load(str(adapter), "adapter")
     rates = []
     for _ in range(3):
         params = og.GeneratorParams(model)
         length = len(prompt) + new_tokens
         params.set_search_options(max_length=length, min_length=length, do_sample=False)
         generator = og.Generator(model, params)
+        if adapters is not None:
+            generator.set_active_adapter(adapters, "adapter")
         start = time.perf_counter()
         generator.append_tokens(np.array(prompt, dtype=np.int32))
         count = 0
@@ -111,7 +119,7 @@ def raw_generator(folder: Path, prompt: list[int], new_tokens: int, threads: int
         rates.append((count / (time.perf_counter() - start), first))
         assert count == new_tokens, count
         del generator, params
-    del model
+    del adapters, model
     gc.collect()
     rate, first = max(rates[1:])
     return Row(f"og.Generator, batch 1{f', {threads} threads' if threads else ''}", rate, [first])

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 TINY_MODEL = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen2"
+LORA_MODEL = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen2-lora"
+"""The tiny Qwen2 with LoRA inputs; its adapters are ``LORA_MODEL / "adapters" / f"{name}.onnx_adapter"``."""
+LORA_ADAPTERS = {name: LORA_MODEL / "adapters" / f"{name}.onnx_adapter" for name in ("alpha", "beta")}
 
 
 @contextlib.contextmanager

@@ -377,6 +377,8 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "status": None,
                 "provider": "cuda",
                 "engine": "og-engine",
+                "parent": None,
+                "root": None,
             }
         ],
     }

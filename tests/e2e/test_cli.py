@@ -15,8 +15,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from og_reference import og_greedy, ordinary_ids
+from serving import LORA_ADAPTERS, LORA_MODEL
+from tokenizers import Tokenizer
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
+TOKENIZER = Tokenizer.from_file(str(LORA_MODEL / "tokenizer.json"))
 
 
 def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], dict[str, object]]:
@@ -155,6 +159,8 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--model-option", "tiny:engine=turbo"], "unknown engine 'turbo'"),
         (["--model-option", "tiny:max-batch-size=many"], "max-batch-size must be an integer"),
         (["--provider-option", "device_id=0"], "CPU provider takes no provider options"),
+        (["--adapter", "nope:alpha=x.onnx_adapter"], "--adapter nope:alpha: no model named 'nope'"),
+        (["--adapter", f"tiny:alpha={LORA_ADAPTERS['alpha']}"], f"was not made for {TINY_MODEL}"),
     ],
 )
 def test_bad_engine_and_provider_settings_are_named(args: list[str], words: str) -> None:
@@ -190,6 +196,42 @@ def test_engines_per_model_and_what_health_reports() -> None:
         assert len(set(texts.values())) == 1 and texts["tiny"]  # greedy: the same text on every engine
     finally:
         stop(process)
+
+
+def test_adapters_from_the_command_line() -> None:
+    """``--adapter MODEL:NAME=PATH`` serves the adapter as model ``MODEL:NAME``."""
+    adapters = [f"lora:{name}={path}" for name, path in LORA_ADAPTERS.items()]
+    process, ready = start_server("--model", f"lora={LORA_MODEL}", *(a for x in adapters for a in ("--adapter", x)))
+    try:
+        url = f"http://127.0.0.1:{ready['port']}"
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["lora", "lora:alpha", "lora:beta"]
+        prompt = ordinary_ids(20)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            for name, path in LORA_ADAPTERS.items():
+                result = client.completions.create(model=f"lora:{name}", prompt=prompt, max_tokens=8, temperature=0)
+                assert result.choices[0].text == TOKENIZER.decode(og_greedy(prompt, 8, LORA_MODEL, adapter=path))
+    finally:
+        stop(process)
+
+
+def test_adapter_arguments_are_parsed_or_refused_by_name() -> None:
+    import argparse
+
+    from ortserve_runtime import ModelConfig
+    from ortserve_server import _cli
+
+    assert _cli._parse_adapter("my:model:alpha=/a:b.onnx_adapter") == ("my:model", "alpha", Path("/a:b.onnx_adapter"))
+    for bad in ("tiny-alpha", "tiny:alpha", ":alpha=x", "tiny:=x", "tiny:alpha="):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected MODEL:NAME=PATH"):
+            _cli._parse_adapter(bad)
+    base, own = ModelConfig(), ModelConfig(engine="og-generator")
+    configs = _cli._with_adapters(base, {"b": own}, [("a", "x", Path("x")), ("b", "y", Path("y"))], ["a", "b"])
+    assert configs == {
+        "a": ModelConfig(adapters={"x": Path("x")}),
+        "b": ModelConfig(engine="og-generator", adapters={"y": Path("y")}),
+    }
+    with pytest.raises(ValueError, match="adapter 'x' of model 'a' is given twice"):
+        _cli._with_adapters(base, {}, [("a", "x", Path("x")), ("a", "x", Path("z"))], ["a"])
 
 
 def test_the_cli_names_the_runtimes_providers_and_engines() -> None:

@@ -307,6 +307,9 @@ class _GenerationRequest(_Request):
     the given strings."""
     guided_grammar: str | UnsetType | None = UNSET
     guided_choice: list[str] | UnsetType | None = UNSET
+    lora: list[Any] | UnsetType | None = UNSET
+    """llama-server's per-request adapter scales (``[{"id", "scale"}]``): refused with a 400
+    that points at the model id ``MODEL:ADAPTER``, which is how a request picks an adapter here."""
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -650,6 +653,10 @@ class Model(_Response):
     """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu``, ``trt-rtx``."""
     engine: str | None = None
     """A loaded generative model's engine: ``ort-cpu``, ``og-engine`` or ``og-generator``."""
+    parent: str | None = None
+    """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
+    root: str | None = None
+    """For a LoRA adapter: the base model it derives from (``parent`` here: adapters do not stack)."""
 
 
 class ModelList(_Response):

@@ -17,6 +17,7 @@ if _missing:
 from ._config import EmbeddingConfig, EngineName, ModelConfig, RerankConfig
 from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (
+    AdapterNotFoundError,
     ContextLengthError,
     EngineClosedError,
     EngineError,
@@ -64,6 +65,7 @@ from .engines import Engine, EngineCapabilities
 
 __all__ = [
     "PROVIDERS",
+    "AdapterNotFoundError",
     "AudioInput",
     "ChatModel",
     "ChatTemplate",

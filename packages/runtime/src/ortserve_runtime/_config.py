@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
 
 from ._providers import Provider, check_provider
@@ -113,6 +114,11 @@ class ModelConfig:
     rerank: RerankConfig = field(default_factory=RerankConfig)
     last_position_logits: bool = True
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
+    adapters: dict[str, Path] = field(default_factory=dict)
+    """LoRA adapters of a generative model: name -> ``.onnx_adapter`` file, made for this
+    model's folder (its decoder takes the adapter's weights as inputs). A request picks one
+    by name (:meth:`ChatModel.with_adapter`; over HTTP the model id ``MODEL:NAME``); without
+    one it runs the base model. Loaded with the model; the names may not contain ``:``."""
 
     def __post_init__(self) -> None:
         check_provider(self.provider)
@@ -135,3 +141,8 @@ class ModelConfig:
             raise ValueError("prefill_chunk_tokens must be at least 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError("max_sequence_length must be at least 2")
+        for name in self.adapters:
+            if not name or ":" in name:
+                raise ValueError(
+                    f"adapter name {name!r} must be non-empty and free of ':' (the model id is MODEL:NAME)"
+                )

@@ -4,6 +4,7 @@
 EngineError                 root: anything the runtime raises on purpose; itself: onnxruntime failed one request
 ├── ModelLoadError          a folder that is missing, not a model, or corrupt (has .path)
 ├── ModelNotFoundError      a name the registry does not know (has .name)
+│   └── AdapterNotFoundError  a LoRA adapter the model was not loaded with (has .adapter)
 ├── InvalidRequestError     bad input caught before it reaches onnxruntime (has .param)
 │   └── ContextLengthError  prompt (plus max_tokens) longer than the model's context
 └── EngineClosedError       the model was unloaded or closed while a request waited
@@ -17,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
+    "AdapterNotFoundError",
     "ContextLengthError",
     "EngineClosedError",
     "EngineError",
@@ -44,6 +46,20 @@ class ModelNotFoundError(EngineError):
     def __init__(self, name: str) -> None:
         super().__init__(f"model {name!r} does not exist")
         self.name = name
+
+
+class AdapterNotFoundError(ModelNotFoundError):
+    """A request named a LoRA adapter its model was not loaded with."""
+
+    def __init__(self, model: str, adapter: str, adapters: tuple[str, ...]) -> None:
+        super().__init__(f"{model}:{adapter}")
+        if adapters:
+            known = f"its adapters are {', '.join(repr(a) for a in adapters)}"
+        else:
+            known = f"it has none (serve one with --adapter {model}:{adapter}=PATH)"
+        self.args = (f"model {model!r} has no LoRA adapter {adapter!r}: {known}",)
+        self.model = model
+        self.adapter = adapter
 
 
 class InvalidRequestError(EngineError):

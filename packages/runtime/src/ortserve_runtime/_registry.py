@@ -18,6 +18,7 @@ from ._speech import SpeechModel
 from ._threads import OwnerThread
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
 from .engines import Engine, OgEngine, OgGeneratorEngine, OrtCpuEngine
+from .engines._adapters import check_adapters
 
 __all__ = [
     "ModelKind",
@@ -91,7 +92,8 @@ def pick_engine(folder: GenaiFolder, config: ModelConfig) -> EngineName:
     text on the CPU provider on ort-cpu (continuous batching, measured faster than og
     there); text on another provider on og-engine where the folder was built for paged
     attention (dynamic batching), else og-generator (og.Engine's static batches make a
-    newcomer wait for a whole batch to finish).
+    newcomer wait for a whole batch to finish). With LoRA adapters, og-generator there too:
+    og.Engine takes no adapter per request.
     """
     if config.engine != "auto":
         return config.engine
@@ -99,7 +101,7 @@ def pick_engine(folder: GenaiFolder, config: ModelConfig) -> EngineName:
         return "og-generator"
     if config.provider == "cpu":
         return "ort-cpu"
-    return "og-engine" if folder.paged_attention else "og-generator"
+    return "og-engine" if folder.paged_attention and not config.adapters else "og-generator"
 
 
 def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
@@ -120,10 +122,17 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             f"not {choice}",
             path=path,
         )
+    if config.adapters and choice == "og-engine":
+        raise ModelLoadError(
+            f"{path}: the og-engine engine cannot serve LoRA adapters (onnxruntime-genai's og.Engine takes no "
+            "adapter per request); use --engine og-generator or auto",
+            path=path,
+        )
+    adapters = check_adapters(folder, config.adapters)
     engine: Engine
     media = None
     if choice == "ort-cpu":
-        engine = OrtCpuEngine(name, folder, config, folder.max_sequence_length(config))
+        engine = OrtCpuEngine(name, folder, config, folder.max_sequence_length(config), adapters)
     else:
         og_model = load_og_model(path, config)
         media = MediaProcessor(folder, og_model, config) if multimodal else None
@@ -139,7 +148,12 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         else:
             concurrency = config.multimodal_concurrency if multimodal else config.max_batch_size
             engine = OgGeneratorEngine(
-                name, og_model, config, concurrency=concurrency, shortest_sequence=folder.shortest_sequence
+                name,
+                og_model,
+                config,
+                concurrency=concurrency,
+                shortest_sequence=folder.shortest_sequence,
+                adapters=adapters,
             )
     try:
         return ChatModel(name, folder, config, engine, media)
@@ -189,6 +203,8 @@ class ModelRegistry:
             raise ValueError(
                 f"model {name!r} is a {kind} model: the engine ({config.engine}) applies to generative models only"
             )
+        if kind != "generative" and (config or self.config).adapters:
+            raise ValueError(f"model {name!r} is a {kind} model: LoRA adapters apply to generative models only")
         self._entries[name] = _Entry(name, folder, kind, config or self.config)
         return kind
 

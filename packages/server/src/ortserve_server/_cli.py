@@ -59,6 +59,31 @@ def _parse_model_option(value: str) -> tuple[str, str, str]:
     return name, key, option
 
 
+def _parse_adapter(value: str) -> tuple[str, str, Path]:
+    """``MODEL:NAME=PATH`` (the model's name may itself hold ``:``; the adapter's may not)."""
+    model_and_name, eq, path = value.partition("=")
+    model, sep, name = model_and_name.rpartition(":")
+    if not eq or not sep or not model or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected MODEL:NAME=PATH, got {value!r}")
+    return model, name, Path(path)
+
+
+def _with_adapters(
+    base: ModelConfig, configs: dict[str, ModelConfig], adapters: Sequence[tuple[str, str, Path]], names: Sequence[str]
+) -> dict[str, ModelConfig]:
+    """``configs`` (per model, else ``base``) with ``--adapter MODEL:NAME=PATH`` added to
+    those models' ``adapters``. Unknown models or an adapter named twice are a ``ValueError``."""
+    by_model: dict[str, dict[str, Path]] = {}
+    for model, name, path in adapters:
+        if model not in names:
+            raise ValueError(f"--adapter {model}:{name}: no model named {model!r} is served")
+        if name in by_model.setdefault(model, {}):
+            raise ValueError(f"--adapter {model}:{name}: adapter {name!r} of model {model!r} is given twice")
+        by_model[model][name] = path
+    changed = {model: dataclasses.replace(configs.get(model, base), adapters=a) for model, a in by_model.items()}
+    return {**configs, **changed}
+
+
 # The runtime's PROVIDERS and engine names, spelled out so that `ortserve pull` and `ls`
 # start without importing onnxruntime (a test keeps them equal).
 PROVIDERS = ("cpu", "cuda", "dml", "qnn", "openvino", "webgpu", "trt-rtx")
@@ -169,6 +194,14 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME:KEY=VALUE",
         help=f"a setting for one model: {', '.join(_MODEL_KEYS)}, or provider-option.KEY; repeatable",
+    )
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        type=_parse_adapter,
+        default=[],
+        metavar="MODEL:NAME=PATH",
+        help="a LoRA adapter (.onnx_adapter) of a model, requested as model MODEL:NAME; repeatable",
     )
     serve.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together (default 32)")
     serve.add_argument("--max-sequence-length", type=int, default=4096)
@@ -288,7 +321,12 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(
             models=dict(resolved),
             model_config=model_config,
-            model_configs=_model_configs(model_config, args.model_option, list(models)),
+            model_configs=_with_adapters(
+                model_config,
+                _model_configs(model_config, args.model_option, list(models)),
+                args.adapter,
+                list(models),
+            ),
             api_key=args.api_key or None,
             max_queued=args.max_queued,
             image_url_hosts=tuple(args.allow_image_host),

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 from ortserve_client import protocol as p
 from ortserve_runtime import (
+    AdapterNotFoundError,
     AudioInput,
     ChatModel,
     EmbeddingModel,
@@ -46,6 +47,7 @@ __all__ = [
     "check_room",
     "completion_prompts",
     "decode_base64",
+    "model_adapters",
     "new_id",
     "plan_chat",
     "plan_completion",
@@ -53,6 +55,7 @@ __all__ = [
     "require_model",
     "require_rerank_model",
     "require_speech_model",
+    "split_adapter",
     "template_kwargs",
 ]
 
@@ -78,9 +81,31 @@ def _or(value: T | msgspec.UnsetType | None, default: D) -> T | D:
     return default if value is None or isinstance(value, msgspec.UnsetType) else value
 
 
+def split_adapter(state: OrtServe, model_id: str) -> tuple[str, str | None]:
+    """A model id as (model name, LoRA adapter name or ``None``): ``MODEL:ADAPTER`` names an
+    adapter of a served model, the way vLLM and llama-server list theirs, unless the whole
+    id is itself a model's name."""
+    names = state.registry.names()
+    base, sep, adapter = model_id.rpartition(":")
+    if model_id in names or not sep or base not in names:
+        return model_id, None
+    return base, adapter
+
+
+def model_adapters(state: OrtServe, name: str) -> tuple[str, ...]:
+    """The LoRA adapters model ``name`` is configured with (before it loads too)."""
+    config = state.config.model_configs.get(name, state.config.model_config)
+    return tuple(config.adapters) if state.registry.kind(name) == "generative" else ()
+
+
 async def require_model(state: OrtServe, name: str) -> ChatModel:
-    """The loaded generative model called ``name``, or a 404/400/503 that says why not."""
-    model: ChatModel = await _loaded(state, name, "generative")
+    """The loaded generative model called ``name`` (``MODEL:ADAPTER``: through that LoRA
+    adapter), or a 404/400/503 that says why not."""
+    base, adapter = split_adapter(state, name)
+    if adapter is not None and adapter not in model_adapters(state, base):
+        raise AdapterNotFoundError(base, adapter, model_adapters(state, base))
+    loaded: ChatModel = await _loaded(state, base, "generative")
+    model = loaded.with_adapter(adapter)
     if model.queued >= state.config.max_queued:
         raise OverloadedError(
             f"model {name!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
@@ -159,6 +184,13 @@ def _check_common(data: p.ChatCompletionRequest | p.CompletionRequest, config: S
     n = data.n if _given(data.n) else 1
     if not isinstance(n, int) or n < 1 or n > config.max_n:
         raise BadRequestError(f"'n' must be between 1 and {config.max_n}", param="n")
+    if _given(data.lora):
+        # llama-server mixes adapters by scale; onnxruntime's adapters have their scale
+        # baked in and og activates one per generator, so a silent ignore would be wrong.
+        raise _refuse(
+            "lora",
+            "is not supported: pick a LoRA adapter with the model id MODEL:ADAPTER (listed in /v1/models)",
+        )
     stop = data.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise BadRequestError(f"'stop' allows at most {MAX_STOP} strings", param="stop")

@@ -27,6 +27,7 @@ from litestar.params import FromPath, JSONBody, MultipartBody
 from litestar.response import Stream
 from ortserve_client import protocol as p
 from ortserve_runtime import (
+    AdapterNotFoundError,
     ChatModel,
     GenerationEvent,
     GenerationStream,
@@ -46,6 +47,7 @@ from ._mapping import (
     check_room,
     completion_prompts,
     decode_base64,
+    model_adapters,
     new_id,
     plan_chat,
     plan_completion,
@@ -53,6 +55,7 @@ from ._mapping import (
     require_model,
     require_rerank_model,
     require_speech_model,
+    split_adapter,
     template_kwargs,
 )
 from ._openapi import GET_ERRORS, POST_ERRORS, also_sends, error_responses, generation_docs, with_error_responses
@@ -807,29 +810,38 @@ def _subtitles(segments: list[Segment], kind: str) -> str:
 
 @get("/models", summary="List models", responses=error_responses(*GET_ERRORS))
 async def list_models(ortserve: NamedDependency[OrtServe]) -> p.ModelList:
-    return p.ModelList(data=[_model_card(ortserve, name) for name in ortserve.registry.names()])
+    cards = []
+    for name in ortserve.registry.names():
+        cards.append(_model_card(ortserve, name))
+        cards.extend(_model_card(ortserve, name, adapter) for adapter in model_adapters(ortserve, name))
+    return p.ModelList(data=cards)
 
 
 @get("/models/{model_id:path}", summary="Retrieve a model", responses=error_responses(404, *GET_ERRORS))
 async def retrieve_model(model_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> p.Model:
-    name = model_id.lstrip("/")
+    name, adapter = split_adapter(ortserve, model_id.lstrip("/"))
     if name not in ortserve.registry.names():
         from ._errors import ModelNotFoundHTTPError
 
         raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
-    return _model_card(ortserve, name)
+    if adapter is not None and adapter not in model_adapters(ortserve, name):
+        raise AdapterNotFoundError(name, adapter, model_adapters(ortserve, name))
+    return _model_card(ortserve, name, adapter)
 
 
-def _model_card(state: OrtServe, name: str) -> p.Model:
+def _model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Model:
+    """The card of model ``name``, or of its LoRA ``adapter`` (id ``name:adapter``)."""
     status = next(s for s in state.registry.status() if s.name == name)
     return p.Model(
-        id=name,
+        id=name if adapter is None else f"{name}:{adapter}",
         created=state.created,
         owned_by="ortserve",
         kind=status.kind,
         status=status.state,
         provider=status.provider,
         engine=status.engine,
+        parent=None if adapter is None else name,
+        root=None if adapter is None else name,
     )
 
 

@@ -6,6 +6,7 @@ hands it to its :class:`~ortserve_runtime.engines.Engine`; it never touches onnx
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tokenizers import Tokenizer
 
 from .._config import ModelConfig
-from .._errors import ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
+from .._errors import AdapterNotFoundError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
 from ._constraints import Grammar, GrammarCompiler
 from ._logprobs import TokenBytes
@@ -50,6 +51,12 @@ class ChatModel:
         media: MediaProcessor | None = None,
     ) -> None:
         self.name = name
+        """The model's name; ``MODEL:ADAPTER`` for a view :meth:`with_adapter` made."""
+        self.base_name = name
+        self.adapters: tuple[str, ...] = tuple(config.adapters)
+        """The LoRA adapters the engine loaded (``config.adapters``), by name."""
+        self.adapter: str | None = None
+        """The adapter this model generates through (see :meth:`with_adapter`); ``None``: the base."""
         self.folder = folder.path
         self.config = config
         self.engine = engine
@@ -113,6 +120,22 @@ class ChatModel:
         await self.engine.close()
 
     # -- public API (any thread / asyncio) -------------------------------------------------
+
+    def with_adapter(self, adapter: str | None) -> ChatModel:
+        """This model generating through LoRA adapter ``adapter`` (``None``: the base model).
+
+        A view sharing everything with this model (engine, tokenizer, template), named
+        ``MODEL:ADAPTER``; close the model itself, not a view. An adapter the model was not
+        loaded with raises :class:`AdapterNotFoundError`.
+        """
+        if adapter == self.adapter:
+            return self
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterNotFoundError(self.base_name, adapter, self.adapters)
+        view = copy.copy(self)
+        view.adapter = adapter
+        view.name = self.base_name if adapter is None else f"{self.base_name}:{adapter}"
+        return view
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -256,6 +279,7 @@ class ChatModel:
             tokenizer=self.tokenizer,
             eos=self.eos_token_ids,
             token_bytes=self.token_bytes if options.logprobs is not None else None,
+            adapter=self.adapter,
         )
         return GenerationStream(self.engine, request)
 

@@ -113,6 +113,8 @@ class Request:
     """The processor's inputs for a multimodal prompt (see :class:`Prompt`)."""
     token_bytes: TokenBytes | None = None
     """Names the tokens of log-probabilities; set only when the options ask for them."""
+    adapter: str | None = None
+    """The LoRA adapter to generate through (a name the engine loaded), or the base model."""
     id: int = field(default_factory=lambda: next(_request_ids))
     tokens: list[int] = field(default_factory=list)
     decoder: Any = field(default_factory=lambda: decoders.DecodeStream(skip_special_tokens=True))

@@ -10,18 +10,22 @@ some providers cannot batch with ``og.Engine``; so each request gets its own gen
   wait in the inbox, and a cancelled one leaves it at once or stops at its next token,
   freeing its cache;
 * the logits come back to the host, so sampling, grammars, seeds and stop strings are the
-  same as on ``ort-cpu``.
+  same as on ``ort-cpu``;
+* a request's LoRA adapter (loaded with the model into ``og.Adapters``) is set on its own
+  generator, so requests of different adapters run side by side.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import onnxruntime_genai as og
 
 from .._config import ModelConfig
-from .._errors import EngineError
+from .._errors import EngineError, ModelLoadError
 from .._threads import OwnerThread
 from ..chat._request import Request
 from ._base import EngineCapabilities
@@ -36,7 +40,14 @@ class OgGeneratorEngine(OwnerThread):
     capabilities = EngineCapabilities(host_sampling=True, seeds=True, media=True, batching="interleaved")
 
     def __init__(
-        self, model_name: str, og_model: Any, config: ModelConfig, *, concurrency: int, shortest_sequence: int = 0
+        self,
+        model_name: str,
+        og_model: Any,
+        config: ModelConfig,
+        *,
+        concurrency: int,
+        shortest_sequence: int = 0,
+        adapters: Mapping[str, Path] | None = None,
     ) -> None:
         super().__init__(model_name)
         self._shortest = shortest_sequence
@@ -44,6 +55,16 @@ class OgGeneratorEngine(OwnerThread):
         request still stops at its own max_tokens."""
         self.provider: str = config.provider
         self._model = og_model
+        self._adapters: Any = None
+        if adapters:
+            self._adapters = og.Adapters(og_model)
+            for name, path in adapters.items():
+                try:
+                    self._adapters.load(str(path), name)
+                except RuntimeError as exc:
+                    raise ModelLoadError(
+                        f"adapter {name!r}: onnxruntime-genai cannot load {path}: {exc}", path=path
+                    ) from exc
         self.concurrency = concurrency
         self._running: dict[Request, Any] = {}
         """Requests being generated, each with its og.Generator."""
@@ -108,6 +129,8 @@ class OgGeneratorEngine(OwnerThread):
         params = og.GeneratorParams(self._model)
         params.set_search_options(max_length=max(len(request.prompt) + request.max_tokens, self._shortest))
         generator = og.Generator(self._model, params)
+        if request.adapter is not None:
+            generator.set_active_adapter(self._adapters, request.adapter)
         if request.media is not None:
             generator.set_inputs(request.media)
         else:

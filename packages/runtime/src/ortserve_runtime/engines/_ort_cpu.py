@@ -20,12 +20,17 @@ call from the attention mask's width (see :func:`_longrope_window`), so the engi
 calls as onnxruntime-genai's do: a prompt past the window in one call (the rest of it,
 after a prefix-cache hit), a decode step per side of the window, and prefix-cache entries
 reused only by prompts on their own side.
+
+LoRA adapters (see :func:`_adapter_inputs`) are bound as extra inputs, one adapter per
+session call: the rows are kept grouped by adapter (see :meth:`OrtCpuEngine._regroup`), so
+a decode step makes one call per adapter in use, each batching all of that adapter's rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +137,14 @@ class OrtCpuEngine(OwnerThread):
     provider = "cpu"
     capabilities = EngineCapabilities(host_sampling=True, seeds=True, media=False, batching="continuous")
 
-    def __init__(self, model_name: str, folder: GenaiFolder, config: ModelConfig, max_sequence_length: int) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        folder: GenaiFolder,
+        config: ModelConfig,
+        max_sequence_length: int,
+        adapters: Mapping[str, Path] | None = None,
+    ) -> None:
         if config.provider != "cpu":
             raise ModelLoadError(
                 f"the ort-cpu engine runs on the CPU provider only, not {config.provider!r}; "
@@ -147,6 +159,7 @@ class OrtCpuEngine(OwnerThread):
             )
         super().__init__(model_name)
         self._graph = _DecoderGraph(folder.path, folder.genai, config)
+        self._adapter_inputs = _adapter_inputs(adapters or {})
         self.max_batch_size = config.max_batch_size
         graph = self._graph
         # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
@@ -164,8 +177,8 @@ class OrtCpuEngine(OwnerThread):
         token_bytes = graph.layers * 2 * graph.kv_heads * graph.head_size * np.dtype(graph.cache_dtype).itemsize
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
         """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
-        self._bindings: dict[tuple[int, int], Any] = {}
-        """IO bindings by row range (see :meth:`_bind`)."""
+        self._bindings: dict[tuple[int, int, str | None], Any] = {}
+        """IO bindings by row range and adapter (see :meth:`_bind`)."""
         self._logits = (
             np.empty((self.max_batch_size, 1, graph.vocab_size), graph.logits_dtype) if graph.last_only else None
         )
@@ -256,10 +269,17 @@ class OrtCpuEngine(OwnerThread):
         window = self._graph.rope_window
         return window is not None and length > window
 
+    def _call_group(self, request: Request) -> tuple[bool, str]:
+        """Rows decoded in one session call share this: the LongRoPE side (rows within the
+        window sort first), and the adapter (``""``: the base model)."""
+        return self._past_window(request.length), request.adapter or ""
+
     def _cache_group(self, request: Request) -> str:
         """The prefix-cache group of ``request``'s row: og computes a LongRoPE prompt past the
-        window with the long factors throughout, one within it with the short ones."""
-        return "long-rope" if self._past_window(len(request.prompt)) else ""
+        window with the long factors throughout, one within it with the short ones; and
+        key/values computed through an adapter serve only that adapter."""
+        rope = "long-rope" if self._past_window(len(request.prompt)) else ""
+        return f"{rope}:{request.adapter}" if request.adapter is not None else rope
 
     def _reuse_prefix(self, request: Request) -> None:
         """Copy the longest cached prefix of ``request``'s prompt into its row."""
@@ -291,18 +311,21 @@ class OrtCpuEngine(OwnerThread):
 
         self.prefix_cache.store(tokens, copy_rows, group)
 
-    def _bind(self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any) -> Any:
-        """Run the decoder on the cache rows ``rows`` and return the logits.
+    def _bind(
+        self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any, adapter: str | None
+    ) -> Any:
+        """Run the decoder on the cache rows ``rows`` through ``adapter`` (``None``: the
+        base model) and return the logits.
 
-        The cache and logits bindings of a row range are made once and reused while the
-        range stays the same (a decode step of an unchanged batch, the chunks of one
-        prefill): only the inputs change from call to call. Building them anew took 48
-        OrtValues and 100 bind calls a step for a 24-layer model.
+        The cache, logits and adapter bindings of a row range are made once and reused while
+        the range (and adapter) stays the same (a decode step of an unchanged batch, the
+        chunks of one prefill): only the inputs change from call to call. Building them anew
+        took 48 OrtValues and 100 bind calls a step for a 24-layer model.
         """
         graph = self._graph
-        binding = self._bindings.get((rows.start, rows.stop))
+        binding = self._bindings.get((rows.start, rows.stop, adapter))
         if binding is None:
-            binding = self._new_binding(rows)
+            binding = self._new_binding(rows, adapter)
         binding.bind_cpu_input(graph.input_ids, input_ids)
         binding.bind_cpu_input(graph.attention_mask, mask)
         if graph.has_position_ids:
@@ -318,7 +341,7 @@ class OrtCpuEngine(OwnerThread):
         logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()
         return logits
 
-    def _new_binding(self, rows: slice) -> Any:
+    def _new_binding(self, rows: slice, adapter: str | None) -> Any:
         graph = self._graph
         if len(self._bindings) >= 2 * self.max_batch_size:
             self._bindings.clear()  # ranges churn as requests come and go; keep the map small
@@ -331,9 +354,13 @@ class OrtCpuEngine(OwnerThread):
             binding.bind_ortvalue_output(present_k, key_value)
             binding.bind_ortvalue_input(past_v, value_value)
             binding.bind_ortvalue_output(present_v, value_value)
+        # An unbound LoRA input takes its default (the base model): a binding keeps the
+        # adapter it was made with, so bindings are kept per adapter too.
+        for name, tensor in self._adapter_inputs[adapter].items() if adapter is not None else ():
+            binding.bind_ortvalue_input(name, tensor)
         if self._logits is not None:
             binding.bind_ortvalue_output(graph.logits, ort.OrtValue.ortvalue_from_numpy(self._logits[rows]))
-        self._bindings[(rows.start, rows.stop)] = binding
+        self._bindings[(rows.start, rows.stop, adapter)] = binding
         return binding
 
     def _prefill_chunk(self, request: Request) -> npt.NDArray[np.float32] | None:
@@ -352,22 +379,22 @@ class OrtCpuEngine(OwnerThread):
         # The mask spans everything cached so far: GQA appends the chunk after it.
         mask = np.ones((1, end), dtype=graph.mask_dtype)
         positions = np.arange(start, end, dtype=graph.ids_dtype)[None, :]
-        logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions)
+        logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions, request.adapter)
         request.prefilled = end
         return logits[0, -1] if end == len(request.prompt) else None
 
     def _decode_step(self) -> None:
-        if self._graph.rope_window is not None:
-            self._partition()
+        if self._graph.rope_window is not None or self._adapter_inputs:
+            self._regroup()
         rows = list(self._rows)
         # The batch's mask is as wide as its longest row, and a LongRoPE graph picks its
         # factors from that width: rows within the window and rows past it (og decodes each
         # with its own length) go in separate calls, one per run of neighbouring rows
-        # (two at most after _partition).
+        # (one run per side after _regroup); so do rows of different adapters.
         logits: list[npt.NDArray[np.float32]] = []
         start = 0
         for end in range(1, len(rows) + 1):
-            if end == len(rows) or self._past_window(rows[end].length) != self._past_window(rows[start].length):
+            if end == len(rows) or self._call_group(rows[end]) != self._call_group(rows[start]):
                 logits.extend(self._decode_rows(rows[start:end], start))
                 start = end
         # Only now: a request finishing here frees its row and moves another into it.
@@ -384,7 +411,8 @@ class OrtCpuEngine(OwnerThread):
         width = int(lengths.max())
         mask = (np.arange(width)[None, :] < lengths[:, None]).astype(graph.mask_dtype)
         positions = (lengths - 1).astype(graph.ids_dtype)[:, None]
-        logits: npt.NDArray[np.float32] = self._bind(slice(first, first + len(rows)), ids, mask, positions)[:, -1]
+        rows_slice = slice(first, first + len(rows))
+        logits: npt.NDArray[np.float32] = self._bind(rows_slice, ids, mask, positions, rows[0].adapter)[:, -1]
         return logits
 
     def _accept(self, request: Request, logits: npt.NDArray[np.float32]) -> None:
@@ -419,37 +447,45 @@ class OrtCpuEngine(OwnerThread):
             self._copy_row(pending.row, len(self._rows), pending.prefilled)
             pending.row = len(self._rows)
 
-    def _partition(self) -> None:
-        """Put the rows within LongRoPE's window before those past it, so that a decode step
-        takes two calls at most rather than one per run.
+    def _regroup(self) -> None:
+        """Order the rows by :meth:`_call_group` (LongRoPE's side of the window, then the
+        adapter), so that a decode step makes one call per group rather than one per run.
 
-        Rows arrive at the end and cross the window as they decode; each misplaced pair is
-        swapped once (copying both rows, a one-off cost against an extra call per step for
-        the rest of both requests).
+        Rows arrive at the end, leave by the last row moving into the hole, and cross the
+        window as they decode; each misplaced row is swapped into place once (copying both
+        rows, a one-off cost against an extra call per step for the rest of both requests).
         """
         rows = self._rows
-        first, last = 0, len(rows) - 1
-        while True:
-            while first < len(rows) and not self._past_window(rows[first].length):
-                first += 1
-            while last >= 0 and self._past_window(rows[last].length):
-                last -= 1
-            if first >= last:
-                return
-            # A row past the window at ``first``, one within it at ``last``: swap them.
-            past, within = rows[first], rows[last]
-            for keys, values in self._cache:
-                for cache in (keys, values):
-                    held = cache[first, :, : past.length].copy()
-                    cache[first, :, : within.length] = cache[last, :, : within.length]
-                    cache[last, :, : past.length] = held
-            rows[first], rows[last] = within, past
-            within.row, past.row = first, last
+        for target, request in enumerate(sorted(rows, key=self._call_group)):
+            if rows[target] is not request:
+                self._swap_rows(target, request.row)
+
+    def _swap_rows(self, first: int, second: int) -> None:
+        rows = self._rows
+        one, other = rows[first], rows[second]
+        for keys, values in self._cache:
+            for cache in (keys, values):
+                held = cache[first, :, : one.length].copy()
+                cache[first, :, : other.length] = cache[second, :, : other.length]
+                cache[second, :, : one.length] = held
+        rows[first], rows[second] = other, one
+        other.row, one.row = first, second
 
     def _copy_row(self, source: int, target: int, length: int) -> None:
         for keys, values in self._cache:
             keys[target, :, :length] = keys[source, :, :length]
             values[target, :, :length] = values[source, :, :length]
+
+
+def _adapter_inputs(adapters: Mapping[str, Path]) -> dict[str, dict[str, ort.OrtValue]]:
+    """Per adapter name, its tensors by the decoder input they feed (read once, with
+    onnxruntime's ``AdapterFormat``; the values keep the file's memory alive).
+
+    Bound as inputs rather than activated in ``RunOptions.add_active_adapter``: onnxruntime
+    ignores active adapters in ``run_with_iobinding`` (it warns so), and the cache needs
+    the binding. An input left unbound takes its default, which gives the base model.
+    """
+    return {name: dict(ort.AdapterFormat.read_adapter(str(path)).get_parameters()) for name, path in adapters.items()}
 
 
 def _longrope_window(graph: onnx.GraphProto, attention_mask: str, model_path: Path) -> int | None:
