@@ -29,7 +29,9 @@ a decode step makes one call per adapter in use, each batching all of that adapt
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,9 +49,12 @@ from .._folder import GenaiFolder
 from .._threads import OwnerThread, batched_hand_backs
 from ..chat._request import FinishReason, Request
 from ._base import EngineCapabilities
+from ._int8_prefill import cpu_has_vnni, int8_prefill_graph
 from ._prefix_cache import PrefixCache, Rows
 
 __all__ = ["OrtCpuEngine"]
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -91,18 +96,17 @@ class _DecoderGraph:
             graph_model = onnx.load(str(model_path), load_external_data=False)
         except Exception as exc:  # onnx raises its own untyped errors for corrupt files
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
+        self.model_path = model_path
+        self.int8_source = onnx.ModelProto()
+        """The graph as read, for :meth:`open_int8_prefill` (the session below edits its copy)."""
+        self.int8_source.CopyFrom(graph_model)
         self.rope_window = _longrope_window(graph_model.graph, self.attention_mask, model_path)
         """LongRoPE's original window: a call whose attention mask is wider uses the long
         rotary factors, otherwise the short ones; ``None`` for other models."""
-        options = ort.SessionOptions()
-        if config.intra_op_threads is not None:
-            options.intra_op_num_threads = config.intra_op_threads
-        options.inter_op_num_threads = 1
-        for key, value in config.session_options.items():
-            options.add_session_config_entry(key, value)
+        self.config = config
         try:
             self.session, self.last_only = _open_session(
-                model_path, graph_model, options, self.logits, last_only=config.last_position_logits
+                model_path, graph_model, self._options(), self.logits, last_only=config.last_position_logits
             )
         except Exception as exc:  # onnx/onnxruntime raise their own untyped errors for corrupt files
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
@@ -128,6 +132,25 @@ class _DecoderGraph:
         if not isinstance(vocab, int):
             self.last_only = False  # a symbolic vocabulary size: no fixed logits buffer
         self.vocab_size = vocab if isinstance(vocab, int) else 0
+
+    def _options(self) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        if self.config.intra_op_threads is not None:
+            options.intra_op_num_threads = self.config.intra_op_threads
+        options.inter_op_num_threads = 1
+        for key, value in self.config.session_options.items():
+            options.add_session_config_entry(key, value)
+        return options
+
+    def open_int8_prefill(self) -> Any:
+        """A session of the int8 copy of this graph (see _int8_prefill), or ``None`` where
+        the graph has no 4-bit matrices or does not compute the last position only."""
+        graph_model = int8_prefill_graph(self.int8_source, self.model_path.parent) if self.last_only else None
+        del self.int8_source  # read once
+        if graph_model is None:
+            return None
+        session, _ = _open_session(self.model_path, graph_model, self._options(), self.logits, last_only=True)
+        return session
 
 
 class OrtCpuEngine(OwnerThread):
@@ -179,7 +202,7 @@ class OrtCpuEngine(OwnerThread):
         token_bytes = graph.layers * 2 * graph.kv_heads * graph.head_size * np.dtype(graph.cache_dtype).itemsize
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
         """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
-        self._bindings: dict[tuple[int, int, str | None], Any] = {}
+        self._bindings: dict[tuple[int, int, str | None, int], Any] = {}
         """IO bindings by row range and adapter (see :meth:`_bind`)."""
         self._logits = (
             np.empty((self.max_batch_size, 1, graph.vocab_size), graph.logits_dtype) if graph.last_only else None
@@ -190,7 +213,21 @@ class OrtCpuEngine(OwnerThread):
         self._shrink_arena.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self.steps = 0
         """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
+        self.prefill_session: Any = None
+        """The int8 prefill session once it is built (see ``ModelConfig.prefill_int8``)."""
+        if config.prefill_int8 if config.prefill_int8 is not None else cpu_has_vnni():
+            threading.Thread(target=self._open_int8_prefill, name=f"ortserve-{model_name}-int8", daemon=True).start()
+        else:
+            del graph.int8_source
         self._start_thread()
+
+    def _open_int8_prefill(self) -> None:
+        """Build the int8 prefill session off the owner thread: prompts prefill with the
+        folder's graph until it is there (it takes seconds for a 0.5B model)."""
+        try:
+            self.prefill_session = self._graph.open_int8_prefill()
+        except Exception:  # an unusual graph: prefill stays on the folder's own
+            logger.warning("model %r: no int8 prefill session", self.model_name, exc_info=True)
 
     @property
     def active(self) -> int:
@@ -317,10 +354,16 @@ class OrtCpuEngine(OwnerThread):
         self.prefix_cache.store(tokens, copy_rows, group)
 
     def _bind(
-        self, rows: slice, input_ids: npt.NDArray[Any], mask: npt.NDArray[Any], positions: Any, adapter: str | None
+        self,
+        rows: slice,
+        input_ids: npt.NDArray[Any],
+        mask: npt.NDArray[Any],
+        positions: Any,
+        adapter: str | None,
+        session: Any = None,
     ) -> Any:
-        """Run the decoder on the cache rows ``rows`` through ``adapter`` (``None``: the
-        base model) and return the logits.
+        """Run the decoder (``session``, else the folder's graph) on the cache rows ``rows``
+        through ``adapter`` (``None``: the base model) and return the logits.
 
         The cache, logits and adapter bindings of a row range are made once and reused while
         the range (and adapter) stays the same (a decode step of an unchanged batch, the
@@ -328,9 +371,10 @@ class OrtCpuEngine(OwnerThread):
         took 48 OrtValues and 100 bind calls a step for a 24-layer model.
         """
         graph = self._graph
-        binding = self._bindings.get((rows.start, rows.stop, adapter))
+        session = session or graph.session
+        binding = self._bindings.get((rows.start, rows.stop, adapter, id(session)))
         if binding is None:
-            binding = self._new_binding(rows, adapter)
+            binding = self._new_binding(rows, adapter, session)
         binding.bind_cpu_input(graph.input_ids, input_ids)
         binding.bind_cpu_input(graph.attention_mask, mask)
         if graph.has_position_ids:
@@ -340,7 +384,7 @@ class OrtCpuEngine(OwnerThread):
         # After a long prompt's chunk, hand the arena's large buffers back (onnxruntime keeps
         # what the largest call needed otherwise: measured +220 MB after a 4,096-token prompt).
         shrink = self._shrink_arena if input_ids.size >= _SHRINK_AFTER_TOKENS else None
-        graph.session.run_with_iobinding(binding, shrink)
+        session.run_with_iobinding(binding, shrink)
         self.steps += 1
         if self._logits is not None:
             # Views into the engine's buffer: each caller samples from them before the
@@ -349,11 +393,11 @@ class OrtCpuEngine(OwnerThread):
         logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()
         return logits
 
-    def _new_binding(self, rows: slice, adapter: str | None) -> Any:
+    def _new_binding(self, rows: slice, adapter: str | None, session: Any) -> Any:
         graph = self._graph
         if len(self._bindings) >= 2 * self.max_batch_size:
             self._bindings.clear()  # ranges churn as requests come and go; keep the map small
-        binding = graph.session.io_binding()
+        binding = session.io_binding()
         for (past_k, present_k, past_v, present_v), (keys, values) in zip(graph.cache_names, self._cache, strict=True):
             # The same buffer as past and present: GQA appends in place (share-buffer mode).
             key_value = ort.OrtValue.ortvalue_from_numpy(keys[rows])
@@ -368,7 +412,7 @@ class OrtCpuEngine(OwnerThread):
             binding.bind_ortvalue_input(name, tensor)
         if self._logits is not None:
             binding.bind_ortvalue_output(graph.logits, ort.OrtValue.ortvalue_from_numpy(self._logits[rows]))
-        self._bindings[(rows.start, rows.stop, adapter)] = binding
+        self._bindings[(rows.start, rows.stop, adapter, id(session))] = binding
         return binding
 
     def _prefill_chunk(self, request: Request) -> npt.NDArray[np.float32] | None:
@@ -387,7 +431,8 @@ class OrtCpuEngine(OwnerThread):
         # The mask spans everything cached so far: GQA appends the chunk after it.
         mask = np.ones((1, end), dtype=graph.mask_dtype)
         positions = np.arange(start, end, dtype=graph.ids_dtype)[None, :]
-        logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions, request.adapter)
+        session = self.prefill_session if end - start >= _INT8_PREFILL_MIN_TOKENS else None
+        logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions, request.adapter, session)
         request.prefilled = end
         return logits[0, -1] if end == len(request.prompt) else None
 
@@ -522,6 +567,8 @@ def _adapter_inputs(adapters: Mapping[str, Path]) -> dict[str, dict[str, ort.Ort
 
 
 _PAGE = mmap.PAGESIZE
+_INT8_PREFILL_MIN_TOKENS = 64
+"""Prompt chunks this long or longer go through the int8 prefill session when there is one."""
 _SHRINK_AFTER_TOKENS = 128
 """Calls with this many tokens or more return the memory they took from the arena."""
 

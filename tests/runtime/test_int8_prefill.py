@@ -1,0 +1,153 @@
+"""The int8 prefill graph: exact dequantisation of MatMulNBits, close products, and the
+ort-cpu engine prefilling through it while decoding with the folder's int4 graph."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper
+import onnx.numpy_helper
+import onnxruntime as ort
+import pytest
+from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
+from ortserve_runtime.engines._int8_prefill import _dequantize, int8_prefill_graph
+from serving import TINY_MODEL
+
+pytestmark = pytest.mark.anyio
+IR = 10  # what the installed onnxruntime reads
+
+
+def quantize_int4(weights: np.ndarray, block: int, zero_points: bool) -> tuple[np.ndarray, ...]:
+    """(K, N) floats as MatMulNBits wants them: packed nibbles, scales, packed zero points."""
+    k, n = weights.shape
+    blocks = -(-k // block)
+    padded = np.zeros((blocks * block, n), np.float32)
+    padded[:k] = weights
+    by_block = padded.T.reshape(n, blocks, block)
+    if zero_points:
+        low, high = by_block.min(-1, keepdims=True), by_block.max(-1, keepdims=True)
+        scale = np.maximum(high - low, 1e-6) / 15
+        zero = np.clip(np.rint(-low / scale), 0, 15)
+    else:
+        scale = np.maximum(np.abs(by_block).max(-1, keepdims=True), 1e-6) / 7
+        zero = np.full_like(scale, 8)
+    q = np.clip(np.rint(by_block / scale + zero), 0, 15).astype(np.uint8)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    zero_flat = zero.reshape(n, blocks).astype(np.uint8)
+    if blocks % 2:
+        zero_flat = np.concatenate([zero_flat, np.zeros((n, 1), np.uint8)], axis=1)
+    zero_packed = (zero_flat[:, 0::2] | (zero_flat[:, 1::2] << 4)).astype(np.uint8)
+    return packed, scale.reshape(n, blocks).astype(np.float32), zero_packed
+
+
+def nbits_node(name: str, inp: str, out: str, weights: np.ndarray, block: int, zero_points: bool) -> tuple:
+    k, n = weights.shape
+    packed, scales, zeros = quantize_int4(weights, block, zero_points)
+    inits = [onnx.numpy_helper.from_array(packed, f"{name}_q"), onnx.numpy_helper.from_array(scales, f"{name}_s")]
+    inputs = [inp, f"{name}_q", f"{name}_s"]
+    if zero_points:
+        inits.append(onnx.numpy_helper.from_array(zeros, f"{name}_z"))
+        inputs.append(f"{name}_z")
+    node = onnx.helper.make_node(
+        "MatMulNBits", inputs, [out], domain="com.microsoft", K=k, N=n, bits=4, block_size=block, accuracy_level=0
+    )
+    return node, inits
+
+
+def run_graph(nodes: list, inits: list, x: np.ndarray, n: int) -> np.ndarray:
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(x.shape))],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [x.shape[0], n])],
+        inits,
+    )
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
+    model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=IR)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_dequantised_weights_are_what_matmulnbits_multiplies_by(zero_points: bool, tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    k, n, block = 72, 24, 32  # K not a multiple of the block: the last block is padded
+    node, inits = nbits_node("w", "x", "y", rng.standard_normal((k, n)).astype(np.float32), block, zero_points)
+    reference = run_graph([node], inits, np.eye(k, dtype=np.float32), n)  # the rows of W
+    arrays = {t.name: onnx.numpy_helper.to_array(t) for t in inits}
+    ours = _dequantize(arrays["w_q"], arrays["w_s"], arrays.get("w_z"), k, n, block)
+    np.testing.assert_allclose(ours, reference, atol=1e-6)
+
+    # The int8 graph multiplies by nearly the same matrix.
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
+    graph = onnx.helper.make_graph([node], "g", [], [], inits)
+    converted = int8_prefill_graph(onnx.helper.make_model(graph, opset_imports=opsets), tmp_path)
+    assert converted is not None
+    assert [node.op_type for node in converted.graph.node] == ["DynamicQuantizeMatMul"]
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    exact = x @ reference
+    approx = run_graph(list(converted.graph.node), list(converted.graph.initializer), x, n)
+    assert np.abs(approx - exact).max() < 0.03 * np.abs(exact).max()
+
+
+def test_a_graph_without_4bit_matrices_has_no_int8_copy(tmp_path: Path) -> None:
+    model = onnx.load(str(TINY_MODEL / "model.onnx"), load_external_data=False)  # fp32 MatMuls
+    assert int8_prefill_graph(model, TINY_MODEL) is None
+
+
+def int4_copy_of_tiny(out: Path) -> Path:
+    """The tiny fp32 model with its weight MatMuls (those whose B is an initializer) as 4-bit MatMulNBits."""
+    shutil.copytree(TINY_MODEL, out)
+    model = onnx.load(str(TINY_MODEL / "model.onnx"))
+    inits = {t.name: t for t in model.graph.initializer}
+    for index, node in enumerate(list(model.graph.node)):
+        if node.op_type != "MatMul" or node.input[1] not in inits:
+            continue
+        weights = onnx.numpy_helper.to_array(inits[node.input[1]])
+        new, new_inits = nbits_node(f"q{index}", node.input[0], node.output[0], weights, 32, False)
+        model.graph.node.remove(node)
+        model.graph.node.insert(index, new)
+        model.graph.initializer.extend(new_inits)
+    (out / "model.onnx").unlink()
+    (out / "model.onnx.data").unlink()
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    return out
+
+
+def counted(run: Callable[..., object], calls: list[object]) -> Callable[..., object]:
+    def call(*args: object) -> object:
+        calls.append(args)
+        return run(*args)
+
+    return call
+
+
+async def test_the_engine_prefills_through_int8_and_decodes_through_int4(tmp_path: Path) -> None:
+    folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
+    prompt = [(13 * i) % 900 + 20 for i in range(200)]  # long enough for the int8 session
+    options = GenerationOptions(max_tokens=8, min_tokens=8, temperature=0)
+    results = {}
+    for int8 in (False, True):
+        registry = ModelRegistry(ModelConfig(prefill_int8=int8, prefix_cache_tokens=0))
+        registry.add("tiny", folder)
+        model: ChatModel = await registry.get("tiny")
+        engine = model.engine
+        for _ in range(200):  # built in the background
+            if not int8 or engine.prefill_session is not None:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.05)
+        session = engine.prefill_session  # type: ignore[attr-defined]
+        assert (session is not None) == int8
+        runs: list[object] = []
+        if session is not None:
+            session.run_with_iobinding = counted(session.run_with_iobinding, runs)
+        _, tokens, _, _ = await model.generate(prompt, options=options).collect()
+        assert len(runs) == int8  # the prompt went through it in one call; the decode steps did not
+        results[int8] = tokens
+        await registry.close()
+    # Same decode graph, prefill rounded differently: the first tokens agree on this model.
+    assert results[True][:4] == results[False][:4], results
