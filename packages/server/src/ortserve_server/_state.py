@@ -25,7 +25,13 @@ class OrtServe:
         unknown = sorted(set(config.model_configs) - set(config.models))
         if unknown:
             raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
-        self.registry = ModelRegistry(config.model_config)
+        self.registry = ModelRegistry(
+            config.model_config,
+            idle_unload=config.idle_unload,
+            max_loaded=config.max_loaded_models,
+            memory_budget=config.memory_budget,
+            unload_grace=config.unload_grace,
+        )
         for name, path in config.models.items():
             self.registry.add(name, path, config.model_configs.get(name))
         self.metrics = Metrics()
