@@ -310,3 +310,38 @@ def test_only_configured_names_load(tmp_path: Path) -> None:
         assert control(base, "load", "tiny", path=str(tmp_path)).json()["status"] == "ready"  # no field names a folder
         assert httpx.post(f"{base}/v1/models/load", json={"name": "tiny"}).status_code == 400
         assert states(base) == {"tiny": "ready"}
+
+
+def test_keep_alive_durations() -> None:
+    with serve() as base:
+        for given, seconds in (("1h30m", 5400), (90, 90), ("2.5m", 150), ("45s", 45), ("1500ms", 1.5), ("120", 120)):
+            expires = control(base, "load", "tiny", keep_alive=given).json()["expires_at"]
+            assert abs(expires - (time.time() + seconds)) <= 2, given
+        assert control(base, "load", "tiny", keep_alive="-1m").json()["expires_at"] is None
+
+
+def test_keep_alive_on_every_api_family(tmp_path: Path) -> None:
+    import anthropic
+    from ortserve_server._demo import minilm_folder
+
+    folder = minilm_folder(tmp_path / "minilm")
+    assert folder is not None
+    with (
+        serve(models={"tiny": TINY_MODEL, "minilm": folder}) as base,
+        sdk(base) as client,
+        anthropic.Anthropic(base_url=base, api_key="x", max_retries=0) as claude,
+    ):
+        unload_after: dict[str, Any] = {"extra_body": {"keep_alive": 0}}
+        calls: list[tuple[str, Callable[[], object]]] = [
+            (
+                "tiny",
+                lambda: client.responses.create(model="tiny", input="hi", max_output_tokens=2, **unload_after),
+            ),
+            ("tiny", lambda: claude.messages.create(model="tiny", max_tokens=2, messages=HELLO, **unload_after)),  # type: ignore[arg-type]
+            ("tiny", lambda: client.completions.create(model="tiny", prompt="hi", max_tokens=2, **unload_after)),
+            ("minilm", lambda: client.embeddings.create(model="minilm", input="hi", **unload_after)),
+        ]
+        for name, call in calls:
+            control(base, "load", name)
+            call()
+            wait_until(lambda name=name: card(base, name)["status"] == "unloaded", timeout=5)  # type: ignore[misc]

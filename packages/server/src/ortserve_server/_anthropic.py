@@ -288,7 +288,8 @@ async def _prepare(
     data: a.MessagesRequest | a.CountTokensRequest, state: OrtServe
 ) -> tuple[ChatModel, GenerationPlan, Prompt]:
     """Model, plan and prompt of a request; a refusal names Anthropic's field."""
-    model = await require_model(state, data.model)
+    keep_alive = data.keep_alive if isinstance(data, a.MessagesRequest) else msgspec.UNSET
+    model = await require_model(state, data.model, keep_alive)
     mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
     try:
         mapped = _map(data, model)
