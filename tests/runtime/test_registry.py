@@ -211,3 +211,25 @@ async def test_least_recently_used_idle_model_makes_room_else_capacity_error() -
     with pytest.raises(ValueError, match="max_loaded"):
         ModelRegistry(max_loaded=0)
     await registry.close()
+
+
+async def test_a_first_load_measured_over_the_memory_budget_is_let_go_while_others_are_busy() -> None:
+    from ortserve_runtime import ModelCapacityError
+
+    registry = ModelRegistry(memory_budget=2**40)
+    for name in ("a", "b"):
+        registry.add(name, TINY_MODEL)
+    a = await registry.acquire("a")
+    cost = (a_status := registry.status_of("a")).kv_cache_bytes or 0
+    assert cost > 0 and a_status.resident_bytes is not None
+    registry.memory_budget = int((cost + a_status.resident_bytes) * 1.5)
+    # b's first load is estimated from its folder (well under the budget), then measured.
+    with pytest.raises(ModelCapacityError, match=r"needs .* \(measured\)"):
+        await registry.acquire("b")
+    assert [s.state for s in registry.status()] == ["ready", "unloaded"]
+    with pytest.raises(ModelCapacityError, match="serving requests"):  # now estimated from the measurement
+        await registry.acquire("b")
+    a.release()
+    (await registry.acquire("b")).release()
+    assert [s.state for s in registry.status()] == ["unloaded", "ready"]
+    await registry.close()

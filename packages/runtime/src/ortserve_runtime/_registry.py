@@ -444,9 +444,13 @@ class ModelRegistry:
                     entry.model = None
                     await model.close()
                     used = self._loaded_cost()
+                    held = (
+                        f"{_size(used)} of the memory budget of {_size(budget)} is held by models serving requests"
+                        if used
+                        else f"that is more than the whole memory budget of {_size(budget)}"
+                    )
                     raise ModelCapacityError(
-                        f"model {entry.name!r} cannot be loaded now: it needs {_size(entry.cost)} and "
-                        f"{_size(used)} of the memory budget of {_size(budget)} is held by models serving requests",
+                        f"model {entry.name!r} cannot be loaded now: it needs {_size(entry.cost)} (measured), and {held}",
                         name=entry.name,
                     )
         if entry.in_flight == 0:

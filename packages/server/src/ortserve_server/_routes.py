@@ -918,7 +918,9 @@ async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDepende
 async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Health]:
     statuses = ortserve.registry.status()
     overall = "ok"
-    if any(s.state == "loading" for s in statuses) or (ortserve.config.load_on_startup and not ortserve.started):
+    # Loading is "not ready" only while the models load at startup: a model that loads on
+    # demand later (first use, or again after an unload) must not make probes fail.
+    if ortserve.config.load_on_startup and not ortserve.started:
         overall = "loading"
     elif any(s.state == "error" for s in statuses):
         overall = "error"
