@@ -132,6 +132,8 @@ _MODEL_FOR_PATH = {
     "/v1/messages": CHAT_MODEL,
     "/v1/messages/count_tokens": CHAT_MODEL,
     "/v1/responses": CHAT_MODEL,
+    "/v1/models/load": CHAT_MODEL,
+    "/v1/models/unload": CHAT_MODEL,
 }
 
 
@@ -211,6 +213,8 @@ OPERATIONS = [
     ("DELETE", "/v1/responses/{response_id}"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"),
+    ("POST", "/v1/models/load"),
+    ("POST", "/v1/models/unload"),
     ("GET", "/health"),
     ("GET", "/metrics"),
 ]

@@ -286,7 +286,6 @@ class ModelRegistry:
         # One load at a time: the RSS growth measured around a load is that model's alone,
         # and each budget decision sees the sizes of the loads before it.
         self._load_lock = anyio.Lock()
-        self._tasks: set[asyncio.Task[Any]] = set()
 
     def add(
         self, name: str, path: str | Path, config: ModelConfig | None = None, *, kind: ModelKind | None = None
@@ -408,8 +407,6 @@ class ModelRegistry:
         """Unload everything at once (the server's shutdown drained requests already)."""
         for name in list(self._entries):
             await self.unload(name, grace=0)
-        for task in list(self._tasks):
-            task.cancel()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -429,19 +426,17 @@ class ModelRegistry:
             entry.resident_bytes = max(0, resident_memory() - before)
             entry.kv_cache_bytes = getattr(getattr(model, "engine", None), "kv_cache_bytes", None)
             entry.error = None
-            entry.model = model
-            entry.last_used = time.time()
             budget = self.memory_budget
-            if budget is not None and self._loaded_cost() > budget:
-                # A first load is only estimated beforehand (its folder's size); measured, the
-                # model may need more. Idle models make room; if busy ones leave none, this
-                # model goes again (its next load is estimated from this measurement).
+            if budget is not None and self._loaded_cost() + entry.cost > budget:
+                # A first load is only estimated beforehand (its folder's size); measured,
+                # the model may need more. Idle models make room; if busy ones leave none,
+                # this model goes again, before anyone could use it (its next load is
+                # estimated from this measurement).
                 for victim in self._idle_by_age(exclude=entry):
                     await self._start_unload(victim, 0)
-                    if self._loaded_cost() <= budget:
+                    if self._loaded_cost() + entry.cost <= budget:
                         break
-                if self._loaded_cost() > budget:
-                    entry.model = None
+                if self._loaded_cost() + entry.cost > budget:
                     await model.close()
                     used = self._loaded_cost()
                     held = (
@@ -453,6 +448,8 @@ class ModelRegistry:
                         f"model {entry.name!r} cannot be loaded now: it needs {_size(entry.cost)} (measured), and {held}",
                         name=entry.name,
                     )
+            entry.model = model
+            entry.last_used = time.time()
         if entry.in_flight == 0:
             self._arm(entry, self.idle_unload)
         return model
@@ -544,10 +541,10 @@ class ModelRegistry:
 
     def _expire(self, entry: _Entry) -> None:
         entry.timer = None
+        # Idle now, and marked unloading at once: a request that comes next waits for the
+        # unload and loads the model again, never holds the model being closed.
         if entry.in_flight == 0 and entry.model is not None and entry.unloading is None:
-            task = asyncio.get_running_loop().create_task(self.unload(entry.name, grace=0))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._start_unload(entry, 0)
 
     @staticmethod
     def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], Model]:

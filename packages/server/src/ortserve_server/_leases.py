@@ -9,6 +9,7 @@ stream included, or the request failed. While a model is held, an unload waits f
 from __future__ import annotations
 
 import contextvars
+import math
 import re
 
 import msgspec
@@ -52,7 +53,10 @@ def release_leases(app: ASGIApp) -> ASGIApp:
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")
+_NUMBER = re.compile(r"\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_FOREVER = 100 * 365 * 86400.0
+"""Longer than this is as good as forever (and keeps expiry times finite)."""
 
 
 def parse_keep_alive(value: float | str | msgspec.UnsetType | None) -> float | None:
@@ -64,18 +68,21 @@ def parse_keep_alive(value: float | str | msgspec.UnsetType | None) -> float | N
     if isinstance(value, bool):
         raise _bad_keep_alive(value)
     if isinstance(value, int | float):
-        return float(value)
-    text = value.strip()
-    sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
-    try:
-        return sign * float(body)
-    except ValueError:
-        pass
-    parts = _DURATION.findall(body)
-    if not body or "".join(number + unit for number, unit in parts) != body:
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        parts = _DURATION.findall(body)
+        if body and "".join(number + unit for number, unit in parts) == body:
+            seconds = sign * sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+        elif _NUMBER.fullmatch(body):
+            seconds = sign * float(body)
+        else:
+            raise _bad_keep_alive(value)
+    if math.isnan(seconds):
         raise _bad_keep_alive(value)
-    return sign * sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    return -1.0 if seconds > _FOREVER else seconds
 
 
 def _bad_keep_alive(value: object) -> BadRequestError:
