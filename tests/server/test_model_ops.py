@@ -336,11 +336,13 @@ def test_keep_alive_on_every_api_family(tmp_path: Path) -> None:
     folder = minilm_folder(tmp_path / "minilm")
     assert folder is not None
     with (
-        serve(models={"tiny": TINY_MODEL, "minilm": folder}) as base,
+        serve(models={"tiny": TINY_MODEL, "minilm": folder, "ranker": FIXTURES / "tiny-cross-encoder"}) as base,
         sdk(base) as client,
         anthropic.Anthropic(base_url=base, api_key="x", max_retries=0) as claude,
     ):
         unload_after: dict[str, Any] = {"extra_body": {"keep_alive": 0}}
+        rerank = {"model": "ranker", "query": "q", "documents": ["a", "b"], "keep_alive": 0}
+        score = {"model": "ranker", "text_1": "q", "text_2": ["a"], "keep_alive": 0}
         calls: list[tuple[str, Callable[[], object]]] = [
             (
                 "tiny",
@@ -349,6 +351,8 @@ def test_keep_alive_on_every_api_family(tmp_path: Path) -> None:
             ("tiny", lambda: claude.messages.create(model="tiny", max_tokens=2, messages=HELLO, **unload_after)),  # type: ignore[arg-type]
             ("tiny", lambda: client.completions.create(model="tiny", prompt="hi", max_tokens=2, **unload_after)),
             ("minilm", lambda: client.embeddings.create(model="minilm", input="hi", **unload_after)),
+            ("ranker", lambda: httpx.post(f"{base}/v1/rerank", json=rerank).raise_for_status()),
+            ("ranker", lambda: httpx.post(f"{base}/v1/score", json=score).raise_for_status()),
         ]
         for name, call in calls:
             control(base, "load", name)

@@ -588,6 +588,9 @@ class RerankRequest(_Request):
     top_n: int | UnsetType | None = UNSET
     return_documents: bool | UnsetType | None = UNSET
     truncate: bool | UnsetType | None = UNSET
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this request
+    (seconds or ``"5m"``; 0 unloads it, negative keeps it). Absent: ``--idle-unload``."""
 
 
 class RerankResult(_Response):
@@ -623,6 +626,9 @@ class ScoreRequest(_Request):
     text_1: str | list[str]
     text_2: str | list[str]
     truncate: bool | UnsetType | None = UNSET
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this request
+    (seconds or ``"5m"``; 0 unloads it, negative keeps it). Absent: ``--idle-unload``."""
 
 
 class ScoreData(_Response):

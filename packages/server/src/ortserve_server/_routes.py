@@ -657,7 +657,7 @@ async def embeddings(
 
 
 async def _rerank(data: p.RerankRequest, ortserve: OrtServe) -> Response[p.RerankResponse]:
-    model = await require_rerank_model(ortserve, data.model)
+    model = await require_rerank_model(ortserve, data.model, data.keep_alive)
     documents = [d if isinstance(d, str) else d.text for d in data.documents]
     top_n = data.top_n if isinstance(data.top_n, int) else 0
     if top_n < 0:
@@ -713,7 +713,7 @@ async def rerank_alias(
     responses=error_responses(*POST_ERRORS),
 )
 async def score(data: JSONBody[p.ScoreRequest], ortserve: NamedDependency[OrtServe]) -> Response[p.ScoreResponse]:
-    model = await require_rerank_model(ortserve, data.model)
+    model = await require_rerank_model(ortserve, data.model, data.keep_alive)
     # vLLM's pairing: one text_1 (a string, or a list of one) with each text_2, else pairwise.
     first = data.text_1[0] if isinstance(data.text_1, list) and len(data.text_1) == 1 else data.text_1
     second = [data.text_2] if isinstance(data.text_2, str) else data.text_2
