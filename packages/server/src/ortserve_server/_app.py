@@ -93,6 +93,7 @@ def _routers(state: OrtServe) -> list[Router]:
                 guards=[*_guards(config), body_guard],
                 exception_handlers=exception_handlers,
                 request_max_body_size=config.max_body_size,
+                middleware=[release_leases],
                 opt={METRICS_OPT: state.metrics},
             )
         )
