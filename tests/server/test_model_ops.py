@@ -18,7 +18,7 @@ import openai
 import pytest
 from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import LORA_ADAPTERS, LORA_MODEL, TINY_MODEL, running
 
 FIXTURES = TINY_MODEL.parent
 THREE = {"a": FIXTURES / "tiny-qwen2", "b": FIXTURES / "tiny-qwen3-think", "c": FIXTURES / "tiny-gemma2-sliding"}
@@ -367,3 +367,16 @@ def test_startup_loads_only_what_the_limits_allow() -> None:
         assert httpx.get(f"{base}/health").status_code == 200
     with running(create_app(ServerConfig(models=THREE, memory_budget=1024))) as base:
         assert states(base) == {"a": "unloaded", "b": "unloaded", "c": "unloaded"}
+
+
+def test_an_adapter_id_loads_and_unloads_its_model() -> None:
+    lora = ModelConfig(adapters=dict(LORA_ADAPTERS))
+    adapter = min(LORA_ADAPTERS)
+    with serve(models={"lora": LORA_MODEL}, model_configs={"lora": lora}) as base:
+        loaded = control(base, "load", f"lora:{adapter}").json()
+        assert loaded["id"] == f"lora:{adapter}" and loaded["parent"] == "lora" and loaded["status"] == "ready"
+        assert card(base, "lora")["status"] == "ready"
+        missing = control(base, "load", "lora:nope")
+        assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
+        assert control(base, "unload", f"lora:{adapter}").json()["status"] == "unloaded"
+        assert states(base) == {"lora": "unloaded", **{f"lora:{a}": "unloaded" for a in LORA_ADAPTERS}}

@@ -62,6 +62,8 @@ class AdapterNotFoundError(ModelNotFoundError):
         self.args = (f"model {model!r} has no LoRA adapter {adapter!r}: {known}",)
         self.model = model
         self.adapter = adapter
+
+
 class ModelCapacityError(EngineError):
     """Loading the model would pass the registry's model count or memory budget, and no
     loaded model is idle to make room; worth retrying once requests finish."""

@@ -12,9 +12,11 @@ from litestar import post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
+from ortserve_runtime import AdapterNotFoundError
 
 from ._errors import ModelNotFoundHTTPError
 from ._leases import parse_keep_alive
+from ._mapping import model_adapters, split_adapter
 from ._openapi import POST_ERRORS, error_responses
 from ._routes import model_card
 from ._state import OrtServe
@@ -22,13 +24,18 @@ from ._state import OrtServe
 __all__ = ["control_route_handlers"]
 
 
-def _configured(state: OrtServe, name: str) -> str:
+def _configured(state: OrtServe, model_id: str) -> tuple[str, str | None]:
+    """The configured model (and LoRA adapter) ``model_id`` names, else a 404: a name from
+    the network never reaches the file system. An adapter loads and unloads with its model."""
+    name, adapter = split_adapter(state, model_id)
     if name not in state.registry.names():
         raise ModelNotFoundHTTPError(
             f"model {name!r} is not configured on this server (it loads only the models it was started with)",
             param="model",
         )
-    return name
+    if adapter is not None and adapter not in model_adapters(state, name):
+        raise AdapterNotFoundError(name, adapter, model_adapters(state, name))
+    return name, adapter
 
 
 @post(
@@ -41,9 +48,9 @@ def _configured(state: OrtServe, name: str) -> str:
     responses=error_responses(*POST_ERRORS),
 )
 async def load_model(data: JSONBody[p.ModelLoadRequest], ortserve: NamedDependency[OrtServe]) -> p.Model:
-    name = _configured(ortserve, data.model)
+    name, adapter = _configured(ortserve, data.model)
     await ortserve.registry.load(name, keep_alive=parse_keep_alive(data.keep_alive))
-    return model_card(ortserve, name)
+    return model_card(ortserve, name, adapter)
 
 
 @post(
@@ -56,9 +63,9 @@ async def load_model(data: JSONBody[p.ModelLoadRequest], ortserve: NamedDependen
     responses=error_responses(*POST_ERRORS),
 )
 async def unload_model(data: JSONBody[p.ModelUnloadRequest], ortserve: NamedDependency[OrtServe]) -> p.Model:
-    name = _configured(ortserve, data.model)
+    name, adapter = _configured(ortserve, data.model)
     await ortserve.registry.unload(name)
-    return model_card(ortserve, name)
+    return model_card(ortserve, name, adapter)
 
 
 control_route_handlers = [load_model, unload_model]
