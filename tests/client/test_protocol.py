@@ -379,6 +379,12 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "engine": "og-engine",
                 "parent": None,
                 "root": None,
+                "error": None,
+                "in_flight": None,
+                "last_used": None,
+                "resident_bytes": None,
+                "kv_cache_bytes": None,
+                "expires_at": None,
             }
         ],
     }

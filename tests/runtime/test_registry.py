@@ -7,7 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from ortserve_runtime import EngineClosedError, ModelLoadError, ModelNotFoundError, ModelRegistry, detect_model_kind
+from ortserve_runtime import (
+    EngineClosedError,
+    ModelCapacityError,
+    ModelConfig,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelRegistry,
+    detect_model_kind,
+)
 from serving import TINY_MODEL
 
 pytestmark = pytest.mark.anyio
@@ -153,3 +161,81 @@ def test_an_engine_for_an_embedding_or_speech_model_is_refused() -> None:
         ValueError, match="'whisper' is a speech model: the engine \\(og-engine\\) applies to generative"
     ):
         registry.add("whisper", TINY_WHISPER, ModelConfig(engine="og-engine"))
+
+
+async def test_an_unload_waits_for_the_requests_holding_the_model() -> None:
+    registry = ModelRegistry(unload_grace=30)
+    registry.add("tiny", TINY_MODEL)
+    lease = await registry.acquire("tiny")
+    assert registry.status_of("tiny").in_flight == 1
+    unloading = asyncio.create_task(registry.unload("tiny"))
+    await asyncio.sleep(0.1)
+    assert not unloading.done() and registry.status_of("tiny").state == "unloading"
+    reloading = asyncio.create_task(registry.acquire("tiny"))  # waits for the unload, then loads again
+    await asyncio.sleep(0.05)
+    assert not reloading.done()
+    lease.release()
+    lease.release()  # once only
+    await unloading
+    again = await reloading
+    assert again.model is not lease.model and registry.status_of("tiny").in_flight == 1
+    again.release()
+    await registry.close()
+
+
+async def test_idle_timers_and_keep_alive() -> None:
+    registry = ModelRegistry(idle_unload=0.1)
+    registry.add("tiny", TINY_MODEL)
+    lease = await registry.acquire("tiny")
+    assert registry.status_of("tiny").expires_at is None  # in use: no timer
+    lease.keep_alive = -1
+    lease.release()
+    await asyncio.sleep(0.3)
+    assert registry.status_of("tiny").state == "ready" and registry.status_of("tiny").expires_at is None
+    lease = await registry.acquire("tiny")
+    lease.release()  # the default again: idle_unload
+    assert registry.status_of("tiny").expires_at is not None
+    await asyncio.sleep(0.4)
+    assert registry.status_of("tiny").state == "unloaded"
+    await registry.close()
+
+
+async def test_least_recently_used_idle_model_makes_room_else_capacity_error() -> None:
+    registry = ModelRegistry(max_loaded=2)
+    for name in ("a", "b", "c"):
+        registry.add(name, TINY_MODEL)
+    a = await registry.acquire("a")
+    b = await registry.acquire("b")
+    with pytest.raises(ModelCapacityError, match="every loaded model is serving requests") as info:
+        await registry.acquire("c")
+    assert info.value.name == "c"
+    b.release()
+    a.release()  # a is now the most recently used
+    c = await registry.acquire("c")
+    assert [s.state for s in registry.status()] == ["ready", "unloaded", "ready"]
+    c.release()
+    with pytest.raises(ValueError, match="max_loaded"):
+        ModelRegistry(max_loaded=0)
+    await registry.close()
+
+
+async def test_a_first_load_measured_over_the_memory_budget_is_let_go_while_others_are_busy() -> None:
+    # 128 MiB KV caches (zeroed pages, virtual until used) dwarf the few MiB by which a
+    # resident-set delta can be off.
+    registry = ModelRegistry(ModelConfig(max_batch_size=256), memory_budget=2**40)
+    for name in ("a", "b"):
+        registry.add(name, TINY_MODEL)
+    a = await registry.acquire("a")
+    cost = (a_status := registry.status_of("a")).kv_cache_bytes or 0
+    assert cost > 0 and a_status.resident_bytes is not None
+    registry.memory_budget = int((cost + a_status.resident_bytes) * 1.5)
+    # b's first load is estimated from its folder (well under the budget), then measured.
+    with pytest.raises(ModelCapacityError, match=r"needs .* \(measured\)"):
+        await registry.acquire("b")
+    assert [s.state for s in registry.status()] == ["ready", "unloaded"]
+    with pytest.raises(ModelCapacityError, match="serving requests"):  # now estimated from the measurement
+        await registry.acquire("b")
+    a.release()
+    (await registry.acquire("b")).release()
+    assert [s.state for s in registry.status()] == ["unloaded", "ready"]
+    await registry.close()

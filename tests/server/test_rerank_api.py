@@ -148,6 +148,7 @@ def test_chat_and_embeddings_with_a_rerank_model_are_refused(url: str) -> None:
             "provider": "cpu",
             "engine": None,
         }
+        assert card["resident_bytes"] > 0 and card["kv_cache_bytes"] is None  # an encoder has no KV cache
 
 
 def test_async_client_rerank_and_score(url: str) -> None:

@@ -38,6 +38,8 @@ from .protocol import (
     Health,
     Model,
     ModelList,
+    ModelLoadRequest,
+    ModelUnloadRequest,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -491,4 +493,18 @@ class _Models:
         return await self._client._send("GET", f"{self._client.base_url}/models", None, ModelList)
 
     async def retrieve(self, model: str) -> Model:
+        """One model; on ortserve with its status (``status``, ``resident_bytes``, ``in_flight``...)."""
         return await self._client._send("GET", f"{self._client.base_url}/models/{model}", None, Model)
+
+    async def load(self, model: str, *, keep_alive: float | str | None = None) -> Model:
+        """``POST /models/load`` (extension): load a model the server was configured with
+        and return its status; ``keep_alive`` (seconds, or ``"5m"``; negative: forever) is
+        how long it then stays loaded while idle."""
+        body = ModelLoadRequest(model=model, keep_alive=msgspec.UNSET if keep_alive is None else keep_alive)
+        return await self._client._send("POST", f"{self._client.base_url}/models/load", body, Model)
+
+    async def unload(self, model: str) -> Model:
+        """``POST /models/unload`` (extension): free a model once the requests using it
+        end (the server ends them after its grace period); returns its status."""
+        body = ModelUnloadRequest(model=model)
+        return await self._client._send("POST", f"{self._client.base_url}/models/unload", body, Model)

@@ -52,6 +52,7 @@ class _SamplingParams(TypedDict, total=False):
     guided_grammar: str | None
     guided_choice: Sequence[str] | None
     lora: Sequence[JSONObject] | None
+    keep_alive: float | str | None
 
 
 class ChatCompletionParams(_SamplingParams, total=False):
@@ -85,3 +86,4 @@ class EmbeddingParams(TypedDict, total=False):
     dimensions: int | None
     user: str
     truncate: bool | None
+    keep_alive: float | str | None

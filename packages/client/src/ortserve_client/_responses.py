@@ -24,6 +24,7 @@ class ResponseCreateParams(TypedDict, total=False):
     """Optional fields of :class:`~ortserve_client.responses_protocol.ResponseCreateRequest`."""
 
     instructions: str | None
+    keep_alive: float | str | None
     tools: Sequence[rp.FunctionTool | JSONObject] | None
     tool_choice: Literal["none", "auto", "required"] | rp.ToolChoiceFunction | JSONObject | None
     parallel_tool_calls: bool | None

@@ -30,6 +30,7 @@ import httpx
 from ._client import AsyncClient
 from ._download import DownloadEvent, apull
 from ._errors import PortInUseError, ServerExited, ServerLifecycleError, ServerStartupTimeout
+from .protocol import Model
 
 __all__ = [
     "Attached",
@@ -83,7 +84,9 @@ class LocalServer:
 
     ``models`` maps names to model folders or ``hf:OWNER/REPO[/SUBFOLDER]`` references,
     which are downloaded first (progress goes to ``on_event``). ``port=0`` always spawns
-    on a free port.
+    on a free port. ``lazy=True`` starts a spawned server with its models configured but
+    not loaded (each loads on first use, or :meth:`load`); ``serve_args`` are further
+    ``ortserve serve`` flags (``["--idle-unload", "300", "--max-loaded-models", "2"]``).
     """
 
     def __init__(
@@ -99,6 +102,8 @@ class LocalServer:
         stop_timeout: float = 10.0,
         on_event: Callable[[ServerEvent], None] | None = None,
         log_lines: int = 200,
+        lazy: bool = False,
+        serve_args: Sequence[str] = (),
     ) -> None:
         self.models = dict(models or {})
         self.host = host
@@ -110,6 +115,8 @@ class LocalServer:
         self.stop_timeout = stop_timeout
         self.on_event = on_event
         self.log: collections.deque[str] = collections.deque(maxlen=log_lines)
+        self.lazy = lazy
+        self.serve_args = list(serve_args)
         self.owned = False
         self.process: asyncio.subprocess.Process | None = None
         self._readers: list[asyncio.Task[None]] = []
@@ -129,6 +136,21 @@ class LocalServer:
     def client(self, **kwargs: Any) -> AsyncClient:
         """An :class:`AsyncClient` for this server (the caller closes it)."""
         return AsyncClient(self.base_url, api_key=self.api_key, **kwargs)
+
+    async def status(self) -> list[Model]:
+        """The server's models with their status (loaded or not, memory, requests in flight)."""
+        async with self.client() as client:
+            return (await client.models.list()).data
+
+    async def load(self, model: str, *, keep_alive: float | str | None = None) -> Model:
+        """Load a configured model now (see :meth:`AsyncClient.models.load <AsyncClient>`)."""
+        async with self.client() as client:
+            return await client.models.load(model, keep_alive=keep_alive)
+
+    async def unload(self, model: str) -> Model:
+        """Unload a model once its requests end (see :meth:`AsyncClient.models.unload <AsyncClient>`)."""
+        async with self.client() as client:
+            return await client.models.unload(model)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -210,6 +232,7 @@ class LocalServer:
         args = [*self.command, "serve", "--host", self.host, "--port", str(self.port), "--ready-json"]
         for name, folder in folders.items():
             args += ["--model", f"{name}={folder}"]
+        args += [*(["--lazy"] if self.lazy else []), *self.serve_args]
         env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         if self.api_key:
             env["ORTSERVE_API_KEY"] = self.api_key  # not in argv, where `ps` would show it

@@ -203,6 +203,9 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     """``POST /v1/messages``."""
 
     max_tokens: int
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this request
+    (seconds or ``"5m"``; 0 unloads it, negative keeps it). Absent: ``--idle-unload``."""
     stop_sequences: list[str] | UnsetType = UNSET
     temperature: float | UnsetType = UNSET
     """0 to 1, as Anthropic allows."""

@@ -62,6 +62,8 @@ __all__ = [
     "JSONSchema",
     "Model",
     "ModelList",
+    "ModelLoadRequest",
+    "ModelUnloadRequest",
     "NamedToolChoice",
     "NamedToolChoiceFunction",
     "PromptTokensDetails",
@@ -310,6 +312,10 @@ class _GenerationRequest(_Request):
     lora: list[Any] | UnsetType | None = UNSET
     """llama-server's per-request adapter scales (``[{"id", "scale"}]``): refused with a 400
     that points at the model id ``MODEL:ADAPTER``, which is how a request picks an adapter here."""
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this
+    request: seconds, or a duration (``"90s"``, ``"5m"``, ``"1h"``); 0 unloads it after
+    the request, a negative value keeps it loaded. Absent: the server's ``--idle-unload``."""
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -531,6 +537,10 @@ class EmbeddingRequest(_Request):
     dimensions: int | UnsetType | None = UNSET
     user: str | UnsetType = UNSET
     truncate: bool | UnsetType | None = UNSET
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this
+    request: seconds, or a duration (``"90s"``, ``"5m"``, ``"1h"``); 0 unloads it after
+    the request, a negative value keeps it loaded. Absent: the server's ``--idle-unload``."""
 
 
 class Embedding(_Response):
@@ -578,6 +588,9 @@ class RerankRequest(_Request):
     top_n: int | UnsetType | None = UNSET
     return_documents: bool | UnsetType | None = UNSET
     truncate: bool | UnsetType | None = UNSET
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this request
+    (seconds or ``"5m"``; 0 unloads it, negative keeps it). Absent: ``--idle-unload``."""
 
 
 class RerankResult(_Response):
@@ -613,6 +626,9 @@ class ScoreRequest(_Request):
     text_1: str | list[str]
     text_2: str | list[str]
     truncate: bool | UnsetType | None = UNSET
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this request
+    (seconds or ``"5m"``; 0 unloads it, negative keeps it). Absent: ``--idle-unload``."""
 
 
 class ScoreData(_Response):
@@ -648,7 +664,7 @@ class Model(_Response):
     kind: str | None = None
     """``generative``, ``embedding``, ``rerank`` or ``speech``."""
     status: str | None = None
-    """``unloaded``, ``loading``, ``ready`` or ``error``."""
+    """``unloaded``, ``loading``, ``ready``, ``unloading`` or ``error``."""
     provider: str | None = None
     """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu``, ``trt-rtx``."""
     engine: str | None = None
@@ -657,6 +673,36 @@ class Model(_Response):
     """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
     root: str | None = None
     """For a LoRA adapter: the base model it derives from (``parent`` here: adapters do not stack)."""
+    error: str | None = None
+    """Why the last load failed (status ``error``; the next request tries again)."""
+    in_flight: int | None = None
+    """Requests holding the model now (a stream until its last chunk)."""
+    last_used: int | None = None
+    """When a request last finished with the model (or it loaded), as a Unix time."""
+    resident_bytes: int | None = None
+    """A loaded model's memory: the growth of the server's resident set measured around
+    its load (approximate)."""
+    kv_cache_bytes: int | None = None
+    """The full capacity of its KV cache where the engine reports one (ort-cpu), beyond
+    ``resident_bytes``: pages become resident as tokens are cached."""
+    expires_at: int | None = None
+    """When the idle model will be unloaded (Unix time; ``None``: not scheduled)."""
+
+
+class ModelLoadRequest(_Request):
+    """``POST /v1/models/load`` (extension): load a configured model by name."""
+
+    model: str
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this
+    request: seconds, or a duration (``"90s"``, ``"5m"``, ``"1h"``); 0 unloads it after
+    the request, a negative value keeps it loaded. Absent: the server's ``--idle-unload``."""
+
+
+class ModelUnloadRequest(_Request):
+    """``POST /v1/models/unload`` (extension): unload a model by name."""
+
+    model: str
 
 
 class ModelList(_Response):

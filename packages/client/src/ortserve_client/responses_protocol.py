@@ -247,6 +247,9 @@ class ResponseCreateRequest(_Request):
     model: str
     input: str | list[dict[str, Any]]
     """Text (one user message) or items: see :func:`input_items`."""
+    keep_alive: float | str | UnsetType | None = UNSET
+    """Extension (Ollama's): how long the model stays loaded once idle after this request
+    (seconds or ``"5m"``; 0 unloads it, negative keeps it). Absent: ``--idle-unload``."""
     instructions: str | UnsetType | None = UNSET
     """A system message put first; not carried over to a follow-up (as OpenAI does)."""
     tools: list[FunctionTool] | UnsetType | None = UNSET

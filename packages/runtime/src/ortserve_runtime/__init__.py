@@ -22,12 +22,14 @@ from ._errors import (
     EngineClosedError,
     EngineError,
     InvalidRequestError,
+    ModelCapacityError,
     ModelLoadError,
     ModelNotFoundError,
 )
 from ._providers import PROVIDERS, Provider
 from ._registry import (
     ModelKind,
+    ModelLease,
     ModelRegistry,
     ModelState,
     ModelStatus,
@@ -87,8 +89,10 @@ __all__ = [
     "ImageInput",
     "InvalidRequestError",
     "Message",
+    "ModelCapacityError",
     "ModelConfig",
     "ModelKind",
+    "ModelLease",
     "ModelLoadError",
     "ModelNotFoundError",
     "ModelRegistry",

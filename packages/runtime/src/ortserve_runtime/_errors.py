@@ -5,6 +5,7 @@ EngineError                 root: anything the runtime raises on purpose; itself
 ├── ModelLoadError          a folder that is missing, not a model, or corrupt (has .path)
 ├── ModelNotFoundError      a name the registry does not know (has .name)
 │   └── AdapterNotFoundError  a LoRA adapter the model was not loaded with (has .adapter)
+├── ModelCapacityError      no room to load a model: limits reached and every loaded model busy (has .name)
 ├── InvalidRequestError     bad input caught before it reaches onnxruntime (has .param)
 │   └── ContextLengthError  prompt (plus max_tokens) longer than the model's context
 └── EngineClosedError       the model was unloaded or closed while a request waited
@@ -23,6 +24,7 @@ __all__ = [
     "EngineClosedError",
     "EngineError",
     "InvalidRequestError",
+    "ModelCapacityError",
     "ModelLoadError",
     "ModelNotFoundError",
 ]
@@ -60,6 +62,15 @@ class AdapterNotFoundError(ModelNotFoundError):
         self.args = (f"model {model!r} has no LoRA adapter {adapter!r}: {known}",)
         self.model = model
         self.adapter = adapter
+
+
+class ModelCapacityError(EngineError):
+    """Loading the model would pass the registry's model count or memory budget, and no
+    loaded model is idle to make room; worth retrying once requests finish."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class InvalidRequestError(EngineError):

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
+
 from ._config import EngineName, ModelConfig
 from ._embeddings import EmbeddingModel
-from ._errors import ModelLoadError, ModelNotFoundError
+from ._errors import ModelCapacityError, ModelLoadError, ModelNotFoundError
 from ._folder import GenaiFolder, load_og_model
 from ._rerank import RerankModel
 from ._speech import SpeechModel
@@ -22,6 +27,7 @@ from .engines._adapters import check_adapters
 
 __all__ = [
     "ModelKind",
+    "ModelLease",
     "ModelRegistry",
     "ModelState",
     "ModelStatus",
@@ -31,7 +37,7 @@ __all__ = [
 ]
 
 ModelKind = Literal["generative", "embedding", "rerank", "speech"]
-ModelState = Literal["unloaded", "loading", "ready", "error"]
+ModelState = Literal["unloaded", "loading", "ready", "unloading", "error"]
 Model = ChatModel | EmbeddingModel | RerankModel | SpeechModel
 
 
@@ -48,6 +54,19 @@ class ModelStatus:
     """The execution provider the model runs (or will run) on."""
     engine: str | None = None
     """The engine of a loaded generative model (``ort-cpu``, ``og-engine``, ``og-generator``)."""
+    in_flight: int = 0
+    """Requests holding the model now (streams until their last event)."""
+    last_used: float | None = None
+    """When a request last let go of the model (or it loaded), as a Unix time."""
+    resident_bytes: int | None = None
+    """Growth of the process's resident memory (RSS) measured around the load: weights,
+    sessions, tokenizer. Approximate: the allocator may keep or return pages meanwhile."""
+    kv_cache_bytes: int | None = None
+    """The full capacity of the engine's KV cache where it reports one (ort-cpu: zeroed
+    buffers whose pages become resident as tokens are cached, so this is the most it grows
+    to, beyond ``resident_bytes``)."""
+    expires_at: float | None = None
+    """When an idle model will be unloaded (Unix time); ``None``: not scheduled."""
 
 
 def detect_model_kind(folder: Path) -> ModelKind:
@@ -163,6 +182,24 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         raise
 
 
+def resident_memory() -> int:
+    """This process's resident set size in bytes (Linux ``/proc/self/statm``; 0 where
+    there is none, and then resident sizes read 0)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def folder_bytes(folder: Path) -> int:
+    """The size of the files in ``folder`` (what a first load is expected to cost)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 class _Entry:
     def __init__(self, name: str, path: Path, kind: ModelKind, config: ModelConfig) -> None:
         self.name = name
@@ -172,18 +209,83 @@ class _Entry:
         self.model: Any = None
         self.error: str | None = None
         self.loading: asyncio.Task[Any] | None = None
+        self.unloading: asyncio.Task[None] | None = None
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        """Set while no request holds the model (what an unload waits for)."""
+        self.idle.set()
+        self.last_used: float | None = None
+        self.resident_bytes: int | None = None
+        """RSS growth measured around the last load (kept after unloading: the next load's estimate)."""
+        self.kv_cache_bytes: int | None = None
+        """The engine's KV cache capacity, where it reports one (kept like ``resident_bytes``)."""
+        self.expires_at: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    @property
+    def cost(self) -> int:
+        """Bytes this model holds (or is expected to) against the memory budget: the RSS
+        growth of its load plus its KV cache's full capacity."""
+        return (self.resident_bytes or 0) + (self.kv_cache_bytes or 0)
+
+
+class ModelLease:
+    """A request's hold on a loaded model (:meth:`ModelRegistry.acquire`): while any lease
+    is held the model is never unloaded under it (an unload waits, up to its grace
+    period). :meth:`release` once the request is over, streams included."""
+
+    def __init__(self, registry: ModelRegistry, entry: _Entry, model: Any) -> None:
+        self.model = model
+        self.keep_alive: float | None = None
+        """Seconds the model stays loaded once idle after this request (0: unload at once,
+        negative: keep forever; ``None``: the registry's ``idle_unload``)."""
+        self._registry = registry
+        self._entry = entry
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._registry._release(self._entry, self.model, self.keep_alive)
 
 
 class ModelRegistry:
     """Models by name. Loading runs in a worker thread so the event loop keeps serving.
 
-    ``add`` only checks that the folder is a model; ``get`` loads on first use (or call
-    ``load`` up front); ``unload`` closes a model and frees its memory; ``status`` reports.
+    ``add`` only checks that the folder is a model; ``acquire`` (or ``get``) loads on
+    first use (or call ``load`` up front); ``unload`` closes a model and frees its memory,
+    waiting for the requests that hold it; ``status`` reports.
+
+    Residency: ``idle_unload`` seconds after its last request a model is unloaded (``None``:
+    never); loading past ``max_loaded`` models or ``memory_budget`` bytes first unloads the
+    least recently used idle models, and raises :class:`ModelCapacityError` when no idle
+    model is left to unload. ``unload_grace`` is how long an unload waits for requests
+    that hold the model before it closes the model under them (they end with
+    :class:`EngineClosedError`).
     """
 
-    def __init__(self, config: ModelConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig | None = None,
+        *,
+        idle_unload: float | None = None,
+        max_loaded: int | None = None,
+        memory_budget: int | None = None,
+        unload_grace: float = 10.0,
+    ) -> None:
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
+        if memory_budget is not None and memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
         self.config = config or ModelConfig()
+        self.idle_unload = idle_unload
+        self.max_loaded = max_loaded
+        self.memory_budget = memory_budget
+        self.unload_grace = unload_grace
         self._entries: dict[str, _Entry] = {}
+        # One load at a time: the RSS growth measured around a load is that model's alone,
+        # and each budget decision sees the sizes of the loads before it.
+        self._load_lock = anyio.Lock()
 
     def add(
         self, name: str, path: str | Path, config: ModelConfig | None = None, *, kind: ModelKind | None = None
@@ -215,72 +317,234 @@ class ModelRegistry:
         return self._entry(name).kind
 
     def status(self) -> list[ModelStatus]:
-        result = []
-        for entry in self._entries.values():
-            state: ModelState
-            if entry.model is not None:
-                state = "ready"
-            elif entry.loading is not None and not entry.loading.done():
-                state = "loading"
-            elif entry.error is not None:
-                state = "error"
-            else:
-                state = "unloaded"
-            engine = getattr(entry.model, "engine", None)
-            result.append(
-                ModelStatus(
-                    entry.name,
-                    entry.path,
-                    entry.kind,
-                    state,
-                    entry.error,
-                    provider=entry.config.provider,
-                    engine=engine.name if engine is not None else None,
-                )
-            )
-        return result
+        return [self._status(entry) for entry in self._entries.values()]
+
+    def status_of(self, name: str) -> ModelStatus:
+        return self._status(self._entry(name))
+
+    def _status(self, entry: _Entry) -> ModelStatus:
+        state: ModelState
+        if entry.unloading is not None:
+            state = "unloading"
+        elif entry.model is not None:
+            state = "ready"
+        elif entry.loading is not None and not entry.loading.done():
+            state = "loading"
+        elif entry.error is not None:
+            state = "error"
+        else:
+            state = "unloaded"
+        engine = getattr(entry.model, "engine", None)
+        loaded = entry.model is not None
+        return ModelStatus(
+            entry.name,
+            entry.path,
+            entry.kind,
+            state,
+            entry.error,
+            provider=entry.config.provider,
+            engine=engine.name if engine is not None else None,
+            in_flight=entry.in_flight,
+            last_used=entry.last_used,
+            resident_bytes=entry.resident_bytes if loaded else None,
+            kv_cache_bytes=entry.kv_cache_bytes if loaded else None,
+            expires_at=entry.expires_at if loaded else None,
+        )
 
     def loaded(self, name: str) -> Any:
         """The model if it is loaded now, else ``None`` (never loads)."""
         return self._entry(name).model
 
-    async def load(self, name: str) -> Any:
-        """Load ``name`` (once, however many callers wait) and return the model."""
+    async def load(self, name: str, *, keep_alive: float | None = None) -> Any:
+        """Load ``name`` (once, however many callers wait) and return the model; an
+        unload under way finishes first. Unless a request holds it, the model then stays
+        ``keep_alive`` seconds (``None``: ``idle_unload``; negative: forever)."""
         entry = self._entry(name)
-        if entry.model is not None:
-            return entry.model
-        if entry.loading is None or entry.loading.done():
-            entry.loading = asyncio.create_task(self._load(entry))
-        return await asyncio.shield(entry.loading)
+        while True:
+            if entry.unloading is not None:
+                await asyncio.shield(entry.unloading)
+            if entry.model is None:
+                if entry.loading is None or entry.loading.done():
+                    entry.loading = asyncio.create_task(self._load(entry))
+                model = await asyncio.shield(entry.loading)
+            else:
+                model = entry.model
+            if entry.unloading is None and entry.model is model:
+                break  # not unloaded again while this caller waited
+        if keep_alive is not None and entry.in_flight == 0:
+            self._arm(entry, keep_alive)
+        return model
 
     async def get(self, name: str) -> Any:
         """The loaded model called ``name``, loading it on first use."""
         return await self.load(name)
 
-    async def unload(self, name: str) -> None:
+    async def acquire(self, name: str) -> ModelLease:
+        """Load ``name`` if need be and hold it for one request (see :class:`ModelLease`)."""
         entry = self._entry(name)
-        model, entry.model = entry.model, None
-        if model is not None:
-            await model.close()
+        model = await self.load(name)
+        # No await since load() saw the model loaded and not unloading: the hold is safe.
+        entry.in_flight += 1
+        entry.idle.clear()
+        entry.last_used = time.time()
+        self._disarm(entry)
+        return ModelLease(self, entry, model)
+
+    async def unload(self, name: str, *, grace: float | None = None) -> None:
+        """Unload ``name``: wait up to ``grace`` seconds (``None``: ``unload_grace``) for
+        the requests that hold it, then close it (requests still running end with
+        :class:`EngineClosedError`). Requests that arrive meanwhile wait, then load it
+        again. A load under way finishes first."""
+        entry = self._entry(name)
+        if entry.loading is not None and not entry.loading.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(entry.loading)
+        if entry.model is None:
+            return
+        await asyncio.shield(self._start_unload(entry, self.unload_grace if grace is None else grace))
 
     async def close(self) -> None:
-        """Unload everything."""
+        """Unload everything at once (the server's shutdown drained requests already)."""
         for name in list(self._entries):
-            await self.unload(name)
+            await self.unload(name, grace=0)
+
+    # -- internals -------------------------------------------------------------------------
 
     async def _load(self, entry: _Entry) -> Any:
         factory = self._factory(entry.kind)
-        try:
-            model = await asyncio.to_thread(factory, entry.name, entry.path, entry.config)
-        except ModelLoadError as exc:
-            entry.error = str(exc)
-            raise
-        except Exception as exc:  # anything else a broken folder provokes, still named by path
-            entry.error = f"{entry.path} could not be loaded: {exc}"
-            raise ModelLoadError(entry.error, path=entry.path) from exc
-        entry.error = None
-        entry.model = model
+        async with self._load_lock:
+            await self._make_room(entry)
+            before = resident_memory()
+            try:
+                model = await asyncio.to_thread(factory, entry.name, entry.path, entry.config)
+            except ModelLoadError as exc:
+                entry.error = str(exc)
+                raise
+            except Exception as exc:  # anything else a broken folder provokes, still named by path
+                entry.error = f"{entry.path} could not be loaded: {exc}"
+                raise ModelLoadError(entry.error, path=entry.path) from exc
+            entry.resident_bytes = max(0, resident_memory() - before)
+            entry.kv_cache_bytes = getattr(getattr(model, "engine", None), "kv_cache_bytes", None)
+            entry.error = None
+            budget = self.memory_budget
+            if budget is not None and self._loaded_cost() + entry.cost > budget:
+                # A first load is only estimated beforehand (its folder's size); measured,
+                # the model may need more. Idle models make room; if busy ones leave none,
+                # this model goes again, before anyone could use it (its next load is
+                # estimated from this measurement).
+                for victim in self._idle_by_age(exclude=entry):
+                    await self._start_unload(victim, 0)
+                    if self._loaded_cost() + entry.cost <= budget:
+                        break
+                if self._loaded_cost() + entry.cost > budget:
+                    await model.close()
+                    used = self._loaded_cost()
+                    held = (
+                        f"{_size(used)} of the memory budget of {_size(budget)} is held by models serving requests"
+                        if used
+                        else f"that is more than the whole memory budget of {_size(budget)}"
+                    )
+                    raise ModelCapacityError(
+                        f"model {entry.name!r} cannot be loaded now: it needs {_size(entry.cost)} (measured), and {held}",
+                        name=entry.name,
+                    )
+            entry.model = model
+            entry.last_used = time.time()
+        if entry.in_flight == 0:
+            self._arm(entry, self.idle_unload)
         return model
+
+    async def _make_room(self, entry: _Entry) -> None:
+        """Unload least recently used idle models until ``entry`` fits the limits, or
+        raise :class:`ModelCapacityError`."""
+        need = entry.cost if entry.resident_bytes is not None else folder_bytes(entry.path)
+        while True:
+            loaded = [e for e in self._entries.values() if e is not entry and e.model is not None]
+            over_count = self.max_loaded is not None and len(loaded) + 1 > self.max_loaded
+            used = sum(e.cost for e in loaded)
+            over_bytes = self.memory_budget is not None and used + need > self.memory_budget
+            if not (over_count or over_bytes):
+                return
+            idle = self._idle_by_age(exclude=entry)
+            if not idle:
+                busy = ", ".join(f"{e.name} ({e.in_flight} in flight)" for e in loaded)
+                if not loaded:
+                    raise ModelCapacityError(
+                        f"model {entry.name!r} needs about {_size(need)}, more than the whole memory budget "
+                        f"of {_size(self.memory_budget or 0)}",
+                        name=entry.name,
+                    )
+                if over_count:
+                    why = f"{len(loaded)} models are loaded (--max-loaded-models {self.max_loaded})"
+                else:
+                    why = (
+                        f"loading it needs about {_size(need)} and {_size(used)} of the memory budget "
+                        f"of {_size(self.memory_budget or 0)} is in use"
+                    )
+                raise ModelCapacityError(
+                    f"model {entry.name!r} cannot be loaded now: {why}, and none can be unloaded "
+                    f"because every loaded model is serving requests ({busy})",
+                    name=entry.name,
+                )
+            await self._start_unload(idle[0], 0)
+
+    def _idle_by_age(self, *, exclude: _Entry) -> list[_Entry]:
+        idle = [
+            e
+            for e in self._entries.values()
+            if e is not exclude and e.model is not None and e.in_flight == 0 and e.unloading is None
+        ]
+        return sorted(idle, key=lambda e: e.last_used or 0.0)
+
+    def _loaded_cost(self) -> int:
+        return sum(e.cost for e in self._entries.values() if e.model is not None)
+
+    def _start_unload(self, entry: _Entry, grace: float) -> asyncio.Task[None]:
+        if entry.unloading is None:
+            entry.unloading = asyncio.create_task(self._unload(entry, grace))
+        return entry.unloading
+
+    async def _unload(self, entry: _Entry, grace: float) -> None:
+        try:
+            if entry.in_flight and grace > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(entry.idle.wait(), grace)
+            model, entry.model = entry.model, None
+            self._disarm(entry)
+            if model is not None:
+                await model.close()
+        finally:
+            entry.unloading = None
+
+    def _release(self, entry: _Entry, model: Any, keep_alive: float | None) -> None:
+        entry.in_flight -= 1
+        entry.last_used = time.time()
+        if entry.in_flight == 0:
+            entry.idle.set()
+            if entry.model is model and entry.unloading is None:
+                self._arm(entry, self.idle_unload if keep_alive is None else keep_alive)
+
+    def _arm(self, entry: _Entry, seconds: float | None) -> None:
+        """Unload ``entry`` once it has been idle ``seconds`` (``None`` or negative: never)."""
+        self._disarm(entry)
+        if seconds is None or seconds < 0:
+            return
+        loop = asyncio.get_running_loop()
+        entry.expires_at = time.time() + seconds
+        entry.timer = loop.call_later(seconds, self._expire, entry)
+
+    def _disarm(self, entry: _Entry) -> None:
+        if entry.timer is not None:
+            entry.timer.cancel()
+        entry.timer = None
+        entry.expires_at = None
+
+    def _expire(self, entry: _Entry) -> None:
+        entry.timer = None
+        # Idle now, and marked unloading at once: a request that comes next waits for the
+        # unload and loads the model again, never holds the model being closed.
+        if entry.in_flight == 0 and entry.model is not None and entry.unloading is None:
+            self._start_unload(entry, 0)
 
     @staticmethod
     def _factory(kind: ModelKind) -> Callable[[str, Path, ModelConfig], Model]:
@@ -298,3 +562,7 @@ class ModelRegistry:
             return self._entries[name]
         except KeyError:
             raise ModelNotFoundError(name) from None
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"

@@ -23,9 +23,15 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import anthropic_protocol as a
 from ortserve_client import protocol as p
-from ortserve_runtime import ChatModel, InvalidRequestError, Prompt, ToolCall, ToolCallParser
+from ortserve_runtime import ChatModel, EngineClosedError, InvalidRequestError, Prompt, ToolCall, ToolCallParser
 
-from ._errors import BadRequestError, ServerError, UnsupportedParameterError, reshaped_exception_handlers
+from ._errors import (
+    BadRequestError,
+    ServerError,
+    UnsupportedParameterError,
+    closed_message,
+    reshaped_exception_handlers,
+)
 from ._mapping import GenerationPlan, chat_messages, check_room, plan_chat, require_model, template_kwargs
 from ._openapi import POST_ERRORS, also_sends, with_error_responses
 from ._routes import _Generation, _stream_response, _while_connected
@@ -78,6 +84,8 @@ def _error_event(exc: Exception) -> bytes:
     """An error after the stream started, as Anthropic reports it (``event: error``)."""
     if isinstance(exc, ServerError):
         _, detail = _anthropic_error(exc.status_code, exc.message, None, exc.code)
+    elif isinstance(exc, EngineClosedError):  # the model was unloaded under the stream
+        _, detail = _anthropic_error(503, closed_message(exc), None, "model_unloaded")
     else:  # unexpected: the message reveals nothing internal
         detail = a.AnthropicErrorDetail(type="api_error", message="the generation failed")
     return _event(a.AnthropicErrorResponse(error=detail))
@@ -280,7 +288,8 @@ async def _prepare(
     data: a.MessagesRequest | a.CountTokensRequest, state: OrtServe
 ) -> tuple[ChatModel, GenerationPlan, Prompt]:
     """Model, plan and prompt of a request; a refusal names Anthropic's field."""
-    model = await require_model(state, data.model)
+    keep_alive = data.keep_alive if isinstance(data, a.MessagesRequest) else msgspec.UNSET
+    model = await require_model(state, data.model, keep_alive)
     mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
     try:
         mapped = _map(data, model)

@@ -24,7 +24,9 @@ from litestar.types import Guard
 
 from ._anthropic import anthropic_exception_handlers, anthropic_route_handlers
 from ._config import ServerConfig
+from ._control import control_route_handlers
 from ._errors import METRICS_OPT, exception_handlers
+from ._leases import release_leases
 from ._openapi import RequestLimits
 from ._responses import responses_route_handlers
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler, rerank_alias_handlers
@@ -36,10 +38,12 @@ __all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespa
 logger = logging.getLogger("ortserve.server")
 
 
-def _guards(config: ServerConfig, *, keyed: bool = True, x_api_key: bool = False) -> list[Guard]:
+def _guards(
+    config: ServerConfig, *, keyed: bool = True, x_api_key: bool = False, key: str | None = None
+) -> list[Guard]:
     """Host/Origin/content type first (a rebinding page learns nothing, not even whether a
-    key is set), then the API key where the route needs it."""
-    key = config.api_key
+    key is set), then the key where the route needs it (``key``, else the API key)."""
+    key = key or config.api_key
     return [SiteGuard(config), *([make_auth_guard(key, x_api_key=x_api_key)] if keyed and key else [])]
 
 
@@ -54,6 +58,17 @@ def _routers(state: OrtServe) -> list[Router]:
             guards=[*_guards(config), body_guard],
             exception_handlers=exception_handlers,
             request_max_body_size=config.max_body_size,
+            middleware=[release_leases],
+            opt={METRICS_OPT: state.metrics},
+        ),
+        # Loading and unloading models: the admin key when one is set, else the API key.
+        Router(
+            path=config.path,
+            route_handlers=control_route_handlers,
+            dependencies=provide,
+            guards=[*_guards(config, key=config.admin_key), body_guard],
+            exception_handlers=exception_handlers,
+            request_max_body_size=config.max_body_size,
             opt={METRICS_OPT: state.metrics},
         ),
         # Anthropic's Messages API: its own error shape, and its clients' x-api-key header.
@@ -64,6 +79,7 @@ def _routers(state: OrtServe) -> list[Router]:
             guards=[*_guards(config, x_api_key=True), body_guard],
             exception_handlers=anthropic_exception_handlers,
             request_max_body_size=config.max_body_size,
+            middleware=[release_leases],
             opt={METRICS_OPT: state.metrics},
         ),
     ]
@@ -77,6 +93,7 @@ def _routers(state: OrtServe) -> list[Router]:
                 guards=[*_guards(config), body_guard],
                 exception_handlers=exception_handlers,
                 request_max_body_size=config.max_body_size,
+                middleware=[release_leases],
                 opt={METRICS_OPT: state.metrics},
             )
         )

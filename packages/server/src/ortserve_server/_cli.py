@@ -1,4 +1,4 @@
-"""The ``ortserve`` command: ``serve``, ``pull`` and ``ls``."""
+"""The ``ortserve`` command: ``serve``, ``pull``, ``ls`` (local models) and ``ps`` (a running server's models)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,6 +127,36 @@ def _model_configs(
                 f"--model-option {name}:{key}: unknown key; use one of {', '.join(_MODEL_KEYS)} or provider-option.KEY"
             )
     return {name: dataclasses.replace(base, **change) for name, change in changes.items()}  # type: ignore[arg-type]
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def parse_size(value: str) -> int:
+    """Bytes from ``123``, ``512M``, ``8G``, ``1.5GiB`` (binary) or ``8GB`` (decimal)."""
+    match = _SIZE.fullmatch(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 8G, 512MiB or 2000000000, got {value!r}")
+    number, prefix, binary, byte = match.groups()
+    power = "kmgt".find(prefix.lower()) + 1
+    base = 1000 if prefix and byte and not binary else 1024
+    size = int(float(number) * base**power)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {value!r}")
+    return size
+
+
+def _positive(kind: type[int | float]) -> Callable[[str], int | float]:
+    def parse(value: str) -> int | float:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if number <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+        return number
+
+    return parse
 
 
 def _integer(key: str, value: str) -> int:
@@ -243,6 +274,43 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     serve.add_argument(
+        "--admin-key",
+        default=os.environ.get("ORTSERVE_ADMIN_KEY"),
+        help="key the model load/unload routes need instead of the API key (or ORTSERVE_ADMIN_KEY)",
+    )
+    models = serve.add_argument_group("model residency")
+    models.add_argument("--lazy", action="store_true", help="load each model on its first request, not at startup")
+    models.add_argument(
+        "--idle-unload",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="unload a model this long after its last request (default: keep loaded); keep_alive overrides",
+    )
+    models.add_argument(
+        "--max-loaded-models",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="models loaded at once at most: loading another unloads the least recently used idle one, "
+        "or answers 503 + Retry-After when all are busy",
+    )
+    models.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="memory the loaded models may hold (8G, 512MiB; resident growth at load plus KV cache), "
+        "enforced like --max-loaded-models",
+    )
+    models.add_argument(
+        "--unload-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long an unload waits for a model's requests before it ends them (default 10)",
+    )
+    serve.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -279,6 +347,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pull_cmd.add_argument("--revision", default=None)
 
     commands.add_parser("ls", help="list local models (demo models and the Hugging Face cache)")
+
+    ps = commands.add_parser("ps", help="list a running server's models: state, memory, requests in flight")
+    ps.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's API base URL")
+    ps.add_argument("--api-key", default=os.environ.get("ORTSERVE_API_KEY"), help="or ORTSERVE_API_KEY")
     return parser
 
 
@@ -288,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "pull":
         return _pull(args)
+    if args.command == "ps":
+        return _ps(args)
     return _ls()
 
 
@@ -334,6 +408,12 @@ def _serve(args: argparse.Namespace) -> int:
             allowed_origins=tuple(args.allow_origin),
             cors_origins=tuple(args.cors_origin),
             public_metrics=args.public_metrics,
+            admin_key=args.admin_key or None,
+            load_on_startup=not args.lazy,
+            idle_unload=args.idle_unload,
+            max_loaded_models=args.max_loaded_models,
+            memory_budget=args.memory_budget,
+            unload_grace=args.unload_grace,
         )
         app = create_app(config)
     except (ModelLoadError, ValueError, OSError) as exc:
@@ -485,6 +565,66 @@ def _ls() -> int:
     for name, path in rows:
         print(f"{name}\t{path}")
     return 0
+
+
+def _ps(args: argparse.Namespace) -> int:
+    """``GET /v1/models`` of a running server as a table (what ``ollama ps`` shows)."""
+    import time
+
+    from ortserve_client import AsyncClient, OrtServeError
+    from ortserve_client.protocol import Model
+
+    async def fetch() -> list[Model]:
+        async with AsyncClient(args.url, api_key=args.api_key, timeout=10.0, max_retries=0) as client:
+            return list((await client.models.list()).data)
+
+    try:
+        models = asyncio.run(fetch())
+    except OrtServeError as exc:
+        print(f"ortserve: {exc}", file=sys.stderr)
+        return 1
+    now = time.time()
+    header = ("NAME", "KIND", "STATUS", "ENGINE", "RESIDENT", "KV CACHE", "IN FLIGHT", "LAST USED", "UNLOADS")
+    rows = [header]
+    for m in models:
+        rows.append(
+            (
+                m.id,
+                m.kind or "-",
+                m.status or "-",
+                m.engine or "-",
+                _human_bytes(m.resident_bytes),
+                _human_bytes(m.kv_cache_bytes),
+                str(m.in_flight if m.in_flight is not None else "-"),
+                _ago(now, m.last_used),
+                _until(now, m.expires_at, m.status),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _human_bytes(count: int | None) -> str:
+    if count is None:
+        return "-"
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
+
+
+def _ago(now: float, moment: int | None) -> str:
+    return "-" if moment is None else f"{max(0, round(now - moment))} s ago"
+
+
+def _until(now: float, moment: int | None, status: str | None) -> str:
+    if moment is not None:
+        return f"in {max(0, round(moment - now))} s"
+    return "never" if status == "ready" else "-"
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ class ServerConfig:
     api_key: str | None = None
     """When set, every route but health needs ``Authorization: Bearer <api_key>``: the API,
     metrics (unless ``public_metrics``) and the OpenAPI schema."""
+    admin_key: str | None = None
+    """When set, the model control routes (``POST /v1/models/load`` and ``/unload``) need
+    ``Authorization: Bearer <admin_key>`` (the API key is not enough); unset, they need
+    the API key when one is set, like every other route."""
     public_metrics: bool = False
     """Leave ``metrics_path`` open without the API key (for a scraper that has none)."""
     schema_path: str | None = "/schema"
@@ -54,6 +58,18 @@ class ServerConfig:
     one model on ``cuda`` and an embedder on the CPU)."""
     load_on_startup: bool = True
     """Load every model when the app starts (else on first use)."""
+    idle_unload: float | None = None
+    """Seconds a model stays loaded after its last request (``None``: until unloaded);
+    a request's ``keep_alive`` overrides it for that model."""
+    max_loaded_models: int | None = None
+    """Models loaded at once at most; loading one more first unloads the least recently
+    used idle model, and answers 503 + Retry-After when every loaded model is busy."""
+    memory_budget: int | None = None
+    """Bytes the loaded models may hold (resident growth at load plus KV cache capacity);
+    enforced like ``max_loaded_models``. A model's first load is estimated from its folder's size."""
+    unload_grace: float = 10.0
+    """Seconds an unload waits for the requests using the model before it ends them
+    (streams get an error event, others a 503)."""
     max_body_size: int = 16 * 1024 * 1024
     """Largest request body in bytes; larger ones get 413."""
     max_queued: int = 64

@@ -30,7 +30,15 @@ from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundE
 from litestar.status_codes import HTTP_413_REQUEST_ENTITY_TOO_LARGE
 from litestar.types import ExceptionHandlersMap
 from ortserve_client.protocol import ErrorDetail, ErrorResponse
-from ortserve_runtime import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelNotFoundError
+from ortserve_runtime import (
+    ContextLengthError,
+    EngineClosedError,
+    EngineError,
+    InvalidRequestError,
+    ModelCapacityError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
 
 from ._metrics import UNMATCHED
 
@@ -46,6 +54,7 @@ __all__ = [
     "ShuttingDownError",
     "UnsupportedMediaTypeError",
     "UnsupportedParameterError",
+    "closed_message",
     "error_response",
     "exception_handlers",
     "reshaped_exception_handlers",
@@ -156,9 +165,22 @@ def _engine_error(_: Request[Any, Any, Any], exc: EngineError) -> Response[Error
         code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
         return error_response(400, str(exc), type="invalid_request_error", param=exc.param, code=code)
     if isinstance(exc, EngineClosedError):
-        return error_response(503, "the model is shutting down", type="server_error", headers={"Retry-After": "1"})
+        return error_response(
+            503, closed_message(exc), type="server_error", code="model_unloaded", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, ModelCapacityError):
+        return error_response(
+            503, str(exc), type="server_error", param="model", code="model_capacity", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, ModelLoadError):  # names the folder and the reason; the next request tries again
+        logger.warning("model load failed: %s", exc)
+        return error_response(500, str(exc), type="server_error", param="model", code="model_load_failed")
     logger.error("engine error: %s", exc)
     return error_response(500, "the model failed to process the request", type="server_error")
+
+
+def closed_message(exc: EngineClosedError) -> str:
+    return f"{exc}: it was unloaded, or the server is shutting down, while the request ran; try again"
 
 
 def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:

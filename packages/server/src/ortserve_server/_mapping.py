@@ -38,6 +38,7 @@ from ortserve_runtime import (
 
 from ._config import ServerConfig
 from ._errors import BadRequestError, ModelNotFoundHTTPError, OverloadedError, UnsupportedParameterError
+from ._leases import hold_model, parse_keep_alive
 from ._state import OrtServe
 
 __all__ = [
@@ -66,6 +67,8 @@ MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' ``logprobs``."""
 T = TypeVar("T")
 D = TypeVar("D")
+KeepAlive = float | str | msgspec.UnsetType | None
+"""A request's ``keep_alive`` as sent."""
 
 
 def new_id(prefix: str) -> str:
@@ -98,13 +101,14 @@ def model_adapters(state: OrtServe, name: str) -> tuple[str, ...]:
     return tuple(config.adapters) if state.registry.kind(name) == "generative" else ()
 
 
-async def require_model(state: OrtServe, name: str) -> ChatModel:
+async def require_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> ChatModel:
     """The loaded generative model called ``name`` (``MODEL:ADAPTER``: through that LoRA
-    adapter), or a 404/400/503 that says why not."""
+    adapter), or a 404/400/503 that says why not; held for this request (see ``_leases``),
+    then kept loaded ``keep_alive``."""
     base, adapter = split_adapter(state, name)
     if adapter is not None and adapter not in model_adapters(state, base):
         raise AdapterNotFoundError(base, adapter, model_adapters(state, base))
-    loaded: ChatModel = await _loaded(state, base, "generative")
+    loaded: ChatModel = await _loaded(state, base, "generative", keep_alive)
     model = loaded.with_adapter(adapter)
     if model.queued >= state.config.max_queued:
         raise OverloadedError(
@@ -134,21 +138,21 @@ def check_room(
         )
 
 
-async def require_embedding_model(state: OrtServe, name: str) -> EmbeddingModel:
+async def require_embedding_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> EmbeddingModel:
     """The loaded embedding model called ``name``, or a 404/400 that says why not."""
-    model: EmbeddingModel = await _loaded(state, name, "embedding")
+    model: EmbeddingModel = await _loaded(state, name, "embedding", keep_alive)
     return model
 
 
-async def require_rerank_model(state: OrtServe, name: str) -> RerankModel:
+async def require_rerank_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> RerankModel:
     """The loaded rerank (cross-encoder) model called ``name``, or a 404/400 that says why not."""
-    model: RerankModel = await _loaded(state, name, "rerank")
+    model: RerankModel = await _loaded(state, name, "rerank", keep_alive)
     return model
 
 
-async def require_speech_model(state: OrtServe, name: str) -> SpeechModel:
+async def require_speech_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> SpeechModel:
     """The loaded speech-to-text model called ``name``, or a 404/400/503 that says why not."""
-    model: SpeechModel = await _loaded(state, name, "speech")
+    model: SpeechModel = await _loaded(state, name, "speech", keep_alive)
     # A speech model takes in every request at once and serves them by turns, so all it
     # holds count against the limit, not only those not taken in yet.
     held = model.queued + model.active
@@ -157,7 +161,8 @@ async def require_speech_model(state: OrtServe, name: str) -> SpeechModel:
     return model
 
 
-async def _loaded(state: OrtServe, name: str, kind: ModelKind) -> Any:
+async def _loaded(state: OrtServe, name: str, kind: ModelKind, keep_alive: KeepAlive = msgspec.UNSET) -> Any:
+    seconds = parse_keep_alive(keep_alive)
     registry = state.registry
     if name not in registry.names():
         raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
@@ -170,7 +175,7 @@ async def _loaded(state: OrtServe, name: str, kind: ModelKind) -> Any:
             "speech": "/v1/audio/transcriptions",
         }[actual]
         raise BadRequestError(f"model {name!r} is a {actual} model; use {use}", param="model")
-    return await registry.get(name)
+    return await hold_model(registry, name, seconds)
 
 
 def _refuse(param: str, why: str = "is not supported by this server") -> UnsupportedParameterError:

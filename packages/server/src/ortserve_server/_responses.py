@@ -515,7 +515,7 @@ class _Exchange:
 async def create_response(
     data: JSONBody[rp.ResponseCreateRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
-    model = await require_model(ortserve, data.model)
+    model = await require_model(ortserve, data.model, data.keep_alive)
     _check(data, ortserve, model)
     history: list[tuple[str, rp.InputItem]] = []
     if isinstance(data.previous_response_id, str):

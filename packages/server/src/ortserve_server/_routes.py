@@ -29,6 +29,7 @@ from ortserve_client import protocol as p
 from ortserve_runtime import (
     AdapterNotFoundError,
     ChatModel,
+    EngineClosedError,
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
@@ -40,7 +41,14 @@ from ortserve_runtime import (
     ToolCallParser,
 )
 
-from ._errors import AuthenticationError, BadRequestError, ClientDisconnectedError, ServerError, ShuttingDownError
+from ._errors import (
+    AuthenticationError,
+    BadRequestError,
+    ClientDisconnectedError,
+    ServerError,
+    ShuttingDownError,
+    closed_message,
+)
 from ._mapping import (
     chat_messages,
     check_chat_request,
@@ -61,7 +69,14 @@ from ._mapping import (
 from ._openapi import GET_ERRORS, POST_ERRORS, also_sends, error_responses, generation_docs, with_error_responses
 from ._state import OrtServe
 
-__all__ = ["api_route_handlers", "health_handler", "make_auth_guard", "metrics_handler", "rerank_alias_handlers"]
+__all__ = [
+    "api_route_handlers",
+    "health_handler",
+    "make_auth_guard",
+    "metrics_handler",
+    "model_card",
+    "rerank_alias_handlers",
+]
 
 _encode = msgspec.json.Encoder().encode
 T = TypeVar("T")
@@ -344,6 +359,8 @@ def error_detail(exc: Exception) -> p.ErrorDetail:
     message of an unexpected error reveals nothing internal)."""
     if isinstance(exc, ServerError):
         return p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
+    if isinstance(exc, EngineClosedError):
+        return p.ErrorDetail(message=closed_message(exc), type="server_error", code="model_unloaded")
     return p.ErrorDetail(message="the generation failed", type="server_error")
 
 
@@ -420,7 +437,7 @@ async def chat_completions(
 ) -> Response[Any]:
     if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
         return await _transcribe_chat(data, ortserve, request)
-    model = await require_model(ortserve, data.model)
+    model = await require_model(ortserve, data.model, data.keep_alive)
     run = await start_chat(ortserve, model, data, f"{ortserve.config.path}/chat/completions")
     n = run.choices_per_prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
@@ -495,7 +512,7 @@ async def _transcribe_chat(
 ) -> Response[Any]:
     """A chat with a speech-to-text model: its answer is the transcription of the one
     ``input_audio`` part the messages carry (text parts are not instructions to it)."""
-    model = await require_speech_model(ortserve, data.model)
+    model = await require_speech_model(ortserve, data.model, data.keep_alive)
     check_chat_request(data, ortserve.config)
     for name in ("tools", "response_format", "stop"):
         if getattr(data, name) not in (None, msgspec.UNSET, []):
@@ -576,7 +593,7 @@ async def _transcribe_chat(
 async def completions(
     data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
-    model = await require_model(ortserve, data.model)
+    model = await require_model(ortserve, data.model, data.keep_alive)
     plan = plan_completion(data, ortserve.config)
     n = plan.n
     streams = await plan.astart(ortserve, model, completion_prompts(data.prompt))
@@ -613,7 +630,7 @@ async def completions(
 async def embeddings(
     data: JSONBody[p.EmbeddingRequest], ortserve: NamedDependency[OrtServe]
 ) -> Response[p.CreateEmbeddingResponse]:
-    model = await require_embedding_model(ortserve, data.model)
+    model = await require_embedding_model(ortserve, data.model, data.keep_alive)
     given = data.input
     # Text, or token ids: one input; a list of texts or of token-id lists: one each.
     inputs = len(given) if isinstance(given, list) and given and not isinstance(given[0], int) else 1
@@ -640,7 +657,7 @@ async def embeddings(
 
 
 async def _rerank(data: p.RerankRequest, ortserve: OrtServe) -> Response[p.RerankResponse]:
-    model = await require_rerank_model(ortserve, data.model)
+    model = await require_rerank_model(ortserve, data.model, data.keep_alive)
     documents = [d if isinstance(d, str) else d.text for d in data.documents]
     top_n = data.top_n if isinstance(data.top_n, int) else 0
     if top_n < 0:
@@ -696,7 +713,7 @@ async def rerank_alias(
     responses=error_responses(*POST_ERRORS),
 )
 async def score(data: JSONBody[p.ScoreRequest], ortserve: NamedDependency[OrtServe]) -> Response[p.ScoreResponse]:
-    model = await require_rerank_model(ortserve, data.model)
+    model = await require_rerank_model(ortserve, data.model, data.keep_alive)
     # vLLM's pairing: one text_1 (a string, or a list of one) with each text_2, else pairwise.
     first = data.text_1[0] if isinstance(data.text_1, list) and len(data.text_1) == 1 else data.text_1
     second = [data.text_2] if isinstance(data.text_2, str) else data.text_2
@@ -812,8 +829,8 @@ def _subtitles(segments: list[Segment], kind: str) -> str:
 async def list_models(ortserve: NamedDependency[OrtServe]) -> p.ModelList:
     cards = []
     for name in ortserve.registry.names():
-        cards.append(_model_card(ortserve, name))
-        cards.extend(_model_card(ortserve, name, adapter) for adapter in model_adapters(ortserve, name))
+        cards.append(model_card(ortserve, name))
+        cards.extend(model_card(ortserve, name, adapter) for adapter in model_adapters(ortserve, name))
     return p.ModelList(data=cards)
 
 
@@ -826,12 +843,13 @@ async def retrieve_model(model_id: FromPath[str], ortserve: NamedDependency[OrtS
         raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
     if adapter is not None and adapter not in model_adapters(ortserve, name):
         raise AdapterNotFoundError(name, adapter, model_adapters(ortserve, name))
-    return _model_card(ortserve, name, adapter)
+    return model_card(ortserve, name, adapter)
 
 
-def _model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Model:
-    """The card of model ``name``, or of its LoRA ``adapter`` (id ``name:adapter``)."""
-    status = next(s for s in state.registry.status() if s.name == name)
+def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Model:
+    """The card of model ``name``, or of its LoRA ``adapter`` (id ``name:adapter``), with
+    ortserve's status fields (an adapter's are its model's: it loads with it)."""
+    status = state.registry.status_of(name)
     return p.Model(
         id=name if adapter is None else f"{name}:{adapter}",
         created=state.created,
@@ -842,7 +860,17 @@ def _model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mod
         engine=status.engine,
         parent=None if adapter is None else name,
         root=None if adapter is None else name,
+        error=status.error,
+        in_flight=status.in_flight,
+        last_used=_unix(status.last_used),
+        resident_bytes=status.resident_bytes,
+        kv_cache_bytes=status.kv_cache_bytes,
+        expires_at=_unix(status.expires_at),
     )
+
+
+def _unix(moment: float | None) -> int | None:
+    return None if moment is None else int(moment)
 
 
 @post(
@@ -890,7 +918,9 @@ async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDepende
 async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Health]:
     statuses = ortserve.registry.status()
     overall = "ok"
-    if any(s.state == "loading" for s in statuses) or (ortserve.config.load_on_startup and not ortserve.started):
+    # Loading is "not ready" only while the models load at startup: a model that loads on
+    # demand later (first use, or again after an unload) must not make probes fail.
+    if ortserve.config.load_on_startup and not ortserve.started:
         overall = "loading"
     elif any(s.state == "error" for s in statuses):
         overall = "error"

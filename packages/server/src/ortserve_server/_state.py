@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ortserve_runtime import ModelRegistry
+from ortserve_runtime import ModelCapacityError, ModelRegistry
 
 from ._config import ServerConfig
 from ._metrics import Metrics
 from ._response_store import ResponseStore
 
 __all__ = ["OrtServe"]
+
+logger = logging.getLogger("ortserve.server")
 
 
 class OrtServe:
@@ -25,7 +28,13 @@ class OrtServe:
         unknown = sorted(set(config.model_configs) - set(config.models))
         if unknown:
             raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
-        self.registry = ModelRegistry(config.model_config)
+        self.registry = ModelRegistry(
+            config.model_config,
+            idle_unload=config.idle_unload,
+            max_loaded=config.max_loaded_models,
+            memory_budget=config.memory_budget,
+            unload_grace=config.unload_grace,
+        )
         for name, path in config.models.items():
             self.registry.add(name, path, config.model_configs.get(name))
         self.metrics = Metrics()
@@ -75,8 +84,15 @@ class OrtServe:
 
     async def startup(self) -> None:
         if self.config.load_on_startup:
-            for name in self.registry.names():
-                await self.registry.load(name)
+            # Up to --max-loaded-models and while they fit the memory budget; the rest
+            # load on first use (loading them all would only evict the first ones).
+            limit = self.config.max_loaded_models
+            for name in self.registry.names()[:limit]:
+                try:
+                    await self.registry.load(name)
+                except ModelCapacityError as exc:
+                    logger.warning("not loading %s at startup: %s", name, exc)
+                    break
         self.started = True
 
     async def shutdown(self) -> None:

@@ -230,6 +230,11 @@ class OrtCpuEngine(OwnerThread):
             logger.warning("model %r: no int8 prefill session", self.model_name, exc_info=True)
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache's full capacity (its pages become resident as tokens are cached)."""
+        return sum(key.nbytes + value.nbytes for key, value in self._cache)
+
+    @property
     def active(self) -> int:
         """Requests holding a batch row now (decoding, or having their prompt prefilled)."""
         return len(self._rows) + (self._prefilling is not None)
