@@ -35,12 +35,13 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, cast
 
 try:
     import ray
     from ray import serve
-    from ray.serve.handle import DeploymentHandle
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         'ortserve_server.ray needs Ray Serve: install the "ray" extra (pip install "ortserve-server[ray]")'
@@ -198,7 +199,7 @@ def _plain_scope(scope: Scope) -> dict[str, Any]:
 
 if _HAS_CUSTOM_ROUTERS:
 
-    class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):  # type: ignore[misc]
+    class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Sends requests with the same affinity key to the same replica while load
         stays balanced.
 
@@ -210,8 +211,11 @@ if _HAS_CUSTOM_ROUTERS:
         was made for.
         """
 
-        def initialize_state(self, max_imbalance: int = 4, **_: Any) -> None:
+        def initialize_state(self, max_imbalance: int = 4, affinity_tries: int = 4, **_: Any) -> None:
             self._max_imbalance = max_imbalance
+            self._affinity_tries = affinity_tries
+            self._tries: dict[str, int] = {}
+            """Routing attempts per request that the preferred replica did not take."""
 
         async def choose_replicas(
             self,
@@ -226,12 +230,33 @@ if _HAS_CUSTOM_ROUTERS:
                 candidate_replicas,
                 pending_request,
             )
-            if forwarded is None or forwarded.affinity is None or len(candidate_replicas) < 2:
+            if (
+                pending_request is None
+                or forwarded is None
+                or forwarded.affinity is None
+                or len(candidate_replicas) < 2
+            ):
                 return fallback
             preferred = max(candidate_replicas, key=lambda r: _rendezvous(forwarded.affinity, r))
-            if self._queue_len(preferred) - min(map(self._queue_len, candidate_replicas)) > self._max_imbalance:
+            queued = self._queue_len(preferred)
+            if (
+                queued >= preferred.max_ongoing_requests
+                or queued - min(map(self._queue_len, candidate_replicas)) > self._max_imbalance
+            ):
                 return fallback
+            # A replica that is merely slow to answer Ray's queue-length probe (a busy CPU)
+            # is tried alone a few times, each probe waiting longer, before the others.
+            request_id = pending_request.metadata.internal_request_id
+            tries = self._tries.pop(request_id, 0) + 1
+            if tries < self._affinity_tries:
+                if len(self._tries) > 10_000:  # requests cancelled before they were routed
+                    self._tries.clear()
+                self._tries[request_id] = tries
+                return [[preferred]]
             return [[preferred], *fallback]
+
+        def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+            self._tries.pop(pending_request.metadata.internal_request_id, None)
 
         def _queue_len(self, replica: RunningReplica) -> int:
             # The cache Ray fills from its probes and sends; unknown counts as empty (the
@@ -244,8 +269,10 @@ else:  # pragma: no cover - a Ray without pluggable request routers
 
 
 def _forwarded(pending_request: Any) -> _Forwarded | None:
+    # By its fields, not isinstance: Ray may load the router class apart from this module
+    # (from its pickled form), with a _Forwarded class of its own.
     args = getattr(pending_request, "args", None) or ()
-    return next((arg for arg in args if isinstance(arg, _Forwarded)), None)
+    return next((arg for arg in args if type(arg).__qualname__ == _Forwarded.__qualname__), None)
 
 
 def _rendezvous(key: str | None, replica: Any) -> bytes:
@@ -258,7 +285,7 @@ def _rendezvous(key: str | None, replica: Any) -> bytes:
 class OrtServeReplica:
     """One ortserve: its app, lifespan entered, answering forwarded requests."""
 
-    async def __init__(self, config: ServerConfig) -> None:
+    async def __init__(self, config: ServerConfig) -> None:  # type: ignore[misc]  # Ray awaits it
         self._id = serve.get_replica_context().replica_id.unique_id
         self._config = config
         self._app = create_app(config)
@@ -269,7 +296,10 @@ class OrtServeReplica:
         """The app's ASGI messages for ``request``, the response start naming this replica."""
         async for message in _run_asgi(self._app, request):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(), self._id.encode())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(), self._id.encode())],
+                }
             yield message
 
     async def check_health(self) -> None:
@@ -346,9 +376,11 @@ async def _run_asgi(app: Any, request: _Forwarded) -> AsyncIterator[Message]:
 class OrtServeIngress:
     """Ray's HTTP ingress deployment: its ASGI app is :class:`_IngressApp`."""
 
-    def __init__(self, replicas: DeploymentHandle, config: ServerConfig, prefix_chars: int) -> None:
+    def __init__(self, replicas: DeploymentHandle[Any], config: ServerConfig, prefix_chars: int) -> None:
         app_name = serve.get_replica_context().app_name
-        self._app = _IngressApp(replicas, config, prefix_chars, f"SERVE_REPLICA::{app_name}#{replicas.deployment_name}#")
+        self._app = _IngressApp(
+            replicas, config, prefix_chars, f"SERVE_REPLICA::{app_name}#{replicas.deployment_name}#"
+        )
 
     def __serve_build_asgi_app__(self) -> _IngressApp:
         return self._app
@@ -357,12 +389,17 @@ class OrtServeIngress:
 class _IngressApp:
     """Reads each request, keys it, forwards it to a replica."""
 
-    def __init__(self, replicas: DeploymentHandle, config: ServerConfig, prefix_chars: int, replica_prefix: str) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle[Any], config: ServerConfig, prefix_chars: int, replica_prefix: str
+    ) -> None:
         self._streaming = replicas.options(stream=True)
         self._config = config
         self._prefix_chars = prefix_chars
         self._replica_prefix = replica_prefix
         """The start of the replicas' actor names, which end with their ids."""
+
+    def _stream(self, request: _Forwarded) -> DeploymentResponseGenerator[Message]:
+        return cast("DeploymentResponseGenerator[Message]", self._streaming.remote(request))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -389,7 +426,7 @@ class _IngressApp:
         for attempt in (1, 2):
             started = False
             try:
-                async for message in self._streaming.remote(request):
+                async for message in self._stream(request):
                     started = True
                     await send(message)
                 return
@@ -403,14 +440,15 @@ class _IngressApp:
 
     async def _gather_metrics(self, scope: dict[str, Any], send: Send) -> None:
         """Every replica's metrics, each series labelled with its replica."""
-        ids = _replica_ids(self._replica_prefix)
-        answers = await asyncio.gather(*(self._collect(scope, replica) for replica in ids), return_exceptions=True)
         texts: dict[str, str] = {}
-        for replica, answer in zip(ids, answers, strict=True):
-            if isinstance(answer, BaseException):
-                logger.warning("no metrics from replica %s: %s", replica, answer)
+        # One at a time: calls made while handling one request share its internal id, by
+        # which Ray's router matches a routing decision to the call waiting for it.
+        for replica in _replica_ids(self._replica_prefix):
+            try:
+                status, headers, text = await self._collect(scope, replica)
+            except (TimeoutError, ray.exceptions.RayError) as exc:  # gone since it was listed
+                logger.warning("no metrics from replica %s: %r", replica, exc)
                 continue
-            status, headers, text = answer
             if status != 200:  # the key is missing or wrong: every replica says the same
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": text.encode()})
@@ -428,8 +466,8 @@ class _IngressApp:
 
     async def _collect(self, scope: dict[str, Any], replica: str) -> tuple[int, list[Any], str]:
         status, headers, chunks = 500, [], []
-        async with asyncio.timeout(10):
-            async for message in self._streaming.remote(_Forwarded(scope, b"", replica=replica)):
+        async with asyncio.timeout(5):
+            async for message in self._stream(_Forwarded(scope, b"", replica=replica)):
                 if message["type"] == "http.response.start":
                     status, headers = message["status"], message.get("headers", [])
                 elif message["type"] == "http.response.body":
@@ -455,14 +493,15 @@ def _merge_metrics(texts: dict[str, str]) -> bytes:
         for family in text_string_to_metric_families(text):
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             merged.samples += [
-                Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar) for s in family.samples
+                Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+                for s in family.samples
             ]
 
     class _Merged:
         def collect(self) -> list[Metric]:
             return list(families.values())
 
-    return generate_latest(_Merged())  # type: ignore[arg-type]  # a duck-typed collector
+    return generate_latest(_Merged())  # type: ignore[arg-type,unused-ignore]  # a duck-typed collector
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -509,54 +548,77 @@ def build_app(config: ServerConfig, options: RayOptions | None = None) -> serve.
     if options.router == "prefix":
         if PrefixAffinityRouter is not None:
             deployment_options["request_router_config"] = RequestRouterConfig(
-                request_router_class=PrefixAffinityRouter,
+                request_router_class=PrefixAffinityRouter,  # type: ignore[arg-type]  # a class or its path
                 request_router_kwargs={"max_imbalance": options.max_imbalance},
             )
         else:  # pragma: no cover - a Ray without pluggable request routers
             logger.warning("this Ray has no pluggable request routers; using its default router")
     # Models load at replica start, in the lifespan, not on the first request.
     replica_config = replace(config, load_on_startup=True)
-    replicas = serve.deployment(OrtServeReplica, name="OrtServeReplica").options(**deployment_options)
-    ingress = serve.deployment(serve.ingress()(OrtServeIngress), name="OrtServeIngress").options(
+    replicas = serve.deployment(name="OrtServeReplica")(OrtServeReplica).options(**deployment_options)
+    ingress = serve.deployment(name="OrtServeIngress")(serve.ingress()(OrtServeIngress)).options(
         ray_actor_options={"num_cpus": options.ingress_cpus},
         max_ongoing_requests=options.max_ongoing_requests * options.replicas,
     )
-    return ingress.bind(replicas.bind(replica_config), replica_config, options.prefix_chars)
+    app: serve.Application = ingress.bind(replicas.bind(replica_config), replica_config, options.prefix_chars)
+    return app
 
 
-def app_builder(args: dict[str, str]) -> serve.Application:
-    """For ``serve run ortserve_server.ray:app_builder model=tiny=/path/to/folder replicas=2``.
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """The application from ``key=value`` arguments, as Ray's ``serve run`` and serve
+    config files (KubeRay's ``serveConfigV2``) pass them::
 
-    Arguments: ``model`` (``NAME=PATH``, several separated by commas), ``replicas``,
-    ``replica_cpus``, ``threads`` (onnxruntime intra-op threads per replica), ``router``
-    (``prefix`` or ``default``), ``api_key``.
+        serve run ortserve_server.ray:app_builder model=tiny=/models/tiny replicas=2
+
+    ``model`` is ``NAME=PATH`` (several separated by commas); the others are
+    ``replicas``, ``replica_cpus``, ``replica_gpus``, ``router`` (``prefix`` or
+    ``default``), ``api_key`` and, for every model, ``provider``, ``engine``, ``threads``
+    (onnxruntime intra-op threads), ``max_batch_size``, ``max_sequence_length``.
     """
     from ortserve_runtime import ModelConfig
 
-    known = {"model", "replicas", "replica_cpus", "threads", "router", "api_key"}
-    unknown = sorted(set(args) - known)
+    values = {key: str(value) for key, value in args.items()}
+    unknown = sorted(set(values) - _BUILDER_ARGS)
     if unknown:
-        raise ValueError(f"unknown arguments {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    if "model" not in args:
+        raise ValueError(f"unknown arguments {', '.join(unknown)}; known: {', '.join(sorted(_BUILDER_ARGS))}")
+    if "model" not in values:
         raise ValueError("pass model=NAME=PATH (several separated by commas)")
-    models = {}
-    for item in args["model"].split(","):
+    models: dict[str, str | Path] = {}
+    for item in values["model"].split(","):
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"model: expected NAME=PATH, got {item!r}")
         models[name] = path
-    threads = args.get("threads")
-    router = args.get("router", "prefix")
+    router = values.get("router", "prefix")
     if router not in ("prefix", "default"):
         raise ValueError(f"router: expected prefix or default, got {router!r}")
-    config = ServerConfig(
-        models=dict(models),
-        model_config=ModelConfig(intra_op_threads=int(threads) if threads else None),
-        api_key=args.get("api_key") or None,
+    model_config = ModelConfig(
+        provider=values.get("provider", "cpu"),  # type: ignore[arg-type]  # ModelConfig validates it
+        engine=values.get("engine", "auto"),  # type: ignore[arg-type]
+        intra_op_threads=int(values["threads"]) if "threads" in values else None,
+        max_batch_size=int(values.get("max_batch_size", "32")),
+        max_sequence_length=int(values.get("max_sequence_length", "4096")),
     )
+    config = ServerConfig(models=models, model_config=model_config, api_key=values.get("api_key") or None)
     options = RayOptions(
-        replicas=int(args.get("replicas", "2")),
-        replica_cpus=float(args.get("replica_cpus", "1")),
+        replicas=int(values.get("replicas", "2")),
+        replica_cpus=float(values.get("replica_cpus", "1")),
+        replica_gpus=float(values.get("replica_gpus", "0")),
         router="prefix" if router == "prefix" else "default",
     )
     return build_app(config, options)
+
+
+_BUILDER_ARGS = {
+    "model",
+    "replicas",
+    "replica_cpus",
+    "replica_gpus",
+    "router",
+    "api_key",
+    "provider",
+    "engine",
+    "threads",
+    "max_batch_size",
+    "max_sequence_length",
+}
