@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
 APP = "ortserve"
+STREAM_TOKENS = 900  # the longest the 1024-token sequences allow after the prompt
 SYSTEM = "You are a careful assistant who answers in short sentences and never invents facts. " * 3
 
 
@@ -45,7 +46,9 @@ def _deploy(replicas: int) -> None:
         "replica_cpus": "0.5",
         "engine": "ort-cpu",
         "threads": "1",  # two replicas share this machine's cores
-        "max_batch_size": "8",
+        # One sequence at a time, so that streams queue on their replica and the one
+        # removed in the 2 -> 1 test still has work under way when it is told to go.
+        "max_batch_size": "1",
         "max_sequence_length": "1024",
     }
     replica_options = {
@@ -174,43 +177,38 @@ def test_killing_a_replica_process_keeps_the_service_answering(client: openai.Op
 
 
 def test_scaling_down_drains_streams_without_loss(client: openai.OpenAI) -> None:
+    prompts = {i: [{"role": "user", "content": f"stream number {i}"}] for i in range(12)}
     reference = {}
-    for i in range(6):
-        done = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=300, temperature=0
-        )
-        reference[i] = done.choices[0].message.content
-    first_chunk = threading.Barrier(len(reference) + 1, timeout=60)
-    results: dict[int, tuple[str, str, str | None]] = {}
+    for i, messages in prompts.items():
+        replica, done = _chat(client, messages, max_tokens=STREAM_TOKENS)
+        reference[i] = (replica, done.choices[0].message.content)
+    results: dict[int, tuple[str, str, str | None, float]] = {}
 
     def read(i: int) -> None:
         with client.chat.completions.with_streaming_response.create(
-            model="tiny",
-            messages=[{"role": "user", "content": f"stream {i}"}],
-            max_tokens=300,
-            temperature=0,
-            stream=True,
+            model="tiny", messages=prompts[i], max_tokens=STREAM_TOKENS, temperature=0, stream=True
         ) as response:
-            replica = response.headers[REPLICA_HEADER]
             text, finish = "", None
-            for n, chunk in enumerate(response.parse()):
-                if n == 0:
-                    first_chunk.wait()
+            for chunk in response.parse():
                 if chunk.choices:
                     text += chunk.choices[0].delta.content or ""
                     finish = chunk.choices[0].finish_reason or finish
-            results[i] = (replica, text, finish)
+            results[i] = (response.headers[REPLICA_HEADER], text, finish, time.monotonic())
 
-    threads = [threading.Thread(target=read, args=(i,)) for i in reference]
+    threads = [threading.Thread(target=read, args=(i,)) for i in prompts]
     for thread in threads:
         thread.start()
-    first_chunk.wait()
+    time.sleep(0.2)  # the streams are queued on both replicas
+    scaled_at = time.monotonic()
     _deploy(1)  # returns once the application runs with one replica
     for thread in threads:
         thread.join(timeout=120)
-    assert _replica_count() == 1
-    assert sorted(results) == sorted(reference)
-    assert len({replica for replica, _, _ in results.values()}) == 2  # both had streams in flight
-    for i, (_, text, finish) in results.items():
-        assert finish is not None
-        assert text == reference[i]
+
+    kept = _chat(client, prompts[0])[0]
+    removed = ({replica for replica, _ in reference.values()} - {kept}).pop()
+    assert sorted(results) == sorted(prompts)  # every stream ended
+    for i, (replica, text, finish, _) in results.items():
+        assert replica == reference[i][0]  # affinity: each stream went where its reference did
+        assert finish is not None and text == reference[i][1]  # ...and lost nothing
+    # The removed replica was still streaming when the scale-down began: it drained.
+    assert any(replica == removed and ended > scaled_at for replica, _, _, ended in results.values())

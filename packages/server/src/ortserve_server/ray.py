@@ -335,7 +335,9 @@ class OrtServeReplica:
 
 async def _run_asgi(app: Any, request: _Forwarded) -> AsyncIterator[Message]:
     """Run ``app`` on one request, yielding what it sends; leaving early (the client went
-    away) tells the app the client disconnected and cancels it."""
+    away) tells the app the client disconnected and cancels it. Streaming responses wait
+    for that disconnect even after their last chunk, so it also comes once the response
+    is complete."""
     sent: asyncio.Queue[Message | None] = asyncio.Queue()
     gone = asyncio.Event()
     delivered = False
@@ -350,6 +352,8 @@ async def _run_asgi(app: Any, request: _Forwarded) -> AsyncIterator[Message]:
 
     async def send(message: Message) -> None:
         await sent.put(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            gone.set()  # as uvicorn does: once the response is out, receive() says disconnect
 
     async def run() -> None:
         try:
