@@ -199,7 +199,7 @@ def _plain_scope(scope: Scope) -> dict[str, Any]:
 
 if _HAS_CUSTOM_ROUTERS:
 
-    class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):  # type: ignore[misc,unused-ignore]
         """Sends requests with the same affinity key to the same replica while load
         stays balanced.
 
@@ -226,7 +226,7 @@ if _HAS_CUSTOM_ROUTERS:
             if forwarded is not None and forwarded.replica is not None:
                 return [[r for r in candidate_replicas if r.replica_id.unique_id == forwarded.replica]]
             fallback: list[list[RunningReplica]] = await PowerOfTwoChoicesRequestRouter.choose_replicas(
-                self,  # type: ignore[arg-type]  # the same mixins, without FIFO matching
+                self,  # type: ignore[arg-type,unused-ignore]  # the same mixins, without FIFO matching
                 candidate_replicas,
                 pending_request,
             )
@@ -552,7 +552,7 @@ def build_app(config: ServerConfig, options: RayOptions | None = None) -> serve.
     if options.router == "prefix":
         if PrefixAffinityRouter is not None:
             deployment_options["request_router_config"] = RequestRouterConfig(
-                request_router_class=PrefixAffinityRouter,  # type: ignore[arg-type]  # a class or its path
+                request_router_class=PrefixAffinityRouter,  # type: ignore[arg-type,unused-ignore]  # a class or its path
                 request_router_kwargs={"max_imbalance": options.max_imbalance},
             )
         else:  # pragma: no cover - a Ray without pluggable request routers
