@@ -6,6 +6,7 @@ one Ray instance and run in order: spread, affinity, a killed replica, then 2 ->
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 ray = pytest.importorskip("ray", reason="needs the ray extra: uv sync --extra ray")
 serve = pytest.importorskip("ray.serve")
 
-from ortserve_server.ray import REPLICA_HEADER
+from ortserve_server.ray import REPLICA_HEADER, affinity_key
 from ray.serve.context import _get_global_client  # what `serve deploy` reaches over REST
 from ray.serve.schema import ServeDeploySchema
 
@@ -106,6 +107,52 @@ def client(root: str) -> Iterator[openai.OpenAI]:
         yield c
 
 
+def _key(path: str, request: Any, prefix_chars: int = 1024) -> str | None:
+    return affinity_key(path, json.dumps(request).encode(), prefix_chars)
+
+
+def test_the_affinity_key_is_the_conversations_opening() -> None:
+    system = {"role": "system", "content": "Be brief."}
+    first = [system, {"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+    later = [*first, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "More"}]
+    chat = "/v1/chat/completions"
+    assert _key(chat, {"model": "m", "messages": first}) == _key(chat, {"model": "m", "messages": later})
+    assert _key(chat, {"model": "m", "messages": first}) != _key(chat, {"model": "other", "messages": first})
+    assert _key(chat, {"model": "m", "messages": first}) != _key(
+        chat, {"model": "m", "messages": [system, {"role": "user", "content": "Bye"}]}
+    )
+    # A long shared system prompt fills the key: its chats share a replica, and its cache.
+    long = {"role": "system", "content": "x" * 100}
+    one, two = ([long, {"role": "user", "content": q}] for q in ("a", "b"))
+    assert _key(chat, {"model": "m", "messages": one}, 50) == _key(chat, {"model": "m", "messages": two}, 50)
+    # The other generating APIs: completions, responses, Anthropic messages.
+    assert _key("/v1/completions", {"model": "m", "prompt": "abc"}) == _key(
+        "/v1/completions", {"model": "m", "prompt": ["abc", "d"]}
+    )
+    assert _key("/v1/responses", {"model": "m", "input": "abc"}) is not None
+    assert _key("/v1/messages", {"model": "m", "system": "s", "messages": first[1:]}) is not None
+    # No preference: embeddings, GETs, bodies that are not a JSON object (the replica answers those).
+    assert _key("/v1/embeddings", {"model": "m", "input": "abc"}) is None
+    assert affinity_key("/v1/models", b"", 1024) is None
+    assert affinity_key(chat, b"{not json", 1024) is None
+    assert _key(chat, ["a list"]) is None
+    assert _key(chat, {"model": "m", "messages": []}) is None
+
+
+def test_bad_requests_get_openai_errors_through_ray(client: openai.OpenAI, root: str) -> None:
+    broken = httpx.post(
+        f"{root}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 400 and set(broken.json()["error"]) == {"message", "type", "param", "code"}
+    missing = httpx.post(f"{root}/v1/chat/completions", json={"model": "tiny"})
+    assert missing.status_code == 400 and "messages" in missing.json()["error"]["message"]
+    unknown = httpx.get(f"{root}/v1/nowhere")
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"]
+    huge = httpx.post(f"{root}/v1/chat/completions", content=b"x" * (16 * 1024 * 1024 + 1), timeout=60)
+    assert huge.status_code == 413 and "body" in huge.json()["error"]["message"]
+    assert _chat(client, [{"role": "user", "content": "still fine?"}])[1].choices  # and it keeps serving
+
+
 def _chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 4) -> tuple[str, Any]:
     raw = client.chat.completions.with_raw_response.create(
         model="tiny", messages=messages, max_tokens=max_tokens, temperature=0
@@ -114,6 +161,7 @@ def _chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 4) -> tu
 
 
 def test_requests_spread_over_both_replicas_and_metrics_name_them(client: openai.OpenAI, root: str) -> None:
+    before = _chat_requests_by_replica(root)
     served = [_chat(client, [{"role": "user", "content": f"question number {i}"}])[0] for i in range(40)]
     counts = {replica: served.count(replica) for replica in set(served)}
     assert len(counts) == 2, counts
@@ -121,9 +169,13 @@ def test_requests_spread_over_both_replicas_and_metrics_name_them(client: openai
 
     # Each replica counts a request once its response is out: poll until the last are in.
     deadline = time.monotonic() + 10
-    while (totals := _chat_requests_by_replica(root)) != counts:
-        assert time.monotonic() < deadline, (totals, counts)  # fresh replicas: these 40 requests, no others
+    while (totals := _since(before, _chat_requests_by_replica(root))) != counts:
+        assert time.monotonic() < deadline, (totals, counts)
         time.sleep(0.1)
+
+
+def _since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {replica: total - before.get(replica, 0) for replica, total in after.items() if total != before.get(replica)}
 
 
 def _chat_requests_by_replica(root: str) -> dict[str, float]:
