@@ -101,7 +101,9 @@ class RayOptions:
     max_ongoing_requests: int = 64
     """Requests one replica takes at once (ortserve queues beyond its batch itself)."""
     health_check_period_s: float = 10.0
+    """How often Ray calls the replica's ``/health``; a failure replaces the replica."""
     health_check_timeout_s: float = 30.0
+    """How long that call may take."""
     graceful_shutdown_timeout_s: float = 60.0
     """How long a replica being removed may finish the requests under way."""
     app_name: str = "ortserve"
