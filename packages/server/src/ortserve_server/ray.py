@@ -106,8 +106,6 @@ class RayOptions:
     """How long that call may take."""
     graceful_shutdown_timeout_s: float = 60.0
     """How long a replica being removed may finish the requests under way."""
-    app_name: str = "ortserve"
-    """The Ray Serve application's name."""
     deployment_options: dict[str, Any] = field(default_factory=dict)
     """Further ``@serve.deployment`` options for the replicas (``autoscaling_config``...)."""
 
@@ -206,14 +204,17 @@ if _HAS_CUSTOM_ROUTERS:
         stays balanced.
 
         The preferred replica is the one whose hash with the key is highest (rendezvous
-        hashing). It is tried alone first unless its known queue is ``max_imbalance``
-        longer than the shortest known one; when it is skipped or refuses (full), the
-        request goes to the better of two random replicas, as with Ray's default router.
+        hashing). It is tried alone first, up to ``affinity_tries`` routing attempts
+        (Ray's queue-length probe waits longer each time), unless it is full or its known
+        queue is ``max_imbalance`` longer than the shortest known one; then the request
+        goes to the better of two random replicas, as with Ray's default router.
         Not FIFO across requests on purpose: each routing decision serves the request it
         was made for.
         """
 
-        def initialize_state(self, max_imbalance: int = 4, affinity_tries: int = 4, **_: Any) -> None:
+        def initialize_state(self, max_imbalance: int = 4, affinity_tries: int = 4, **unknown: Any) -> None:
+            if unknown:  # Ray's signature takes any keyword; ours takes only these
+                raise TypeError(f"PrefixAffinityRouter has no options {', '.join(sorted(unknown))}")
             self._max_imbalance = max_imbalance
             self._affinity_tries = affinity_tries
             self._tries: dict[str, int] = {}
@@ -271,7 +272,7 @@ else:  # pragma: no cover - a Ray without pluggable request routers
 
 
 def _forwarded(pending_request: Any) -> _Forwarded | None:
-    # By its fields, not isinstance: Ray may load the router class apart from this module
+    # By class name, not isinstance: Ray may load the router class apart from this module
     # (from its pickled form), with a _Forwarded class of its own.
     args = getattr(pending_request, "args", None) or ()
     return next((arg for arg in args if type(arg).__qualname__ == _Forwarded.__qualname__), None)
