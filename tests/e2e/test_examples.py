@@ -106,3 +106,42 @@ def test_media_example_asks_about_an_image_and_subtitles_audio() -> None:
     answer, _, subtitles = done.stdout.partition("subtitles:\n")
     assert answer.startswith("image answer (") and int(answer.split("(")[1].split()[0]) > 300
     assert subtitles.startswith("1\n00:00:0") and " --> " in subtitles
+
+
+@pytest.mark.ray
+def test_ray_example_holds_a_conversation_on_one_replica_and_serves() -> None:
+    pytest.importorskip("ray", reason="needs the ray extra: uv sync --extra ray")
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "ray_serve.py")],
+        env={**os.environ, "PORT": str(port)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 180
+        while not lines or not lines[-1].startswith("ready"):
+            line = process.stdout.readline()
+            assert line, f"the example ended: {lines}"
+            lines.append(line.strip())
+            assert time.monotonic() < deadline, lines
+        turns = [line.split() for line in lines if line.startswith("replica ")]
+        assert len(turns) == 3
+        assert len({turn[1] for turn in turns}) == 1  # one replica for the whole conversation
+        assert int(turns[0][-5]) == 0 and all(int(turn[-5]) > 0 for turn in turns[1:])  # "N from its prefix cache"
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        assert raw.headers["x-ortserve-replica"] and raw.parse().choices[0].message.content is not None
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
