@@ -158,6 +158,7 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--model-option", "tiny:speed=11"], "tiny:speed: unknown key"),
         (["--model-option", "tiny:engine=turbo"], "unknown engine 'turbo'"),
         (["--model-option", "tiny:max-batch-size=many"], "max-batch-size must be an integer"),
+        (["--model-option", "tiny:prefill-int8=maybe"], "prefill-int8 must be one of auto, on, off"),
         (["--provider-option", "device_id=0"], "CPU provider takes no provider options"),
         (["--adapter", "nope:alpha=x.onnx_adapter"], "--adapter nope:alpha: no model named 'nope'"),
         (["--adapter", f"tiny:alpha={LORA_ADAPTERS['alpha']}"], f"was not made for {TINY_MODEL}"),
@@ -269,3 +270,12 @@ def test_sigterm_past_the_grace_period_ends_streams_in_band_and_exits_75() -> No
         }
     }
     assert 2 < len(lines) < 16 * 480, "the stream was not cut"
+
+
+def test_prefill_int8_reaches_each_model_config() -> None:
+    from ortserve_runtime import ModelConfig
+    from ortserve_server._cli import _model_configs, _prefill_int8
+
+    base = ModelConfig(prefill_int8=_prefill_int8("off"))
+    configs = _model_configs(base, [("a", "prefill-int8", "on"), ("b", "prefill-int8", "auto")], ["a", "b", "c"])
+    assert (base.prefill_int8, configs["a"].prefill_int8, configs["b"].prefill_int8) == (False, True, None)

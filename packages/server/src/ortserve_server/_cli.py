@@ -97,6 +97,7 @@ _MODEL_KEYS = (
     "max-batch-size",
     "max-sequence-length",
     "prefix-cache-tokens",
+    "prefill-int8",
 )
 
 
@@ -119,6 +120,8 @@ def _model_configs(
             provider_options["device_id"] = str(_integer(key, value))
         elif key in ("provider", "engine"):
             change[key] = value
+        elif key == "prefill-int8":
+            change["prefill_int8"] = _prefill_int8(value)
         elif key in ("threads", "max-batch-size", "max-sequence-length", "prefix-cache-tokens"):
             field = {"threads": "intra_op_threads"}.get(key, key.replace("-", "_"))
             change[field] = _integer(key, value)
@@ -157,6 +160,13 @@ def _positive(kind: type[int | float]) -> Callable[[str], int | float]:
         return number
 
     return parse
+
+
+def _prefill_int8(value: str) -> bool | None:
+    choices = {"auto": None, "on": True, "off": False}
+    if value not in choices:
+        raise ValueError(f"prefill-int8 must be one of auto, on, off, got {value!r}")
+    return choices[value]
 
 
 def _integer(key: str, value: str) -> int:
@@ -242,6 +252,13 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16384,
         help="tokens of earlier prompts the ort-cpu engine keeps to skip their prefill again (0: off)",
+    )
+    serve.add_argument(
+        "--prefill-int8",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="ort-cpu: prefill int4 models through an int8 copy of their matrices (faster on CPUs with VNNI, "
+        "twice the weights' memory, logits rounded a little); auto: on where the CPU has VNNI",
     )
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     serve.add_argument(
@@ -391,6 +408,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_sequence_length=args.max_sequence_length,
             intra_op_threads=args.threads,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            prefill_int8=_prefill_int8(args.prefill_int8),
         )
         config = ServerConfig(
             models=dict(resolved),
