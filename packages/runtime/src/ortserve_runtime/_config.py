@@ -93,13 +93,15 @@ class ModelConfig:
     prefill_chunk_tokens: int = 512
     """Prompts longer than this are prefilled in chunks, with decode steps of the running
     requests in between (a long prompt does not stall the other streams)."""
-    prefill_int8: bool | None = None
+    prefill_int8: bool | None = False
     """ort-cpu: prefill prompts of 64 tokens or more through an int8 copy of an int4 model's
-    matrices (onnxruntime's u8s8 GEMM; measured 1.6-2.5x faster prefill on the 0.5B-shaped
-    model; see README), built in the background after the load. It costs the int8 weights'
-    memory (twice the int4 ones) and moves logits a little (per-column weight and per-call
-    activation scales instead of per-block ones). ``None``: on where the CPU has VNNI
-    (AVX-512 VNNI or AVX-VNNI); ``True``/``False`` force it."""
+    matrices (onnxruntime's u8s8 GEMM), built in the background after the load; decode
+    stays on the folder's int4 graph. Measured on the 0.5B-shaped model (see README):
+    prefill 1.8-2.3x faster, but about 1 GB more memory (the int8 weights and their
+    packed copy) and logits rounded per call rather than per block of 32, so greedy
+    replies differ from og's (1 of 8 equal on SmolLM2-135M). Hence off by default;
+    ``None`` turns it on where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI), ``True``
+    everywhere."""
     prefix_cache_tokens: int = 16384
     """Tokens of earlier prompts (and replies) whose key/value rows the ort-cpu engine keeps,
     so that a prompt starting the same way (the next turn of a chat, a shared system

@@ -256,9 +256,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prefill-int8",
         choices=["auto", "on", "off"],
-        default="auto",
-        help="ort-cpu: prefill int4 models through an int8 copy of their matrices (faster on CPUs with VNNI, "
-        "twice the weights' memory, logits rounded a little); auto: on where the CPU has VNNI",
+        default="off",
+        help="ort-cpu: prefill int4 models through an int8 copy of their matrices (about 2x faster prefill on "
+        "CPUs with VNNI; costs memory, and greedy replies differ from og's); auto: on where the CPU has VNNI "
+        "(default off)",
     )
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     serve.add_argument(

@@ -29,6 +29,7 @@ a decode step makes one call per adapter in use, each batching all of that adapt
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import threading
@@ -576,6 +577,13 @@ _INT8_PREFILL_MIN_TOKENS = 64
 """Prompt chunks this long or longer go through the int8 prefill session when there is one."""
 _SHRINK_AFTER_TOKENS = 128
 """Calls with this many tokens or more return the memory they took from the arena."""
+
+
+def _release_freed_memory() -> None:
+    """Hand memory the C allocator holds free back to the system (glibc's ``malloc_trim``;
+    elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _unhuged_zeros(shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
