@@ -151,3 +151,22 @@ async def test_the_engine_prefills_through_int8_and_decodes_through_int4(tmp_pat
         await registry.close()
     # Same decode graph, prefill rounded differently: the first tokens agree on this model.
     assert results[True][:4] == results[False][:4], results
+
+
+def test_the_down_projection_stays_int4(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    nodes, inits = [], []
+    for name, source, target in (("/mlp/up_proj/MatMul", "x", "h"), ("/mlp/down_proj/MatMul", "h", "y")):
+        node, node_inits = nbits_node(name.replace("/", "_"), source, target, rng.standard_normal((32, 32)), 32, False)
+        node.name = name
+        nodes.append(node)
+        inits += node_inits
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
+    converted = int8_prefill_graph(
+        onnx.helper.make_model(onnx.helper.make_graph(nodes, "g", [], [], inits), opset_imports=opsets), tmp_path
+    )
+    assert converted is not None
+    assert [(n.name.split("/")[-2], n.op_type) for n in converted.graph.node] == [
+        ("up_proj", "DynamicQuantizeMatMul"),
+        ("down_proj", "MatMulNBits"),
+    ]
