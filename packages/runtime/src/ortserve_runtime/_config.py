@@ -95,13 +95,12 @@ class ModelConfig:
     requests in between (a long prompt does not stall the other streams)."""
     prefill_int8: bool | None = False
     """ort-cpu: prefill prompts of 64 tokens or more through an int8 copy of an int4 model's
-    matrices (onnxruntime's u8s8 GEMM), built in the background after the load; decode
-    stays on the folder's int4 graph. Measured on the 0.5B-shaped model (see README):
-    prefill 1.8-2.3x faster, but about 1 GB more memory (the int8 weights and their
-    packed copy) and logits rounded per call rather than per block of 32, so greedy
-    replies differ from og's (1 of 8 equal on SmolLM2-135M). Hence off by default;
-    ``None`` turns it on where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI), ``True``
-    everywhere."""
+    matrices (onnxruntime's u8s8 GEMM; the MLP's down projection stays int4), built in the
+    background after the load; decode stays on the folder's int4 graph. Measured (see
+    README): prefill 1.4-1.6x faster, about 0.9 GB more memory on the 0.5B-shaped model,
+    and greedy replies that drift from og's (SmolLM2-135M: 2 of 8 equal, the first
+    difference after 14 tokens on average). Hence off by default; ``None`` turns it on
+    where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI), ``True`` everywhere."""
     prefix_cache_tokens: int = 16384
     """Tokens of earlier prompts (and replies) whose key/value rows the ort-cpu engine keeps,
     so that a prompt starting the same way (the next turn of a chat, a shared system

@@ -257,8 +257,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--prefill-int8",
         choices=["auto", "on", "off"],
         default="off",
-        help="ort-cpu: prefill int4 models through an int8 copy of their matrices (about 2x faster prefill on "
-        "CPUs with VNNI; costs memory, and greedy replies differ from og's); auto: on where the CPU has VNNI "
+        help="ort-cpu: prefill int4 models through an int8 copy of their matrices (about 1.5x faster prefill on "
+        "CPUs with VNNI; costs memory, and greedy replies drift from og's); auto: on where the CPU has VNNI "
         "(default off)",
     )
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
