@@ -14,7 +14,7 @@ import onnx.helper
 import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
-from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
+from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelLoadError, ModelRegistry
 from ortserve_runtime.engines._int8_prefill import _dequantize, int8_prefill_graph
 from serving import TINY_MODEL
 
@@ -170,3 +170,33 @@ def test_the_down_projection_stays_int4(tmp_path: Path) -> None:
         ("up_proj", "DynamicQuantizeMatMul"),
         ("down_proj", "MatMulNBits"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("int4", "settings", "words"),
+    [
+        (False, {}, "has nothing to convert"),  # fp32 matrices
+        (True, {"last_position_logits": False}, "has nothing to convert"),
+        (True, {"engine": "og-generator"}, "applies to the ort-cpu engine only"),
+    ],
+)
+async def test_prefill_int8_on_is_refused_where_it_cannot_act(
+    int4: bool, settings: dict[str, object], words: str, tmp_path: Path
+) -> None:
+    folder = int4_copy_of_tiny(tmp_path / "tiny-int4") if int4 else TINY_MODEL
+    registry = ModelRegistry(ModelConfig(prefill_int8=True, **settings))  # type: ignore[arg-type]
+    registry.add("tiny", folder)
+    with pytest.raises(ModelLoadError, match=words):
+        await registry.get("tiny")
+    # auto applies it where it can, and skips this model
+    auto = ModelRegistry(ModelConfig(prefill_int8=None, **settings))  # type: ignore[arg-type]
+    auto.add("tiny", folder)
+    model: ChatModel = await auto.get("tiny")
+    assert getattr(model.engine, "prefill_session", None) is None
+    await auto.close()
+
+
+def test_prefill_int8_on_an_encoder_model_is_refused() -> None:
+    registry = ModelRegistry()
+    with pytest.raises(ValueError, match="prefill_int8 applies to generative models only"):
+        registry.add("ce", TINY_MODEL.parent / "tiny-cross-encoder", ModelConfig(prefill_int8=True))

@@ -99,8 +99,10 @@ class ModelConfig:
     background after the load; decode stays on the folder's int4 graph. Measured (see
     README): prefill 1.4-1.6x faster, about 0.9 GB more memory on the 0.5B-shaped model,
     and greedy replies that drift from og's (SmolLM2-135M: 2 of 8 equal, the first
-    difference after 14 tokens on average). Hence off by default; ``None`` turns it on
-    where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI), ``True`` everywhere."""
+    difference after 14 tokens on average). Hence off by default. ``None`` turns it on
+    where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI) for models that have int4 matrices;
+    ``True`` for every model, refusing to load one it cannot apply to (another engine,
+    another precision, every position's logits)."""
     prefix_cache_tokens: int = 16384
     """Tokens of earlier prompts (and replies) whose key/value rows the ort-cpu engine keeps,
     so that a prompt starting the same way (the next turn of a chat, a shared system

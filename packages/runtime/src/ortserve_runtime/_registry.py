@@ -147,6 +147,12 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             "adapter per request); use --engine og-generator or auto",
             path=path,
         )
+    if config.prefill_int8 and choice != "ort-cpu":
+        raise ModelLoadError(
+            f"{path}: prefill_int8 (--prefill-int8 on) applies to the ort-cpu engine only, and this model runs on "
+            f"{choice}; turn it off for this model (--model-option NAME:prefill-int8=off)",
+            path=path,
+        )
     adapters = check_adapters(folder, config.adapters)
     engine: Engine
     media = None
@@ -307,6 +313,8 @@ class ModelRegistry:
             )
         if kind != "generative" and (config or self.config).adapters:
             raise ValueError(f"model {name!r} is a {kind} model: LoRA adapters apply to generative models only")
+        if config is not None and kind != "generative" and config.prefill_int8:
+            raise ValueError(f"model {name!r} is a {kind} model: prefill_int8 applies to generative models only")
         self._entries[name] = _Entry(name, folder, kind, config or self.config)
         return kind
 

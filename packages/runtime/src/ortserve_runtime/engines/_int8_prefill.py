@@ -24,7 +24,7 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-__all__ = ["cpu_has_vnni", "int8_prefill_graph"]
+__all__ = ["cpu_has_vnni", "has_int4_matrices", "int8_prefill_graph"]
 
 KEEP_INT4 = ("down_proj",)
 """Matrices left on the int4 kernel (matched in the node's name, the genai builder's
@@ -48,6 +48,19 @@ def cpu_has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
+def has_int4_matrices(graph_model: onnx.ModelProto) -> bool:
+    """Whether :func:`int8_prefill_graph` has anything to convert (read from the graph alone)."""
+    return any(_convertible(node) for node in graph_model.graph.node)
+
+
+def _convertible(node: onnx.NodeProto) -> bool:
+    """A 4-bit ``MatMulNBits`` without group indices, not one of :data:`KEEP_INT4`."""
+    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or any(k in node.name for k in KEEP_INT4):
+        return False
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    return attributes.get("bits", 4) == 4 and not (len(node.input) > 4 and node.input[4])
+
+
 def int8_prefill_graph(graph_model: onnx.ModelProto, folder: Path) -> onnx.ModelProto | None:
     """A copy of ``graph_model`` (its external data in ``folder``) with each 4-bit
     ``MatMulNBits`` replaced as the module says, or ``None`` where there is none to replace
@@ -59,12 +72,12 @@ def int8_prefill_graph(graph_model: onnx.ModelProto, folder: Path) -> onnx.Model
     replaced: dict[str, onnx.TensorProto] = {}
     total = 0
     for index, node in enumerate(graph.node):
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or any(k in node.name for k in KEEP_INT4):
+        if not _convertible(node):
             continue
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         inputs = list(node.input) + [""] * (6 - len(node.input))
-        _, packed, scales, zero_points, group_index, bias = inputs[:6]
-        if attributes.get("bits", 4) != 4 or group_index or packed not in initializers or scales not in initializers:
+        _, packed, scales, zero_points, _, bias = inputs[:6]
+        if packed not in initializers or scales not in initializers:
             continue
         zero = initializers.get(zero_points) if zero_points else None
         if zero_points and zero is None:

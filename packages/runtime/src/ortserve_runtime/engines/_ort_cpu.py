@@ -50,7 +50,7 @@ from .._folder import GenaiFolder
 from .._threads import OwnerThread, batched_hand_backs
 from ..chat._request import FinishReason, Request
 from ._base import EngineCapabilities
-from ._int8_prefill import cpu_has_vnni, int8_prefill_graph
+from ._int8_prefill import cpu_has_vnni, has_int4_matrices, int8_prefill_graph
 from ._prefix_cache import PrefixCache, Rows
 
 __all__ = ["OrtCpuEngine"]
@@ -216,7 +216,16 @@ class OrtCpuEngine(OwnerThread):
         """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
         self.prefill_session: Any = None
         """The int8 prefill session once it is built (see ``ModelConfig.prefill_int8``)."""
-        if config.prefill_int8 if config.prefill_int8 is not None else cpu_has_vnni():
+        convertible = graph.last_only and has_int4_matrices(graph.int8_source)
+        if config.prefill_int8 and not convertible:
+            raise ModelLoadError(
+                f"{folder.path}: prefill_int8 (--prefill-int8 on) needs an int4 model (4-bit MatMulNBits) whose "
+                "logits are computed for the last position only; this one has nothing to convert "
+                "(turn it off for this model, or use --prefill-int8 auto, which skips such models)",
+                path=folder.path,
+            )
+        wanted = config.prefill_int8 if config.prefill_int8 is not None else cpu_has_vnni()
+        if wanted and convertible:
             threading.Thread(target=self._open_int8_prefill, name=f"ortserve-{model_name}-int8", daemon=True).start()
         else:
             del graph.int8_source
