@@ -7,6 +7,7 @@ the same code on another provider (see the ``gpu`` tests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -220,3 +221,25 @@ async def test_session_options_reach_the_og_engines() -> None:
         broken.add("tiny", TINY_MODEL)
         with pytest.raises(ModelLoadError):
             await broken.get("tiny")
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_hand_back_to_a_closed_loop_says_so(batched: bool) -> None:
+    """A consumer's loop that is gone must cancel its request (else it decodes on, unread),
+    whether the event was handed back alone or with a decode step's others."""
+    from ortserve_runtime._threads import batched_hand_backs, hand_back
+
+    live, closed = asyncio.new_event_loop(), asyncio.new_event_loop()
+    closed.close()
+    received: list[object] = []
+    gone: list[str] = []
+    try:
+        with batched_hand_backs() if batched else contextlib.nullcontext():
+            hand_back(live, received.append, "a", lambda: gone.append("live"))
+            hand_back(closed, received.append, "b", lambda: gone.append("closed"))
+            assert gone == ([] if batched else ["closed"])
+        assert gone == ["closed"]
+        live.run_until_complete(asyncio.sleep(0))
+        assert received == ["a"]
+    finally:
+        live.close()

@@ -29,42 +29,46 @@ if TYPE_CHECKING:
 
 __all__ = ["OwnerThread", "batched_hand_backs", "hand_back", "resolve_future"]
 
+_HandBack = tuple[Callable[[Any], None], object, Callable[[], None]]
+"""A callback, its argument, and what to do instead when the loop is gone."""
 _batch = threading.local()
 """``pending``: while :func:`batched_hand_backs` runs on a thread, the hand-backs it collects."""
 
 
-def hand_back(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], item: object) -> bool:
+def hand_back(
+    loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], item: object, on_gone: Callable[[], None]
+) -> None:
     """Call ``callback(item)`` on ``loop`` from any thread (later, within
-    :func:`batched_hand_backs`); ``False`` if the loop is gone."""
-    pending: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], None], object]]] | None
-    pending = getattr(_batch, "pending", None)
+    :func:`batched_hand_backs`); ``on_gone()`` instead, on this thread, if the loop is gone."""
+    pending: dict[asyncio.AbstractEventLoop, list[_HandBack]] | None = getattr(_batch, "pending", None)
     if pending is not None:
-        pending.setdefault(loop, []).append((callback, item))
-        return True
+        pending.setdefault(loop, []).append((callback, item, on_gone))
+        return
     try:
         loop.call_soon_threadsafe(callback, item)
     except RuntimeError:
-        return False
-    return True
+        on_gone()
 
 
 @contextlib.contextmanager
 def batched_hand_backs() -> Iterator[None]:
     """Collect the :func:`hand_back` calls of this thread and make them on leaving, one
-    wake-up per event loop. A loop that is gone by then drops its items (its consumers
-    cancelled their requests when the loop closed)."""
+    wake-up per event loop."""
     _batch.pending = {}
     try:
         yield
     finally:
         pending, _batch.pending = _batch.pending, None
         for loop, calls in pending.items():
-            with contextlib.suppress(RuntimeError):
+            try:
                 loop.call_soon_threadsafe(_call_each, calls)
+            except RuntimeError:
+                for _, _, on_gone in calls:
+                    on_gone()
 
 
-def _call_each(calls: list[tuple[Callable[[Any], None], object]]) -> None:
-    for callback, item in calls:
+def _call_each(calls: list[_HandBack]) -> None:
+    for callback, item, _ in calls:
         callback(item)
 
 

@@ -221,8 +221,8 @@ class GenerationStream:
             queue = self._queue
 
             def deliver(item: GenerationEvent | BaseException) -> None:
-                if not hand_back(loop, queue.put_nowait, item):  # the consumer's loop is gone
-                    self._engine.cancel(self._request)
+                # The consumer's loop gone: nobody wants the rest.
+                hand_back(loop, queue.put_nowait, item, lambda: self._engine.cancel(self._request))
 
             self._request.deliver = deliver
             self._engine.submit(self._request)
