@@ -144,9 +144,10 @@ class _DecoderGraph:
         return options
 
     def open_int8_prefill(self) -> Any:
-        """A session of the int8 copy of this graph (see _int8_prefill), or ``None`` where
-        the graph has no 4-bit matrices or does not compute the last position only."""
-        graph_model = int8_prefill_graph(self.int8_source, self.model_path.parent) if self.last_only else None
+        """A session of the int8 copy of this graph (see _int8_prefill; the engine asks only
+        where :func:`has_int4_matrices` and ``last_only``), or ``None`` where no weight could
+        be read for it."""
+        graph_model = int8_prefill_graph(self.int8_source, self.model_path.parent)
         del self.int8_source  # read once
         if graph_model is None:
             return None
@@ -206,7 +207,7 @@ class OrtCpuEngine(OwnerThread):
         self._bindings: dict[tuple[int, int, str | None, int], Any] = {}
         """IO bindings by row range and adapter (see :meth:`_bind`)."""
         self._logits = (
-            np.empty((self.max_batch_size, 1, graph.vocab_size), graph.logits_dtype) if graph.last_only else None
+            _unhuged_zeros((self.max_batch_size, 1, graph.vocab_size), graph.logits_dtype) if graph.last_only else None
         )
         """Where the decoder writes next-token logits, a row per cache row, when it computes
         the last position's only (their shape is then fixed)."""
@@ -401,7 +402,7 @@ class OrtCpuEngine(OwnerThread):
             binding.bind_output(graph.logits)  # every position's logits: their shape varies
         # After a long prompt's chunk, hand the arena's large buffers back (onnxruntime keeps
         # what the largest call needed otherwise: measured +220 MB after a 4,096-token prompt).
-        shrink = self._shrink_arena if input_ids.size >= _SHRINK_AFTER_TOKENS else None
+        shrink = self._shrink_arena if input_ids.shape[1] >= _SHRINK_AFTER_TOKENS else None
         session.run_with_iobinding(binding, shrink)
         self.steps += 1
         if self._logits is not None:
@@ -588,7 +589,8 @@ _PAGE = mmap.PAGESIZE
 _INT8_PREFILL_MIN_TOKENS = 64
 """Prompt chunks this long or longer go through the int8 prefill session when there is one."""
 _SHRINK_AFTER_TOKENS = 128
-"""Calls with this many tokens or more return the memory they took from the arena."""
+"""Calls of a prompt chunk this long or longer return the memory they took from the arena
+(decode steps, one token a row, keep theirs however many rows they have)."""
 
 
 def _release_freed_memory() -> None:
