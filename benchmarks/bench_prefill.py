@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime_genai as og
+from bench_generation import og_model
+from bench_prefix import rss_mb
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
 
 BENCH_MODEL = Path.home() / ".cache" / "ortserve" / "bench-qwen2.5-0.5b-shape"
@@ -52,11 +54,6 @@ CHAT_PROMPTS = [
     "Give me a short tip for writing clean Python code.",
     "Why is the sky blue?",
 ]
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def cpu_features() -> str:
@@ -74,12 +71,6 @@ def cpu_features() -> str:
         return "unknown"
     wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
     return f"{name}, {os.cpu_count()} CPUs: " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
-
-
-def og_model(folder: Path) -> og.Model:
-    config = og.Config(str(folder))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}))
-    return og.Model(config)
 
 
 def og_ttft(model: og.Model, prompt: list[int]) -> float:
@@ -125,7 +116,7 @@ async def prefill_table(folder: Path, lengths: list[int], rounds: int) -> None:
         ),
     }
     best: dict[tuple[str, int], float] = {}
-    raw = og_model(folder)
+    raw = og_model(folder, 2)
     loaded = {name: await load(folder, config) for name, config in configs.items()}
     for length in lengths:
         prompt = random_prompt(length, length)
@@ -187,7 +178,7 @@ def memory_child(side: str, folder: Path) -> None:
     """One side of the memory table, in its own process; prints a JSON line."""
     marks: dict[str, float] = {}
     if side == "og":
-        model = og_model(folder)
+        model = og_model(folder, 2)
         marks["idle"] = rss_mb()
         for burst in (8, 16):
             generators = []
