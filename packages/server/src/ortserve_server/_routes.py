@@ -35,6 +35,8 @@ from ortserve_runtime import (
     InvalidRequestError,
     Prompt,
     ReasoningParser,
+    RerankModel,
+    RerankResult,
     Segment,
     TokenLogprob,
     ToolCall,
@@ -662,14 +664,7 @@ async def _rerank(data: p.RerankRequest, ortserve: OrtServe) -> Response[p.Reran
     top_n = data.top_n if isinstance(data.top_n, int) else 0
     if top_n < 0:
         raise BadRequestError("top_n must be 0 or more (0 or absent: every document)", param="top_n")
-    if len(documents) > model.max_documents:
-        raise BadRequestError(
-            f"documents has {len(documents)} items; this server reranks at most {model.max_documents} per request",
-            param="documents",
-        )
-    check_room(ortserve, model, model.batches(len(documents)), "documents", "batches")
-    truncate = data.truncate if isinstance(data.truncate, bool) else None
-    result = await model.score(data.query, documents, truncate=truncate)
+    result = await _score_pairs(ortserve, model, data, data.query, documents, ("query", "documents"), "rerank")
     # Best first; equal scores keep the documents' order (sorted is stable).
     order = sorted(range(len(documents)), key=lambda i: -float(result.scores[i]))
     keep_documents = data.return_documents is not False
@@ -682,10 +677,32 @@ async def _rerank(data: p.RerankRequest, ortserve: OrtServe) -> Response[p.Reran
         for i in order[: top_n or None]
     ]
     tokens = result.prompt_tokens
-    ortserve.metrics.count_request(f"{ortserve.config.path}/rerank", data.model, 200)
-    ortserve.metrics.prompt_tokens.labels(data.model).inc(tokens)
     usage = p.RerankUsage(prompt_tokens=tokens, total_tokens=tokens)
     return Response(p.RerankResponse(id=new_id("rerank"), model=data.model, usage=usage, results=results))
+
+
+async def _score_pairs(
+    ortserve: OrtServe,
+    model: RerankModel,
+    data: p.RerankRequest | p.ScoreRequest,
+    first: str | list[str],
+    second: list[str],
+    names: tuple[str, str],
+    route: str,
+) -> RerankResult:
+    """Score ``first`` against each of ``second`` (``names``: their request fields) for
+    ``/rerank`` or ``/score``: the size limit, queue room, truncation and the metrics both share."""
+    if len(second) > model.max_documents:
+        raise BadRequestError(
+            f"{names[1]} has {len(second)} items; this server scores at most {model.max_documents} per request",
+            param=names[1],
+        )
+    check_room(ortserve, model, model.batches(len(second)), names[1], "batches")
+    truncate = data.truncate if isinstance(data.truncate, bool) else None
+    result = await model.score(first, second, truncate=truncate, names=names)
+    ortserve.metrics.count_request(f"{ortserve.config.path}/{route}", data.model, 200)
+    ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
+    return result
 
 
 @post(
@@ -717,17 +734,8 @@ async def score(data: JSONBody[p.ScoreRequest], ortserve: NamedDependency[OrtSer
     # vLLM's pairing: one text_1 (a string, or a list of one) with each text_2, else pairwise.
     first = data.text_1[0] if isinstance(data.text_1, list) and len(data.text_1) == 1 else data.text_1
     second = [data.text_2] if isinstance(data.text_2, str) else data.text_2
-    if len(second) > model.max_documents:
-        raise BadRequestError(
-            f"text_2 has {len(second)} items; this server scores at most {model.max_documents} per request",
-            param="text_2",
-        )
-    check_room(ortserve, model, model.batches(len(second)), "text_2", "batches")
-    truncate = data.truncate if isinstance(data.truncate, bool) else None
-    result = await model.score(first, second, truncate=truncate, names=("text_1", "text_2"))
+    result = await _score_pairs(ortserve, model, data, first, second, ("text_1", "text_2"), "score")
     tokens = result.prompt_tokens
-    ortserve.metrics.count_request(f"{ortserve.config.path}/score", data.model, 200)
-    ortserve.metrics.prompt_tokens.labels(data.model).inc(tokens)
     return Response(
         p.ScoreResponse(
             id=new_id("score"),
