@@ -20,7 +20,7 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.plugins import InitPlugin
-from litestar.types import Guard
+from litestar.types import ExceptionHandlersMap, Guard
 
 from ._anthropic import anthropic_exception_handlers, anthropic_route_handlers
 from ._config import ServerConfig
@@ -50,53 +50,35 @@ def _guards(
 def _routers(state: OrtServe) -> list[Router]:
     config = state.config
     provide = {"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)}
+
+    def api_router(
+        path: str, handlers: list[Any], guards: list[Guard], errors: ExceptionHandlersMap, leases: bool = True
+    ) -> Router:
+        return Router(
+            path=path,
+            route_handlers=handlers,
+            dependencies=provide,
+            guards=[*guards, body_guard],
+            exception_handlers=errors,
+            request_max_body_size=config.max_body_size,
+            middleware=[release_leases] if leases else [],
+            opt={METRICS_OPT: state.metrics},
+        )
+
     routers = [
-        Router(
-            path=config.path,
-            route_handlers=[*api_route_handlers, *responses_route_handlers],
-            dependencies=provide,
-            guards=[*_guards(config), body_guard],
-            exception_handlers=exception_handlers,
-            request_max_body_size=config.max_body_size,
-            middleware=[release_leases],
-            opt={METRICS_OPT: state.metrics},
-        ),
+        api_router(config.path, [*api_route_handlers, *responses_route_handlers], _guards(config), exception_handlers),
         # Loading and unloading models: the admin key when one is set, else the API key.
-        Router(
-            path=config.path,
-            route_handlers=control_route_handlers,
-            dependencies=provide,
-            guards=[*_guards(config, key=config.admin_key), body_guard],
-            exception_handlers=exception_handlers,
-            request_max_body_size=config.max_body_size,
-            opt={METRICS_OPT: state.metrics},
+        api_router(
+            config.path, control_route_handlers, _guards(config, key=config.admin_key), exception_handlers, leases=False
         ),
         # Anthropic's Messages API: its own error shape, and its clients' x-api-key header.
-        Router(
-            path=config.path,
-            route_handlers=anthropic_route_handlers,
-            dependencies=provide,
-            guards=[*_guards(config, x_api_key=True), body_guard],
-            exception_handlers=anthropic_exception_handlers,
-            request_max_body_size=config.max_body_size,
-            middleware=[release_leases],
-            opt={METRICS_OPT: state.metrics},
+        api_router(
+            config.path, anthropic_route_handlers, _guards(config, x_api_key=True), anthropic_exception_handlers
         ),
     ]
     if config.rerank_aliases:
         # /rerank and /v2/rerank: the aliases vLLM serves (llama-server: /rerank), at the root.
-        routers.append(
-            Router(
-                path="/",
-                route_handlers=rerank_alias_handlers,
-                dependencies=provide,
-                guards=[*_guards(config), body_guard],
-                exception_handlers=exception_handlers,
-                request_max_body_size=config.max_body_size,
-                middleware=[release_leases],
-                opt={METRICS_OPT: state.metrics},
-            )
-        )
+        routers.append(api_router("/", rerank_alias_handlers, _guards(config), exception_handlers))
     # Health stays open for probes and LocalServer's readiness wait; metrics name models
     # and traffic, so they need the key unless the operator says otherwise.
     extras = [
