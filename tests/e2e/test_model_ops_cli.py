@@ -17,16 +17,6 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MODELS = {"a": str(FIXTURES / "tiny-qwen2"), "b": str(FIXTURES / "tiny-qwen3-think")}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(autouse=True)
-def private_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ortserve_client._sidecar.LOCK_DIR", tmp_path / "locks")
-
-
 async def ps(*args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "ortserve_server", "ps", *args]
     return await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)

@@ -29,16 +29,6 @@ pytestmark = pytest.mark.anyio
 TINY = str(Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(autouse=True)
-def private_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ortserve_client._sidecar.LOCK_DIR", tmp_path / "locks")
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
