@@ -18,7 +18,8 @@ The CPU's int8/bf16 features and the load average are printed, since both decide
 
 Greedy agreement (--real): 32 greedy tokens for a few real chat prompts, int4 prefill against
 int8 prefill (same decode graph): how many replies are equal, and the mean length of the
-common start.
+common start; next to the same model computed in exact arithmetic (MatMulNBits accuracy
+level 0), which shows how much any change of rounding moves this model's greedy replies.
 
 Memory (--memory; each side in its own process, RSS from /proc/self/statm): the idle model;
 after a burst of 8 and one of 16 concurrent streams (200-token prompts, 64 new tokens);
@@ -32,12 +33,15 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime_genai as og
 from bench_generation import og_model
 from bench_prefix import rss_mb
@@ -97,7 +101,10 @@ async def load(folder: Path, config: ModelConfig) -> tuple[ModelRegistry, ChatMo
     model: ChatModel = await registry.get("m")
     engine = model.engine
     if config.prefill_int8:
+        deadline = time.monotonic() + 600
         while engine.prefill_session is None:  # type: ignore[attr-defined]  # built in the background
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no int8 prefill session for {folder} after 10 minutes (see the log)")
             await asyncio.sleep(0.1)
     return registry, model
 
@@ -144,33 +151,58 @@ async def prefill_table(folder: Path, lengths: list[int], rounds: int) -> None:
     print("\n(x: against ortserve's int4 prefill at the same length)")
 
 
+def exact_copy(folder: Path, into: Path) -> Path:
+    """``folder`` with every MatMulNBits at accuracy level 0 (float arithmetic on the same
+    int4 weights, no int8 activations): rounded differently from the folder, not worse."""
+    shutil.copytree(folder, into, symlinks=False)
+    model = onnx.load(str(into / "model.onnx"), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level":
+                    attribute.i = 0
+    onnx.save(model, str(into / "model.onnx"))
+    return into
+
+
 async def agreement_table(folder: Path, new_tokens: int = 32) -> None:
     print(f"\n### Greedy agreement on real prompts: {folder.name}, {new_tokens} tokens each\n")
-    replies: dict[bool, list[list[int]]] = {}
-    for int8 in (False, True):
-        registry, model = await load(folder, ModelConfig(prefill_int8=int8, prefix_cache_tokens=0))
-        options = GenerationOptions(max_tokens=new_tokens, temperature=0)
-        replies[int8] = []
-        for question in CHAT_PROMPTS:
-            # A long system prompt, so the prompt goes through the int8 session (>= 64 tokens).
-            system = "You are a helpful, careful assistant. " * 8
-            text = model.apply_chat_template(
-                [{"role": "system", "content": system}, {"role": "user", "content": question}]
-            )
-            prompt = model.encode(text, add_special_tokens=False)
-            _, tokens, _, _ = await model.generate(prompt, options=options).collect()
-            replies[int8].append(tokens)
-        for question, reply in zip(CHAT_PROMPTS[:4], replies[int8], strict=False):
-            print(f"- {'int8' if int8 else 'int4'} prefill, {question!r}: {model.decode(reply)!r}")
-        await registry.close()
-    equal = sum(a == b for a, b in zip(replies[False], replies[True], strict=True))
-    common = [
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        for a, b in zip(replies[False], replies[True], strict=True)
-    ]
+    replies: dict[str, list[list[int]]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = {
+            "int4 prefill (today)": (folder, False),
+            "int8 prefill": (folder, True),
+            "exact arithmetic (reference)": (exact_copy(folder, Path(scratch) / "exact"), False),
+        }
+        for name, (path, int8) in runs.items():
+            registry, model = await load(path, ModelConfig(prefill_int8=int8, prefix_cache_tokens=0))
+            options = GenerationOptions(max_tokens=new_tokens, temperature=0)
+            replies[name] = []
+            for question in CHAT_PROMPTS:
+                # A long system prompt, so the prompt goes through the int8 session (>= 64 tokens).
+                system = "You are a helpful, careful assistant. " * 8
+                text = model.apply_chat_template(
+                    [{"role": "system", "content": system}, {"role": "user", "content": question}]
+                )
+                prompt = model.encode(text, add_special_tokens=False)
+                _, tokens, _, _ = await model.generate(prompt, options=options).collect()
+                replies[name].append(tokens)
+            for question, reply in zip(CHAT_PROMPTS[:4], replies[name], strict=False):
+                print(f"- {name}, {question!r}: {model.decode(reply)!r}")
+            await registry.close()
+    today = replies["int4 prefill (today)"]
+    print("\n| against today's int4 prefill | replies equal | tokens before the first difference (mean) |")
+    print("|---|---:|---:|")
+    for name in list(runs)[1:]:
+        equal = sum(a == b for a, b in zip(today, replies[name], strict=True))
+        common = [
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            for a, b in zip(today, replies[name], strict=True)
+        ]
+        print(f"| {name} | {equal}/{len(CHAT_PROMPTS)} | {np.mean(common):.1f} of {new_tokens} |")
     print(
-        f"\nint8 prefill against int4: {equal}/{len(CHAT_PROMPTS)} replies equal; "
-        f"tokens equal before the first difference: mean {np.mean(common):.1f} of {new_tokens}"
+        "\n(exact arithmetic: every MatMulNBits at accuracy level 0, the same int4 weights multiplied in float; "
+        "it shows how far any change of rounding moves greedy replies on this model)"
     )
 
 

@@ -4,12 +4,14 @@ ort-cpu engine prefilling through it while decoding with the folder's int4 graph
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 import onnx.helper
 import onnx.numpy_helper
 import onnxruntime as ort
@@ -20,6 +22,13 @@ from serving import TINY_MODEL
 
 pytestmark = pytest.mark.anyio
 IR = 10  # what the installed onnxruntime reads
+
+
+@pytest.fixture(autouse=True)
+def int8_cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Converted copies go to this test's folder, not the user's cache."""
+    monkeypatch.setenv("ORTSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "int8-prefill"
 
 
 def quantize_int4(weights: np.ndarray, block: int, zero_points: bool) -> tuple[np.ndarray, ...]:
@@ -85,9 +94,10 @@ def test_dequantised_weights_are_what_matmulnbits_multiplies_by(zero_points: boo
     # The int8 graph multiplies by nearly the same matrix.
     opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
     graph = onnx.helper.make_graph([node], "g", [], [], inits)
-    converted = int8_prefill_graph(onnx.helper.make_model(graph, opset_imports=opsets), tmp_path)
+    converted = int8_prefill_graph(onnx.helper.make_model(graph, opset_imports=opsets), tmp_path, tmp_path / "8.bin")
     assert converted is not None
     assert [node.op_type for node in converted.graph.node] == ["DynamicQuantizeMatMul"]
+    onnx.external_data_helper.load_external_data_for_model(converted, str(tmp_path))  # the int8 weights
     x = rng.standard_normal((16, k)).astype(np.float32)
     exact = x @ reference
     approx = run_graph(list(converted.graph.node), list(converted.graph.initializer), x, n)
@@ -96,7 +106,7 @@ def test_dequantised_weights_are_what_matmulnbits_multiplies_by(zero_points: boo
 
 def test_a_graph_without_4bit_matrices_has_no_int8_copy(tmp_path: Path) -> None:
     model = onnx.load(str(TINY_MODEL / "model.onnx"), load_external_data=False)  # fp32 MatMuls
-    assert int8_prefill_graph(model, TINY_MODEL) is None
+    assert int8_prefill_graph(model, TINY_MODEL, tmp_path / "8.bin") is None
 
 
 def int4_copy_of_tiny(out: Path) -> Path:
@@ -153,6 +163,52 @@ async def test_the_engine_prefills_through_int8_and_decodes_through_int4(tmp_pat
     assert results[True][:4] == results[False][:4], results
 
 
+async def load_with_int8(folder: Path) -> tuple[ModelRegistry, ChatModel]:
+    registry = ModelRegistry(ModelConfig(prefill_int8=True, prefix_cache_tokens=0))
+    registry.add("tiny", folder)
+    model: ChatModel = await registry.get("tiny")
+    for _ in range(200):  # built in the background
+        if model.engine.prefill_session is not None:  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.05)
+    assert model.engine.prefill_session is not None  # type: ignore[attr-defined]
+    return registry, model
+
+
+async def test_the_int8_copy_is_cached(tmp_path: Path, int8_cache_in_tmp: Path) -> None:
+    folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
+    registry, _ = await load_with_int8(folder)
+    await registry.close()
+    [copy] = int8_cache_in_tmp.iterdir()
+    assert copy.name.startswith("tiny-int4-")
+    assert sorted(p.name for p in copy.iterdir()) == ["model.onnx", "model.onnx.data"]
+    built = (copy / "model.onnx.data").stat().st_mtime_ns
+
+    registry, _ = await load_with_int8(folder)  # the next load reads it as it is
+    await registry.close()
+    assert (copy / "model.onnx.data").stat().st_mtime_ns == built
+    assert [p.name for p in int8_cache_in_tmp.iterdir()] == [copy.name]  # no partial folder left
+
+    os.utime(folder / "model.onnx.data")  # the model changed: a new copy
+    registry, _ = await load_with_int8(folder)
+    await registry.close()
+    assert len(list(int8_cache_in_tmp.iterdir())) == 2
+
+
+async def test_a_cache_that_cannot_be_written_converts_into_a_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("ORTSERVE_CACHE", str(tmp_path / "not-a-folder"))
+    registry, model = await load_with_int8(folder)
+    _, tokens, _, _ = await model.generate(
+        [20 + i for i in range(100)], options=GenerationOptions(max_tokens=4)
+    ).collect()
+    assert len(tokens) == 4
+    await registry.close()
+
+
 def test_the_down_projection_stays_int4(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     nodes, inits = [], []
@@ -163,7 +219,9 @@ def test_the_down_projection_stays_int4(tmp_path: Path) -> None:
         inits += node_inits
     opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
     converted = int8_prefill_graph(
-        onnx.helper.make_model(onnx.helper.make_graph(nodes, "g", [], [], inits), opset_imports=opsets), tmp_path
+        onnx.helper.make_model(onnx.helper.make_graph(nodes, "g", [], [], inits), opset_imports=opsets),
+        tmp_path,
+        tmp_path / "8.bin",
     )
     assert converted is not None
     assert [(n.name.split("/")[-2], n.op_type) for n in converted.graph.node] == [

@@ -9,14 +9,28 @@ model: 2.8-2.9x on a 512 x 896 x 4864 product, 1.45x slower on one row). So the 
 prefills with this graph and decodes with the folder's own; both write the same
 key/value cache (attention runs on the same GroupQueryAttention kernel in both).
 
-The price: the int8 weights are twice the int4 ones in memory, and rounding the weights per
-column and the activations per call (rather than per block of 32) moves logits a little,
-so greedy tokens can differ from the int4 graph's (measured in benchmarks/bench_prefill.py).
+The copy is written once to a folder under ``$ORTSERVE_CACHE/int8-prefill`` with all the
+weights it needs in one file (onnxruntime reads external data only from the graph's own
+folder and refuses links out of it; a hard link would trip onnx's own check on the model's
+file), and onnxruntime maps it from there: the weights never pass through a protobuf, so
+there is no 2 GB limit and no converted copy left on the heap (measured on the 0.5B-shaped
+model: 880 MB more resident than the int4 model alone when the weights lived in the graph,
+about 510 MB now), and the next load skips the conversion.
+
+The price: the int8 weights are twice the int4 ones, and rounding the weights per column
+and the activations per call (rather than per block of 32) moves logits a little, so greedy
+tokens can differ from the int4 graph's (measured in benchmarks/bench_prefill.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -24,18 +38,31 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-__all__ = ["cpu_has_vnni", "has_int4_matrices", "int8_prefill_graph"]
+__all__ = ["cpu_has_vnni", "has_int4_matrices", "int8_cache", "int8_prefill_folder", "int8_prefill_graph"]
 
-KEEP_INT4 = ("down_proj",)
+KEEP_INT4 = ("down_proj", "lm_head")
 """Matrices left on the int4 kernel (matched in the node's name, the genai builder's
-naming): the MLP's down projection multiplies SiLU(gate) x up, whose few huge values leave
+naming). The MLP's down projection multiplies SiLU(gate) x up, whose few huge values leave
 one scale per call too coarse for the rest. Measured on SmolLM2-135M, 8 chat replies of 32
 greedy tokens against the int4 prefill's: every matrix in int8, 1 equal and the first
 difference after 3.1 tokens on average (1.59x faster at 1,024 tokens); down_proj kept,
-2 equal, 14.4 tokens (1.45x); only gate and up in int8, 4 equal, 15.6 tokens (1.28x)."""
+2 equal, 14.4 tokens (1.45x); only gate and up in int8, 4 equal, 15.6 tokens (1.28x).
+The LM head multiplies one row a prompt (the engine computes the last position's logits
+only): int8 would gain nothing there and cost 136 MB on a 0.5B model."""
 
-MAX_PROTO_BYTES = 1_800_000_000
-"""The int8 weights live inside the graph's protobuf, which cannot exceed 2 GB."""
+FORMAT = 2
+"""Part of the cache key: raise it when the conversion changes, so older copies are rebuilt."""
+
+ALIGNMENT = 4096
+"""Each tensor in the copy's data file starts on a page, so onnxruntime can map it."""
+
+DATA_FILE = "model.onnx.data"
+
+
+def int8_cache() -> Path:
+    """Where int8 copies are kept: ``$ORTSERVE_CACHE/int8-prefill`` (``~/.cache/ortserve``
+    when unset, as for the client's files)."""
+    return Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / "int8-prefill"
 
 
 def cpu_has_vnni() -> bool:
@@ -61,57 +88,143 @@ def _convertible(node: onnx.NodeProto) -> bool:
     return attributes.get("bits", 4) == 4 and not (len(node.input) > 4 and node.input[4])
 
 
-def int8_prefill_graph(graph_model: onnx.ModelProto, folder: Path) -> onnx.ModelProto | None:
+def int8_prefill_graph(graph_model: onnx.ModelProto, folder: Path, data_file: Path) -> onnx.ModelProto | None:
     """A copy of ``graph_model`` (its external data in ``folder``) with each 4-bit
-    ``MatMulNBits`` replaced as the module says, or ``None`` where there is none to replace
-    or the weights would not fit in one protobuf."""
+    ``MatMulNBits`` replaced as the module says, its int8 weights and scales written to
+    ``data_file`` (the graph names it as their external data, by file name); ``None`` where
+    there is none to replace."""
     model = onnx.ModelProto()
     model.CopyFrom(graph_model)
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
-    replaced: dict[str, onnx.TensorProto] = {}
-    total = 0
-    for index, node in enumerate(graph.node):
-        if not _convertible(node):
-            continue
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        inputs = list(node.input) + [""] * (6 - len(node.input))
-        _, packed, scales, zero_points, _, bias = inputs[:6]
-        if packed not in initializers or scales not in initializers:
-            continue
-        zero = initializers.get(zero_points) if zero_points else None
-        if zero_points and zero is None:
-            continue
-        weights = _dequantize(
-            onnx.numpy_helper.to_array(initializers[packed], str(folder)),
-            onnx.numpy_helper.to_array(initializers[scales], str(folder)),
-            None if zero is None else onnx.numpy_helper.to_array(zero, str(folder)),
-            int(attributes["K"]),
-            int(attributes["N"]),
-            int(attributes["block_size"]),
-        )
-        column_scale = np.maximum(np.abs(weights).max(axis=0), 1e-12).astype(np.float32) / 127
-        quantized = np.clip(np.rint(weights / column_scale), -127, 127).astype(np.int8)
-        name = f"ortserve/int8/{node.name or index}"
-        replaced[name + "/weight"] = onnx.numpy_helper.from_array(quantized, name + "/weight")
-        replaced[name + "/scale"] = onnx.numpy_helper.from_array(column_scale, name + "/scale")
-        total += quantized.nbytes
-        if total > MAX_PROTO_BYTES:
+    added: list[onnx.TensorProto] = []
+    with data_file.open("wb") as data:
+        for index, node in enumerate(graph.node):
+            if not _convertible(node):
+                continue
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            inputs = list(node.input) + [""] * (6 - len(node.input))
+            _, packed, scales, zero_points, _, bias = inputs[:6]
+            if packed not in initializers or scales not in initializers:
+                continue
+            zero = initializers.get(zero_points) if zero_points else None
+            if zero_points and zero is None:
+                continue
+            weights = _dequantize(
+                onnx.numpy_helper.to_array(initializers[packed], str(folder)),
+                onnx.numpy_helper.to_array(initializers[scales], str(folder)),
+                None if zero is None else onnx.numpy_helper.to_array(zero, str(folder)),
+                int(attributes["K"]),
+                int(attributes["N"]),
+                int(attributes["block_size"]),
+            )
+            column_scale = np.maximum(np.abs(weights).max(axis=0), 1e-12).astype(np.float32) / 127
+            quantized = np.clip(np.rint(weights / column_scale), -127, 127).astype(np.int8)
+            name = f"ortserve/int8/{node.name or index}"
+            added.append(_write_external(data, data_file.name, quantized, name + "/weight"))
+            added.append(_write_external(data, data_file.name, column_scale, name + "/scale"))
+            new_inputs = [node.input[0], name + "/weight", name + "/scale"] + (["", bias] if bias else [])
+            new = onnx.helper.make_node(
+                "DynamicQuantizeMatMul", new_inputs, list(node.output), name=name, domain="com.microsoft"
+            )
+            graph.node.remove(node)
+            graph.node.insert(index, new)
+        if not added:
             return None
-        new_inputs = [node.input[0], name + "/weight", name + "/scale"] + (["", bias] if bias else [])
-        new = onnx.helper.make_node(
-            "DynamicQuantizeMatMul", new_inputs, list(node.output), name=name, domain="com.microsoft"
-        )
-        graph.node.remove(node)
-        graph.node.insert(index, new)
-    if not replaced:
-        return None
-    used = {name for node in graph.node for name in node.input}
-    kept = [tensor for tensor in graph.initializer if tensor.name in used]
+        used = {name for node in graph.node for name in node.input}
+        kept = [tensor for tensor in graph.initializer if tensor.name in used]
+        for tensor in kept:  # the int4 weights left, the embeddings, the norms: into the same file
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                _copy_external(tensor, folder, data, data_file.name)
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    graph.initializer.extend(replaced.values())
+    graph.initializer.extend(added)
     return model
+
+
+def _write_external(data: BinaryIO, location: str, array: npt.NDArray[np.generic], name: str) -> onnx.TensorProto:
+    """``array`` appended to ``data`` on a page boundary, and a tensor naming it there."""
+    tensor = onnx.TensorProto(name=name, data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype))
+    tensor.dims.extend(array.shape)
+    offset = _align(data)
+    data.write(np.ascontiguousarray(array).tobytes())
+    _point_at(tensor, location, offset, array.nbytes)
+    return tensor
+
+
+def _copy_external(tensor: onnx.TensorProto, folder: Path, data: BinaryIO, location: str) -> None:
+    """The bytes of an external ``tensor`` (relative to ``folder``) appended to ``data``, and
+    the tensor pointed there."""
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    source_offset, length = int(entries.get("offset", 0)), entries.get("length")
+    offset = _align(data)
+    with (folder / entries["location"]).open("rb") as source:
+        source.seek(source_offset)
+        remaining = int(length) if length is not None else None
+        while remaining is None or remaining > 0:
+            chunk = source.read(1 << 24 if remaining is None else min(remaining, 1 << 24))
+            if not chunk:
+                break
+            data.write(chunk)
+            remaining = None if remaining is None else remaining - len(chunk)
+    _point_at(tensor, location, offset, data.tell() - offset)
+
+
+def _align(data: BinaryIO) -> int:
+    data.write(b"\0" * (-data.tell() % ALIGNMENT))
+    return data.tell()
+
+
+def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=key, value=value)
+
+
+def int8_prefill_folder(model_path: Path, graph_model: onnx.ModelProto, cache: Path) -> Path | None:
+    """The folder under ``cache`` holding the int8 copy of ``model_path`` (its graph as
+    ``graph_model``): ``model.onnx`` and its weights in :data:`DATA_FILE`; built here
+    unless an earlier load left it. ``None`` where there is nothing to convert. Raises
+    ``OSError`` where ``cache`` cannot be written."""
+    target = cache / _cache_key(model_path, graph_model)
+    if (target / "model.onnx").is_file():  # written last: the copy is whole
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        converted = int8_prefill_graph(graph_model, model_path.parent, partial / DATA_FILE)
+        if converted is None:
+            return None
+        onnx.save(converted, str(partial / "model.onnx"))
+        with contextlib.suppress(OSError):  # another process finished it first: theirs is as good
+            partial.rename(target)
+        return target if (target / "model.onnx").is_file() else None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _external_locations(model: onnx.ModelProto) -> set[str]:
+    return {
+        entry.value
+        for tensor in model.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+
+
+def _cache_key(model_path: Path, graph_model: onnx.ModelProto) -> str:
+    """The model folder's name and a digest of the graph, its weight files' sizes and
+    modification times, and the conversion (:data:`FORMAT`, :data:`KEEP_INT4`)."""
+    digest = hashlib.sha256(f"{FORMAT} {KEEP_INT4}".encode())
+    digest.update(graph_model.SerializeToString())
+    for location in sorted(_external_locations(graph_model)):
+        stat = (model_path.parent / location).stat()
+        digest.update(f"{location} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return f"{model_path.parent.name}-{digest.hexdigest()[:16]}"
 
 
 def _dequantize(

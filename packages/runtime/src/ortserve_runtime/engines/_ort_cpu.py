@@ -32,7 +32,10 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import shutil
+import tempfile
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,7 +53,7 @@ from .._folder import GenaiFolder
 from .._threads import OwnerThread, batched_hand_backs
 from ..chat._request import FinishReason, Request
 from ._base import EngineCapabilities
-from ._int8_prefill import cpu_has_vnni, has_int4_matrices, int8_prefill_graph
+from ._int8_prefill import cpu_has_vnni, has_int4_matrices, int8_cache, int8_prefill_folder
 from ._prefix_cache import PrefixCache, Rows
 
 __all__ = ["OrtCpuEngine"]
@@ -147,11 +150,19 @@ class _DecoderGraph:
         """A session of the int8 copy of this graph (see _int8_prefill; the engine asks only
         where :func:`has_int4_matrices` and ``last_only``), or ``None`` where no weight could
         be read for it."""
-        graph_model = int8_prefill_graph(self.int8_source, self.model_path.parent)
+        source = self.int8_source
         del self.int8_source  # read once
-        if graph_model is None:
+        try:
+            folder = int8_prefill_folder(self.model_path, source, int8_cache())
+        except OSError as exc:  # a read-only cache: a copy for this load only
+            logger.warning("no int8 prefill cache at %s (%s): converting into a temporary folder", int8_cache(), exc)
+            scratch = tempfile.mkdtemp(prefix="ortserve-int8-")
+            weakref.finalize(self, shutil.rmtree, scratch, True)  # removed with this graph
+            folder = int8_prefill_folder(self.model_path, source, Path(scratch))
+        if folder is None:
             return None
-        session, _ = _open_session(self.model_path, graph_model, self._options(), self.logits, last_only=True)
+        graph_model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+        session, _ = _open_session(folder / "model.onnx", graph_model, self._options(), self.logits, last_only=True)
         return session
 
 
