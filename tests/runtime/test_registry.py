@@ -219,6 +219,23 @@ async def test_least_recently_used_idle_model_makes_room_else_capacity_error() -
     await registry.close()
 
 
+async def test_a_model_kept_with_a_negative_keep_alive_makes_room_last() -> None:
+    registry = ModelRegistry(max_loaded=2)
+    for name in ("a", "b", "c", "d"):
+        registry.add(name, TINY_MODEL)
+    a = await registry.acquire("a")
+    a.keep_alive = -1
+    a.release()  # a is the least recently used, but kept
+    (await registry.acquire("b")).release()
+    (await registry.acquire("c")).release()  # b goes, not a
+    assert [s.state for s in registry.status()] == ["ready", "unloaded", "ready", "unloaded"]
+    c = await registry.acquire("c")  # busy: only the kept model can make room now
+    (await registry.acquire("d")).release()
+    assert [s.state for s in registry.status()] == ["unloaded", "unloaded", "ready", "ready"]
+    c.release()
+    await registry.close()
+
+
 async def test_a_first_load_measured_over_the_memory_budget_is_let_go_while_others_are_busy() -> None:
     # 128 MiB KV caches (zeroed pages, virtual until used) dwarf the few MiB by which a
     # resident-set delta can be off.

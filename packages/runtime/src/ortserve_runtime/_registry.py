@@ -227,6 +227,9 @@ class _Entry:
         """The engine's KV cache capacity, where it reports one (kept like ``resident_bytes``)."""
         self.expires_at: float | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.kept: bool = False
+        """Its last request asked to keep it loaded (a negative ``keep_alive``): unloaded to
+        make room only when no other idle model can be."""
 
     @property
     def cost(self) -> int:
@@ -264,8 +267,8 @@ class ModelRegistry:
 
     Residency: ``idle_unload`` seconds after its last request a model is unloaded (``None``:
     never); loading past ``max_loaded`` models or ``memory_budget`` bytes first unloads the
-    least recently used idle models, and raises :class:`ModelCapacityError` when no idle
-    model is left to unload. ``unload_grace`` is how long an unload waits for requests
+    least recently used idle models (those kept with a negative ``keep_alive`` last), and
+    raises :class:`ModelCapacityError` when no idle model is left to unload. ``unload_grace`` is how long an unload waits for requests
     that hold the model before it closes the model under them (they end with
     :class:`EngineClosedError`).
     """
@@ -502,7 +505,8 @@ class ModelRegistry:
             for e in self._entries.values()
             if e is not exclude and e.model is not None and e.in_flight == 0 and e.unloading is None
         ]
-        return sorted(idle, key=lambda e: e.last_used or 0.0)
+        # Kept models last, as Ollama orders them (by keep-alive); least recently used first.
+        return sorted(idle, key=lambda e: (e.kept, e.last_used or 0.0))
 
     def _loaded_cost(self) -> int:
         return sum(e.cost for e in self._entries.values() if e.model is not None)
@@ -535,6 +539,7 @@ class ModelRegistry:
     def _arm(self, entry: _Entry, seconds: float | None) -> None:
         """Unload ``entry`` once it has been idle ``seconds`` (``None`` or negative: never)."""
         self._disarm(entry)
+        entry.kept = seconds is not None and seconds < 0
         if seconds is None or seconds < 0:
             return
         loop = asyncio.get_running_loop()
