@@ -99,13 +99,8 @@ async def load(folder: Path, config: ModelConfig) -> tuple[ModelRegistry, ChatMo
     registry = ModelRegistry(config)
     registry.add("m", folder)
     model: ChatModel = await registry.get("m")
-    engine = model.engine
-    if config.prefill_int8:
-        deadline = time.monotonic() + 600
-        while engine.prefill_session is None:  # type: ignore[attr-defined]  # built in the background
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no int8 prefill session for {folder} after 10 minutes (see the log)")
-            await asyncio.sleep(0.1)
+    if config.prefill_int8 and model.engine.prefill_session is None:  # type: ignore[attr-defined]
+        raise RuntimeError(f"no int8 prefill session for {folder} (see the log)")
     return registry, model
 
 

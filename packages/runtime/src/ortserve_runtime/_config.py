@@ -95,11 +95,11 @@ class ModelConfig:
     requests in between (a long prompt does not stall the other streams)."""
     prefill_int8: bool | None = False
     """ort-cpu: prefill prompts of 64 tokens or more through an int8 copy of an int4 model's
-    matrices (onnxruntime's u8s8 GEMM; the MLP's down projection stays int4), built in the
-    background after the load; decode stays on the folder's int4 graph. Measured (see
-    README): prefill 1.4-1.6x faster, about 0.9 GB more memory on the 0.5B-shaped model,
-    and greedy replies that drift from og's (SmolLM2-135M: 2 of 8 equal, the first
-    difference after 14 tokens on average). Hence off by default. ``None`` turns it on
+    matrices (onnxruntime's u8s8 GEMM; the MLP's down projection and the LM head stay
+    int4), converted at the model's first load and kept under ``$ORTSERVE_CACHE/int8-prefill``;
+    decode stays on the folder's int4 graph. Measured (see README): prefill 1.4-1.6x faster,
+    about 0.5 GB more memory on the 0.5B-shaped model, and greedy replies that drift from
+    og's as far as any change of rounding does. Hence off by default. ``None`` turns it on
     where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI) for models that have int4 matrices;
     ``True`` for every model, refusing to load one it cannot apply to (another engine,
     another precision, every position's logits)."""

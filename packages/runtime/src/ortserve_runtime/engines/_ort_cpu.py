@@ -34,7 +34,6 @@ import logging
 import mmap
 import shutil
 import tempfile
-import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -227,7 +226,7 @@ class OrtCpuEngine(OwnerThread):
         self.steps = 0
         """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
         self.prefill_session: Any = None
-        """The int8 prefill session once it is built (see ``ModelConfig.prefill_int8``)."""
+        """The int8 prefill session, where ``ModelConfig.prefill_int8`` asks for one."""
         convertible = graph.last_only and has_int4_matrices(graph.int8_source)
         if config.prefill_int8 and not convertible:
             raise ModelLoadError(
@@ -238,21 +237,16 @@ class OrtCpuEngine(OwnerThread):
             )
         wanted = config.prefill_int8 if config.prefill_int8 is not None else cpu_has_vnni()
         if wanted and convertible:
-            threading.Thread(target=self._open_int8_prefill, name=f"ortserve-{model_name}-int8", daemon=True).start()
+            # Part of the load (seconds; the first load of a model also converts it), so that
+            # the memory measured around the load counts it, and no later load's does.
+            try:
+                self.prefill_session = graph.open_int8_prefill()
+            except Exception:  # an unusual graph: prefill stays on the folder's own
+                logger.warning("model %r: no int8 prefill session", model_name, exc_info=True)
+            _release_freed_memory()  # the conversion's buffers
         else:
             del graph.int8_source
         self._start_thread()
-
-    def _open_int8_prefill(self) -> None:
-        """Build the int8 prefill session off the owner thread: prompts prefill with the
-        folder's graph until it is there (it takes seconds for a 0.5B model)."""
-        try:
-            session = self._graph.open_int8_prefill()
-        except Exception:  # an unusual graph: prefill stays on the folder's own
-            logger.warning("model %r: no int8 prefill session", self.model_name, exc_info=True)
-            session = None
-        _release_freed_memory()  # the conversion's buffers (measured: 630 MB on a 0.5B model)
-        self.prefill_session = session
 
     @property
     def kv_cache_bytes(self) -> int:
