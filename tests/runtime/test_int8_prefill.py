@@ -171,7 +171,7 @@ async def test_the_int8_copy_is_cached(tmp_path: Path, int8_cache_in_tmp: Path) 
     await registry.close()
     [copy] = int8_cache_in_tmp.iterdir()
     assert copy.name.startswith("tiny-int4-")
-    assert sorted(p.name for p in copy.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert sorted(p.name for p in copy.iterdir()) == ["model.onnx", "model.onnx.data", "source.txt"]
     built = (copy / "model.onnx.data").stat().st_mtime_ns
 
     registry, _ = await load_with_int8(folder)  # the next load reads it as it is
@@ -179,10 +179,16 @@ async def test_the_int8_copy_is_cached(tmp_path: Path, int8_cache_in_tmp: Path) 
     assert (copy / "model.onnx.data").stat().st_mtime_ns == built
     assert [p.name for p in int8_cache_in_tmp.iterdir()] == [copy.name]  # no partial folder left
 
-    os.utime(folder / "model.onnx.data")  # the model changed: a new copy
-    registry, _ = await load_with_int8(folder)
+    other = int4_copy_of_tiny(tmp_path / "elsewhere" / "tiny-int4")  # the same name, another model
+    registry, _ = await load_with_int8(other)
     await registry.close()
     assert len(list(int8_cache_in_tmp.iterdir())) == 2
+
+    os.utime(folder / "model.onnx.data")  # the model changed: a new copy replaces its old one
+    registry, _ = await load_with_int8(folder)
+    await registry.close()
+    copies = list(int8_cache_in_tmp.iterdir())
+    assert len(copies) == 2 and copy not in copies
 
 
 async def test_a_cache_that_cannot_be_written_converts_into_a_temporary_folder(

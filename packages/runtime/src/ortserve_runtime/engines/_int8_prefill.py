@@ -57,6 +57,8 @@ ALIGNMENT = 4096
 """Each tensor in the copy's data file starts on a page, so onnxruntime can map it."""
 
 DATA_FILE = "model.onnx.data"
+SOURCE_FILE = "source.txt"
+"""The model file a copy was made from (a newer copy of the same file replaces it)."""
 
 
 def int8_cache() -> Path:
@@ -185,8 +187,9 @@ def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int)
 def int8_prefill_folder(model_path: Path, graph_model: onnx.ModelProto, cache: Path) -> Path | None:
     """The folder under ``cache`` holding the int8 copy of ``model_path`` (its graph as
     ``graph_model``): ``model.onnx`` and its weights in :data:`DATA_FILE`; built here
-    unless an earlier load left it. ``None`` where there is nothing to convert. Raises
-    ``OSError`` where ``cache`` cannot be written."""
+    unless an earlier load left it, removing copies made of an earlier state of the same
+    model file. ``None`` where there is nothing to convert. Raises ``OSError`` where
+    ``cache`` cannot be written."""
     target = cache / _cache_key(model_path, graph_model)
     if (target / "model.onnx").is_file():  # written last: the copy is whole
         return target
@@ -194,16 +197,28 @@ def int8_prefill_folder(model_path: Path, graph_model: onnx.ModelProto, cache: P
     partial = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
+    source = str(model_path.resolve())
     try:
         converted = int8_prefill_graph(graph_model, model_path.parent, partial / DATA_FILE)
         if converted is None:
             return None
+        (partial / SOURCE_FILE).write_text(source, encoding="utf-8")
         onnx.save(converted, str(partial / "model.onnx"))
         with contextlib.suppress(OSError):  # another process finished it first: theirs is as good
             partial.rename(target)
-        return target if (target / "model.onnx").is_file() else None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+    for other in cache.iterdir():  # the model changed since: those copies would never be read again
+        if other != target and not other.name.startswith(".") and _source_of(other) == source:
+            shutil.rmtree(other, ignore_errors=True)  # a process still using one keeps its open files
+    return target if (target / "model.onnx").is_file() else None
+
+
+def _source_of(copy: Path) -> str | None:
+    try:
+        return (copy / SOURCE_FILE).read_text(encoding="utf-8")
+    except OSError:
+        return None
 
 
 def _external_locations(model: onnx.ModelProto) -> set[str]:
