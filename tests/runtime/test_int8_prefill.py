@@ -16,6 +16,7 @@ import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelLoadError, ModelRegistry
+from ortserve_runtime.engines import _ort_cpu as ort_cpu
 from ortserve_runtime.engines._int8_prefill import _dequantize, int8_prefill_graph
 from serving import TINY_MODEL
 
@@ -203,6 +204,26 @@ async def test_a_cache_that_cannot_be_written_converts_into_a_temporary_folder(
     ).collect()
     assert len(tokens) == 4
     await registry.close()
+
+
+async def test_a_copy_that_cannot_be_made_fails_on_and_is_skipped_by_auto(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
+
+    def no_room(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ort_cpu, "int8_prefill_folder", no_room)
+    registry = ModelRegistry(ModelConfig(prefill_int8=True))
+    registry.add("tiny", folder)
+    with pytest.raises(ModelLoadError, match=r"no int8 copy could be made \(OSError: .*No space left on device"):
+        await registry.get("tiny")
+    auto = ModelRegistry(ModelConfig(prefill_int8=None))
+    auto.add("tiny", folder)
+    model: ChatModel = await auto.get("tiny")  # served, prefilling in int4
+    assert model.engine.prefill_session is None  # type: ignore[attr-defined]
+    await auto.close()
 
 
 def test_the_down_projection_stays_int4(tmp_path: Path) -> None:

@@ -241,9 +241,23 @@ class OrtCpuEngine(OwnerThread):
             # the memory measured around the load counts it, and no later load's does.
             try:
                 self.prefill_session = graph.open_int8_prefill()
-            except Exception:  # an unusual graph: prefill stays on the folder's own
-                logger.warning("model %r: no int8 prefill session", model_name, exc_info=True)
-            _release_freed_memory()  # the conversion's buffers
+            except Exception as exc:  # an unusual graph, a full disk
+                if config.prefill_int8:  # asked for by name: a load error saying why, not a silent int4
+                    raise ModelLoadError(
+                        f"{folder.path}: prefill_int8 (--prefill-int8 on): no int8 copy could be made "
+                        f"({type(exc).__name__}: {exc}); turn it off, or use --prefill-int8 auto, which serves "
+                        "without it",
+                        path=folder.path,
+                    ) from exc
+                logger.warning("model %r: no int8 prefill session, prompts prefill in int4", model_name, exc_info=True)
+            finally:
+                _release_freed_memory()  # the conversion's buffers
+            if self.prefill_session is None and config.prefill_int8:
+                raise ModelLoadError(
+                    f"{folder.path}: prefill_int8 (--prefill-int8 on): none of its int4 matrices could be read "
+                    "for an int8 copy; turn it off, or use --prefill-int8 auto",
+                    path=folder.path,
+                )
         else:
             del graph.int8_source
         self._start_thread()
