@@ -669,6 +669,9 @@ class Model(_Response):
     """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu``, ``trt-rtx``."""
     engine: str | None = None
     """A loaded generative model's engine: ``ort-cpu``, ``og-engine`` or ``og-generator``."""
+    prefill_int8: bool | None = None
+    """A loaded ``ort-cpu`` model: whether prompts prefill through its int8 copy
+    (``--prefill-int8``); ``None`` for other engines."""
     parent: str | None = None
     """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
     root: str | None = None

@@ -54,6 +54,10 @@ class ModelStatus:
     """The execution provider the model runs (or will run) on."""
     engine: str | None = None
     """The engine of a loaded generative model (``ort-cpu``, ``og-engine``, ``og-generator``)."""
+    prefill_int8: bool | None = None
+    """A loaded ort-cpu model: whether prompts prefill through its int8 copy
+    (``ModelConfig.prefill_int8``; with ``None``, where the CPU and model allow); ``None``
+    for other engines and unloaded models."""
     in_flight: int = 0
     """Requests holding the model now (streams until their last event)."""
     last_used: float | None = None
@@ -67,6 +71,13 @@ class ModelStatus:
     to, beyond ``resident_bytes``)."""
     expires_at: float | None = None
     """When an idle model will be unloaded (Unix time); ``None``: not scheduled."""
+
+
+def _prefill_int8(engine: Any) -> bool | None:
+    """Whether an ort-cpu engine prefills through its int8 copy (``None``: another engine, or none)."""
+    if engine is None or not hasattr(engine, "prefill_session"):
+        return None
+    return engine.prefill_session is not None
 
 
 def detect_model_kind(folder: Path) -> ModelKind:
@@ -355,6 +366,7 @@ class ModelRegistry:
             entry.error,
             provider=entry.config.provider,
             engine=engine.name if engine is not None else None,
+            prefill_int8=_prefill_int8(engine),
             in_flight=entry.in_flight,
             last_used=entry.last_used,
             resident_bytes=entry.resident_bytes if loaded else None,

@@ -611,7 +611,7 @@ def _ps(args: argparse.Namespace) -> int:
                 m.id,
                 m.kind or "-",
                 m.status or "-",
-                m.engine or "-",
+                (m.engine or "-") + (" (int8 prefill)" if m.prefill_int8 else ""),
                 _human_bytes(m.resident_bytes),
                 _human_bytes(m.kv_cache_bytes),
                 str(m.in_flight if m.in_flight is not None else "-"),
