@@ -116,3 +116,65 @@ def test_adapter_names_and_kinds_are_checked() -> None:
     registry = ModelRegistry(ModelConfig(adapters=dict(LORA_ADAPTERS)))
     with pytest.raises(ValueError, match="'whisper' is a speech model: LoRA adapters apply to generative models only"):
         registry.add("whisper", TINY_MODEL.parent / "tiny-whisper")
+
+
+@pytest.mark.parametrize("engine", ["ort-cpu", "og-generator"])
+async def test_adapters_load_and_unload_while_the_model_serves(engine: str) -> None:
+    """Added at run time, an adapter gives what it gives loaded at startup; removed, it is
+    refused while a request already running finishes through it; added again under the same
+    name from the other file, the new one serves (nothing of the old one is reused)."""
+    registry = ModelRegistry(ModelConfig(engine=engine))  # type: ignore[arg-type]
+    registry.add("lora", LORA_MODEL)
+    model: ChatModel = await registry.get("lora")
+    assert model.adapters == () and registry.adapters("lora") == ()
+
+    await registry.add_adapter("lora", "alpha", LORA_ADAPTERS["alpha"])
+    assert model.adapters == ("alpha",) and registry.adapters("lora") == ("alpha",)
+    _, tokens, _, _ = await model.with_adapter("alpha").generate(PROMPT, options=GREEDY).collect()
+    assert tokens == REFERENCE["alpha"]
+    with pytest.raises(ValueError, match="already has a LoRA adapter 'alpha'"):
+        await registry.add_adapter("lora", "alpha", LORA_ADAPTERS["beta"])
+
+    running = model.with_adapter("alpha").generate(PROMPT, options=GREEDY)
+    first = await running.__anext__()  # started: holds the adapter
+    await registry.remove_adapter("lora", "alpha")
+    with pytest.raises(AdapterNotFoundError, match="has no LoRA adapter 'alpha'"):
+        model.with_adapter("alpha")
+    rest = [event async for event in running]
+    streamed = [event.token_id for event in (first, *rest) if event.token_id is not None]
+    assert streamed == REFERENCE["alpha"]  # finished through the adapter it started with
+
+    await registry.add_adapter("lora", "alpha", LORA_ADAPTERS["beta"])  # the same name, the other file
+    for _ in range(2):  # the second time from the prefix cache, which must not hold the old adapter's rows
+        _, tokens, _, _ = await model.with_adapter("alpha").generate(PROMPT, options=GREEDY).collect()
+        assert tokens == REFERENCE["beta"]
+    _, tokens, _, _ = await model.generate(PROMPT, options=GREEDY).collect()
+    assert tokens == REFERENCE[None]  # type: ignore[index]
+    engine_state = model.engine
+    if engine == "ort-cpu":  # the retired adapter's tensors and bindings are gone
+        assert list(engine_state._adapter_inputs) == ["alpha@2"]  # type: ignore[attr-defined]
+        assert {key[2] for key in engine_state._bindings} <= {None, "alpha@2"}  # type: ignore[attr-defined]
+    assert not engine_state._retired  # type: ignore[attr-defined]  # og unloaded it too
+
+    await registry.unload("lora")  # a later load serves what was added
+    reloaded: ChatModel = await registry.get("lora")
+    assert reloaded is not model and reloaded.adapters == ("alpha",)
+    _, tokens, _, _ = await reloaded.with_adapter("alpha").generate(PROMPT, options=GREEDY).collect()
+    assert tokens == REFERENCE["beta"]
+    with pytest.raises(AdapterNotFoundError):
+        await registry.remove_adapter("lora", "gamma")
+    await registry.close()
+
+
+async def test_adding_an_adapter_that_does_not_fit_names_the_file(tmp_path: Path) -> None:
+    registry = ModelRegistry()
+    registry.add("tiny", TINY_MODEL)
+    await registry.get("tiny")
+    with pytest.raises(ModelLoadError, match="was not made for"):
+        await registry.add_adapter("tiny", "alpha", LORA_ADAPTERS["alpha"])
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        await registry.add_adapter("tiny", "alpha", tmp_path / "missing.onnx_adapter")
+    with pytest.raises(ValueError, match="free of ':'"):
+        await registry.add_adapter("tiny", "a:b", LORA_ADAPTERS["alpha"])
+    assert registry.adapters("tiny") == ()
+    await registry.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -16,7 +17,7 @@ import anyio
 
 from ._config import EngineName, ModelConfig
 from ._embeddings import EmbeddingModel
-from ._errors import ModelCapacityError, ModelLoadError, ModelNotFoundError
+from ._errors import AdapterNotFoundError, ModelCapacityError, ModelLoadError, ModelNotFoundError
 from ._folder import GenaiFolder, load_og_model
 from ._rerank import RerankModel
 from ._speech import SpeechModel
@@ -425,6 +426,52 @@ class ModelRegistry:
         if entry.model is None:
             return
         await asyncio.shield(self._start_unload(entry, self.unload_grace if grace is None else grace))
+
+    def adapters(self, name: str) -> tuple[str, ...]:
+        """The LoRA adapters model ``name`` serves: its config's and those added since."""
+        entry = self._entry(name)
+        return tuple(entry.config.adapters) if entry.kind == "generative" else ()
+
+    async def add_adapter(self, name: str, adapter: str, path: str | Path) -> None:
+        """Serve LoRA adapter ``adapter`` of model ``name`` (as ``name:adapter``) from the
+        ``.onnx_adapter`` file ``path``: at once where the model is loaded, and at every
+        later load. Raises ``ValueError`` for a name in use or not allowed, a model that
+        is not generative or an engine without adapters per request, and
+        :class:`ModelLoadError` naming a file that is no adapter of this model."""
+        entry = self._entry(name)
+        if entry.kind != "generative":
+            raise ValueError(f"model {name!r} is a {entry.kind} model: LoRA adapters apply to generative models only")
+        if entry.config.engine == "og-engine":
+            raise ValueError(f"model {name!r} runs on og-engine, which takes no LoRA adapter per request")
+        async with self._load_lock:  # no load picks up half of the change
+            if adapter in entry.config.adapters:
+                raise ValueError(f"model {name!r} already has a LoRA adapter {adapter!r}")
+            config = dataclasses.replace(entry.config, adapters={**entry.config.adapters, adapter: Path(path)})
+            checked = await asyncio.to_thread(check_adapters, GenaiFolder.read(entry.path), {adapter: Path(path)})
+            model = entry.model
+            if model is not None and entry.unloading is None:
+                try:
+                    await asyncio.to_thread(model.add_adapter, adapter, checked[adapter])
+                except RuntimeError as exc:  # og's own check of the file
+                    raise ModelLoadError(
+                        f"adapter {adapter!r}: onnxruntime-genai cannot load {checked[adapter]}: {exc}",
+                        path=checked[adapter],
+                    ) from exc
+            entry.config = dataclasses.replace(config, adapters={**entry.config.adapters, **checked})
+
+    async def remove_adapter(self, name: str, adapter: str) -> None:
+        """Stop serving LoRA adapter ``adapter`` of model ``name``: requests naming it are
+        refused from now on (404), those running finish with it. Raises
+        :class:`AdapterNotFoundError` for an adapter the model does not have."""
+        entry = self._entry(name)
+        async with self._load_lock:
+            if adapter not in entry.config.adapters:
+                raise AdapterNotFoundError(name, adapter, self.adapters(name))
+            kept = {key: path for key, path in entry.config.adapters.items() if key != adapter}
+            entry.config = dataclasses.replace(entry.config, adapters=kept)
+            model = entry.model
+            if model is not None and entry.unloading is None:
+                model.remove_adapter(adapter)
 
     async def close(self) -> None:
         """Unload everything at once (the server's shutdown drained requests already)."""

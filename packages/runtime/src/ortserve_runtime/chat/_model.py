@@ -9,6 +9,7 @@ import asyncio
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokenizers import Tokenizer
@@ -53,8 +54,10 @@ class ChatModel:
         self.name = name
         """The model's name; ``MODEL:ADAPTER`` for a view :meth:`with_adapter` made."""
         self.base_name = name
-        self.adapters: tuple[str, ...] = tuple(config.adapters)
-        """The LoRA adapters the engine loaded (``config.adapters``), by name."""
+        self._adapter_keys: dict[str, str] = {name: name for name in config.adapters}
+        """LoRA adapter names -> the engine's keys (a name added again gets a new key, so
+        nothing the engine kept of the old adapter serves it); shared with the views."""
+        self._added = 0
         self.adapter: str | None = None
         """The adapter this model generates through (see :meth:`with_adapter`); ``None``: the base."""
         self.folder = folder.path
@@ -130,12 +133,42 @@ class ChatModel:
         """
         if adapter == self.adapter:
             return self
-        if adapter is not None and adapter not in self.adapters:
+        if adapter is not None and adapter not in self._adapter_keys:
             raise AdapterNotFoundError(self.base_name, adapter, self.adapters)
         view = copy.copy(self)
         view.adapter = adapter
         view.name = self.base_name if adapter is None else f"{self.base_name}:{adapter}"
         return view
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters requests can use now, by name."""
+        return tuple(self._adapter_keys)
+
+    def add_adapter(self, name: str, path: Path) -> None:
+        """Serve LoRA adapter ``name`` from ``path`` (checked against the model by the
+        caller) from now on; blocking (og loads it between steps), so call it off the event
+        loop. Engines without adapters per request raise ``ValueError``."""
+        add = getattr(self.engine, "add_adapter", None)
+        if add is None:
+            raise ValueError(
+                f"model {self.base_name!r} runs on {self.engine.name}, which takes no LoRA adapter per request "
+                "(serve it with engine og-generator or ort-cpu)"
+            )
+        if name in self._adapter_keys:
+            raise ValueError(f"model {self.base_name!r} already has a LoRA adapter {name!r}")
+        self._added += 1
+        key = f"{name}@{self._added}"
+        add(key, path)
+        self._adapter_keys[name] = key
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name``: new requests naming it are refused at once,
+        requests already running finish with it."""
+        key = self._adapter_keys.pop(name, None)
+        if key is None:
+            raise AdapterNotFoundError(self.base_name, name, self.adapters)
+        self.engine.retire_adapter(key)  # type: ignore[attr-defined]  # engines that took it have it
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -279,9 +312,17 @@ class ChatModel:
             tokenizer=self.tokenizer,
             eos=self.eos_token_ids,
             token_bytes=self.token_bytes if options.logprobs is not None else None,
-            adapter=self.adapter,
+            adapter=self._adapter_key(),
         )
         return GenerationStream(self.engine, request)
+
+    def _adapter_key(self) -> str | None:
+        if self.adapter is None:
+            return None
+        key = self._adapter_keys.get(self.adapter)
+        if key is None:  # unloaded since this view was made
+            raise AdapterNotFoundError(self.base_name, self.adapter, self.adapters)
+        return key
 
     def _check_engine(self, prompt: Prompt, options: GenerationOptions, grammar: Grammar | None) -> None:
         """Refuse what this engine cannot honour, naming the field, rather than ignore it."""

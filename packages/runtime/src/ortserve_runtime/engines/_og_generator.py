@@ -65,6 +65,10 @@ class OgGeneratorEngine(OwnerThread):
                     raise ModelLoadError(
                         f"adapter {name!r}: onnxruntime-genai cannot load {path}: {exc}", path=path
                     ) from exc
+        self._adapter_changes: list[tuple[str, Path | None, concurrent.futures.Future[None]]] = []
+        """Adapters to load (a path) or retire (``None``), applied by the owner thread between steps."""
+        self._retired: set[str] = set()
+        """Adapters to unload from og once no generator uses them."""
         self.concurrency = concurrency
         self._running: dict[Request, Any] = {}
         """Requests being generated, each with its og.Generator."""
@@ -88,10 +92,13 @@ class OgGeneratorEngine(OwnerThread):
                     or self._closing
                     or self._cancels
                     or any(f.done() for f in starting.values())
+                    or self._adapter_changes
                 ):
                     self._cond.wait()
                 if self._closing:
                     break
+                changes, self._adapter_changes = self._adapter_changes, []
+                in_use = {r.adapter for r in (*self._inbox, *self._running, *starting)}
                 cancels, self._cancels = self._cancels, set()
                 ended = [r for r in cancels if r in self._inbox or r in self._running]
                 for request in ended:
@@ -104,17 +111,63 @@ class OgGeneratorEngine(OwnerThread):
                     starting[admitted].add_done_callback(lambda _: self._wake())
             for request in ended:
                 request.deliver(request.final("cancelled"))
+            if changes or self._retired:
+                self._change_adapters(changes, in_use)
             for request, future in [(r, f) for r, f in starting.items() if f.done()]:
                 del starting[request]
                 self._started(request, future)
             for request, generator in list(self._running.items()):
                 self._guarded(request, self._step, request, generator)
         prefill.shutdown(wait=True)
+        for _, _, done in self._adapter_changes:
+            done.set_exception(self._closed_error())
         error = self._closed_error()
         for request in [*self._inbox, *self._running, *starting]:
             request.deliver(error)
         self._inbox.clear()
         self._running.clear()
+
+    def add_adapter(self, key: str, path: Path) -> None:
+        """Load LoRA adapter ``key`` into og (on the owner thread, between steps); any
+        thread but the owner's; raises what og raises for the file."""
+        self._change_adapter(key, path).result()
+
+    def retire_adapter(self, key: str) -> None:
+        """Unload adapter ``key`` from og once no generator uses it; any thread."""
+        self._change_adapter(key, None)
+
+    def _change_adapter(self, key: str, path: Path | None) -> concurrent.futures.Future[None]:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._cond:
+            if self._closing:
+                done.set_exception(self._closed_error())
+                return done
+            self._adapter_changes.append((key, path, done))
+            self._cond.notify()
+        return done
+
+    def _change_adapters(
+        self, changes: list[tuple[str, Path | None, concurrent.futures.Future[None]]], in_use: set[str | None]
+    ) -> None:
+        for key, path, done in changes:
+            if path is None:
+                self._retired.add(key)
+                done.set_result(None)
+                continue
+            try:
+                if self._adapters is None:
+                    self._adapters = og.Adapters(self._model)
+                self._adapters.load(str(path), key)
+            except Exception as exc:  # noqa: BLE001  # og's error for the file, to the caller
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+        for key in self._retired - in_use:
+            try:
+                self._adapters.unload(key)
+            except RuntimeError:  # a generator still holds it: again after the next step
+                continue
+            self._retired.discard(key)
 
     def _guarded(self, request: Request, action: Any, *args: Any) -> None:
         """Run one request's step; an onnxruntime failure fails that request only."""

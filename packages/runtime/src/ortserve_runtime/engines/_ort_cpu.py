@@ -195,6 +195,9 @@ class OrtCpuEngine(OwnerThread):
         super().__init__(model_name)
         self._graph = _DecoderGraph(folder.path, folder.genai, config)
         self._adapter_inputs = _adapter_inputs(adapters or {})
+        """Adapter tensors by adapter key; replaced, never changed in place (see :meth:`add_adapter`)."""
+        self._retired: set[str] = set()
+        """Adapter keys to forget once no request uses them (see :meth:`retire_adapter`)."""
         self.max_batch_size = config.max_batch_size
         graph = self._graph
         # np.zeros maps untouched pages lazily: memory grows with the tokens actually cached.
@@ -262,6 +265,31 @@ class OrtCpuEngine(OwnerThread):
             del graph.int8_source
         self._start_thread()
 
+    def add_adapter(self, key: str, path: Path) -> None:
+        """Make LoRA adapter ``key`` (a checked ``.onnx_adapter`` file) usable by requests
+        submitted from now on; any thread. The table is replaced, not changed in place, so
+        the owner thread reads either table whole."""
+        self._adapter_inputs = {**self._adapter_inputs, **_adapter_inputs({key: path})}
+
+    def retire_adapter(self, key: str) -> None:
+        """Forget adapter ``key`` once the requests using it are over (they finish with it);
+        any thread. Keys are never reused (the model gives a re-added name a new key), so no
+        binding or prefix-cache row of the old adapter can serve a new one."""
+        with self._cond:
+            self._retired.add(key)
+            self._cond.notify()
+
+    def _forget_retired_adapters(self) -> None:
+        """Owner thread, under the lock: drop retired adapters no request holds any more."""
+        held = [*self._inbox, *self._rows, *([self._prefilling] if self._prefilling else [])]
+        in_use = {request.adapter for request in held}
+        gone = self._retired - in_use
+        if gone:
+            self._adapter_inputs = {k: v for k, v in self._adapter_inputs.items() if k not in gone}
+            for binding in [b for b in self._bindings if b[2] in gone]:
+                del self._bindings[binding]
+        self._retired &= in_use
+
     @property
     def kv_cache_bytes(self) -> int:
         """The KV cache's full capacity (its pages become resident as tokens are cached)."""
@@ -277,10 +305,14 @@ class OrtCpuEngine(OwnerThread):
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._rows or self._prefilling or self._closing or self._cancels):
+                while not (
+                    self._inbox or self._rows or self._prefilling or self._closing or self._cancels or self._retired
+                ):
                     self._cond.wait()
                 if self._closing:
                     break
+                if self._retired:
+                    self._forget_retired_adapters()
                 cancels, self._cancels = self._cancels, set()
                 for request in cancels:
                     if request in self._inbox:
@@ -328,6 +360,11 @@ class OrtCpuEngine(OwnerThread):
                     request = self._inbox.popleft()
                 if request.cancelled:
                     request.deliver(request.final("cancelled"))
+                    continue
+                if request.adapter is not None and request.adapter not in self._adapter_inputs:
+                    # submitted with an adapter unloaded meanwhile (a retired one waits for
+                    # the requests already here): this request alone fails
+                    request.deliver(EngineError(f"LoRA adapter {request.adapter!r} was unloaded"))
                     continue
                 request.row, request.prefilled = len(self._rows), 0
                 self._rows_touched = max(self._rows_touched, request.row + 1)
