@@ -71,3 +71,17 @@ async def test_the_client_retries_a_capacity_503_then_raises_it() -> None:
                 await client.models.load("a")
             assert "memory budget" in str(info.value)
         assert {m.id: m.status for m in await server.status()} == {"a": "unloaded", "b": "unloaded"}
+
+
+async def test_a_sidecar_started_with_allow_runtime_adapters_serves_an_adapter_added_by_the_client() -> None:
+    lora = FIXTURES / "tiny-qwen2-lora"
+    serve_args = ["--allow-runtime-adapters"]
+    async with LocalServer({"lora": str(lora)}, port=0, serve_args=serve_args) as server, server.client() as client:
+        base = await client.completions.create(model="lora", prompt="hello there", max_tokens=8, temperature=0)
+        card = await client.models.load_adapter("beta", str(lora / "adapters" / "beta.onnx_adapter"))
+        assert (card.id, card.parent) == ("lora:beta", "lora")
+        adapted = await client.completions.create(model="lora:beta", prompt="hello there", max_tokens=8, temperature=0)
+        assert adapted.choices[0].text != base.choices[0].text  # the adapter changes the output
+        assert (await client.models.unload_adapter("lora:beta")).deleted
+        with pytest.raises(NotFoundError, match="no LoRA adapter 'beta'"):
+            await client.completions.create(model="lora:beta", prompt="hello there", max_tokens=2)

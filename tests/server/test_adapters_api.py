@@ -150,3 +150,52 @@ def test_llama_servers_lora_field_is_refused_pointing_at_the_model_id(client: op
         client.chat.completions.create(
             model="lora-og", messages=[{"role": "user", "content": "hi"}], extra_body={"lora": []}
         )
+
+
+def test_adapters_load_and_unload_over_http_as_in_vllm() -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter behind the admin key, with the
+    openai SDK using what they serve; off unless the server allows them."""
+    config = ServerConfig(
+        models={"lora": LORA_MODEL, "tiny": TINY_MODEL}, runtime_adapters=True, admin_key="admin", api_key="user"
+    )
+    admin = {"Authorization": "Bearer admin"}
+    with running(create_app(config)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="user", max_retries=0)
+        body = {"lora_name": "lora:alpha", "lora_path": str(LORA_ADAPTERS["alpha"])}
+        user = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer user"})
+        assert user.status_code == 401, user.text  # the API key is not enough
+        loaded = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=admin, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        assert (loaded.json()["id"], loaded.json()["parent"]) == ("lora:alpha", "lora")
+        assert "lora:alpha" in [m.id for m in client.models.list()]
+        result = client.completions.create(model="lora:alpha", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert result.choices[0].text == REFERENCE["alpha"]
+
+        refusals = [
+            ({**body}, 400, "lora_name", "already has a LoRA adapter 'alpha'"),
+            ({"lora_name": "beta", "lora_path": str(LORA_ADAPTERS["beta"])}, 400, "model", "name the model"),
+            ({"lora_name": "tiny:beta", "lora_path": str(LORA_ADAPTERS["beta"])}, 400, "lora_path", "not made for"),
+            ({"lora_name": "lora:beta", "lora_path": "/nonexistent.onnx_adapter"}, 400, "lora_path", "does not exist"),
+            ({"lora_name": "beta", "model": "nope", "lora_path": str(LORA_ADAPTERS["beta"])}, 404, "model", "nope"),
+            ({"lora_name": "lora:beta"}, 400, "lora_path", "lora_path"),
+        ]
+        for request, status, param, words in refusals:
+            response = httpx.post(f"{base}/v1/load_lora_adapter", json=request, headers=admin, timeout=60)
+            assert response.status_code == status, (request, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and words in error["message"], (request, error)
+
+        unloaded = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "lora:alpha"}, headers=admin)
+        assert unloaded.json() == {"id": "lora:alpha", "object": "model", "deleted": True}
+        with pytest.raises(openai.NotFoundError, match="no LoRA adapter 'alpha'"):
+            client.completions.create(model="lora:alpha", prompt=PROMPT, max_tokens=2)
+        again = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "lora:alpha"}, headers=admin)
+        assert again.status_code == 404 and "no LoRA adapter 'alpha'" in again.json()["error"]["message"]
+        assert (
+            client.completions.create(model="lora", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+            == (REFERENCE[None])
+        )  # the server keeps serving
+
+    with running(create_app(ServerConfig(models={"lora": LORA_MODEL}))) as base:
+        off = httpx.post(f"{base}/v1/load_lora_adapter", json=body)
+        assert off.status_code == 403 and "--allow-runtime-adapters" in off.json()["error"]["message"]

@@ -36,7 +36,10 @@ from .protocol import (
     DetokenizeResponse,
     EmbeddingRequest,
     Health,
+    LoraAdapterLoadRequest,
+    LoraAdapterUnloadRequest,
     Model,
+    ModelDeleted,
     ModelList,
     ModelLoadRequest,
     ModelUnloadRequest,
@@ -508,3 +511,16 @@ class _Models:
         end (the server ends them after its grace period); returns its status."""
         body = ModelUnloadRequest(model=model)
         return await self._client._send("POST", f"{self._client.base_url}/models/unload", body, Model)
+
+    async def load_adapter(self, lora_name: str, lora_path: str, *, model: str | None = None) -> Model:
+        """``POST /load_lora_adapter`` (vLLM's route; the server needs
+        ``--allow-runtime-adapters``): serve the ``.onnx_adapter`` file ``lora_path`` (on the
+        server's machine) as model ``MODEL:NAME``; ``lora_name`` is ``MODEL:NAME``, or
+        ``NAME`` with ``model``. Returns the adapter's card."""
+        body = LoraAdapterLoadRequest(lora_name=lora_name, lora_path=lora_path, model=model)
+        return await self._client._send("POST", f"{self._client.base_url}/load_lora_adapter", body, Model)
+
+    async def unload_adapter(self, lora_name: str, *, model: str | None = None) -> ModelDeleted:
+        """``POST /unload_lora_adapter``: stop serving an adapter (requests running finish with it)."""
+        body = LoraAdapterUnloadRequest(lora_name=lora_name, model=model)
+        return await self._client._send("POST", f"{self._client.base_url}/unload_lora_adapter", body, ModelDeleted)

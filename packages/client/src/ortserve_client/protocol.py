@@ -60,7 +60,10 @@ __all__ = [
     "InputAudio",
     "InputAudioContentPart",
     "JSONSchema",
+    "LoraAdapterLoadRequest",
+    "LoraAdapterUnloadRequest",
     "Model",
+    "ModelDeleted",
     "ModelList",
     "ModelLoadRequest",
     "ModelUnloadRequest",
@@ -706,6 +709,34 @@ class ModelUnloadRequest(_Request):
     """``POST /v1/models/unload`` (extension): unload a model by name."""
 
     model: str
+
+
+class LoraAdapterLoadRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's route; the server needs
+    ``--allow-runtime-adapters``): serve an adapter file as ``MODEL:NAME``."""
+
+    lora_name: str
+    """The adapter's name, or ``MODEL:NAME``; the model is then ``model``, or the only
+    generative model served."""
+    lora_path: str
+    """An ``.onnx_adapter`` file on the server's machine, made for the model."""
+    model: str | None = None
+    """The model the adapter is for (extension; vLLM serves one model)."""
+
+
+class LoraAdapterUnloadRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's route): stop serving an adapter."""
+
+    lora_name: str
+    model: str | None = None
+
+
+class ModelDeleted(_Response):
+    """What an unloaded adapter answers (the shape of OpenAI's ``DELETE /v1/models/{model}``)."""
+
+    id: str
+    deleted: bool = True
+    object: Literal["model"] = "model"
 
 
 class ModelList(_Response):

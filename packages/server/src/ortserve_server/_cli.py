@@ -244,6 +244,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="MODEL:NAME=PATH",
         help="a LoRA adapter (.onnx_adapter) of a model, requested as model MODEL:NAME; repeatable",
     )
+    serve.add_argument(
+        "--allow-runtime-adapters",
+        action="store_true",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; they read an "
+        "adapter file named by the caller, who needs the admin key where one is set)",
+    )
     serve.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together (default 32)")
     serve.add_argument("--max-sequence-length", type=int, default=4096)
     serve.add_argument("--max-queued", type=int, default=64)
@@ -428,6 +434,7 @@ def _serve(args: argparse.Namespace) -> int:
             cors_origins=tuple(args.cors_origin),
             public_metrics=args.public_metrics,
             admin_key=args.admin_key or None,
+            runtime_adapters=args.allow_runtime_adapters,
             load_on_startup=not args.lazy,
             idle_unload=args.idle_unload,
             max_loaded_models=args.max_loaded_models,

@@ -29,9 +29,14 @@ class ServerConfig:
     """When set, every route but health needs ``Authorization: Bearer <api_key>``: the API,
     metrics (unless ``public_metrics``) and the OpenAPI schema."""
     admin_key: str | None = None
-    """When set, the model control routes (``POST /v1/models/load`` and ``/unload``) need
+    """When set, the model control routes (``POST /v1/models/load`` and ``/unload``, and the
+    LoRA adapter routes where ``runtime_adapters`` allows them) need
     ``Authorization: Bearer <admin_key>`` (the API key is not enough); unset, they need
     the API key when one is set, like every other route."""
+    runtime_adapters: bool = False
+    """Answer ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a caller with the admin key (else the API key)
+    makes the server read an adapter file from its own disk, so it is off unless asked for."""
     public_metrics: bool = False
     """Leave ``metrics_path`` open without the API key (for a scraper that has none)."""
     schema_path: str | None = "/schema"

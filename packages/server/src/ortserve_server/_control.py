@@ -1,9 +1,15 @@
-"""Model control routes (extension): load and unload a configured model by name.
+"""Model control routes (extension): load and unload a configured model by name, and
+LoRA adapters of a served model.
 
-The shape is the one llama-server's router mode and LM Studio converged on: ``POST
-/models/load`` and ``POST /models/unload`` with ``{"model": NAME}`` in the body (a name in
-the body, not the path, since model ids may hold ``/`` and ``:``). Only the names the
-server was configured with can be loaded: nothing from the network names a folder.
+The model routes take the shape llama-server's router mode and LM Studio converged on:
+``POST /models/load`` and ``POST /models/unload`` with ``{"model": NAME}`` in the body (a
+name in the body, not the path, since model ids may hold ``/`` and ``:``). Only the names
+the server was configured with can be loaded: nothing from the network names a folder.
+
+The adapter routes are vLLM's (``POST /load_lora_adapter`` with ``lora_name`` and
+``lora_path``, ``POST /unload_lora_adapter``). They do name a file, so they answer only
+where the server was started with ``--allow-runtime-adapters`` (vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
 """
 
 from __future__ import annotations
@@ -12,9 +18,9 @@ from litestar import post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
-from ortserve_runtime import AdapterNotFoundError
+from ortserve_runtime import AdapterNotFoundError, ModelLoadError
 
-from ._errors import ModelNotFoundHTTPError
+from ._errors import BadRequestError, ForbiddenError, ModelNotFoundHTTPError
 from ._leases import parse_keep_alive
 from ._mapping import model_adapters, split_adapter
 from ._openapi import POST_ERRORS, error_responses
@@ -68,4 +74,62 @@ async def unload_model(data: JSONBody[p.ModelUnloadRequest], ortserve: NamedDepe
     return model_card(ortserve, name, adapter)
 
 
-control_route_handlers = [load_model, unload_model]
+def _adapter_of(state: OrtServe, lora_name: str, model: str | None) -> tuple[str, str]:
+    """(model, adapter name) for vLLM's ``lora_name`` (``NAME`` or ``MODEL:NAME``) and our
+    optional ``model``; 403 unless the server allows adapters over HTTP."""
+    if not state.config.runtime_adapters:
+        raise ForbiddenError(
+            "loading LoRA adapters over HTTP is off on this server (start it with --allow-runtime-adapters)"
+        )
+    name, adapter = split_adapter(state, lora_name)
+    if adapter is None:
+        generative = [n for n in state.registry.names() if state.registry.kind(n) == "generative"]
+        if model is None and len(generative) != 1:
+            raise BadRequestError(
+                f"name the model the adapter is for: 'model', or lora_name as MODEL:{lora_name} "
+                f"(this server has {len(generative)} generative models)",
+                param="model",
+            )
+        name, adapter = model or generative[0], lora_name
+    elif model is not None and model != name:
+        raise BadRequestError(f"lora_name {lora_name!r} names model {name!r}, not {model!r}", param="model")
+    if name not in state.registry.names() or state.registry.kind(name) != "generative":
+        raise ModelNotFoundHTTPError(f"no generative model {name!r} is served here", param="model")
+    return name, adapter
+
+
+@post(
+    "/load_lora_adapter",
+    status_code=200,
+    summary="Serve a LoRA adapter (vLLM's route; needs --allow-runtime-adapters)",
+    description="Checks the `.onnx_adapter` file at `lora_path` against the model and serves it as "
+    "`MODEL:NAME` at once (and at every later load of the model); returns its card.",
+    responses=error_responses(*POST_ERRORS),
+)
+async def load_lora_adapter(data: JSONBody[p.LoraAdapterLoadRequest], ortserve: NamedDependency[OrtServe]) -> p.Model:
+    name, adapter = _adapter_of(ortserve, data.lora_name, data.model)
+    try:
+        await ortserve.registry.add_adapter(name, adapter, data.lora_path)
+    except ModelLoadError as exc:  # the file: missing, not an adapter, made for another model
+        raise BadRequestError(str(exc), param="lora_path") from exc
+    except ValueError as exc:  # the name: taken or not allowed; an engine without adapters
+        raise BadRequestError(str(exc), param="lora_name") from exc
+    return model_card(ortserve, name, adapter)
+
+
+@post(
+    "/unload_lora_adapter",
+    status_code=200,
+    summary="Stop serving a LoRA adapter (vLLM's route; needs --allow-runtime-adapters)",
+    description="New requests naming the adapter get 404 at once; requests already running finish with it.",
+    responses=error_responses(*POST_ERRORS),
+)
+async def unload_lora_adapter(
+    data: JSONBody[p.LoraAdapterUnloadRequest], ortserve: NamedDependency[OrtServe]
+) -> p.ModelDeleted:
+    name, adapter = _adapter_of(ortserve, data.lora_name, data.model)
+    await ortserve.registry.remove_adapter(name, adapter)  # AdapterNotFoundError: 404
+    return p.ModelDeleted(id=f"{name}:{adapter}")
+
+
+control_route_handlers = [load_model, unload_model, load_lora_adapter, unload_lora_adapter]

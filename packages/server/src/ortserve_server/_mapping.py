@@ -96,9 +96,8 @@ def split_adapter(state: OrtServe, model_id: str) -> tuple[str, str | None]:
 
 
 def model_adapters(state: OrtServe, name: str) -> tuple[str, ...]:
-    """The LoRA adapters model ``name`` is configured with (before it loads too)."""
-    config = state.config.model_configs.get(name, state.config.model_config)
-    return tuple(config.adapters) if state.registry.kind(name) == "generative" else ()
+    """The LoRA adapters model ``name`` serves (before it loads too; those added over HTTP included)."""
+    return state.registry.adapters(name)
 
 
 async def require_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> ChatModel:
