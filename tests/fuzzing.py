@@ -51,6 +51,7 @@ def fuzz_config(embedding_folder: Path) -> ServerConfig:
         max_n=MAX_N,
         # Generated bodies are small; a lower cap also puts 413 within the fuzzer's reach.
         max_body_size=256 * 1024,
+        runtime_adapters=True,  # fuzzed past the 403: names and files are what they check
     )
 
 
@@ -215,6 +216,8 @@ OPERATIONS = [
     ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/models/load"),
     ("POST", "/v1/models/unload"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
     ("GET", "/health"),
     ("GET", "/metrics"),
 ]

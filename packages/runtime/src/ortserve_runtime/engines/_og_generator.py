@@ -18,6 +18,7 @@ some providers cannot batch with ``og.Engine``; so each request gets its own gen
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -163,11 +164,9 @@ class OgGeneratorEngine(OwnerThread):
             else:
                 done.set_result(None)
         for key in self._retired - in_use:
-            try:
+            with contextlib.suppress(Exception):  # a generator still holds it: again after the next step
                 self._adapters.unload(key)
-            except RuntimeError:  # a generator still holds it: again after the next step
-                continue
-            self._retired.discard(key)
+                self._retired.discard(key)
 
     def _guarded(self, request: Request, action: Any, *args: Any) -> None:
         """Run one request's step; an onnxruntime failure fails that request only."""
