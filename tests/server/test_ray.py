@@ -206,6 +206,41 @@ def test_a_conversation_stays_on_one_replica_and_reuses_its_prefix(client: opena
     assert all(cached > 0 for _, cached in first[1:] + again), first + again
 
 
+def test_response_ids_name_the_replica_that_stores_them() -> None:
+    from ortserve_server.ray import response_owner
+
+    rid = "resp_ab12cd34-" + "0" * 32
+    assert response_owner("POST", "/v1/responses", json.dumps({"previous_response_id": rid}).encode()) == "ab12cd34"
+    assert response_owner("GET", f"/v1/responses/{rid}", b"") == "ab12cd34"
+    assert response_owner("DELETE", f"/v1/responses/{rid}/", b"") == "ab12cd34"
+    assert response_owner("POST", "/v1/responses", b'{"input": "hi"}') is None
+    assert response_owner("POST", "/v1/responses", b"not json") is None
+    assert response_owner("GET", "/v1/responses/resp_" + "0" * 32, b"") is None  # a plain server's id
+    assert response_owner("POST", "/v1/chat/completions", b"{}") is None
+
+
+def test_a_chain_of_stored_responses_follows_the_replica_holding_it(client: openai.OpenAI, root: str) -> None:
+    """Stored responses live in the replica that made them: every follow-up turn
+    (previous_response_id), GET and DELETE must reach it. Six turns on two replicas would
+    all land there by chance 1 time in 32."""
+    response = client.responses.create(model="tiny", input="Start a story.", max_output_tokens=4, store=True)
+    owner = response.id.removeprefix("resp_").split("-")[0]
+    for turn in range(6):
+        raw = client.responses.with_raw_response.create(
+            model="tiny",
+            input=f"Go on, part {turn}.",
+            previous_response_id=response.id,
+            max_output_tokens=4,
+            store=True,
+        )
+        assert raw.headers[REPLICA_HEADER] == owner
+        response = raw.parse()
+    assert client.responses.retrieve(response.id).id == response.id
+    assert httpx.delete(f"{root}/v1/responses/{response.id}", timeout=30).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
 def test_killing_a_replica_process_keeps_the_service_answering(client: openai.OpenAI) -> None:
     victim = _chat(client, [{"role": "user", "content": "who serves me?"}])[0]
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#OrtServeReplica#{victim}", namespace="serve")

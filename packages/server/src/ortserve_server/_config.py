@@ -33,6 +33,11 @@ class ServerConfig:
     LoRA adapter routes where ``runtime_adapters`` allows them) need
     ``Authorization: Bearer <admin_key>`` (the API key is not enough); unset, they need
     the API key when one is set, like every other route."""
+    response_id_tag: str = ""
+    """Put into the ids of Responses this server makes (``resp_<tag>-<hex>``):
+    ``ortserve_server.ray`` sets it to each replica's id, so that a request naming a stored
+    response (``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``) is routed to
+    the replica that holds it. Letters and digits only."""
     runtime_adapters: bool = False
     """Answer ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a caller with the admin key (else the API key)

@@ -463,7 +463,8 @@ class _Exchange:
         self.data = data
         self.state = state
         self.items = items
-        self.id = _new_id("resp")
+        tag = state.config.response_id_tag  # a Ray replica's id: see ortserve_server.ray
+        self.id = f"resp_{tag}-{uuid.uuid4().hex}" if tag else _new_id("resp")
         self.created = int(time.time())
 
     def response(

@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -65,7 +66,15 @@ try:
 except ImportError:  # pragma: no cover - a Ray without pluggable request routers
     _HAS_CUSTOM_ROUTERS = False
 
-__all__ = ["REPLICA_HEADER", "PrefixAffinityRouter", "RayOptions", "affinity_key", "app_builder", "build_app"]
+__all__ = [
+    "REPLICA_HEADER",
+    "PrefixAffinityRouter",
+    "RayOptions",
+    "affinity_key",
+    "app_builder",
+    "build_app",
+    "response_owner",
+]
 
 logger = logging.getLogger("ortserve.ray")
 
@@ -152,6 +161,33 @@ def affinity_key(path: str, body: bytes, prefix_chars: int) -> str | None:
     return hashlib.blake2b(f"{request.get('model')}\0{opening}".encode(), digest_size=16).hexdigest()
 
 
+_RESPONSE_ID = re.compile(r"resp_([a-z0-9]+)-[0-9a-f]{32}")
+
+
+def response_owner(method: str, path: str, body: bytes) -> str | None:
+    """The replica that made the stored response a request names, from the id's tag
+    (each replica tags its ids with its own id: ``resp_<replica>-<hex>``), or ``None``.
+
+    Stored responses live in the replica that made them, so a follow-up turn
+    (``POST /responses`` with ``previous_response_id``) and ``GET``/``DELETE
+    /responses/{id}`` must reach that replica; elsewhere they would be a 400/404.
+    """
+    segments = path.rstrip("/").split("/")
+    if "responses" not in segments:
+        return None
+    after = segments[segments.index("responses") + 1 :]
+    if method == "POST" and not after:
+        try:
+            request = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        named = request.get("previous_response_id") if isinstance(request, dict) else None
+    else:
+        named = after[0] if after else None
+    match = _RESPONSE_ID.fullmatch(named) if isinstance(named, str) else None
+    return match.group(1) if match else None
+
+
 def _text(value: Any) -> str:
     """The text of a message, its content, or a content part list (images and audio
     count for nothing: the prefix they share is the text around them)."""
@@ -180,6 +216,10 @@ class _Forwarded:
     """:func:`affinity_key`, read by :class:`PrefixAffinityRouter`."""
     replica: str | None = None
     """A replica id this request must go to (the ingress gathering metrics)."""
+    owner: str | None = None
+    """The replica holding the stored response this request names (see :func:`response_owner`):
+    it goes there while that replica is routable, else where the router sends it (the
+    response is then gone, and the replica answers so)."""
 
 
 _SCOPE_FIELDS = ("type", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers")
@@ -228,6 +268,10 @@ if _HAS_CUSTOM_ROUTERS:
             forwarded = _forwarded(pending_request)
             if forwarded is not None and forwarded.replica is not None:
                 return [[r for r in candidate_replicas if r.replica_id.unique_id == forwarded.replica]]
+            if forwarded is not None and forwarded.owner is not None:
+                owner = [r for r in candidate_replicas if r.replica_id.unique_id == forwarded.owner]
+                if owner:
+                    return [owner]
             fallback: list[list[RunningReplica]] = await PowerOfTwoChoicesRequestRouter.choose_replicas(
                 self,  # type: ignore[arg-type,unused-ignore]  # the same mixins, without FIFO matching
                 candidate_replicas,
@@ -290,6 +334,7 @@ class OrtServeReplica:
 
     async def __init__(self, config: ServerConfig) -> None:  # type: ignore[misc]  # Ray awaits it
         self._id = serve.get_replica_context().replica_id.unique_id
+        config = replace(config, response_id_tag=self._id)  # see response_owner
         self._config = config
         self._app = create_app(config)
         self._lifespan = lifespan(self._app)
@@ -424,7 +469,12 @@ class _IngressApp:
         if self._config.metrics_path is not None and scope["path"] == self._config.metrics_path:
             await self._gather_metrics(plain, send)
             return
-        request = _Forwarded(plain, body, affinity_key(scope["path"], body, self._prefix_chars))
+        request = _Forwarded(
+            plain,
+            body,
+            affinity_key(scope["path"], body, self._prefix_chars),
+            owner=response_owner(scope["method"], scope["path"], body),
+        )
         await self._forward(request, send)
 
     async def _forward(self, request: _Forwarded, send: Send) -> None:
