@@ -93,12 +93,18 @@ class OgGeneratorEngine(OwnerThread):
                     or self._closing
                     or self._cancels
                     or any(f.done() for f in starting.values())
-                    or self._adapter_changes
+                    or (self._adapter_changes and all(f.done() for f in starting.values()))
                 ):
                     self._cond.wait()
                 if self._closing:
                     break
-                changes, self._adapter_changes = self._adapter_changes, []
+                # og.Adapters may not lock its table (onnxruntime-genai added a mutex only
+                # later): it is changed only while no prompt is going in on the prefill
+                # thread (which looks adapters up), and no new one starts meanwhile.
+                idle = all(f.done() for f in starting.values())
+                changes: list[tuple[str, Path | None, concurrent.futures.Future[None]]] = []
+                if idle and self._adapter_changes:
+                    changes, self._adapter_changes = self._adapter_changes, []
                 in_use = {r.adapter for r in (*self._inbox, *self._running, *starting)}
                 cancels, self._cancels = self._cancels, set()
                 ended = [r for r in cancels if r in self._inbox or r in self._running]
@@ -106,17 +112,21 @@ class OgGeneratorEngine(OwnerThread):
                     if request in self._inbox:
                         self._inbox.remove(request)
                     self._running.pop(request, None)
-                if self._inbox and not starting and len(self._running) < self.concurrency:
+                admit = bool(self._inbox) and not starting and not changes and len(self._running) < self.concurrency
+                if admit:
                     admitted = self._inbox.popleft()
                     starting[admitted] = prefill.submit(self._prefill, admitted)
                     starting[admitted].add_done_callback(lambda _: self._wake())
+                # Retired adapters are unloaded when the prefill thread stays idle this turn.
+                adapting = bool(changes) or (idle and not admit and bool(self._retired))
             for request in ended:
                 request.deliver(request.final("cancelled"))
-            if changes or self._retired:
+            if adapting:
                 self._change_adapters(changes, in_use)
-            for request, future in [(r, f) for r, f in starting.items() if f.done()]:
-                del starting[request]
-                self._started(request, future)
+            for request in [r for r, f in starting.items() if f.done()]:
+                # popped into the call: no local name keeps the generator (and og's hold
+                # on its adapter) alive after its request ends
+                self._started(request, starting.pop(request))
             for request, generator in list(self._running.items()):
                 self._guarded(request, self._step, request, generator)
         prefill.shutdown(wait=True)
@@ -129,8 +139,8 @@ class OgGeneratorEngine(OwnerThread):
         self._running.clear()
 
     def add_adapter(self, key: str, path: Path) -> None:
-        """Load LoRA adapter ``key`` into og (on the owner thread, between steps); any
-        thread but the owner's; raises what og raises for the file."""
+        """Load LoRA adapter ``key`` into og (on the owner thread, between steps, while no
+        prompt goes in); any thread but the owner's; raises what og raises for the file."""
         self._change_adapter(key, path).result()
 
     def retire_adapter(self, key: str) -> None:
