@@ -251,3 +251,9 @@ def test_store_is_bounded(url: str, client: openai.OpenAI) -> None:
     assert client.responses.retrieve(ids[-1]).id == ids[-1]
     gone = httpx.delete(f"{url}/v1/responses/resp_nothing")
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "response_id"
+
+
+def test_a_response_id_tag_that_routing_could_not_read_is_refused() -> None:
+    """ortserve_server.ray tags ids with a replica id; a tag its router could not read is refused."""
+    with pytest.raises(ValueError, match="response_id_tag must be lower-case letters and digits"):
+        create_app(ServerConfig(models={"tiny": TINY_MODEL}, response_id_tag="Replica-1"))

@@ -280,9 +280,9 @@ class ModelRegistry:
     Residency: ``idle_unload`` seconds after its last request a model is unloaded (``None``:
     never); loading past ``max_loaded`` models or ``memory_budget`` bytes first unloads the
     least recently used idle models (those kept with a negative ``keep_alive`` last), and
-    raises :class:`ModelCapacityError` when no idle model is left to unload. ``unload_grace`` is how long an unload waits for requests
-    that hold the model before it closes the model under them (they end with
-    :class:`EngineClosedError`).
+    raises :class:`ModelCapacityError` when no idle model is left to unload.
+    ``unload_grace`` is how long an unload waits for requests that hold the model before it
+    closes the model under them (they end with :class:`EngineClosedError`).
     """
 
     def __init__(
@@ -446,7 +446,7 @@ class ModelRegistry:
         async with self._load_lock:  # no load picks up half of the change
             if adapter in entry.config.adapters:
                 raise ValueError(f"model {name!r} already has a LoRA adapter {adapter!r}")
-            config = dataclasses.replace(entry.config, adapters={**entry.config.adapters, adapter: Path(path)})
+            dataclasses.replace(entry.config, adapters={adapter: Path(path)})  # ModelConfig's check of the name
             checked = await asyncio.to_thread(check_adapters, GenaiFolder.read(entry.path), {adapter: Path(path)})
             model = entry.model
             if model is not None and entry.unloading is None:
@@ -457,7 +457,7 @@ class ModelRegistry:
                         f"adapter {adapter!r}: onnxruntime-genai cannot load {checked[adapter]}: {exc}",
                         path=checked[adapter],
                     ) from exc
-            entry.config = dataclasses.replace(config, adapters={**entry.config.adapters, **checked})
+            entry.config = dataclasses.replace(entry.config, adapters={**entry.config.adapters, **checked})
 
     async def remove_adapter(self, name: str, adapter: str) -> None:
         """Stop serving LoRA adapter ``adapter`` of model ``name``: requests naming it are

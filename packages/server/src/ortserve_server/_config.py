@@ -37,7 +37,7 @@ class ServerConfig:
     """Put into the ids of Responses this server makes (``resp_<tag>-<hex>``):
     ``ortserve_server.ray`` sets it to each replica's id, so that a request naming a stored
     response (``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``) is routed to
-    the replica that holds it. Letters and digits only."""
+    the replica that holds it. Lower-case letters and digits (else ``ValueError``)."""
     runtime_adapters: bool = False
     """Answer ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a caller with the admin key (else the API key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -28,6 +29,8 @@ class OrtServe:
         unknown = sorted(set(config.model_configs) - set(config.models))
         if unknown:
             raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
+        if re.fullmatch(r"[a-z0-9]*", config.response_id_tag) is None:  # the tag ray.response_owner reads
+            raise ValueError(f"response_id_tag must be lower-case letters and digits, got {config.response_id_tag!r}")
         self.registry = ModelRegistry(
             config.model_config,
             idle_unload=config.idle_unload,
