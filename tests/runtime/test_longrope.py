@@ -83,11 +83,12 @@ async def test_a_longer_prompt_after_a_cached_shorter_turn_matches_og(model: Cha
     assert reply == og_greedy(first, TOKENS, LONGROPE_MODEL)
     second = first + reply + ids(100, seed=3)
     assert await run(model, second) == (og_greedy(second, TOKENS, LONGROPE_MODEL), 0)
-    # Nor is the long turn's row (long factors) served to a prompt within the window.
+    # Nor is the long turn's row (long factors) served to a prompt within the window: the
+    # first prompt's row is (a reply's rows are never kept; see _prefix_cache).
     third = second[:250]
     out, cached = await run(model, third)
     assert out == og_greedy(third, TOKENS, LONGROPE_MODEL)
-    assert cached == len(first) + len(reply) - 1
+    assert cached == len(first)
 
 
 async def test_turns_past_the_window_reuse_each_other_and_match_og(model: ChatModel) -> None:
@@ -98,7 +99,7 @@ async def test_turns_past_the_window_reuse_each_other_and_match_og(model: ChatMo
     reply, _ = await run(model, first)
     assert reply == og_greedy(first, TOKENS, LONGROPE_MODEL)
     second = first + reply + ids(100, seed=11)
-    assert await run(model, second) == (og_greedy(second, TOKENS, LONGROPE_MODEL), len(first) + len(reply) - 1)
+    assert await run(model, second) == (og_greedy(second, TOKENS, LONGROPE_MODEL), len(first))
     # A prompt sharing only the beginning, shorter than the window after it: reused too.
     third = first[:100] + ids(200, seed=12)
     assert await run(model, third) == (og_greedy(third, TOKENS, LONGROPE_MODEL), 100)
@@ -113,10 +114,10 @@ async def test_decoding_across_the_window_matches_og(model: ChatModel) -> None:
     reference = og_greedy(prompt, 40, LONGROPE_MODEL)
     assert len(reference) == 40, "the fixture should not stop early here"
     assert await run(model, prompt, 40) == (reference, 0)
-    # The row now holds 279 tokens, the last 23 computed with the long factors: only the
-    # first 256 (short) may be reused, by a prompt within the window...
+    # The row now holds 279 tokens, the last 23 computed with the long factors; the cache
+    # keeps the prompt's 240 (short factors), reused by a prompt within the window...
     within = prompt + reference[:10]
-    assert await run(model, within) == (og_greedy(within, TOKENS, LONGROPE_MODEL), len(within) - 1)
+    assert await run(model, within) == (og_greedy(within, TOKENS, LONGROPE_MODEL), len(prompt))
     # ...and none by one past it.
     past = prompt + reference[:30]
     assert await run(model, past) == (og_greedy(past, TOKENS, LONGROPE_MODEL), 0)

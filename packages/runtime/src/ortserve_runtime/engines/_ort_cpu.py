@@ -377,7 +377,7 @@ class OrtCpuEngine(OwnerThread):
                     return  # a long prompt: let the running requests take a step
                 continue
             self._prefilling = None
-            self._remember(request, request.prompt)  # others may share this prompt's beginning
+            self._remember(request)  # others may share this prompt's beginning
             self._rows.append(request)
             self._accept(request, logits)
 
@@ -400,6 +400,8 @@ class OrtCpuEngine(OwnerThread):
 
     def _reuse_prefix(self, request: Request) -> None:
         """Copy the longest cached prefix of ``request``'s prompt into its row."""
+        if self._odd_long_rope(request):
+            return  # its last row is computed alone in a block (see _odd_long_rope): always cold
         entry, length = self.prefix_cache.lookup(request.prompt, self._cache_group(request))
         if entry is None:
             return
@@ -408,19 +410,23 @@ class OrtCpuEngine(OwnerThread):
             values[request.row, :, :length] = cached_values[:, :length]
         request.prefilled = request.cached_tokens = length
 
-    def _remember(self, request: Request, tokens: list[int]) -> None:
-        """Keep the key/values of ``tokens`` (the start of ``request``'s row) in the cache.
+    def _odd_long_rope(self, request: Request) -> bool:
+        """Whether ``request``'s prompt is past LongRoPE's window by one token, and odd: the
+        only prompt that cannot be prefilled in calls of an even number of rows (see
+        :func:`_even_call`), since any first call shorter than the whole prompt would be
+        within the window. Its last row is then computed alone, so it is neither reused from
+        the cache nor kept in it."""
+        length = len(request.prompt)
+        return length % 2 == 1 and self._past_window(length) and not self._past_window(length - 1)
 
-        LongRoPE: a row of a prompt past the window was computed with the long factors
-        throughout (one prefill call, then decode steps wider still) and is kept whole for
-        prompts past the window. A row of a prompt within it keeps no more than the window's
-        tokens, those computed with the short factors (token ``i`` is fed in a call
-        ``i + 1`` wide), for prompts within it.
-        """
+    def _remember(self, request: Request) -> None:
+        """Keep the key/values of ``request``'s prompt (the start of its row) in the cache,
+        in its group (LongRoPE: a prompt past the window was computed with the long factors
+        throughout, one within it with the short ones)."""
+        tokens = request.prompt
         group = self._cache_group(request)
-        window = self._graph.rope_window
-        if window is not None and not group:
-            tokens = tokens[:window]
+        if self._odd_long_rope(request):
+            tokens = tokens[:-1]
         row = request.row
 
         def copy_rows(count: int) -> Rows:
@@ -500,8 +506,12 @@ class OrtCpuEngine(OwnerThread):
         graph = self._graph
         start = request.prefilled
         end = min(len(request.prompt), start + self.prefill_chunk)
-        if self._past_window(len(request.prompt)):
+        long_rope = self._past_window(len(request.prompt))
+        if long_rope:
             end = len(request.prompt)
+        even_start, even_end = _even_call(start, end, len(request.prompt))
+        if not long_rope or self._past_window(even_end):  # a first call stays past the window
+            start, end = even_start, even_end
         ids = np.asarray([request.prompt[start:end]], dtype=graph.ids_dtype)
         # The mask spans everything cached so far: GQA appends the chunk after it.
         mask = np.ones((1, end), dtype=graph.mask_dtype)
@@ -561,8 +571,9 @@ class OrtCpuEngine(OwnerThread):
         if row < 0:
             return
         if keep:
-            # The row holds every token but the last sampled one, which was never fed.
-            self._remember(request, (request.prompt + request.tokens)[: request.length - 1])
+            # Only the prompt's rows: the reply's were written by decode steps (see
+            # _prefix_cache). Its prefill stored them already; this marks them recently used.
+            self._remember(request)
         last = self._rows.pop()
         if last is not request:
             self._copy_row(last.row, row, last.length)
@@ -628,6 +639,30 @@ class OrtCpuEngine(OwnerThread):
         for keys, values in self._cache:
             keys[target, :, :length] = keys[source, :, :length]
             values[target, :, :length] = values[source, :, :length]
+
+
+def _even_call(start: int, end: int, length: int) -> tuple[int, int]:
+    """The prompt positions a prefill call computes for the chunk ``start:end`` of a
+    ``length``-token prompt: the chunk itself, or one token more, so that the call has an
+    even number of rows (a one-token prompt aside).
+
+    Why: onnxruntime's GroupQueryAttention takes the query rows of a call in blocks (32 rows
+    on the tiny fixtures, 256 on SmolLM2-135M, measured with onnxruntime 1.31), and a block of
+    one row goes through its one-row path, whose sums round differently. A row's key/values
+    and logits then depend on where the call boundaries fell: a prompt's last token came
+    out differently cold (in a 476-row call) and after a full prefix-cache hit (recomputed
+    alone). Every other row is computed the same whatever call it is in (measured: every
+    split, chunk size and suffix length), so calls of an even number of rows (no block of
+    one, blocks being of an even size) make a prompt's rows a function of its tokens alone.
+    A chunk after the first starts one token early, recomputing a row the cache already
+    holds (the same values again); a first chunk takes one token more, or, when it is the
+    whole prompt, one less (the next call then recomputes it with its neighbour).
+    """
+    if (end - start) % 2 == 0 or length < 2:
+        return start, end
+    if start > 0:
+        return start - 1, end
+    return start, end + 1 if end < length else end - 1
 
 
 def _adapter_inputs(adapters: Mapping[str, Path]) -> dict[str, dict[str, ort.OrtValue]]:

@@ -3,18 +3,24 @@ prompt sharing their beginning prefills only the rest.
 
 A chat resends its whole history every turn and an agent loop its whole context every
 step; requests often share one system prompt. When a prompt has gone into the cache (at
-the end of its prefill) and when a request ends (finished or cancelled), a copy of its
-key/value row is kept here with its token ids. A new request takes the entry with the
-longest common token prefix, copies that much into its own row and prefills only the
-rest; a full hit still recomputes the last prompt token, whose logits it needs.
+the end of its prefill), a copy of its key/value row is kept here with its token ids. A
+new request takes the entry with the longest common token prefix, copies that much into
+its own row and prefills only the rest; a full hit still recomputes the last two prompt
+tokens (the last one's logits are needed, and the engine never prefills a single row).
+
+Only prompt rows are kept, never a reply's: a reply's key/values were written by decode
+steps, which onnxruntime computes with other kernels than a prefill (one query row), so
+they differ in the last bits from what a cold prefill of the same tokens gives. The next
+turn of a chat prefills the previous reply again (a prefill, many rows a call, costs a
+fraction of the decode steps that wrote it) and its prompt, reply included, is kept then.
+Copied rows are therefore bit for bit what a prefill of the same tokens computes, and a
+request's tokens and logprobs do not depend on what the cache holds (see ``_ort_cpu``).
 
 Entries are separate arrays sized to their tokens, so the budget (tokens held) is exactly
 the memory held and an evicted entry frees it at once; the least recently used go first.
-An entry that is a prefix of a newer one is dropped (the newer covers it). Key/value
-vectors depend only on the tokens before them and their positions, so a copied prefix is
-what a prefill would compute (the tests check greedy tokens with and without the cache).
-Where they also depend on how the call was made (LongRoPE: short or long rotary factors by
-the call's width), entries carry a group and are reused only within it.
+An entry that is a prefix of a newer one is dropped (the newer covers it). Where key/values
+also depend on how the call was made (LongRoPE: short or long rotary factors by the call's
+width), entries carry a group and are reused only within it.
 """
 
 from __future__ import annotations
@@ -68,8 +74,10 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int], group: str = "") -> tuple[CacheEntry | None, int]:
         """The entry of ``group`` sharing the longest prefix with ``prompt`` and how many of
-        its tokens to reuse (at most all but the last prompt token); ``(None, 0)`` below
-        ``min_tokens``."""
+        its tokens to reuse; ``(None, 0)`` below ``min_tokens``. What is left to prefill is
+        an even number of tokens, two at least: the engine prefills in calls of an even
+        number of rows (see ``_ort_cpu._even_call``), and a reused token is not computed
+        again only to make a call even."""
         if not self._entries or len(prompt) <= self.min_tokens:
             self.misses += self.budget_tokens > 0
             return None, 0
@@ -81,7 +89,8 @@ class PrefixCache:
             length = _common_prefix(entry.tokens, ids)
             if length > best_length:
                 best, best_length = entry, length
-        usable = min(best_length, len(prompt) - 1)
+        usable = min(best_length, len(prompt) - 2)
+        usable -= (len(prompt) - usable) % 2
         if best is None or usable < self.min_tokens:
             self.misses += 1
             return None, 0
