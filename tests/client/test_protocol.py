@@ -378,6 +378,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "provider": "cuda",
                 "engine": "og-engine",
                 "prefill_int8": None,
+                "reproducible": None,
                 "parent": None,
                 "root": None,
                 "error": None,

@@ -148,6 +148,8 @@ async def test_the_engine_prefills_through_int8_and_decodes_through_int4(tmp_pat
         session = model.engine.prefill_session  # type: ignore[attr-defined]
         assert (session is not None) == int8  # part of the load: its memory is the model's
         assert registry.status_of("tiny").prefill_int8 is int8  # what /v1/models and `ortserve ps` show
+        # one activation scale per call: what shares a call changes a row's rounding
+        assert registry.status_of("tiny").reproducible is not int8
         runs: list[object] = []
         if session is not None:
             session.run_with_iobinding = counted(session.run_with_iobinding, runs)

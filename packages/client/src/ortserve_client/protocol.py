@@ -675,6 +675,11 @@ class Model(_Response):
     prefill_int8: bool | None = None
     """A loaded ``ort-cpu`` model: whether prompts prefill through its int8 copy
     (``--prefill-int8``); ``None`` for other engines."""
+    reproducible: bool | None = None
+    """A loaded generative model: whether the same request (greedy, or sampled with a
+    ``seed``) gets the same tokens and logprobs whatever the server's prefix cache holds and
+    whoever shares the batch; ``false`` where the engine cannot promise it (ort-cpu with
+    ``--prefill-int8``, og-engine's dynamic batches on an accelerator)."""
     parent: str | None = None
     """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
     root: str | None = None

@@ -99,14 +99,17 @@ class ModelConfig:
     int4), converted at the model's first load and kept under ``$ORTSERVE_CACHE/int8-prefill``;
     decode stays on the folder's int4 graph. Measured (see README): prefill 1.4-1.6x faster,
     about 0.5 GB more memory on the 0.5B-shaped model, and greedy replies that drift from
-    og's as far as any change of rounding does. Hence off by default. ``None`` turns it on
+    og's as far as any change of rounding does; activations are scaled per call, so a
+    prompt's rows also depend on the chunk they are in and on a prefix-cache hit (the
+    model's status says ``reproducible: False``). Hence off by default. ``None`` turns it on
     where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI) for models that have int4 matrices;
     ``True`` for every model, refusing to load one it cannot apply to (another engine,
     another precision, every position's logits)."""
     prefix_cache_tokens: int = 16384
-    """Tokens of earlier prompts (and replies) whose key/value rows the ort-cpu engine keeps,
-    so that a prompt starting the same way (the next turn of a chat, a shared system
-    prompt) prefills only the rest; least recently used go first; 0 turns it off. Memory:
+    """Tokens of earlier prompts (a chat's history, replies included once a next turn has
+    prefilled them) whose key/value rows the ort-cpu engine keeps, so that a prompt
+    starting the same way (the next turn of a chat, a shared system prompt) prefills only
+    the rest; least recently used go first; 0 turns it off. Memory:
     this many tokens x layers x 2 x kv heads x head size x 4 bytes (fp32 caches)."""
     prefix_cache_min_tokens: int = 32
     """Shortest common prefix worth reusing."""

@@ -59,6 +59,10 @@ class ModelStatus:
     """A loaded ort-cpu model: whether prompts prefill through its int8 copy
     (``ModelConfig.prefill_int8``; with ``None``, where the CPU and model allow); ``None``
     for other engines and unloaded models."""
+    reproducible: bool | None = None
+    """A loaded generative model: whether its engine promises the same tokens for the same
+    request whatever else it runs or holds (:attr:`EngineCapabilities.reproducible`);
+    ``None`` for other kinds and unloaded models."""
     in_flight: int = 0
     """Requests holding the model now (streams until their last event)."""
     last_used: float | None = None
@@ -368,6 +372,7 @@ class ModelRegistry:
             provider=entry.config.provider,
             engine=engine.name if engine is not None else None,
             prefill_int8=_prefill_int8(engine),
+            reproducible=engine.capabilities.reproducible if engine is not None else None,
             in_flight=entry.in_flight,
             last_used=entry.last_used,
             resident_bytes=entry.resident_bytes if loaded else None,

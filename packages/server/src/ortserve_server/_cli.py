@@ -265,7 +265,8 @@ def _build_parser() -> argparse.ArgumentParser:
         default="off",
         help="ort-cpu: prefill int4 models through an int8 copy of their matrices, converted at the first load "
         "into $ORTSERVE_CACHE/int8-prefill (about 1.5x faster prefill on CPUs with VNNI; costs memory, and "
-        "greedy replies change as rounding changes them); auto: on where the CPU has VNNI (default off)",
+        "greedy replies change as rounding changes them, and with what shares a call: the model is no longer "
+        "reproducible); auto: on where the CPU has VNNI (default off)",
     )
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     serve.add_argument(

@@ -867,6 +867,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         provider=status.provider,
         engine=status.engine,
         prefill_int8=status.prefill_int8,
+        reproducible=status.reproducible,
         parent=None if adapter is None else name,
         root=None if adapter is None else name,
         error=status.error,

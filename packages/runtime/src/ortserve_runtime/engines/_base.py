@@ -28,6 +28,13 @@ class EngineCapabilities:
     """continuous: a request joins/leaves the batch at any step (ort-cpu); dynamic:
     og.Engine with paged attention; static: og.Engine batches that newcomers wait for;
     interleaved: one og.Generator per request, stepped in turn."""
+    reproducible: bool
+    """A request's tokens (and logprobs) are a function of the request alone: the same on a
+    repeat, whatever the engine's caches hold and whoever shares its steps (greedy, or
+    sampled with a seed). ort-cpu promises it unless it prefills in int8 (activations
+    scaled per call); og-generator runs each request alone; og-engine's static batches
+    were measured to keep greedy tokens, while its dynamic batches (paged attention, an
+    accelerator's kernels over whatever the step holds) make no such promise."""
 
 
 @runtime_checkable

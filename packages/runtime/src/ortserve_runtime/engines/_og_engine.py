@@ -79,7 +79,11 @@ class OgEngine(OwnerThread):
         """og's least session length for this folder (see GenaiFolder.shortest_sequence)."""
         self.provider: str = config.provider
         self.capabilities = EngineCapabilities(
-            host_sampling=False, seeds=dynamic, media=False, batching="dynamic" if dynamic else "static"
+            host_sampling=False,
+            seeds=dynamic,
+            media=False,
+            batching="dynamic" if dynamic else "static",
+            reproducible=not dynamic,
         )
         self._model = og_model
         self._turns: dict[Request, _Turn] = {}

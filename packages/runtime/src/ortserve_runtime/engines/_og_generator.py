@@ -38,7 +38,9 @@ class OgGeneratorEngine(OwnerThread):
     """An ``og.Generator`` per request on ``og_model``'s provider, interleaved token by token."""
 
     name = "og-generator"
-    capabilities = EngineCapabilities(host_sampling=True, seeds=True, media=True, batching="interleaved")
+    capabilities = EngineCapabilities(
+        host_sampling=True, seeds=True, media=True, batching="interleaved", reproducible=True
+    )
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import mmap
 import shutil
@@ -170,7 +171,9 @@ class OrtCpuEngine(OwnerThread):
 
     name = "ort-cpu"
     provider = "cpu"
-    capabilities = EngineCapabilities(host_sampling=True, seeds=True, media=False, batching="continuous")
+    capabilities = EngineCapabilities(
+        host_sampling=True, seeds=True, media=False, batching="continuous", reproducible=True
+    )
 
     def __init__(
         self,
@@ -263,6 +266,9 @@ class OrtCpuEngine(OwnerThread):
                 )
         else:
             del graph.int8_source
+        if self.prefill_session is not None:
+            # One activation scale per call: a row's rounding depends on the rows beside it.
+            self.capabilities = dataclasses.replace(self.capabilities, reproducible=False)
         self._start_thread()
 
     def add_adapter(self, key: str, path: Path) -> None:
