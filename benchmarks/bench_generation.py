@@ -81,6 +81,23 @@ def prompts(folder: Path, count: int) -> list[list[int]]:
 # -- raw onnxruntime-genai -----------------------------------------------------------------
 
 
+def cpu_features() -> str:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+        name = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if "model name" in line
+            ),
+            "?",
+        )
+    except OSError:
+        return "unknown"
+    wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
+    return f"{name}, {os.cpu_count()} CPUs: " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
+
+
 def og_model(folder: Path, threads: int | None) -> og.Model:
     """The folder's model; ``threads`` overrides the decoder's intra-op thread count."""
     config = og.Config(str(folder))

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime_genai as og
-from bench_generation import og_model
+from bench_generation import cpu_features, og_model
 from bench_prefix import rss_mb
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
 
@@ -58,23 +58,6 @@ CHAT_PROMPTS = [
     "Give me a short tip for writing clean Python code.",
     "Why is the sky blue?",
 ]
-
-
-def cpu_features() -> str:
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-        name = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if "model name" in line
-            ),
-            "?",
-        )
-    except OSError:
-        return "unknown"
-    wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
-    return f"{name}, {os.cpu_count()} CPUs: " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
 
 
 def og_ttft(model: og.Model, prompt: list[int]) -> float:

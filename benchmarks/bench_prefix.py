@@ -11,6 +11,9 @@ without it (prefix_cache_tokens=0). Prompts are token ids, so both see the same 
 - chat: a conversation of --turns turns whose history reaches about 2,000 tokens (each
   turn adds a 200-token user message and the model's 128-token reply); TTFT of the last
   turn with the cache (the earlier turns ran on it) against the same prompt without it.
+  Twice: each turn sent --read-seconds after the previous reply (a person reading it; the
+  engine prefills the reply into the cache meanwhile, see _prefix_cache), and each sent at
+  once (an agent loop: the next turn prefills the reply itself).
 - shared system prompt: --users requests with one 1,000-token system prompt and their own
   question, arriving together; TTFT p95 with the cache (cold at the start) against without.
 - cold single stream: decode speed of a prompt the cache has never seen, cache on against
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_generation import cpu_features
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
 
 BENCH_MODEL = Path.home() / ".cache" / "ortserve" / "bench-qwen2.5-0.5b-shape"
@@ -85,15 +89,18 @@ async def ttft(model: ChatModel, prompt: list[int], new_tokens: int = 1) -> tupl
     return first, tokens, cached
 
 
-async def chat(cached: ChatModel, plain: ChatModel, turns: int) -> tuple[float, float, int, int]:
-    history = text_tokens(cached, 60, 0)  # a system prompt
+async def chat(
+    cached: ChatModel, plain: ChatModel, turns: int, read_seconds: float, seed: int
+) -> tuple[float, float, int, int]:
+    history = text_tokens(cached, 60, seed)  # a system prompt
     last = 0.0
     hit = 0
     for turn in range(turns):
-        history = history + text_tokens(cached, 200, turn + 1)
+        history = history + text_tokens(cached, 200, seed + turn + 1)
         last, reply, hit = await ttft(cached, history, 128)
         if turn < turns - 1:
             history = history + reply
+            await asyncio.sleep(read_seconds)
     cold, _, _ = await ttft(plain, history)
     return last, cold, len(history), hit
 
@@ -122,6 +129,7 @@ async def main() -> None:
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--read-seconds", type=float, default=2.0, help="pause before each next chat turn")
     args = parser.parse_args()
     if not (args.model / "genai_config.json").exists():
         raise SystemExit(f"no model at {args.model}: build it with tests/fixtures/build_fixtures.py --bench")
@@ -135,7 +143,8 @@ async def main() -> None:
     await ttft(cached, text_tokens(cached, 40, 99))  # warm-up, both
     await ttft(plain, text_tokens(plain, 40, 99))
 
-    last, cold, length, hit = await chat(cached, plain, args.turns)
+    read = await chat(cached, plain, args.turns, args.read_seconds, 0)
+    last, cold, length, hit = await chat(cached, plain, args.turns, 0.0, 1000)
     cache = cached.engine.prefix_cache  # type: ignore[attr-defined]
     cache.clear()
     system = text_tokens(cached, args.system_tokens, 7)
@@ -147,7 +156,13 @@ async def main() -> None:
     end_rss = rss_mb()
 
     rows = [
-        (f"chat turn {args.turns} ({length} tokens), TTFT s", last, cold, 0.15, "<="),
+        (
+            f"chat turn {args.turns} ({read[2]} tokens), sent {args.read_seconds:g} s after a reply, TTFT s",
+            *read[:2],
+            0.15,
+            "<=",
+        ),
+        (f"chat turn {args.turns} ({length} tokens), sent at once (an agent), TTFT s", last, cold, 0.15, "<="),
         (
             f"{args.users} users, {args.system_tokens}-token system prompt, TTFT p95 s",
             p95(with_cache),
@@ -163,13 +178,16 @@ async def main() -> None:
             ">=",
         ),
     ]
-    print(f"model: {args.model.name}; load average {os.getloadavg()[0]:.2f}")
+    print(f"model: {args.model.name}; load average {os.getloadavg()[0]:.2f}; {cpu_features()}")
     print(f"{'':<72} {'cache':>9} {'no cache':>9} {'ratio':>7}  target")
     for name, on, off, target, sense in rows:
         ratio = on / off
         ok = ratio <= target if sense == "<=" else ratio >= target
         print(f"{name:<72} {on:>9.3f} {off:>9.3f} {ratio:>7.3f}  {sense} {target} {'met' if ok else 'MISSED'}")
-    print(f"last chat turn: {hit} of {length} prompt tokens from the cache; shared prompt hits: {sorted(hits)}")
+    print(
+        f"last chat turn: {read[3]} of {read[2]} prompt tokens from the cache after a pause, {hit} of {length} "
+        f"at once; shared prompt hits: {sorted(hits)}"
+    )
     print(
         f"RSS: {start_rss:.0f} MB at start, {loaded_rss:.0f} MB with both models, {end_rss:.0f} MB at the end; "
         f"cache holds {cache.held_tokens} tokens = {cache.held_bytes / 2**20:.0f} MB "

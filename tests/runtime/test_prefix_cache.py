@@ -64,14 +64,35 @@ async def test_an_exact_repeat_reuses_all_but_the_last_two_prompt_tokens(models:
     assert cache.hits == 1 and cache.hit_tokens == len(prompt) - 2
 
 
-async def test_the_next_turn_reuses_the_history_and_prefills_the_reply(models: tuple[ChatModel, ChatModel]) -> None:
+async def refilled(model: ChatModel) -> None:
+    """Wait until the engine has put the finished replies into the cache (while idle)."""
+    while model.engine.refilling:  # type: ignore[attr-defined]
+        await asyncio.sleep(0.005)
+
+
+async def test_the_next_turn_reuses_the_history_and_the_refilled_reply(models: tuple[ChatModel, ChatModel]) -> None:
     cached, plain = models
     first = cached.encode(TEXT)
     reply, _ = await run(cached, first)
     second = first + reply + cached.encode(" Thanks, and now the other way round?")
-    # The reply's rows were written by decode steps: only the first prompt's are kept.
-    assert await run(cached, second) == ((await run(plain, second))[0], reused(len(first), len(second)))
-    # Now the second prompt, reply included, was prefilled and is kept.
+    # The reply's rows were written by decode steps and are not kept; while idle, the engine
+    # prefilled the prompt and the reply again, and keeps those.
+    await refilled(cached)
+    want = (await run(plain, second))[0]
+    assert await run(cached, second) == (want, reused(len(first) + len(reply), len(second)))
+    cache = cached.engine.prefix_cache  # type: ignore[attr-defined]
+    assert cache.hits == 1  # the refill's own lookup is not counted
+
+
+async def test_a_next_turn_arriving_before_the_refill_prefills_the_reply(models: tuple[ChatModel, ChatModel]) -> None:
+    cached, plain = models
+    first = cached.encode(TEXT)
+    reply, _ = await run(cached, first)
+    second = first + reply + cached.encode(" Thanks, and now the other way round?")
+    tokens, hit = await run(cached, second)  # takes the row from the refill, or finds it done
+    assert tokens == (await run(plain, second))[0]
+    assert reused(len(first), len(second)) <= hit <= reused(len(first) + len(reply), len(second))
+    await refilled(cached)
     assert (await run(cached, second))[1] == len(second) - 2
 
 

@@ -28,6 +28,7 @@ a decode step makes one call per adapter in use, each batching all of that adapt
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -216,6 +217,11 @@ class OrtCpuEngine(OwnerThread):
         self._rows: list[Request] = []
         self._prefilling: Request | None = None
         """The request whose prompt is going into the cache, at row ``len(self._rows)``."""
+        self._refills: collections.deque[_Refill] = collections.deque(maxlen=_REFILLS)
+        """Finished requests whose prompt and reply are to be prefilled for the prefix cache
+        while the engine is idle (see :meth:`_refill_step`); newest last."""
+        self._refilling: _Refill | None = None
+        """The refill going into row 0 now."""
         self.prefill_chunk = config.prefill_chunk_tokens
         token_bytes = graph.layers * 2 * graph.kv_heads * graph.head_size * np.dtype(graph.cache_dtype).itemsize
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
@@ -306,14 +312,18 @@ class OrtCpuEngine(OwnerThread):
         """Requests holding a batch row now (decoding, or having their prompt prefilled)."""
         return len(self._rows) + (self._prefilling is not None)
 
+    @property
+    def refilling(self) -> bool:
+        """Whether finished replies are still to go into the prefix cache (see
+        :meth:`_refill_step`): until then a next turn prefills them itself."""
+        return bool(self._refills) or self._refilling is not None
+
     # -- owner thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (
-                    self._inbox or self._rows or self._prefilling or self._closing or self._cancels or self._retired
-                ):
+                while not (self._has_work() or self._closing):
                     self._cond.wait()
                 if self._closing:
                     break
@@ -331,13 +341,10 @@ class OrtCpuEngine(OwnerThread):
                 elif request.row >= 0:
                     self._finish(request, "cancelled")
             try:
-                self._prefill_work()  # first tokens go out as each prompt is done
-                if self._rows:
-                    with batched_hand_backs():  # one event-loop wake-up for the whole step
-                        self._decode_step()
+                self._step()
             except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail the requests it touched
                 failed = [*self._rows, *([self._prefilling] if self._prefilling else [])]
-                self._prefilling = None
+                self._prefilling = self._refilling = None
                 self.prefix_cache.clear()  # a failed run may have left rows half written
                 for request in failed:
                     if request in self._rows:
@@ -350,6 +357,29 @@ class OrtCpuEngine(OwnerThread):
         self._inbox.clear()
         self._rows.clear()
         self._prefilling = None
+
+    def _has_work(self) -> bool:
+        return bool(
+            self._inbox
+            or self._rows
+            or self._prefilling
+            or self._cancels
+            or self._retired
+            or self._refills
+            or self._refilling
+        )
+
+    def _step(self) -> None:
+        """One turn of the engine: prefill what waits, then a decode step of the running
+        requests, or, with nothing else to do, a chunk of a refill."""
+        if self._refilling is not None and self._inbox:
+            self._stop_refill()  # a request came: it takes the row
+        self._prefill_work()  # first tokens go out as each prompt is done
+        if self._rows:
+            with batched_hand_backs():  # one event-loop wake-up for the whole step
+                self._decode_step()
+        elif self._prefilling is None and not self._inbox and (self._refilling or self._refills):
+            self._refill_step()
 
     def _prefill_work(self) -> None:
         """Put waiting prompts into the cache, one chunk at a time.
@@ -387,6 +417,38 @@ class OrtCpuEngine(OwnerThread):
             self._rows.append(request)
             self._accept(request, logits)
 
+    def _refill_step(self) -> None:
+        """While nothing else runs: prefill one chunk of the newest finished request's prompt
+        and reply, and keep them in the prefix cache once done.
+
+        A reply's key/values are written by decode steps and never kept (see _prefix_cache),
+        so a chat's next turn would prefill the reply again before its first token. Done
+        here, while the user reads the reply, the next turn finds it in the cache as a cold
+        prefill would have computed it. Small chunks, so that a request arriving meanwhile
+        waits one chunk at most; it then takes the row, and what was prefilled so far is
+        kept (:meth:`_stop_refill`). LongRoPE models get none: a prompt and reply past the
+        window would need one call from the first token (see :meth:`_prefill_chunk`).
+        """
+        refill = self._refilling
+        if refill is None:
+            refill = self._refilling = self._refills.pop()
+            if refill.adapter is not None and refill.adapter not in self._adapter_inputs:
+                self._refilling = None  # its adapter was unloaded meanwhile
+                return
+            refill.row = 0
+            self._rows_touched = max(self._rows_touched, 1)
+            self._reuse_prefix(refill, count=False)
+        if self._prefill_chunk(refill, _REFILL_CHUNK) is not None:
+            self._refilling = None
+            self._remember(refill)
+            self._give_back_rows(0)
+
+    def _stop_refill(self) -> None:
+        """Give the row of the refill under way to a request; keep what it prefilled."""
+        refill, self._refilling = self._refilling, None
+        if refill is not None and refill.prefilled > 0:
+            self._remember(refill, refill.prefilled)
+
     def _past_window(self, length: int) -> bool:
         """Whether a call whose attention mask is ``length`` wide uses LongRoPE's long factors."""
         window = self._graph.rope_window
@@ -397,18 +459,19 @@ class OrtCpuEngine(OwnerThread):
         window sort first), and the adapter (``""``: the base model)."""
         return self._past_window(request.length), request.adapter or ""
 
-    def _cache_group(self, request: Request) -> str:
+    def _cache_group(self, request: Request | _Refill) -> str:
         """The prefix-cache group of ``request``'s row: og computes a LongRoPE prompt past the
         window with the long factors throughout, one within it with the short ones; and
         key/values computed through an adapter serve only that adapter."""
         rope = "long-rope" if self._past_window(len(request.prompt)) else ""
         return f"{rope}:{request.adapter}" if request.adapter is not None else rope
 
-    def _reuse_prefix(self, request: Request) -> None:
-        """Copy the longest cached prefix of ``request``'s prompt into its row."""
+    def _reuse_prefix(self, request: Request | _Refill, *, count: bool = True) -> None:
+        """Copy the longest cached prefix of ``request``'s prompt into its row (``count``:
+        in the cache's hit and miss figures)."""
         if self._odd_long_rope(request):
             return  # its last row is computed alone in a block (see _odd_long_rope): always cold
-        entry, length = self.prefix_cache.lookup(request.prompt, self._cache_group(request))
+        entry, length = self.prefix_cache.lookup(request.prompt, self._cache_group(request), count=count)
         if entry is None:
             return
         for (keys, values), (cached_keys, cached_values) in zip(self._cache, entry.rows, strict=True):
@@ -416,7 +479,7 @@ class OrtCpuEngine(OwnerThread):
             values[request.row, :, :length] = cached_values[:, :length]
         request.prefilled = request.cached_tokens = length
 
-    def _odd_long_rope(self, request: Request) -> bool:
+    def _odd_long_rope(self, request: Request | _Refill) -> bool:
         """Whether ``request``'s prompt is past LongRoPE's window by one token, and odd: the
         only prompt that cannot be prefilled in calls of an even number of rows (see
         :func:`_even_call`), since any first call shorter than the whole prompt would be
@@ -425,11 +488,11 @@ class OrtCpuEngine(OwnerThread):
         length = len(request.prompt)
         return length % 2 == 1 and self._past_window(length) and not self._past_window(length - 1)
 
-    def _remember(self, request: Request) -> None:
-        """Keep the key/values of ``request``'s prompt (the start of its row) in the cache,
-        in its group (LongRoPE: a prompt past the window was computed with the long factors
-        throughout, one within it with the short ones)."""
-        tokens = request.prompt
+    def _remember(self, request: Request | _Refill, count: int | None = None) -> None:
+        """Keep the key/values of ``request``'s prompt (its first ``count`` tokens; the start
+        of its row) in the cache, in its group (LongRoPE: a prompt past the window was
+        computed with the long factors throughout, one within it with the short ones)."""
+        tokens = request.prompt[:count]
         group = self._cache_group(request)
         if self._odd_long_rope(request):
             tokens = tokens[:-1]
@@ -502,8 +565,9 @@ class OrtCpuEngine(OwnerThread):
         self._bindings[(rows.start, rows.stop, adapter, id(session))] = binding
         return binding
 
-    def _prefill_chunk(self, request: Request) -> npt.NDArray[np.float32] | None:
-        """Cache the next chunk of the prompt; the last chunk returns the logits.
+    def _prefill_chunk(self, request: Request | _Refill, chunk: int | None = None) -> npt.NDArray[np.float32] | None:
+        """Cache the next chunk (``chunk`` tokens, else ``prefill_chunk_tokens``) of the
+        prompt; the last chunk returns the logits.
 
         A LongRoPE prompt past the window goes in one call, as og prefills it (after a
         prefix-cache hit, all the rest in one): chunks ending within the window would be
@@ -511,7 +575,7 @@ class OrtCpuEngine(OwnerThread):
         """
         graph = self._graph
         start = request.prefilled
-        end = min(len(request.prompt), start + self.prefill_chunk)
+        end = min(len(request.prompt), start + (chunk or self.prefill_chunk))
         long_rope = self._past_window(len(request.prompt))
         if long_rope:
             end = len(request.prompt)
@@ -580,6 +644,14 @@ class OrtCpuEngine(OwnerThread):
             # Only the prompt's rows: the reply's were written by decode steps (see
             # _prefix_cache). Its prefill stored them already; this marks them recently used.
             self._remember(request)
+            history = request.prompt + request.tokens
+            if (
+                request.tokens
+                and not request.cancelled
+                and self._graph.rope_window is None
+                and len(history) <= self.prefix_cache.budget_tokens
+            ):
+                self._refills.append(_Refill(history, request.adapter))
         last = self._rows.pop()
         if last is not request:
             self._copy_row(last.row, row, last.length)
@@ -645,6 +717,26 @@ class OrtCpuEngine(OwnerThread):
         for keys, values in self._cache:
             keys[target, :, :length] = keys[source, :, :length]
             values[target, :, :length] = values[source, :, :length]
+
+
+@dataclasses.dataclass(eq=False)
+class _Refill:
+    """A finished request's prompt and reply, prefilled for the prefix cache while the
+    engine is idle (see :meth:`OrtCpuEngine._refill_step`); what the prefill path reads
+    of a :class:`Request`."""
+
+    prompt: list[int]
+    adapter: str | None
+    row: int = -1
+    prefilled: int = 0
+    cached_tokens: int = 0
+
+
+_REFILLS = 8
+"""Finished requests waiting for a refill; older ones are dropped."""
+_REFILL_CHUNK = 32
+"""Tokens per refill call: what a request arriving during a refill may wait for (about
+0.1 s on the 0.5B-shaped model)."""
 
 
 def _even_call(start: int, end: int, length: int) -> tuple[int, int]:

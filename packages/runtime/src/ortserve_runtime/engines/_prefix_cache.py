@@ -72,14 +72,14 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: Sequence[int], group: str = "") -> tuple[CacheEntry | None, int]:
+    def lookup(self, prompt: Sequence[int], group: str = "", *, count: bool = True) -> tuple[CacheEntry | None, int]:
         """The entry of ``group`` sharing the longest prefix with ``prompt`` and how many of
         its tokens to reuse; ``(None, 0)`` below ``min_tokens``. What is left to prefill is
         an even number of tokens, two at least: the engine prefills in calls of an even
         number of rows (see ``_ort_cpu._even_call``), and a reused token is not computed
         again only to make a call even."""
         if not self._entries or len(prompt) <= self.min_tokens:
-            self.misses += self.budget_tokens > 0
+            self.misses += count and self.budget_tokens > 0
             return None, 0
         ids = np.asarray(prompt, dtype=np.int64)
         best, best_length = None, 0
@@ -92,11 +92,11 @@ class PrefixCache:
         usable = min(best_length, len(prompt) - 2)
         usable -= (len(prompt) - usable) % 2
         if best is None or usable < self.min_tokens:
-            self.misses += 1
+            self.misses += count
             return None, 0
         best.used = next(_clock)
-        self.hits += 1
-        self.hit_tokens += usable
+        self.hits += count
+        self.hit_tokens += usable * count
         return best, usable
 
     def store(self, tokens: Sequence[int], copy_rows: Callable[[int], Rows], group: str = "") -> None:
