@@ -272,6 +272,7 @@ def main() -> int:
     raw, tuned = rows[0], rows[1]
 
     rounds_text = f"; median of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(cpu_features())
     print(
         f"{PROMPT_TOKENS}-token prompts, {args.new_tokens} new tokens each, greedy; {os.cpu_count()} CPUs{rounds_text}"
     )
