@@ -18,6 +18,13 @@ LORA_MODEL = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen2-lora"
 LORA_ADAPTERS = {name: LORA_MODEL / "adapters" / f"{name}.onnx_adapter" for name in ("alpha", "beta")}
 
 
+async def refilled(model: Any) -> None:
+    """Wait until an ort-cpu model's engine has put its finished replies into the prefix
+    cache (it does so while idle; see the engine's ``_refill_step``)."""
+    while model.engine.refilling:
+        await asyncio.sleep(0.005)
+
+
 @contextlib.contextmanager
 def running(app: Any) -> Iterator[str]:
     """Serve ``app`` on 127.0.0.1:<free port>; yields ``http://127.0.0.1:PORT``."""

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
-from serving import TINY_MODEL
+from serving import TINY_MODEL, refilled
 
 pytestmark = pytest.mark.anyio
 
@@ -62,12 +62,6 @@ async def test_an_exact_repeat_reuses_all_but_the_last_two_prompt_tokens(models:
     assert await run(cached, prompt) == (reference, len(prompt) - 2)
     cache = cached.engine.prefix_cache  # type: ignore[attr-defined]
     assert cache.hits == 1 and cache.hit_tokens == len(prompt) - 2
-
-
-async def refilled(model: ChatModel) -> None:
-    """Wait until the engine has put the finished replies into the cache (while idle)."""
-    while model.engine.refilling:  # type: ignore[attr-defined]
-        await asyncio.sleep(0.005)
 
 
 async def test_the_next_turn_reuses_the_history_and_the_refilled_reply(models: tuple[ChatModel, ChatModel]) -> None:

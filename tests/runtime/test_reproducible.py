@@ -68,10 +68,16 @@ async def cached_tokens(model: ChatModel, prompt: list[int]) -> int:
 
 
 @pytest.fixture(params=MODELS)
-async def cold(request: pytest.FixtureRequest) -> AsyncIterator[ChatModel]:
+def folder(request: pytest.FixtureRequest) -> Path:
+    path: Path = request.param
+    return path
+
+
+@pytest.fixture
+async def cold(folder: Path) -> AsyncIterator[ChatModel]:
     """The reference: no prefix cache, one request at a time."""
     registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefix_cache_tokens=0))
-    registry.add("cold", request.param)
+    registry.add("cold", folder)
     yield await registry.get("cold")
     await registry.close()
 
@@ -82,10 +88,6 @@ async def served(folder: Path, **config: Any) -> tuple[ModelRegistry, ChatModel]
     return registry, await registry.get("served")
 
 
-def folder_of(model: ChatModel) -> Path:
-    return model.engine._graph.model_path.parent  # type: ignore[attr-defined]
-
-
 def prompts(model: ChatModel) -> dict[int, list[int]]:
     ids = model.encode(CORPUS)
     assert len(ids) > 2 * max(LENGTHS)
@@ -93,8 +95,10 @@ def prompts(model: ChatModel) -> dict[int, list[int]]:
 
 
 @pytest.mark.parametrize("chunk", [512, 64, 7])
-async def test_cold_partial_and_full_hits_give_the_cold_runs_logprobs(cold: ChatModel, chunk: int) -> None:
-    registry, model = await served(folder_of(cold), prefill_chunk_tokens=chunk)
+async def test_cold_partial_and_full_hits_give_the_cold_runs_logprobs(
+    folder: Path, cold: ChatModel, chunk: int
+) -> None:
+    registry, model = await served(folder, prefill_chunk_tokens=chunk)
     try:
         ids = cold.encode(CORPUS)
         for length, prompt in prompts(cold).items():
@@ -102,7 +106,7 @@ async def test_cold_partial_and_full_hits_give_the_cold_runs_logprobs(cold: Chat
             assert await fingerprint(model, prompt) == want, f"{length} tokens, first run"
             assert await fingerprint(model, prompt) == want, f"{length} tokens, a full hit"
             # LongRoPE's window (256) + 1 is the one prompt never reused (see _odd_long_rope)
-            odd_long_rope = "longrope" in str(folder_of(cold)) and length == 257
+            odd_long_rope = "longrope" in str(folder) and length == 257
             assert await cached_tokens(model, prompt) == (0 if odd_long_rope else len(prompt) - 2)
         for cut in (40, 99, 128, 255, 256):  # partial hits: the cached prompt, then another tail
             prompt = ids[:cut] + ids[600:700]
@@ -113,8 +117,8 @@ async def test_cold_partial_and_full_hits_give_the_cold_runs_logprobs(cold: Chat
         await registry.close()
 
 
-async def test_a_next_turn_holding_an_earlier_reply_gives_the_cold_runs_logprobs(cold: ChatModel) -> None:
-    registry, model = await served(folder_of(cold))
+async def test_a_next_turn_holding_an_earlier_reply_gives_the_cold_runs_logprobs(folder: Path, cold: ChatModel) -> None:
+    registry, model = await served(folder)
     try:
         first = prompts(cold)[100]
         reply, _ = await fingerprint(model, first)
@@ -129,8 +133,10 @@ async def test_a_next_turn_holding_an_earlier_reply_gives_the_cold_runs_logprobs
 
 
 @pytest.mark.parametrize("neighbours", [1, 7])
-async def test_a_request_beside_others_gives_the_cold_runs_logprobs(cold: ChatModel, neighbours: int) -> None:
-    registry, model = await served(folder_of(cold), max_batch_size=8)
+async def test_a_request_beside_others_gives_the_cold_runs_logprobs(
+    folder: Path, cold: ChatModel, neighbours: int
+) -> None:
+    registry, model = await served(folder, max_batch_size=8)
     try:
         ids = cold.encode(CORPUS)
         prompt = prompts(cold)[301]
@@ -145,8 +151,8 @@ async def test_a_request_beside_others_gives_the_cold_runs_logprobs(cold: ChatMo
         await registry.close()
 
 
-async def test_a_seeded_sampled_request_repeats_to_the_bit(cold: ChatModel) -> None:
-    registry, model = await served(folder_of(cold), prefill_chunk_tokens=64)
+async def test_a_seeded_sampled_request_repeats_to_the_bit(folder: Path, cold: ChatModel) -> None:
+    registry, model = await served(folder, prefill_chunk_tokens=64)
     try:
         prompt = prompts(cold)[257]
         want = await fingerprint(cold, prompt, SEEDED)

@@ -12,6 +12,7 @@ import pytest
 from og_reference import og_greedy
 from og_reference import ordinary_ids as ids
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
+from serving import refilled
 
 pytestmark = pytest.mark.anyio
 
@@ -62,8 +63,7 @@ async def test_a_next_turn_reusing_the_cache_matches_og(model: ChatModel) -> Non
     first = ids(100, seed=3)
     reply, _ = await run(model, first)
     second = first + reply + ids(50, seed=4)
-    while model.engine.refilling:  # type: ignore[attr-defined]  # the reply goes into the cache while idle
-        await asyncio.sleep(0.005)
+    await refilled(model)  # the reply goes into the cache while idle
     assert await run(model, second) == (og_greedy(second, TOKENS, SLIDING_MODEL), len(first) + len(reply))
 
 

@@ -429,12 +429,12 @@ class OrtCpuEngine(OwnerThread):
         kept (:meth:`_stop_refill`). LongRoPE models get none: a prompt and reply past the
         window would need one call from the first token (see :meth:`_prefill_chunk`).
         """
-        refill = self._refilling
-        if refill is None:
-            refill = self._refilling = self._refills.pop()
-            if refill.adapter is not None and refill.adapter not in self._adapter_inputs:
-                self._refilling = None  # its adapter was unloaded meanwhile
-                return
+        refill = self._refilling or self._refills.pop()
+        if refill.adapter is not None and refill.adapter not in self._adapter_inputs:
+            self._refilling = None  # its adapter was unloaded (checked each chunk: it may go between two)
+            return
+        if refill is not self._refilling:
+            self._refilling = refill
             refill.row = 0
             self._rows_touched = max(self._rows_touched, 1)
             self._reuse_prefix(refill, count=False)
