@@ -377,6 +377,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "status": None,
                 "provider": "cuda",
                 "engine": "og-engine",
+                "engine_reason": None,
                 "prefill_int8": None,
                 "reproducible": None,
                 "parent": None,

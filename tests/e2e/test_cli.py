@@ -168,6 +168,40 @@ def test_bad_engine_and_provider_settings_are_named(args: list[str], words: str)
     assert words in serve_and_fail("--model", f"tiny={TINY_MODEL}", *args)
 
 
+def test_a_model_that_cannot_load_fails_alone_and_a_hybrid_one_serves_on_og() -> None:
+    """``broken`` asks ort-cpu for the hybrid LFM2 it cannot drive: that model is an error
+    with the reason, while the others start and serve; ``lfm2`` on auto runs on og."""
+    lfm2 = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-lfm2"
+    process, ready = start_server(
+        "--model",
+        f"tiny={TINY_MODEL}",
+        "--model",
+        f"lfm2={lfm2}",
+        "--model",
+        f"broken={lfm2}",
+        "--model-option",
+        "broken:engine=ort-cpu",
+    )
+    try:
+        url = f"http://127.0.0.1:{ready['port']}"
+        cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert cards["broken"]["status"] == "error" and "does not feed ['past.0.conv'" in cards["broken"]["error"]
+        assert (cards["lfm2"]["status"], cards["lfm2"]["engine"]) == ("ready", "og-generator")
+        assert "ort-cpu engine can drive" in cards["lfm2"]["engine_reason"]
+        assert cards["tiny"]["engine_reason"].startswith("auto: a text model on the CPU")
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            for name in ("tiny", "lfm2"):
+                reply = client.chat.completions.create(
+                    model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+                )
+                assert reply.choices[0].finish_reason in ("stop", "length")
+            with pytest.raises(openai.APIStatusError) as failed:
+                client.chat.completions.create(model="broken", messages=[{"role": "user", "content": "hi"}])
+            assert "past.0.conv" in failed.value.message
+    finally:
+        stop(process)
+
+
 def test_engines_per_model_and_what_health_reports() -> None:
     process, ready = start_server(
         "--model",

@@ -672,6 +672,9 @@ class Model(_Response):
     """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu``, ``trt-rtx``."""
     engine: str | None = None
     """A loaded generative model's engine: ``ort-cpu``, ``og-engine`` or ``og-generator``."""
+    engine_reason: str | None = None
+    """Why it runs on that engine: what was asked for, what ``auto`` chose from the provider
+    and the folder, or what the ort-cpu engine could not drive (then og-generator runs it)."""
     prefill_int8: bool | None = None
     """A loaded ``ort-cpu`` model: whether prompts prefill through its int8 copy
     (``--prefill-int8``); ``None`` for other engines."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -23,8 +24,10 @@ from ._rerank import RerankModel
 from ._speech import SpeechModel
 from ._threads import OwnerThread
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
-from .engines import Engine, OgEngine, OgGeneratorEngine, OrtCpuEngine
+from .engines import Engine, NotDrivableError, OgEngine, OgGeneratorEngine, OrtCpuEngine
 from .engines._adapters import check_adapters
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ModelKind",
@@ -55,6 +58,9 @@ class ModelStatus:
     """The execution provider the model runs (or will run) on."""
     engine: str | None = None
     """The engine of a loaded generative model (``ort-cpu``, ``og-engine``, ``og-generator``)."""
+    engine_reason: str | None = None
+    """Why the loaded generative model runs on ``engine`` (what was asked for, what ``auto``
+    chose from the provider and the folder, or what the ort-cpu engine could not drive)."""
     prefill_int8: bool | None = None
     """A loaded ort-cpu model: whether prompts prefill through its int8 copy
     (``ModelConfig.prefill_int8``; with ``None``, where the CPU and model allow); ``None``
@@ -128,22 +134,31 @@ def pick_engine(folder: GenaiFolder, config: ModelConfig) -> EngineName:
     there); text on another provider on og-engine where the folder was built for paged
     attention (dynamic batching), else og-generator (og.Engine's static batches make a
     newcomer wait for a whole batch to finish). With LoRA adapters, og-generator there too:
-    og.Engine takes no adapter per request.
+    og.Engine takes no adapter per request. A text folder the ort-cpu engine finds it cannot
+    drive when it loads (see :class:`NotDrivableError`) falls back to og-generator then.
     """
+    return _pick_engine(folder, config)[0]
+
+
+def _pick_engine(folder: GenaiFolder, config: ModelConfig) -> tuple[EngineName, str]:
+    """:func:`pick_engine`'s choice and why (the model status's ``engine_reason``)."""
     if config.engine != "auto":
-        return config.engine
+        return config.engine, f"engine {config.engine} was asked for"
     if folder.model_type in MULTIMODAL_TYPES:
-        return "og-generator"
+        return "og-generator", f"auto: a multimodal model ({folder.model_type}) runs on og-generator"
     if config.provider == "cpu":
-        return "ort-cpu"
-    return "og-engine" if folder.paged_attention and not config.adapters else "og-generator"
+        return "ort-cpu", "auto: a text model on the CPU runs on ort-cpu (continuous batching)"
+    if folder.paged_attention and not config.adapters:
+        return "og-engine", f"auto: built for paged attention on {config.provider} (og.Engine's dynamic batching)"
+    why = "LoRA adapters (og.Engine takes none per request)" if config.adapters else "no paged attention"
+    return "og-generator", f"auto: {why} on {config.provider}"
 
 
 def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
     """A generative model: the front (:class:`ChatModel`) over the engine :func:`pick_engine` chose."""
     folder = GenaiFolder.read(path)
     multimodal = folder.model_type in MULTIMODAL_TYPES
-    choice = pick_engine(folder, config)
+    choice, reason = _pick_engine(folder, config)
     folder.tokenizer_path  # noqa: B018  # a missing tokenizer is named before an engine loads
     if (folder.is_multimodal and not multimodal) or folder.is_encoder_decoder:
         raise ModelLoadError(
@@ -170,11 +185,17 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             path=path,
         )
     adapters = check_adapters(folder, config.adapters)
-    engine: Engine
+    engine: Engine | None = None
     media = None
     if choice == "ort-cpu":
-        engine = OrtCpuEngine(name, folder, config, folder.max_sequence_length(config), adapters)
-    else:
+        try:
+            engine = OrtCpuEngine(name, folder, config, folder.max_sequence_length(config), adapters)
+        except NotDrivableError as exc:
+            if config.engine != "auto" or config.prefill_int8:
+                raise
+            choice, reason = "og-generator", f"auto: {exc}; og-generator runs it"
+            logger.info("model %r: %s", name, reason)
+    if engine is None:
         og_model = load_og_model(path, config)
         media = MediaProcessor(folder, og_model, config) if multimodal else None
         if choice == "og-engine":
@@ -197,11 +218,13 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
                 adapters=adapters,
             )
     try:
-        return ChatModel(name, folder, config, engine, media)
+        model = ChatModel(name, folder, config, engine, media)
     except BaseException:
         if isinstance(engine, OwnerThread):
             engine.shutdown()
         raise
+    model.engine_reason = reason
+    return model
 
 
 def resident_memory() -> int:
@@ -371,6 +394,7 @@ class ModelRegistry:
             entry.error,
             provider=entry.config.provider,
             engine=engine.name if engine is not None else None,
+            engine_reason=getattr(entry.model, "engine_reason", None) if engine is not None else None,
             prefill_int8=_prefill_int8(engine),
             reproducible=engine.capabilities.reproducible if engine is not None else None,
             in_flight=entry.in_flight,

@@ -866,6 +866,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         status=status.state,
         provider=status.provider,
         engine=status.engine,
+        engine_reason=status.engine_reason,
         prefill_int8=status.prefill_int8,
         reproducible=status.reproducible,
         parent=None if adapter is None else name,

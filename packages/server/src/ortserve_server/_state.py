@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ortserve_runtime import ModelCapacityError, ModelRegistry
+from ortserve_runtime import ModelCapacityError, ModelLoadError, ModelRegistry
 
 from ._config import ServerConfig
 from ._metrics import Metrics
@@ -89,13 +89,23 @@ class OrtServe:
         if self.config.load_on_startup:
             # Up to --max-loaded-models and while they fit the memory budget; the rest
             # load on first use (loading them all would only evict the first ones).
+            # A model that cannot load fails alone (its status says why, and the next request
+            # to it tries again) while the others serve; if none loads, there is nothing to
+            # serve and the first failure is the server's.
             limit = self.config.max_loaded_models
-            for name in self.registry.names()[:limit]:
+            failures: list[ModelLoadError] = []
+            names = self.registry.names()[:limit]
+            for name in names:
                 try:
                     await self.registry.load(name)
                 except ModelCapacityError as exc:
                     logger.warning("not loading %s at startup: %s", name, exc)
                     break
+                except ModelLoadError as exc:
+                    logger.error("model %s failed to load, the others serve: %s", name, exc)
+                    failures.append(exc)
+            if failures and len(failures) == len(names):
+                raise failures[0]
         self.started = True
 
     async def shutdown(self) -> None:

@@ -53,6 +53,8 @@ class ChatModel:
     ) -> None:
         self.name = name
         """The model's name; ``MODEL:ADAPTER`` for a view :meth:`with_adapter` made."""
+        self.engine_reason = f"engine {engine.name}"
+        """Why it runs on ``engine`` (set by the registry's loader, which chose it)."""
         self.base_name = name
         self._adapter_keys: dict[str, str] = {name: name for name in config.adapters}
         """LoRA adapter names -> the engine's keys (a name added again gets a new key, so

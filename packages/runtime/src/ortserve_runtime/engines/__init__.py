@@ -3,6 +3,6 @@
 from ._base import Engine, EngineCapabilities
 from ._og_engine import OgEngine
 from ._og_generator import OgGeneratorEngine
-from ._ort_cpu import OrtCpuEngine
+from ._ort_cpu import NotDrivableError, OrtCpuEngine
 
-__all__ = ["Engine", "EngineCapabilities", "OgEngine", "OgGeneratorEngine", "OrtCpuEngine"]
+__all__ = ["Engine", "EngineCapabilities", "NotDrivableError", "OgEngine", "OgGeneratorEngine", "OrtCpuEngine"]

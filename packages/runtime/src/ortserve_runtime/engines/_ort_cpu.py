@@ -57,11 +57,16 @@ from ._base import EngineCapabilities
 from ._int8_prefill import cpu_has_vnni, has_int4_matrices, int8_cache, int8_prefill_folder
 from ._prefix_cache import PrefixCache, Rows
 
-__all__ = ["OrtCpuEngine"]
+__all__ = ["NotDrivableError", "OrtCpuEngine"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+class NotDrivableError(ModelLoadError):
+    """The folder's decoder needs what the ort-cpu engine does not feed (its message says
+    what); og's engines may run it."""
 
 
 class _DecoderGraph:
@@ -102,6 +107,11 @@ class _DecoderGraph:
         except Exception as exc:  # onnx raises its own untyped errors for corrupt files
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
         self.model_path = model_path
+        reason = self._undrivable(graph_model.graph)
+        if reason is not None:
+            raise NotDrivableError(
+                f"{model_path} is not a decoder the ort-cpu engine can drive: {reason}", path=model_path
+            )
         self.int8_source = onnx.ModelProto()
         """The graph as read, for :meth:`open_int8_prefill` (the session below edits its copy)."""
         self.int8_source.CopyFrom(graph_model)
@@ -116,12 +126,6 @@ class _DecoderGraph:
         except Exception as exc:  # onnx/onnxruntime raise their own untyped errors for corrupt files
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
         inputs = {i.name: i for i in self.session.get_inputs()}
-        needed = [self.input_ids, self.attention_mask, self.cache_names[0][0]]
-        missing = [n for n in needed if n not in inputs]
-        if missing:
-            raise ModelLoadError(
-                f"{model_path} is not a decoder this runtime can drive (missing inputs {missing})", path=model_path
-            )
         self.has_position_ids = self.position_ids in inputs
         self.ids_dtype = np.int32 if inputs[self.input_ids].type == "tensor(int32)" else np.int64
         self.mask_dtype = np.int32 if inputs[self.attention_mask].type == "tensor(int32)" else np.int64
@@ -137,6 +141,32 @@ class _DecoderGraph:
         if not isinstance(vocab, int):
             self.last_only = False  # a symbolic vocabulary size: no fixed logits buffer
         self.vocab_size = vocab if isinstance(vocab, int) else 0
+
+    def _undrivable(self, graph: onnx.GraphProto) -> str | None:
+        """Why this engine cannot drive ``graph`` (read before any session opens), or ``None``.
+
+        It feeds token ids, the attention mask, position ids and one key/value cache per
+        layer, nothing else: a graph needing another input (LFM2's convolution state,
+        Qwen3.5's linear-attention state, ``inputs_embeds`` of a multimodal decoder) or
+        position ids of another rank (Qwen VL's 3-D MRoPE) runs on og instead. Inputs with
+        a default (an initializer of the same name, as LoRA inputs have) are optional.
+        """
+        defaults = {tensor.name for tensor in graph.initializer}
+        inputs = {i.name: i for i in graph.input if i.name not in defaults}
+        cache = {name for names in self.cache_names for name in (names[0], names[2])}
+        needed = [self.input_ids, self.attention_mask, *sorted(cache)]
+        missing = [name for name in needed if name not in inputs]
+        unknown = sorted(set(inputs) - {*needed, self.position_ids})
+        if missing or unknown:
+            return ", ".join(
+                ([f"it lacks the inputs {missing}"] if missing else [])
+                + ([f"it needs inputs the engine does not feed {unknown}"] if unknown else [])
+            )
+        positions = inputs.get(self.position_ids)
+        rank = len(positions.type.tensor_type.shape.dim) if positions is not None else 2
+        if rank != 2:
+            return f"its position ids have rank {rank} (multimodal rotary positions), not 2"
+        return None
 
     def _options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
@@ -844,7 +874,7 @@ def _longrope_window(graph: onnx.GraphProto, attention_mask: str, model_path: Pa
             and greater.input[1] in constants
         ):
             return int(onnx.numpy_helper.to_array(constants[greater.input[1]]))
-        raise ModelLoadError(
+        raise NotDrivableError(
             f"{model_path} chooses its rotary caches by a rule the ort-cpu engine does not know "
             f"({node.name}); use --engine og-generator",
             path=model_path,
