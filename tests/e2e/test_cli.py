@@ -169,9 +169,11 @@ def test_bad_engine_and_provider_settings_are_named(args: list[str], words: str)
 
 
 def test_a_model_that_cannot_load_fails_alone_and_a_hybrid_one_serves_on_og() -> None:
-    """``broken`` asks ort-cpu for the hybrid LFM2 it cannot drive: that model is an error
-    with the reason, while the others start and serve; ``lfm2`` on auto runs on og."""
-    lfm2 = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-lfm2"
+    """``broken`` asks ort-cpu for the hybrid LFM2 it cannot drive, and ``fp16`` is a folder
+    no engine runs: those models are errors with the reason, while the others start and
+    serve; ``lfm2`` on auto runs on og."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    lfm2 = fixtures / "tiny-lfm2"
     process, ready = start_server(
         "--model",
         f"tiny={TINY_MODEL}",
@@ -181,11 +183,14 @@ def test_a_model_that_cannot_load_fails_alone_and_a_hybrid_one_serves_on_og() ->
         f"broken={lfm2}",
         "--model-option",
         "broken:engine=ort-cpu",
+        "--model",
+        f"fp16={fixtures / 'tiny-qwen2-fp16'}",
     )
     try:
         url = f"http://127.0.0.1:{ready['port']}"
         cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
         assert cards["broken"]["status"] == "error" and "does not feed ['past.0.conv'" in cards["broken"]["error"]
+        assert cards["fp16"]["status"] == "error" and "no engine runs it" in cards["fp16"]["error"]
         assert (cards["lfm2"]["status"], cards["lfm2"]["engine"]) == ("ready", "og-generator")
         assert "ort-cpu engine can drive" in cards["lfm2"]["engine_reason"]
         assert cards["tiny"]["engine_reason"].startswith("auto: a text model on the CPU")

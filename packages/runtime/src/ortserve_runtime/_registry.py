@@ -19,7 +19,7 @@ import anyio
 from ._config import EngineName, ModelConfig
 from ._embeddings import EmbeddingModel
 from ._errors import AdapterNotFoundError, ModelCapacityError, ModelLoadError, ModelNotFoundError
-from ._folder import GenaiFolder, load_og_model
+from ._folder import GenaiFolder, check_og_runs, load_og_model
 from ._rerank import RerankModel
 from ._speech import SpeechModel
 from ._threads import OwnerThread
@@ -187,16 +187,26 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
     adapters = check_adapters(folder, config.adapters)
     engine: Engine | None = None
     media = None
+    refusal = None
+    """Why ort-cpu refused the folder, when auto falls back to og-generator."""
     if choice == "ort-cpu":
         try:
             engine = OrtCpuEngine(name, folder, config, folder.max_sequence_length(config), adapters)
         except NotDrivableError as exc:
             if config.engine != "auto" or config.prefill_int8:
                 raise
-            choice, reason = "og-generator", f"auto: {exc}; og-generator runs it"
+            refusal = str(exc)
+            choice, reason = "og-generator", f"auto: {refusal}; og-generator runs it"
             logger.info("model %r: %s", name, reason)
     if engine is None:
         og_model = load_og_model(path, config)
+        if choice == "og-generator" and not multimodal:
+            try:
+                check_og_runs(og_model, folder, config.provider)
+            except ModelLoadError as exc:
+                if refusal is None:
+                    raise
+                raise ModelLoadError(f"no engine runs it: {refusal}; {exc}", path=path) from exc
         media = MediaProcessor(folder, og_model, config) if multimodal else None
         if choice == "og-engine":
             engine = OgEngine(

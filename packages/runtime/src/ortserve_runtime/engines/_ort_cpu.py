@@ -146,7 +146,7 @@ class _DecoderGraph:
         """Why this engine cannot drive ``graph`` (read before any session opens), or ``None``.
 
         It feeds token ids, the attention mask, position ids and one key/value cache per
-        layer, nothing else: a graph needing another input (LFM2's convolution state,
+        layer, written in place by GroupQueryAttention, nothing else: a graph needing another input (LFM2's convolution state,
         Qwen3.5's linear-attention state, ``inputs_embeds`` of a multimodal decoder) or
         position ids of another rank (Qwen VL's 3-D MRoPE) runs on og instead. Inputs with
         a default (an initializer of the same name, as LoRA inputs have) are optional.
@@ -166,6 +166,11 @@ class _DecoderGraph:
         rank = len(positions.type.tensor_type.shape.dim) if positions is not None else 2
         if rank != 2:
             return f"its position ids have rank {rank} (multimodal rotary positions), not 2"
+        attention = sorted({node.op_type for node in graph.node if node.op_type.endswith("Attention")})
+        if attention != ["GroupQueryAttention"]:
+            # The builder's fp16 CPU graphs use MultiHeadAttention, which concatenates past and
+            # new key/values into a new tensor each call; the engine's rows are written in place.
+            return f"its attention runs as {attention or 'no attention operator'}, not GroupQueryAttention alone"
         return None
 
     def _options(self) -> ort.SessionOptions:

@@ -1,0 +1,92 @@
+"""Choosing an engine is a check of the folder. A hybrid decoder (LFM2: convolution layers
+with a recurrent state beside attention layers) is one the ort-cpu engine cannot drive:
+``auto`` finds out at load from the graph, says why, and runs it on og-generator with og's
+own greedy tokens. The builder's fp16 CPU graph (MultiHeadAttention) is one nothing here
+runs (og fails its first decode step): its load fails, saying both, rather than loading
+and answering every request with a 500. Asked for by name, ort-cpu refuses either."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from og_reference import og_greedy
+from og_reference import ordinary_ids as ids
+from ortserve_runtime import GenerationOptions, ModelConfig, ModelLoadError, ModelRegistry
+from serving import TINY_MODEL
+
+pytestmark = pytest.mark.anyio
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+LFM2 = FIXTURES / "tiny-lfm2"
+FP16 = FIXTURES / "tiny-qwen2-fp16"
+TOKENS = 24
+REFUSALS = [
+    pytest.param(LFM2, ["lacks the inputs ['past_key_values.0.key'", "does not feed ['past.0.conv'"], id="lfm2"),
+    pytest.param(FP16, ["its attention runs as ['MultiHeadAttention'], not GroupQueryAttention"], id="fp16"),
+]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def without_eos(tokens: list[int]) -> list[int]:
+    """og's tokens as a stream reports them: an ending EOS (``<|im_end|>``, ``<|endoftext|>``)
+    ends the stream and is no token of it."""
+    return tokens[:-1] if tokens and tokens[-1] in (1019, 1021) else tokens
+
+
+async def test_auto_runs_a_hybrid_model_on_og_generator_with_ogs_tokens() -> None:
+    registry = ModelRegistry()
+    registry.add("lfm2", LFM2)
+    try:
+        model = await registry.get("lfm2")
+        status = registry.status_of("lfm2")
+        assert (status.state, status.engine) == ("ready", "og-generator")
+        assert status.engine_reason is not None and status.engine_reason.endswith("og-generator runs it")
+        assert "does not feed ['past.0.conv'" in status.engine_reason
+        prompts = [ids(12, seed=1), ids(300, seed=2), ids(40, seed=3), ids(7, seed=4)]
+        options = GenerationOptions(max_tokens=TOKENS, temperature=0)
+        alone = [(await model.generate(p, options=options).collect())[1] for p in prompts]
+        assert alone == [without_eos(og_greedy(p, TOKENS, LFM2)) for p in prompts]
+        together = await asyncio.gather(*(model.generate(p, options=options).collect() for p in prompts))
+        assert [result[1] for result in together] == alone
+    finally:
+        await registry.close()
+
+
+async def test_a_folder_no_engine_runs_fails_at_load_saying_why() -> None:
+    registry = ModelRegistry()
+    registry.add("fp16", FP16)
+    with pytest.raises(ModelLoadError, match="no engine runs it") as failed:
+        await registry.get("fp16")
+    assert "not GroupQueryAttention" in str(failed.value)
+    assert "onnxruntime-genai loads it but cannot run it on cpu" in str(failed.value)
+    assert registry.status_of("fp16").state == "error"
+    await registry.close()
+
+
+@pytest.mark.parametrize(("folder", "reasons"), REFUSALS)
+async def test_ort_cpu_by_name_refuses_it_saying_why(folder: Path, reasons: list[str]) -> None:
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu"))
+    registry.add("m", folder)
+    with pytest.raises(ModelLoadError, match="is not a decoder the ort-cpu engine can drive"):
+        await registry.get("m")
+    status = registry.status_of("m")
+    assert status.state == "error" and status.error is not None
+    assert all(reason in status.error for reason in reasons), status.error
+    await registry.close()
+
+
+async def test_a_text_model_on_the_cpu_says_why_it_runs_on_ort_cpu() -> None:
+    registry = ModelRegistry()
+    registry.add("tiny", TINY_MODEL)
+    try:
+        await registry.get("tiny")
+        reason = registry.status_of("tiny").engine_reason
+        assert reason == "auto: a text model on the CPU runs on ort-cpu (continuous batching)"
+    finally:
+        await registry.close()
