@@ -146,10 +146,11 @@ class _DecoderGraph:
         """Why this engine cannot drive ``graph`` (read before any session opens), or ``None``.
 
         It feeds token ids, the attention mask, position ids and one key/value cache per
-        layer, written in place by GroupQueryAttention, nothing else: a graph needing another input (LFM2's convolution state,
-        Qwen3.5's linear-attention state, ``inputs_embeds`` of a multimodal decoder) or
-        position ids of another rank (Qwen VL's 3-D MRoPE) runs on og instead. Inputs with
-        a default (an initializer of the same name, as LoRA inputs have) are optional.
+        layer, written in place by GroupQueryAttention, nothing else: a graph needing another
+        input (LFM2's convolution state, Qwen3.5's linear-attention state, ``inputs_embeds``
+        of a multimodal decoder), position ids of another rank (Qwen VL's 3-D MRoPE) or
+        another attention operator runs on og instead. Inputs with a default (an
+        initializer of the same name, as LoRA inputs have) are optional.
         """
         defaults = {tensor.name for tensor in graph.initializer}
         inputs = {i.name: i for i in graph.input if i.name not in defaults}
