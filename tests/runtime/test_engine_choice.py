@@ -1,7 +1,7 @@
 """Choosing an engine is a check of the folder. A hybrid decoder (LFM2: convolution layers
-with a recurrent state beside attention layers) is one the ort-cpu engine cannot drive:
-``auto`` finds out at load from the graph, says why, and runs it on og-generator with og's
-own greedy tokens. The builder's fp16 CPU graph (MultiHeadAttention) is one nothing here
+with a recurrent state beside attention layers) and Qwen2.5-VL's text decoder (3-D MRoPE
+position ids) are ones the ort-cpu engine cannot drive: ``auto`` finds out at load from
+the graph, says why, and runs them on og-generator with og's own greedy tokens. The builder's fp16 CPU graph (MultiHeadAttention) is one nothing here
 runs (og fails its first decode step): its load fails, saying both, rather than loading
 and answering every request with a 500. Asked for by name, ort-cpu refuses either."""
 
@@ -21,11 +21,15 @@ pytestmark = pytest.mark.anyio
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 LFM2 = FIXTURES / "tiny-lfm2"
 FP16 = FIXTURES / "tiny-qwen2-fp16"
+QWEN25VL_TEXT = FIXTURES / "tiny-qwen2.5-vl-text"
 TOKENS = 24
 REFUSALS = [
     pytest.param(LFM2, ["lacks the inputs ['past_key_values.0.key'", "does not feed ['past.0.conv'"], id="lfm2"),
     pytest.param(FP16, ["its attention runs as ['MultiHeadAttention'], not GroupQueryAttention"], id="fp16"),
+    pytest.param(QWEN25VL_TEXT, ["its position ids have rank 3"], id="qwen2.5-vl-text"),
 ]
+ON_OG = [REFUSALS[0], REFUSALS[2]]
+"""What og-generator runs when ort-cpu cannot."""
 
 
 @pytest.fixture
@@ -39,19 +43,20 @@ def without_eos(tokens: list[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in (1019, 1021) else tokens
 
 
-async def test_auto_runs_a_hybrid_model_on_og_generator_with_ogs_tokens() -> None:
+@pytest.mark.parametrize(("folder", "reasons"), ON_OG)
+async def test_auto_runs_it_on_og_generator_with_ogs_tokens(folder: Path, reasons: list[str]) -> None:
     registry = ModelRegistry()
-    registry.add("lfm2", LFM2)
+    registry.add("m", folder)
     try:
-        model = await registry.get("lfm2")
-        status = registry.status_of("lfm2")
+        model = await registry.get("m")
+        status = registry.status_of("m")
         assert (status.state, status.engine) == ("ready", "og-generator")
         assert status.engine_reason is not None and status.engine_reason.endswith("og-generator runs it")
-        assert "does not feed ['past.0.conv'" in status.engine_reason
+        assert all(reason in status.engine_reason for reason in reasons), status.engine_reason
         prompts = [ids(12, seed=1), ids(300, seed=2), ids(40, seed=3), ids(7, seed=4)]
         options = GenerationOptions(max_tokens=TOKENS, temperature=0)
         alone = [(await model.generate(p, options=options).collect())[1] for p in prompts]
-        assert alone == [without_eos(og_greedy(p, TOKENS, LFM2)) for p in prompts]
+        assert alone == [without_eos(og_greedy(p, TOKENS, folder)) for p in prompts]
         together = await asyncio.gather(*(model.generate(p, options=options).collect() for p in prompts))
         assert [result[1] for result in together] == alone
     finally:
