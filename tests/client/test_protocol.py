@@ -380,6 +380,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "engine_reason": None,
                 "prefill_int8": None,
                 "reproducible": None,
+                "input_modalities": None,
                 "parent": None,
                 "root": None,
                 "error": None,

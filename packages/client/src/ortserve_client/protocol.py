@@ -683,6 +683,9 @@ class Model(_Response):
     ``seed``) gets the same tokens and logprobs whatever the server's prefix cache holds and
     whoever shares the batch; ``false`` where the engine cannot promise it (ort-cpu with
     ``--prefill-int8``, og-engine's dynamic batches on an accelerator)."""
+    input_modalities: list[str] | None = None
+    """A loaded generative model: what its prompts may hold: ``["text"]``, plus ``"image"``
+    and ``"audio"`` for the multimodal models that take them."""
     parent: str | None = None
     """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
     root: str | None = None

@@ -69,6 +69,9 @@ class ModelStatus:
     """A loaded generative model: whether its engine promises the same tokens for the same
     request whatever else it runs or holds (:attr:`EngineCapabilities.reproducible`);
     ``None`` for other kinds and unloaded models."""
+    input_modalities: tuple[str, ...] | None = None
+    """A loaded generative model: what its prompts may hold (``text``, and ``image`` and
+    ``audio`` where its folder takes them); ``None`` for other kinds and unloaded models."""
     in_flight: int = 0
     """Requests holding the model now (streams until their last event)."""
     last_used: float | None = None
@@ -407,6 +410,7 @@ class ModelRegistry:
             engine_reason=getattr(entry.model, "engine_reason", None) if engine is not None else None,
             prefill_int8=_prefill_int8(engine),
             reproducible=engine.capabilities.reproducible if engine is not None else None,
+            input_modalities=("text", *sorted(entry.model.modalities)) if isinstance(entry.model, ChatModel) else None,
             in_flight=entry.in_flight,
             last_used=entry.last_used,
             resident_bytes=entry.resident_bytes if loaded else None,

@@ -869,6 +869,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         engine_reason=status.engine_reason,
         prefill_int8=status.prefill_int8,
         reproducible=status.reproducible,
+        input_modalities=None if status.input_modalities is None else list(status.input_modalities),
         parent=None if adapter is None else name,
         root=None if adapter is None else name,
         error=status.error,

@@ -1,4 +1,4 @@
-"""Prompts with images and audio (Phi-3-vision, Phi-4-multimodal, Qwen2.5-VL, Gemma 3):
+"""Prompts with images and audio (Phi-3-vision, Phi-4-multimodal, Qwen2.5-VL, Qwen3-VL, Gemma 3):
 each family's placeholders in the chat text, and onnxruntime-genai's multimodal processor.
 
 The processor turns the rendered text and the media (decoded safely first, see
@@ -23,11 +23,13 @@ __all__ = ["MULTIMODAL_TYPES", "MediaProcessor"]
 
 _FAMILIES: dict[str, Placeholders] = {
     # What each family's prompt format (and so onnxruntime-genai's processor) expects where
-    # a media part sits. phi3v is tested here (tests/fixtures/tiny-phi3v); the others follow
-    # their models' published chat templates.
+    # a media part sits. phi3v, qwen2_5_vl and qwen3_vl are tested (tests/fixtures); the
+    # others follow their models' published chat templates. og's Qwen processor repeats the
+    # <|image_pad|> once per image feature.
     "phi3v": {ImageInput: lambda n: f"<|image_{n}|>\n"},
     "phi4mm": {ImageInput: lambda n: f"<|image_{n}|>", AudioInput: lambda n: f"<|audio_{n}|>"},
     "qwen2_5_vl": {ImageInput: lambda n: "<|vision_start|><|image_pad|><|vision_end|>"},
+    "qwen3_vl": {ImageInput: lambda n: "<|vision_start|><|image_pad|><|vision_end|>"},
     "gemma3": {ImageInput: lambda n: "<start_of_image>"},
 }
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
