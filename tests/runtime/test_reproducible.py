@@ -30,6 +30,7 @@ CORPUS = (FIXTURES / "corpus.txt").read_text()
 MODELS = [
     pytest.param(FIXTURES / "tiny-qwen2", id="qwen2"),
     pytest.param(FIXTURES / "tiny-gemma2-sliding", id="gemma2-sliding"),
+    pytest.param(FIXTURES / "tiny-gemma4", id="gemma4"),
     pytest.param(FIXTURES / "tiny-phi3-longrope", id="phi3-longrope"),
     pytest.param(
         Path(os.environ.get("ORTSERVE_SMOLLM2", "/nonexistent")),

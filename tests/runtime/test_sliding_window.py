@@ -1,6 +1,7 @@
-"""Sliding-window attention (Gemma 2's local layers, builder 0.18's bounded key/value cache)
-on the ort-cpu engine: the same greedy tokens as onnxruntime-genai's own generator on
-prompts and replies past the window."""
+"""Sliding-window attention (Gemma 2's local layers, builder 0.18's bounded key/value cache;
+Gemma 4's, whose global layers also have wider heads than its sliding ones) on the ort-cpu
+engine: the same greedy tokens as onnxruntime-genai's own generator on prompts and replies
+past the window."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from serving import refilled
 
 pytestmark = pytest.mark.anyio
 
-SLIDING_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-gemma2-sliding"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+SLIDING_MODEL = FIXTURES / "tiny-gemma2-sliding"
 WINDOW = 64
 TOKENS = 16
 
@@ -26,12 +28,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-async def model() -> AsyncIterator[ChatModel]:
-    """The fixture on ort-cpu with chunks of 48 tokens (less than the window) and the cache."""
+@pytest.fixture(params=[SLIDING_MODEL, FIXTURES / "tiny-gemma4"], ids=["gemma2", "gemma4"])
+async def model(request: pytest.FixtureRequest) -> AsyncIterator[ChatModel]:
+    """A fixture on ort-cpu with chunks of 48 tokens (less than the window) and the cache."""
     registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefill_chunk_tokens=48, prefix_cache_min_tokens=8))
-    registry.add("gemma2", SLIDING_MODEL)
-    yield await registry.get("gemma2")
+    registry.add("sliding", request.param)
+    yield await registry.get("sliding")
     await registry.close()
 
 
@@ -46,17 +48,17 @@ async def test_a_prompt_within_the_window_matches_og(model: ChatModel) -> None:
     prompt = ids(40)
     # og.Generator sizes the sliding layers' cache to max_length (prompt + 24 here) and
     # refuses one smaller than the window, so its reference needs 64 tokens in all.
-    assert (await run(model, prompt, 24))[0] == og_greedy(prompt, 24, SLIDING_MODEL)
+    assert (await run(model, prompt, 24))[0] == og_greedy(prompt, 24, model.folder)
 
 
 async def test_a_prompt_past_the_window_matches_og(model: ChatModel) -> None:
     prompt = ids(200, seed=1)
-    assert (await run(model, prompt))[0] == og_greedy(prompt, TOKENS, SLIDING_MODEL)
+    assert (await run(model, prompt))[0] == og_greedy(prompt, TOKENS, model.folder)
 
 
 async def test_decoding_past_the_window_matches_og(model: ChatModel) -> None:
     prompt = ids(30, seed=2)
-    assert (await run(model, prompt, 60))[0] == og_greedy(prompt, 60, SLIDING_MODEL)
+    assert (await run(model, prompt, 60))[0] == og_greedy(prompt, 60, model.folder)
 
 
 async def test_a_next_turn_reusing_the_cache_matches_og(model: ChatModel) -> None:
@@ -64,13 +66,13 @@ async def test_a_next_turn_reusing_the_cache_matches_og(model: ChatModel) -> Non
     reply, _ = await run(model, first)
     second = first + reply + ids(50, seed=4)
     await refilled(model)  # the reply goes into the cache while idle
-    assert await run(model, second) == (og_greedy(second, TOKENS, SLIDING_MODEL), len(first) + len(reply))
+    assert await run(model, second) == (og_greedy(second, TOKENS, model.folder), len(first) + len(reply))
 
 
 async def test_batched_requests_match_og(model: ChatModel) -> None:
     prompts = [ids(100, seed=5), ids(20, seed=6), ids(150, seed=7)]
     results = await asyncio.gather(*(run(model, p, 48) for p in prompts))
-    assert [tokens for tokens, _ in results] == [og_greedy(p, 48, SLIDING_MODEL) for p in prompts]
+    assert [tokens for tokens, _ in results] == [og_greedy(p, 48, model.folder) for p in prompts]
 
 
 async def test_a_context_shorter_than_the_window_still_runs() -> None:

@@ -112,6 +112,9 @@ class _DecoderGraph:
             raise NotDrivableError(
                 f"{model_path} is not a decoder the ort-cpu engine can drive: {reason}", path=model_path
             )
+        self.layer_shapes = self._layer_shapes(graph_model.graph)
+        """Per layer, its key/values' (heads, head size): Gemma 4's global layers have
+        larger heads than its sliding ones; genai_config.json gives one size for all."""
         self.int8_source = onnx.ModelProto()
         """The graph as read, for :meth:`open_int8_prefill` (the session below edits its copy)."""
         self.int8_source.CopyFrom(graph_model)
@@ -141,6 +144,19 @@ class _DecoderGraph:
         if not isinstance(vocab, int):
             self.last_only = False  # a symbolic vocabulary size: no fixed logits buffer
         self.vocab_size = vocab if isinstance(vocab, int) else 0
+
+    def _layer_shapes(self, graph: onnx.GraphProto) -> list[tuple[int, int]]:
+        """Each layer's (key/value heads, head size) from its past key input where the graph
+        fixes them, else genai_config.json's."""
+        inputs = {i.name: i for i in graph.input}
+        shapes = []
+        for past_key, _, _, _ in self.cache_names:
+            dims = inputs[past_key].type.tensor_type.shape.dim
+            fixed = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+            heads = fixed[1] if len(fixed) == 4 and fixed[1] else self.kv_heads
+            head_size = fixed[3] if len(fixed) == 4 and fixed[3] else self.head_size
+            shapes.append((heads, head_size))
+        return shapes
 
     def _undrivable(self, graph: onnx.GraphProto) -> str | None:
         """Why this engine cannot drive ``graph`` (read before any session opens), or ``None``.
@@ -244,9 +260,9 @@ class OrtCpuEngine(OwnerThread):
         # A sliding layer's ring is a whole row too (it never wraps, so rows can be copied
         # like any other), but GQA refuses one shorter than the window.
         self._cache = []
-        for layer in range(graph.layers):
+        for layer, (heads, head_size) in enumerate(graph.layer_shapes):
             length = max(max_sequence_length, graph.window_size if layer in graph.window_layers else 0)
-            shape = (self.max_batch_size, graph.kv_heads, length, graph.head_size)
+            shape = (self.max_batch_size, heads, length, head_size)
             self._cache.append((_unhuged_zeros(shape, graph.cache_dtype), _unhuged_zeros(shape, graph.cache_dtype)))
         self._rows_touched = 0
         """Rows written since their pages were last given back (see :meth:`_give_back_rows`)."""
@@ -259,7 +275,7 @@ class OrtCpuEngine(OwnerThread):
         self._refilling: _Refill | None = None
         """The refill going into row 0 now."""
         self.prefill_chunk = config.prefill_chunk_tokens
-        token_bytes = graph.layers * 2 * graph.kv_heads * graph.head_size * np.dtype(graph.cache_dtype).itemsize
+        token_bytes = 2 * sum(h * size for h, size in graph.layer_shapes) * np.dtype(graph.cache_dtype).itemsize
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
         """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
         self._bindings: dict[tuple[int, int, str | None, int], Any] = {}
