@@ -21,7 +21,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from .protocol import _Request, _Response  # the same conventions as the chat protocol
+from .protocol import InputAudio, _Request, _Response  # the same conventions as the chat protocol
 
 __all__ = [
     "ContentPartAddedEvent",
@@ -33,6 +33,7 @@ __all__ = [
     "FunctionCallOutputItem",
     "FunctionTool",
     "IncompleteDetails",
+    "InputAudioPart",
     "InputContent",
     "InputImage",
     "InputItem",
@@ -101,6 +102,18 @@ class InputImage(_Request, tag_field="type", tag="input_image"):
         return cls(image_url=f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}")
 
 
+class InputAudioPart(_Request, tag_field="type", tag="input_audio"):
+    """``{"type": "input_audio", "input_audio": {"data", "format"}}``: audio inline, for
+    models that hear (the same part as chat's)."""
+
+    input_audio: InputAudio
+
+    @classmethod
+    def from_bytes(cls, data: bytes, format: str = "wav") -> InputAudioPart:
+        """The audio inline, base64-encoded."""
+        return cls(input_audio=InputAudio(data=base64.b64encode(data).decode("ascii"), format=format))
+
+
 class OutputText(_Response, tag_field="type", tag="output_text"):
     """Text the model wrote: a part of an output message, and of an assistant message
     handed back as input."""
@@ -110,7 +123,7 @@ class OutputText(_Response, tag_field="type", tag="output_text"):
     logprobs: list[Any] = msgspec.field(default_factory=list)
 
 
-InputContent = InputText | InputImage | OutputText
+InputContent = InputText | InputImage | InputAudioPart | OutputText
 
 
 class InputMessage(_Request, tag_field="type", tag="message"):

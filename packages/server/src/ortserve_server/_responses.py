@@ -132,8 +132,9 @@ def _text_parts(content: str | list[rp.InputContent], where: str) -> str | list[
         return content
     parts = []
     for number, part in enumerate(content):
-        if isinstance(part, rp.InputImage):
-            raise BadRequestError("only user messages may hold images", param=f"{where}.content[{number}]")
+        if isinstance(part, rp.InputImage | rp.InputAudioPart):
+            what = "images" if isinstance(part, rp.InputImage) else "audio"
+            raise BadRequestError(f"only user messages may hold {what}", param=f"{where}.content[{number}]")
         parts.append(p.TextContentPart(text=part.text))
     return parts
 
@@ -143,7 +144,9 @@ def _user_parts(content: str | list[rp.InputContent], where: str) -> str | list[
         return content
     parts: list[p.ContentPart] = []
     for number, part in enumerate(content):
-        if not isinstance(part, rp.InputImage):
+        if isinstance(part, rp.InputAudioPart):
+            parts.append(p.InputAudioContentPart(input_audio=part.input_audio))
+        elif not isinstance(part, rp.InputImage):
             parts.append(p.TextContentPart(text=part.text))
         elif not isinstance(part.image_url, str):
             # file_id names OpenAI's Files API, which this server does not have.

@@ -1,4 +1,4 @@
-"""Prompts with images and audio (Phi-3-vision, Phi-4-multimodal, Qwen2.5-VL, Qwen3-VL, Gemma 3):
+"""Prompts with images and audio (Phi-3-vision, Phi-4-multimodal, Qwen2.5-VL, Qwen3-VL, Gemma 3 and 4):
 each family's placeholders in the chat text, and onnxruntime-genai's multimodal processor.
 
 The processor turns the rendered text and the media (decoded safely first, see
@@ -23,14 +23,16 @@ __all__ = ["MULTIMODAL_TYPES", "MediaProcessor"]
 
 _FAMILIES: dict[str, Placeholders] = {
     # What each family's prompt format (and so onnxruntime-genai's processor) expects where
-    # a media part sits. phi3v, qwen2_5_vl and qwen3_vl are tested (tests/fixtures); the
-    # others follow their models' published chat templates. og's Qwen processor repeats the
-    # <|image_pad|> once per image feature.
+    # a media part sits. phi3v, qwen2_5_vl, qwen3_vl and gemma4 are tested (tests/fixtures);
+    # the others follow their models' published chat templates. og's Qwen processor repeats
+    # the <|image_pad|> once per image feature; its Gemma 4 one expands each <|image> and
+    # <|audio> marker into the soft tokens between it and its end marker.
     "phi3v": {ImageInput: lambda n: f"<|image_{n}|>\n"},
     "phi4mm": {ImageInput: lambda n: f"<|image_{n}|>", AudioInput: lambda n: f"<|audio_{n}|>"},
     "qwen2_5_vl": {ImageInput: lambda n: "<|vision_start|><|image_pad|><|vision_end|>"},
     "qwen3_vl": {ImageInput: lambda n: "<|vision_start|><|image_pad|><|vision_end|>"},
     "gemma3": {ImageInput: lambda n: "<start_of_image>"},
+    "gemma4": {ImageInput: lambda n: "<|image>", AudioInput: lambda n: "<|audio>"},
 }
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
 """``model.type`` values of genai_config.json served with images/audio."""

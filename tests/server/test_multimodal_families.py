@@ -1,0 +1,206 @@
+"""Qwen2.5-VL, Qwen3-VL and Gemma 4 (images, and Gemma 4's audio) through a real server and
+the openai SDK, against onnxruntime-genai's own processor and generator on the same prompt
+(tiny random models: see ``build_qwen_vl`` and ``build_gemma4_mm`` in
+tests/fixtures/build_fixtures.py)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import onnxruntime_genai as og
+import openai
+import pytest
+from audio import tone_wav
+from images import image_bytes, image_part
+from ortserve_server import ServerConfig, create_app
+from serving import running
+from tokenizers import Tokenizer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FAMILIES = {
+    "qwen2.5-vl": FIXTURES / "tiny-qwen2.5-vl",
+    "qwen3-vl": FIXTURES / "tiny-qwen3-vl",
+    "gemma4": FIXTURES / "tiny-gemma4-mm",
+}
+IMAGE = {
+    "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+}
+IMAGE["gemma4"] = "<|image>"
+SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+RED, BLUE = image_bytes(64, 48, (220, 20, 20)), image_bytes(40, 72, (20, 20, 220))
+LOW, HIGH = tone_wav(1.0, 220.0), tone_wav(0.6, 1500.0)
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with running(create_app(ServerConfig(models=FAMILIES))) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        yield client
+
+
+def og_reply(folder: Path, text: str, images: list[bytes], n: int, audios: list[bytes] = ()) -> tuple[str, int]:  # type: ignore[assignment]
+    """og's greedy reply to ``text`` with ``images`` and ``audios`` (its own processor and
+    generator loop), decoded as the server decodes, and the prompt's length in tokens."""
+    model = og.Model(str(folder))
+    processor = model.create_multimodal_processor()
+    inputs = processor(
+        text,
+        images=og.Images.open_bytes(*images) if images else None,
+        audios=og.Audios.open_bytes(*audios) if audios else None,
+    )
+    prompt = inputs["input_ids"].as_numpy().size
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max(prompt + n, 128), do_sample=False)  # gemma4: at least its window
+    generator = og.Generator(model, params)
+    generator.set_inputs(inputs)
+    out: list[int] = []
+    while not generator.is_done() and len(out) < n:
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ends = {tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")}
+    out = out[: next((i for i, t in enumerate(out) if t in ends), len(out))]  # the server sends no EOS
+    return tokenizer.decode(out), prompt
+
+
+def chat(client: openai.OpenAI, family: str, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=family,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=kwargs.pop("max_tokens", 10),
+        temperature=0,
+        **kwargs,
+    )
+
+
+def audio_part(wav: bytes) -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_images_anywhere_in_the_conversation_give_og_s_reply(client: openai.OpenAI, family: str) -> None:
+    """Two images in the first turn (before and between text), one in a later turn."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                image_part(RED),
+                {"type": "text", "text": "and"},
+                image_part(BLUE),
+                {"type": "text", "text": "Compare them."},
+            ],
+        },
+        {"role": "assistant", "content": "They differ."},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image_part(RED)]},
+    ]
+    reply = chat(client, family, messages)
+    image = IMAGE[family]
+    text = (
+        f"{SYSTEM}<|im_start|>user\n{image}and{image}Compare them.<|im_end|>\n"
+        f"<|im_start|>assistantThey differ.<|im_end|>\n"  # the fixtures' template drops that newline
+        f"<|im_start|>user\nAnd this one?{image}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    expected, prompt_tokens = og_reply(FAMILIES[family], text, [RED, BLUE, RED], 10)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_model_sees_the_images_and_their_order(client: openai.OpenAI, family: str) -> None:
+    def ask(*images: bytes) -> str | None:
+        parts = [*(image_part(image) for image in images), {"type": "text", "text": "What is this?"}]
+        return chat(client, family, [{"role": "user", "content": parts}]).choices[0].message.content
+
+    red, blue = ask(RED), ask(BLUE)
+    assert red != blue and ask(RED) == red
+    assert ask(RED, BLUE) != ask(BLUE, RED)
+    text_only = chat(client, family, [{"role": "user", "content": "What is this?"}])
+    expected, _ = og_reply(
+        FAMILIES[family], f"{SYSTEM}<|im_start|>user\nWhat is this?<|im_end|>\n<|im_start|>assistant\n", [], 10
+    )
+    assert text_only.choices[0].message.content == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_and_responses_api_answers_match(client: openai.OpenAI, family: str) -> None:
+    parts = [image_part(BLUE), {"type": "text", "text": "Describe it."}]
+    whole = chat(client, family, [{"role": "user", "content": parts}]).choices[0].message.content
+    stream = chat(client, family, [{"role": "user", "content": parts}], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+    response = client.responses.create(
+        model=family,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": parts[0]["image_url"]["url"], "detail": "auto"},  # type: ignore[index]
+                    {"type": "input_text", "text": "Describe it."},
+                ],
+            }
+        ],
+        max_output_tokens=10,
+        temperature=0,
+    )
+    assert response.output_text == whole
+
+
+def test_gemma4_hears_audio_in_chat_and_responses(client: openai.OpenAI) -> None:
+    def hear(wav: bytes) -> Any:
+        return chat(client, "gemma4", [{"role": "user", "content": [audio_part(wav), {"type": "text", "text": "Hm?"}]}])
+
+    low, high = hear(LOW), hear(HIGH)
+    expected, prompt_tokens = og_reply(
+        FAMILIES["gemma4"], f"{SYSTEM}<|im_start|>user\n<|audio>Hm?<|im_end|>\n<|im_start|>assistant\n", [], 10, [LOW]
+    )
+    assert low.choices[0].message.content == expected and low.usage.prompt_tokens == prompt_tokens
+    assert high.choices[0].message.content != expected  # the model hears the difference
+    both = chat(
+        client,
+        "gemma4",
+        [{"role": "user", "content": [image_part(RED), {"type": "text", "text": "and"}, audio_part(LOW)]}],
+    )
+    expected, _ = og_reply(
+        FAMILIES["gemma4"],
+        f"{SYSTEM}<|im_start|>user\n<|image>and<|audio><|im_end|>\n<|im_start|>assistant\n",
+        [RED],
+        10,
+        [LOW],
+    )
+    assert both.choices[0].message.content == expected
+    response = client.responses.create(
+        model="gemma4",
+        input=[{"role": "user", "content": [audio_part(LOW), {"type": "input_text", "text": "Hm?"}]}],  # type: ignore[list-item]
+        max_output_tokens=10,
+        temperature=0,
+    )
+    assert response.output_text == low.choices[0].message.content
+
+
+def test_what_a_family_cannot_take_is_a_400_naming_the_part(url: str) -> None:
+    two_clips = [{"role": "user", "content": [audio_part(LOW), audio_part(HIGH)]}]
+    reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "gemma4", "messages": two_clips, "max_tokens": 2})
+    assert reply.status_code == 400 and "1 audio clip" in reply.json()["error"]["message"], reply.text
+    heard = [{"role": "user", "content": [audio_part(LOW)]}]
+    reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "qwen2.5-vl", "messages": heard, "max_tokens": 2})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "does not take audio" in error["message"] and error["param"] == "messages[0].content[0]"
+    ok = httpx.post(f"{url}/v1/chat/completions", json={"model": "gemma4", "messages": heard, "max_tokens": 2})
+    assert ok.status_code == 200  # and the server goes on serving
+
+
+def test_models_list_what_each_family_takes(client: openai.OpenAI) -> None:
+    models = {m.id: m.model_extra or {} for m in client.models.list()}
+    assert models["gemma4"]["input_modalities"] == ["text", "audio", "image"]
+    for family in ("qwen2.5-vl", "qwen3-vl"):
+        assert models[family]["engine"] == "og-generator" and models[family]["input_modalities"] == ["text", "image"]
