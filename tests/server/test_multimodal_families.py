@@ -25,12 +25,13 @@ FAMILIES = {
     "qwen2.5-vl": FIXTURES / "tiny-qwen2.5-vl",
     "qwen3-vl": FIXTURES / "tiny-qwen3-vl",
     "gemma4": FIXTURES / "tiny-gemma4-mm",
+    "gemma3": FIXTURES / "tiny-gemma3-mm",
 }
 IMAGE = {
     "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
 }
-IMAGE["gemma4"] = "<|image>"
+IMAGE |= {"gemma4": "<|image>", "gemma3": "<start_of_image>"}
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 RED, BLUE = image_bytes(64, 48, (220, 20, 20)), image_bytes(40, 72, (20, 20, 220))
 LOW, HIGH = tone_wav(1.0, 220.0), tone_wav(0.6, 1500.0)
@@ -202,5 +203,5 @@ def test_what_a_family_cannot_take_is_a_400_naming_the_part(url: str) -> None:
 def test_models_list_what_each_family_takes(client: openai.OpenAI) -> None:
     models = {m.id: m.model_extra or {} for m in client.models.list()}
     assert models["gemma4"]["input_modalities"] == ["text", "audio", "image"]
-    for family in ("qwen2.5-vl", "qwen3-vl"):
+    for family in ("qwen2.5-vl", "qwen3-vl", "gemma3"):
         assert models[family]["engine"] == "og-generator" and models[family]["input_modalities"] == ["text", "image"]
