@@ -26,14 +26,17 @@ FAMILIES = {
     "qwen3-vl": FIXTURES / "tiny-qwen3-vl",
     "gemma4": FIXTURES / "tiny-gemma4-mm",
     "gemma3": FIXTURES / "tiny-gemma3-mm",
+    "mistral3": FIXTURES / "tiny-mistral3-mm",
 }
 IMAGE = {
     "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
 }
-IMAGE |= {"gemma4": "<|image>", "gemma3": "<start_of_image>"}
+IMAGE |= {"gemma4": "<|image>", "gemma3": "<start_of_image>", "mistral3": "[IMG]"}
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 RED, BLUE = image_bytes(64, 48, (220, 20, 20)), image_bytes(40, 72, (20, 20, 220))
+SAME_SIZE = {"mistral3"}
+"""Families whose og processor takes several images in a request only when they have one size."""
 LOW, HIGH = tone_wav(1.0, 220.0), tone_wav(0.6, 1500.0)
 
 
@@ -88,21 +91,26 @@ def audio_part(wav: bytes) -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
 
 
+def pictures(family: str) -> tuple[bytes, bytes]:
+    return (RED, image_bytes(64, 48, (20, 20, 220))) if family in SAME_SIZE else (RED, BLUE)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_images_anywhere_in_the_conversation_give_og_s_reply(client: openai.OpenAI, family: str) -> None:
     """Two images in the first turn (before and between text), one in a later turn."""
+    red, blue = pictures(family)
     messages = [
         {
             "role": "user",
             "content": [
-                image_part(RED),
+                image_part(red),
                 {"type": "text", "text": "and"},
-                image_part(BLUE),
+                image_part(blue),
                 {"type": "text", "text": "Compare them."},
             ],
         },
         {"role": "assistant", "content": "They differ."},
-        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image_part(RED)]},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image_part(red)]},
     ]
     reply = chat(client, family, messages)
     image = IMAGE[family]
@@ -111,20 +119,22 @@ def test_images_anywhere_in_the_conversation_give_og_s_reply(client: openai.Open
         f"<|im_start|>assistantThey differ.<|im_end|>\n"  # the fixtures' template drops that newline
         f"<|im_start|>user\nAnd this one?{image}<|im_end|>\n<|im_start|>assistant\n"
     )
-    expected, prompt_tokens = og_reply(FAMILIES[family], text, [RED, BLUE, RED], 10)
+    expected, prompt_tokens = og_reply(FAMILIES[family], text, [red, blue, red], 10)
     assert reply.choices[0].message.content == expected
     assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_model_sees_the_images_and_their_order(client: openai.OpenAI, family: str) -> None:
+    red, blue = pictures(family)
+
     def ask(*images: bytes) -> str | None:
         parts = [*(image_part(image) for image in images), {"type": "text", "text": "What is this?"}]
         return chat(client, family, [{"role": "user", "content": parts}]).choices[0].message.content
 
-    red, blue = ask(RED), ask(BLUE)
-    assert red != blue and ask(RED) == red
-    assert ask(RED, BLUE) != ask(BLUE, RED)
+    seen_red, seen_blue = ask(red), ask(blue)
+    assert seen_red != seen_blue and ask(red) == seen_red
+    assert ask(red, blue) != ask(blue, red)
     text_only = chat(client, family, [{"role": "user", "content": "What is this?"}])
     expected, _ = og_reply(
         FAMILIES[family], f"{SYSTEM}<|im_start|>user\nWhat is this?<|im_end|>\n<|im_start|>assistant\n", [], 10
@@ -188,6 +198,9 @@ def test_gemma4_hears_audio_in_chat_and_responses(client: openai.OpenAI) -> None
 
 
 def test_what_a_family_cannot_take_is_a_400_naming_the_part(url: str) -> None:
+    sizes = [{"role": "user", "content": [image_part(RED), image_part(BLUE)]}]
+    reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "mistral3", "messages": sizes, "max_tokens": 2})
+    assert reply.status_code == 400 and "different sizes" in reply.json()["error"]["message"], reply.text
     two_clips = [{"role": "user", "content": [audio_part(LOW), audio_part(HIGH)]}]
     reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "gemma4", "messages": two_clips, "max_tokens": 2})
     assert reply.status_code == 400 and "1 audio clip" in reply.json()["error"]["message"], reply.text
@@ -203,5 +216,5 @@ def test_what_a_family_cannot_take_is_a_400_naming_the_part(url: str) -> None:
 def test_models_list_what_each_family_takes(client: openai.OpenAI) -> None:
     models = {m.id: m.model_extra or {} for m in client.models.list()}
     assert models["gemma4"]["input_modalities"] == ["text", "audio", "image"]
-    for family in ("qwen2.5-vl", "qwen3-vl", "gemma3"):
+    for family in ("qwen2.5-vl", "qwen3-vl", "gemma3", "mistral3"):
         assert models[family]["engine"] == "og-generator" and models[family]["input_modalities"] == ["text", "image"]

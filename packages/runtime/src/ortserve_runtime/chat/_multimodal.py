@@ -33,6 +33,7 @@ _FAMILIES: dict[str, Placeholders] = {
     "qwen3_vl": {ImageInput: lambda n: "<|vision_start|><|image_pad|><|vision_end|>"},
     "gemma3": {ImageInput: lambda n: "<start_of_image>"},
     "gemma4": {ImageInput: lambda n: "<|image>", AudioInput: lambda n: "<|audio>"},
+    "mistral3": {ImageInput: lambda n: "[IMG]"},
 }
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
 """``model.type`` values of genai_config.json served with images/audio."""
@@ -55,6 +56,7 @@ class MediaProcessor:
         }
         self.modalities = frozenset("image" if kind is ImageInput else "audio" for kind in self.placeholders)
         self.config = config
+        self.model_type = folder.model_type
         try:
             self._processor = og_model.create_multimodal_processor()
         except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
@@ -85,4 +87,28 @@ class MediaProcessor:
             ids = [int(t) for t in inputs["input_ids"].as_numpy().reshape(-1)]
         except RuntimeError as exc:  # og reports undecodable audio and placeholder mismatches so
             raise InvalidRequestError(f"the media could not be processed: {exc}", param="messages") from exc
+        if len(pngs) > 1:
+            _check_padding(inputs, self.model_type)
         return Prompt(ids, inputs)
+
+
+def _check_padding(inputs: Any, model_type: str) -> None:
+    """Refuse images og's processor batched wrongly, before the model runs them.
+
+    og 0.18's Pixtral processor (mistral3) pads several images to the tallest one's height
+    but the last one's width, and then fails inside generation; a request whose images fit
+    their padded tensor is fine.
+    """
+    try:
+        pixels = inputs["pixel_values"].as_numpy().shape
+        sizes = inputs["image_sizes"].as_numpy()
+    except RuntimeError:  # a family without image_sizes
+        return
+    if len(pixels) != 4:  # phi3v's image_sizes describe crops, not padding
+        return
+    if (sizes[:, 0] > pixels[2]).any() or (sizes[:, 1] > pixels[3]).any():
+        raise InvalidRequestError(
+            f"onnxruntime-genai cannot batch these images for a {model_type} model: images of different "
+            "sizes must go in separate requests (or be given the same size)",
+            param="messages",
+        )
