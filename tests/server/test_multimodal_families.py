@@ -27,12 +27,13 @@ FAMILIES = {
     "gemma4": FIXTURES / "tiny-gemma4-mm",
     "gemma3": FIXTURES / "tiny-gemma3-mm",
     "mistral3": FIXTURES / "tiny-mistral3-mm",
+    "lfm2-vl": FIXTURES / "tiny-lfm2-vl",
 }
 IMAGE = {
     "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
 }
-IMAGE |= {"gemma4": "<|image>", "gemma3": "<start_of_image>", "mistral3": "[IMG]"}
+IMAGE |= {"gemma4": "<|image>", "gemma3": "<start_of_image>", "mistral3": "[IMG]", "lfm2-vl": "<image>"}
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 RED, BLUE = image_bytes(64, 48, (220, 20, 20)), image_bytes(40, 72, (20, 20, 220))
 SAME_SIZE = {"mistral3"}
@@ -216,5 +217,5 @@ def test_what_a_family_cannot_take_is_a_400_naming_the_part(url: str) -> None:
 def test_models_list_what_each_family_takes(client: openai.OpenAI) -> None:
     models = {m.id: m.model_extra or {} for m in client.models.list()}
     assert models["gemma4"]["input_modalities"] == ["text", "audio", "image"]
-    for family in ("qwen2.5-vl", "qwen3-vl", "gemma3", "mistral3"):
+    for family in ("qwen2.5-vl", "qwen3-vl", "gemma3", "mistral3", "lfm2-vl"):
         assert models[family]["engine"] == "og-generator" and models[family]["input_modalities"] == ["text", "image"]

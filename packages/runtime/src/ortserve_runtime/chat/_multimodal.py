@@ -23,8 +23,8 @@ __all__ = ["MULTIMODAL_TYPES", "MediaProcessor"]
 
 _FAMILIES: dict[str, Placeholders] = {
     # What each family's prompt format (and so onnxruntime-genai's processor) expects where
-    # a media part sits. phi3v, qwen2_5_vl, qwen3_vl and gemma4 are tested (tests/fixtures);
-    # the others follow their models' published chat templates. og's Qwen processor repeats
+    # a media part sits, all tested (tests/fixtures) but phi4mm, which follows its model's
+    # published chat template. og's Qwen processor repeats
     # the <|image_pad|> once per image feature; its Gemma 4 one expands each <|image> and
     # <|audio> marker into the soft tokens between it and its end marker.
     "phi3v": {ImageInput: lambda n: f"<|image_{n}|>\n"},
@@ -34,6 +34,7 @@ _FAMILIES: dict[str, Placeholders] = {
     "gemma3": {ImageInput: lambda n: "<start_of_image>"},
     "gemma4": {ImageInput: lambda n: "<|image>", AudioInput: lambda n: "<|audio>"},
     "mistral3": {ImageInput: lambda n: "[IMG]"},
+    "lfm2_vl": {ImageInput: lambda n: "<image>"},
 }
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
 """``model.type`` values of genai_config.json served with images/audio."""
