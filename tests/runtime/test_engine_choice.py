@@ -2,12 +2,15 @@
 with a recurrent state beside attention layers) and Qwen2.5-VL's text decoder (3-D MRoPE
 position ids) are ones the ort-cpu engine cannot drive: ``auto`` finds out at load from
 the graph, says why, and runs them on og-generator with og's own greedy tokens. The builder's fp16 CPU graph (MultiHeadAttention) is one nothing here
-runs (og fails its first decode step): its load fails, saying both, rather than loading
-and answering every request with a 500. Asked for by name, ort-cpu refuses either."""
+runs (og fails its first decode step), and so is a multimodal model's decoder served as
+text (it takes ``inputs_embeds``): its load fails on every engine, saying why, rather than
+loading and answering every request with a 500. Asked for by name, ort-cpu refuses either."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -63,14 +66,31 @@ async def test_auto_runs_it_on_og_generator_with_ogs_tokens(folder: Path, reason
         await registry.close()
 
 
-async def test_a_folder_no_engine_runs_fails_at_load_saying_why() -> None:
-    registry = ModelRegistry()
-    registry.add("fp16", FP16)
-    with pytest.raises(ModelLoadError, match="no engine runs it") as failed:
-        await registry.get("fp16")
-    assert "not GroupQueryAttention" in str(failed.value)
-    assert "onnxruntime-genai loads it but cannot run it on cpu" in str(failed.value)
-    assert registry.status_of("fp16").state == "error"
+def exclude_embeds_folder(tmp_path: Path) -> Path:
+    """A multimodal model's decoder (builder ``exclude_embeds``: it takes ``inputs_embeds``)
+    served as a text model: tiny-qwen2.5-vl without its vision and embedding graphs."""
+    folder = tmp_path / "exclude-embeds"
+    shutil.copytree(FIXTURES / "tiny-qwen2.5-vl", folder)
+    genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+    genai["model"]["type"] = "qwen2_5_vl_text"
+    for section in ("embedding", "vision"):
+        del genai["model"][section]
+    (folder / "genai_config.json").write_text(json.dumps(genai), encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("engine", ["auto", "og-engine", "og-generator"])
+@pytest.mark.parametrize("kind", ["fp16", "exclude-embeds"])
+async def test_a_folder_no_engine_runs_fails_at_load_saying_why(kind: str, engine: str, tmp_path: Path) -> None:
+    folder = FP16 if kind == "fp16" else exclude_embeds_folder(tmp_path)
+    registry = ModelRegistry(ModelConfig(engine=engine))  # type: ignore[arg-type]
+    registry.add("m", folder)
+    with pytest.raises(ModelLoadError, match="onnxruntime-genai loads it but cannot run it on cpu") as failed:
+        await registry.get("m")
+    if engine == "auto":
+        refusal = "not GroupQueryAttention" if kind == "fp16" else "does not feed ['inputs_embeds']"
+        assert "no engine runs it" in str(failed.value) and refusal in str(failed.value)
+    assert registry.status_of("m").state == "error"
     await registry.close()
 
 

@@ -203,7 +203,7 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             logger.info("model %r: %s", name, reason)
     if engine is None:
         og_model = load_og_model(path, config)
-        if choice == "og-generator" and not multimodal:
+        if not multimodal:  # og.Engine runs what og.Generator runs: probe both the same way
             try:
                 check_og_runs(og_model, folder, config.provider)
             except ModelLoadError as exc:
