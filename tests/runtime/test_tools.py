@@ -138,6 +138,6 @@ def test_forced_grammar_names_marker_tokens_by_id() -> None:
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     grammar = forced_tool_grammar("hermes", tools, token_id={"<tool_call>": 7, "</tool_call>": 8}.get)
     assert grammar is not None and grammar.kind == "lark"
-    assert str(grammar.source).startswith('start: <[7]> "\\n" call "\\n" <[8]>')
+    assert str(grammar.source).startswith('start: tool\ntool: <[7]> "\\n" call "\\n" <[8]>')
     assert forced_tool_grammar("hermes", tools, name="missing") is None
     assert forced_tool_grammar("mistral", tools) is None

@@ -160,7 +160,7 @@ def test_history_with_tool_calls_and_results(tiny_client: openai.OpenAI, tiny_ur
     [
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "nope"}}, "response_format"),
         ({"tools": [{"type": "function"}]}, "tools"),
     ],
 )
@@ -187,3 +187,105 @@ def test_parallel_tool_calls_false_keeps_the_first(tiny_url: str, monkeypatch: p
     one = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
     assert len(both) == 2
     assert [c["function"]["arguments"] for c in one["choices"][0]["message"]["tool_calls"]] == ['{"a": 1, "b": 2}']
+
+
+FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "maxLength": 8}},
+            "required": ["answer"],
+        },
+    },
+}
+
+
+def test_a_forced_call_with_a_response_format_is_a_call(tiny_client: openai.OpenAI) -> None:
+    """openai-agents sends both (an output type and tool_choice required): the forced turn
+    is the call; the format shapes the text turn after the tool results."""
+    for seed in range(3):
+        reply = tiny_client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format=FORMAT,  # type: ignore[arg-type]
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        calls = reply.choices[0].message.tool_calls or []
+        assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0].function.arguments), PARAMS[calls[0].function.name])  # type: ignore[union-attr]
+    response = tiny_client.responses.create(
+        model="tiny",
+        input="What is the weather in Paris?",
+        tools=[{"type": "function", "name": "add", "parameters": ADD_PARAMS, "strict": True}],
+        tool_choice="required",
+        text={"format": {"type": "json_schema", "name": "answer", "schema": FORMAT["json_schema"]["schema"]}},  # type: ignore[index,typeddict-item]
+        max_output_tokens=200,
+    )
+    assert [item.type for item in response.output] == ["function_call"]
+
+
+def test_auto_with_a_response_format_calls_or_answers_in_it(tiny_client: openai.OpenAI) -> None:
+    """The format must not rule out calls: each reply is a valid call or a valid answer."""
+    kinds = set()
+    for seed in range(8):
+        reply = tiny_client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            response_format=FORMAT,  # type: ignore[arg-type]
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        message = reply.choices[0].message
+        if message.tool_calls:
+            kinds.add("call")
+            call = message.tool_calls[0].function  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+        else:
+            kinds.add("answer")
+            assert reply.choices[0].finish_reason == "stop", message.content
+            jsonschema.validate(json.loads(message.content or ""), FORMAT["json_schema"]["schema"])  # type: ignore[index]
+    assert kinds  # which of the two a random model picks is its business; both are well-formed
+
+
+def test_undeclared_keys_are_never_generated(tiny_client: openai.OpenAI) -> None:
+    """Schemas that do not say additionalProperties (LangChain's, LiteLLM's, most hand-written
+    tools') get objects holding their declared keys only."""
+    open_params = {"type": "object", "properties": {"a": {"type": "integer"}, "note": {"type": "object"}}}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": open_params}}]
+    complete = 0
+    for seed in range(6):
+        reply = tiny_client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice="required",
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        calls = reply.choices[0].message.tool_calls or []
+        if reply.choices[0].finish_reason == "tool_calls":
+            arguments = json.loads(calls[0].function.arguments)  # type: ignore[union-attr]
+            assert set(arguments) <= {"a", "note"} and set(arguments.get("note") or {}) == set(), arguments
+            complete += 1
+        answer = tiny_client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": open_params}},
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        if answer.choices[0].finish_reason == "stop":
+            parsed = json.loads(answer.choices[0].message.content or "")
+            assert set(parsed) <= {"a", "note"} and set(parsed.get("note") or {}) == set(), parsed
+            complete += 1
+    assert complete >= 6  # most replies end well-formed within max_tokens

@@ -398,7 +398,8 @@ class ToolPlan:
     format: ToolCallFormat | None = None
     """Parse the output for calls in this format (``None``: plain content)."""
     grammar: Grammar | None = None
-    """Force a call (``required`` or a named function)."""
+    """Force a call (``required`` or a named function), or let the output be a call or an
+    answer in the response format (``auto`` with a JSON schema format)."""
     forced: str | None = None
     """The name of the function a forced call must call (``""``: any), else ``None``."""
 
@@ -418,12 +419,20 @@ def _tool_plan(
     if model.tool_format is None:
         raise BadRequestError(f"model {model.name!r} has no known tool-call format in its chat template", param="tools")
     if choice == "auto":
+        if constraint is not None and constraint[0].kind == "json_schema" and isinstance(constraint[0].source, dict):
+            # A call, or an answer in the response format: the format must not rule calls out.
+            either = forced_tool_grammar(
+                model.tool_format, definitions, token_id=model.tokenizer.token_to_id, or_answer=constraint[0].source
+            )
+            if either is not None:
+                _check_grammar_size(either, "tools", config)
+                return ToolPlan(definitions, model.tool_format, either)
         return ToolPlan(definitions, model.tool_format)
     name = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
     if name is not None and name not in {t.function.name for t in tools}:
         raise BadRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    if constraint is not None:
-        raise BadRequestError("a forced tool call cannot be combined with structured output", param="tool_choice")
+    # A response format given with a forced call shapes later text turns; this turn is the
+    # call (as OpenAI does). The format was checked above all the same.
     grammar = forced_tool_grammar(model.tool_format, definitions, name, model.tokenizer.token_to_id)
     if grammar is None:
         raise BadRequestError(

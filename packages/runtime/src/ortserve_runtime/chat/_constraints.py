@@ -20,7 +20,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from .._errors import InvalidRequestError
 from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
 
-__all__ = ["Constraint", "Grammar", "GrammarCompiler", "og_guidance"]
+__all__ = ["Constraint", "Grammar", "GrammarCompiler", "closed_schema", "og_guidance"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +83,50 @@ class GrammarCompiler:
         return Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size)
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with every object that does not say ``additionalProperties`` closed to
+    its declared properties (``additionalProperties: false``).
+
+    JSON Schema leaves objects open by default, and a small model then goes on adding
+    keys (``{"a": 1, "b": 2, "c": 3, ...``) until max_tokens cuts it (measured on
+    SmolLM2). Generated JSON holds what the schema declares, as vLLM's strict grammars
+    and llama.cpp's schema converter do; ``additionalProperties: true`` (or a schema for
+    them), or ``patternProperties``, keeps an object open. The members of an ``allOf``
+    stay as given: closing each would refuse the properties the others declare.
+    """
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_schema(item) for item in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_schema(sub) for name, sub in closed[key].items()}
+    for key in (*_SUBSCHEMAS, "additionalProperties"):
+        if isinstance(closed.get(key), dict):
+            closed[key] = closed_schema(closed[key])
+    is_object = closed.get("type") == "object" or (isinstance(closed.get("type"), list) and "object" in closed["type"])
+    if (is_object or "properties" in closed) and not {"additionalProperties", "patternProperties", "allOf"} & set(
+        closed
+    ):
+        closed["additionalProperties"] = False
+    return closed
+
+
 def og_guidance(grammar: Grammar) -> tuple[str, str]:
     """``grammar`` as onnxruntime-genai's guidance (``TurnOptions.set_guidance``) takes it:
     the same sources, and the same strict whitespace for JSON, as the host matcher.
     A grammar after reasoning has no such form: the model refuses it on og engines."""
     if grammar.kind == "json_schema":
-        schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)
+        schema = closed_schema(grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source))
         schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
         return "json_schema", json.dumps(schema)
     return ("regex" if grammar.kind == "regex" else "lark_grammar"), str(grammar.source)
@@ -107,6 +145,7 @@ def _grammar_text(grammar: Grammar) -> str:
             schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param="grammar")
+            schema = closed_schema(schema)
             # Without this the model may emit whitespace between tokens until max_tokens.
             schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema))

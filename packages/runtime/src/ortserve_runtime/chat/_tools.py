@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ._constraints import Grammar
+from ._constraints import Grammar, closed_schema
 from ._reasoning import _held
 
 __all__ = ["ToolCall", "ToolCallFormat", "ToolCallParser", "detect_tool_format", "forced_tool_grammar"]
@@ -192,11 +192,15 @@ def forced_tool_grammar(
     tools: Sequence[Mapping[str, Any]],
     name: str | None = None,
     token_id: Callable[[str], int | None] = lambda _: None,
+    or_answer: Mapping[str, Any] | None = None,
 ) -> Grammar | None:
     """A grammar that admits exactly one well-formed call (to ``name``, or to any tool)
     whose arguments validate against the tool's parameters schema; ``None`` if this format
     has no such grammar here. ``token_id`` finds markers that are single (added) tokens:
-    the grammar must name those by id, as no string of bytes produces them."""
+    the grammar must name those by id, as no string of bytes produces them. ``or_answer``:
+    a JSON schema the output may match instead of calling (``tool_choice`` auto with a
+    response format: the model calls a tool or answers in the format). Objects admit only
+    their declared properties unless a schema says otherwise (:func:`closed_schema`)."""
     if format != "hermes":
         return None
     options = []
@@ -204,7 +208,7 @@ def forced_tool_grammar(
         function = tool.get("function", {})
         if name is not None and function.get("name") != name:
             continue
-        parameters = function.get("parameters") or {"type": "object"}
+        parameters = closed_schema(function.get("parameters") or {"type": "object"})
         options.append(
             {
                 "type": "object",
@@ -224,4 +228,8 @@ def forced_tool_grammar(
         return f"<[{token}]>" if token is not None else json.dumps(text)
 
     start, end = literal(markers.start), literal(markers.end or "")
-    return Grammar("lark", f'start: {start} "\\n" call "\\n" {end}\ncall: %json {json.dumps(schema)}')
+    rules = f'tool: {start} "\\n" call "\\n" {end}\ncall: %json {json.dumps(schema)}'
+    if or_answer is None:
+        return Grammar("lark", f"start: tool\n{rules}")
+    answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
+    return Grammar("lark", f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}")
