@@ -381,6 +381,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "prefill_int8": None,
                 "reproducible": None,
                 "input_modalities": None,
+                "tool_format": None,
                 "parent": None,
                 "root": None,
                 "error": None,

@@ -318,3 +318,49 @@ def test_prefill_int8_reaches_each_model_config() -> None:
     base = ModelConfig(prefill_int8=_prefill_int8("off"))
     configs = _model_configs(base, [("a", "prefill-int8", "on"), ("b", "prefill-int8", "auto")], ["a", "b", "c"])
     assert (base.prefill_int8, configs["a"].prefill_int8, configs["b"].prefill_int8) == (False, True, None)
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+
+
+def test_a_chat_template_file_replaces_the_models_own(tmp_path: Path) -> None:
+    """``plain`` is the tiny model with a template that has no tools: tool requests are a 400
+    until ``--model-option NAME:chat-template=FILE`` gives it the ChatML tool template; a
+    template that does not parse fails its model alone, naming the file and line."""
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(TINY_MODEL, plain)
+    tool_template = tmp_path / "tools.jinja"
+    shutil.copyfile(plain / "chat_template.jinja", tool_template)
+    (plain / "chat_template.jinja").write_text(PLAIN_TEMPLATE, encoding="utf-8")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ messages }}\n{% for m in messages %}\n{{ m.content }\n", encoding="utf-8")
+    process, ready = start_server(
+        *("--model", f"plain={plain}", "--model", f"given={plain}", "--model", f"bad={plain}"),
+        *("--model-option", f"given:chat-template={tool_template}", "--model-option", f"bad:chat-template={broken}"),
+    )
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    ask = [{"role": "user", "content": "add 1 and 2"}]
+    try:
+        url = f"http://127.0.0.1:{ready['port']}"
+        cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert cards["bad"]["status"] == "error" and str(broken) in cards["bad"]["error"]
+        assert "line 3" in cards["bad"]["error"], cards["bad"]["error"]
+        assert (cards["plain"]["tool_format"], cards["given"]["tool_format"]) == (None, "hermes")
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match="no known tool-call format"):
+                client.chat.completions.create(model="plain", messages=ask, tools=tools, tool_choice="required")  # type: ignore[arg-type]
+            reply = client.chat.completions.create(
+                model="given",
+                messages=ask,
+                tools=tools,
+                tool_choice="required",
+                max_tokens=100,  # type: ignore[arg-type]
+            )
+            assert reply.choices[0].message.tool_calls and reply.choices[0].message.tool_calls[0].function.name == "add"
+            prompt = httpx.post(f"{url}/v1/tokenize", json={"model": "plain", "messages": ask}).json()["tokens"]
+            text = httpx.post(f"{url}/v1/detokenize", json={"model": "plain", "tokens": prompt}).json()["prompt"]
+            assert text == "user: add 1 and 2\nassistant:"
+    finally:
+        stop(process)

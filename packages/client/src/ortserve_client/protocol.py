@@ -686,6 +686,10 @@ class Model(_Response):
     input_modalities: list[str] | None = None
     """A loaded generative model: what its prompts may hold: ``["text"]``, plus ``"image"``
     and ``"audio"`` for the multimodal models that take them."""
+    tool_format: str | None = None
+    """A loaded generative model: how its chat template writes tool calls (``hermes``,
+    ``llama3``, ``mistral``, ``phi4``...); ``None``: its template has no tools (serve it
+    with ``--model-option NAME:chat-template=FILE`` to give it some)."""
     parent: str | None = None
     """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
     root: str | None = None

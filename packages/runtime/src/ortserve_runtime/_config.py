@@ -127,6 +127,11 @@ class ModelConfig:
     rerank: RerankConfig = field(default_factory=RerankConfig)
     last_position_logits: bool = True
     """Compute logits for the last prompt position only (faster prefill; see _generation)."""
+    chat_template: Path | None = None
+    """A Jinja chat template file to render chats with instead of the folder's own (a model
+    whose template has no tools, or none at all; as vLLM's ``--chat-template``). It is
+    read and compiled when the model loads: a missing file or a template that does not
+    parse fails that model's load, naming the file (and line)."""
     adapters: dict[str, Path] = field(default_factory=dict)
     """LoRA adapters of a generative model: name -> ``.onnx_adapter`` file, made for this
     model's folder (its decoder takes the adapter's weights as inputs). A request picks one

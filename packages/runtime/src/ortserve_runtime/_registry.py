@@ -72,6 +72,10 @@ class ModelStatus:
     input_modalities: tuple[str, ...] | None = None
     """A loaded generative model: what its prompts may hold (``text``, and ``image`` and
     ``audio`` where its folder takes them); ``None`` for other kinds and unloaded models."""
+    tool_format: str | None = None
+    """A loaded generative model: how its chat template has it write tool calls
+    (``hermes``, ``llama3``, ``mistral``, ``phi4``...); ``None`` where it has no tools (tool
+    requests are then a 400) and for other kinds and unloaded models."""
     in_flight: int = 0
     """Requests holding the model now (streams until their last event)."""
     last_used: float | None = None
@@ -411,6 +415,7 @@ class ModelRegistry:
             prefill_int8=_prefill_int8(engine),
             reproducible=engine.capabilities.reproducible if engine is not None else None,
             input_modalities=("text", *sorted(entry.model.modalities)) if isinstance(entry.model, ChatModel) else None,
+            tool_format=entry.model.tool_format if isinstance(entry.model, ChatModel) else None,
             in_flight=entry.in_flight,
             last_used=entry.last_used,
             resident_bytes=entry.resident_bytes if loaded else None,

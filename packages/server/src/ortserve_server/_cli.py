@@ -98,6 +98,7 @@ _MODEL_KEYS = (
     "max-sequence-length",
     "prefix-cache-tokens",
     "prefill-int8",
+    "chat-template",
 )
 
 
@@ -122,6 +123,8 @@ def _model_configs(
             change[key] = value
         elif key == "prefill-int8":
             change["prefill_int8"] = _prefill_int8(value)
+        elif key == "chat-template":
+            change["chat_template"] = Path(value)
         elif key in ("threads", "max-batch-size", "max-sequence-length", "prefix-cache-tokens"):
             field = {"threads": "intra_op_threads"}.get(key, key.replace("-", "_"))
             change[field] = _integer(key, value)
@@ -267,6 +270,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "into $ORTSERVE_CACHE/int8-prefill (about 1.5x faster prefill on CPUs with VNNI; costs memory, and "
         "greedy replies change as rounding changes them, and with what shares a call: the model is no longer "
         "reproducible); auto: on where the CPU has VNNI (default off)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template used for every generative model instead of its own (one model: "
+        "--model-option NAME:chat-template=FILE); a template that does not parse fails that model's load",
     )
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     serve.add_argument(
@@ -417,6 +428,7 @@ def _serve(args: argparse.Namespace) -> int:
             intra_op_threads=args.threads,
             prefix_cache_tokens=args.prefix_cache_tokens,
             prefill_int8=_prefill_int8(args.prefill_int8),
+            chat_template=args.chat_template,
         )
         config = ServerConfig(
             models=dict(resolved),

@@ -870,6 +870,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         prefill_int8=status.prefill_int8,
         reproducible=status.reproducible,
         input_modalities=None if status.input_modalities is None else list(status.input_modalities),
+        tool_format=status.tool_format,
         parent=None if adapter is None else name,
         root=None if adapter is None else name,
         error=status.error,

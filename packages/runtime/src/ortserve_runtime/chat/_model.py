@@ -90,7 +90,7 @@ class ChatModel:
         longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
         self.max_prompt_chars = self.max_sequence_length * max(longest, 1) * 3
         """Characters a prompt may have before it is tokenized (its tokens are checked after)."""
-        self.chat_template = ChatTemplate.from_folder(path)
+        self.chat_template = ChatTemplate.from_folder(path, config.chat_template)
         self.tool_format: ToolCallFormat | None = detect_tool_format(
             self.chat_template.source if self.chat_template else None
         )

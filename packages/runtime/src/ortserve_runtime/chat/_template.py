@@ -1,7 +1,8 @@
 """Chat formatting through the model's own Jinja chat template.
 
 The template comes from the model folder (``chat_template.jinja``, or ``chat_template`` in
-``tokenizer_config.json``) and renders in a sandboxed Jinja environment with the helpers
+``tokenizer_config.json``), or from a file the operator names instead
+(``ModelConfig.chat_template``), and renders in a sandboxed Jinja environment with the helpers
 Hugging Face templates expect (``raise_exception``, ``tojson``, ``strftime_now``).
 """
 
@@ -46,8 +47,9 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens)
 
     @classmethod
-    def from_folder(cls, folder: Path) -> ChatTemplate | None:
-        """The folder's template, or ``None`` when it has none (completions still work)."""
+    def from_folder(cls, folder: Path, override: Path | None = None) -> ChatTemplate | None:
+        """The folder's template (or the ``override`` file's, with the folder's special
+        tokens), or ``None`` when it has none (completions still work)."""
         config_path = folder / "tokenizer_config.json"
         config: dict[str, Any] = {}
         if config_path.exists():
@@ -57,7 +59,14 @@ class ChatTemplate:
                 raise ModelLoadError(f"{config_path} is not valid JSON: {exc}", path=config_path) from exc
         source: Any = None
         jinja_path = folder / "chat_template.jinja"
-        if jinja_path.exists():
+        if override is not None:
+            try:
+                source = override.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ModelLoadError(f"the chat template {override} could not be read: {exc}", path=override) from exc
+            if not source.strip():
+                raise ModelLoadError(f"the chat template {override} is empty", path=override)
+        elif jinja_path.exists():
             source = jinja_path.read_text(encoding="utf-8")
         else:
             source = config.get("chat_template")
@@ -70,7 +79,10 @@ class ChatTemplate:
         try:
             return cls(source, special_tokens=special)
         except jinja2.TemplateError as exc:
-            raise ModelLoadError(f"the chat template of {folder} does not compile: {exc}", path=folder) from exc
+            where = override or folder
+            line = f" (line {exc.lineno})" if isinstance(exc, jinja2.TemplateSyntaxError) and exc.lineno else ""
+            what = f"the chat template {override}" if override else f"the chat template of {folder}"
+            raise ModelLoadError(f"{what} does not compile{line}: {exc}", path=where) from exc
 
     def render(
         self,
