@@ -1,0 +1,107 @@
+"""Agent frameworks through their documented custom-base-URL paths against a real server:
+openai-agents, pydantic-ai and langchain-openai, on the tiny (random) model. Its words are
+gibberish, so these check structure: every request the framework sends is accepted, forced
+and structured turns come back well-formed, and the frameworks' own parsers take them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+from ortserve_server import ServerConfig, create_app
+from pydantic import BaseModel, Field
+from serving import TINY_MODEL, running
+
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # no trace upload to OpenAI
+
+
+class Answer(BaseModel):
+    answer: str = Field(max_length=8)
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as url:
+        yield f"{url}/v1"
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_openai_agents_forced_tool_then_structured_output(base_url: str) -> None:
+    """openai-agents sends ``tool_choice: required`` with the output type's response format
+    (once a 400 here); it then runs the tool and resets tool_choice for the next turn."""
+    from agents import (
+        Agent,
+        MaxTurnsExceeded,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+    )
+    from openai import AsyncOpenAI
+
+    calls: list[tuple[int, int]] = []
+
+    @function_tool
+    def add_numbers(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    async def run() -> object:
+        client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+        agent = Agent(
+            name="adder",
+            instructions="Add the numbers.",
+            model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+            tools=[add_numbers],
+            output_type=Answer,
+            model_settings=ModelSettings(tool_choice="required", max_tokens=120, temperature=0),
+        )
+        try:
+            result = await Runner.run(agent, "What is 2 + 3?", max_turns=4)
+            return result.final_output
+        except MaxTurnsExceeded:
+            return None  # a random model may keep calling the tool; each turn was well-formed
+        finally:
+            await client.close()
+
+    final = asyncio.run(run())
+    assert calls and all(isinstance(a, int) and isinstance(b, int) for a, b in calls)
+    assert final is None or isinstance(final, Answer)
+
+
+def test_pydantic_ai_tools_and_structured_output(base_url: str) -> None:
+    """pydantic-ai asks for its output through a forced ``final_result`` tool beside the
+    agent's own tools; whichever the model calls parses."""
+    from pydantic_ai import Agent, UsageLimitExceeded
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+    from pydantic_ai.usage import UsageLimits
+
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=base_url, api_key="x"))
+    agent = Agent(model, output_type=Answer, tools=[add], model_settings=ModelSettings(temperature=0, max_tokens=120))
+    try:
+        result = agent.run_sync("What is 2 + 3?", usage_limits=UsageLimits(request_limit=4))
+    except UsageLimitExceeded:
+        return  # the random model kept calling add: every call parsed, or pydantic-ai would have raised
+    assert isinstance(result.output, Answer)
+
+
+def test_langchain_bind_tools_and_structured_output(base_url: str) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny", base_url=base_url, api_key="x", temperature=0, max_tokens=120)  # type: ignore[arg-type]
+    message = llm.bind_tools([add], tool_choice="required").invoke("What is 2 + 3?")
+    assert [call["name"] for call in message.tool_calls] == ["add"]  # type: ignore[attr-defined]
+    assert set(message.tool_calls[0]["args"]) <= {"a", "b"}  # type: ignore[attr-defined]
+    structured = llm.with_structured_output(Answer, method="json_schema").invoke("Answer briefly.")
+    assert isinstance(structured, Answer)
+    streamed = "".join(str(chunk.content) for chunk in llm.stream("Say hi."))
+    assert streamed == llm.invoke("Say hi.").content
