@@ -382,6 +382,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "reproducible": None,
                 "input_modalities": None,
                 "tool_format": None,
+                "tools_in_system_prompt": None,
                 "parent": None,
                 "root": None,
                 "error": None,

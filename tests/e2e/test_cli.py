@@ -324,9 +324,11 @@ PLAIN_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfo
 
 
 def test_a_chat_template_file_replaces_the_models_own(tmp_path: Path) -> None:
-    """``plain`` is the tiny model with a template that has no tools: tool requests are a 400
-    until ``--model-option NAME:chat-template=FILE`` gives it the ChatML tool template; a
-    template that does not parse fails its model alone, naming the file and line."""
+    """``plain`` is the tiny model with a template that knows no tools: its tools go into the
+    system prompt (Hermes wording) and its calls are parsed, unless that is turned off
+    (``refuse``: a 400); ``given`` gets the ChatML tool template from
+    ``--model-option NAME:chat-template=FILE``; a template that does not parse fails its
+    model alone, naming the file and line."""
     import shutil
 
     plain = tmp_path / "plain"
@@ -338,6 +340,7 @@ def test_a_chat_template_file_replaces_the_models_own(tmp_path: Path) -> None:
     broken.write_text("{{ messages }}\n{% for m in messages %}\n{{ m.content }\n", encoding="utf-8")
     process, ready = start_server(
         *("--model", f"plain={plain}", "--model", f"given={plain}", "--model", f"bad={plain}"),
+        *("--model", f"refuse={plain}", "--model-option", "refuse:tools-in-system-prompt=off"),
         *("--model-option", f"given:chat-template={tool_template}", "--model-option", f"bad:chat-template={broken}"),
     )
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
@@ -347,20 +350,44 @@ def test_a_chat_template_file_replaces_the_models_own(tmp_path: Path) -> None:
         cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
         assert cards["bad"]["status"] == "error" and str(broken) in cards["bad"]["error"]
         assert "line 3" in cards["bad"]["error"], cards["bad"]["error"]
-        assert (cards["plain"]["tool_format"], cards["given"]["tool_format"]) == (None, "hermes")
+        formats = {name: (cards[name]["tool_format"], cards[name]["tools_in_system_prompt"]) for name in cards}
+        assert formats["plain"] == ("hermes", True) and formats["given"] == ("hermes", False)
+        assert formats["refuse"] == (None, False)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
             with pytest.raises(openai.BadRequestError, match="no known tool-call format"):
-                client.chat.completions.create(model="plain", messages=ask, tools=tools, tool_choice="required")  # type: ignore[arg-type]
-            reply = client.chat.completions.create(
-                model="given",
-                messages=ask,
-                tools=tools,
-                tool_choice="required",
-                max_tokens=100,  # type: ignore[arg-type]
-            )
-            assert reply.choices[0].message.tool_calls and reply.choices[0].message.tool_calls[0].function.name == "add"
-            prompt = httpx.post(f"{url}/v1/tokenize", json={"model": "plain", "messages": ask}).json()["tokens"]
-            text = httpx.post(f"{url}/v1/detokenize", json={"model": "plain", "tokens": prompt}).json()["prompt"]
+                client.chat.completions.create(model="refuse", messages=ask, tools=tools, tool_choice="required")  # type: ignore[arg-type]
+            for name in ("plain", "given"):
+                reply = client.chat.completions.create(
+                    model=name,
+                    messages=ask,
+                    tools=tools,
+                    tool_choice="required",
+                    max_tokens=100,  # type: ignore[arg-type]
+                )
+                calls = reply.choices[0].message.tool_calls
+                assert calls and calls[0].function.name == "add" and json.loads(calls[0].function.arguments) is not None  # type: ignore[union-attr]
+            history = [
+                *ask,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "3"},
+            ]
+            prompt = httpx.post(
+                f"{url}/v1/tokenize", json={"model": "plain", "messages": history, "tools": tools}
+            ).json()
+            text = httpx.post(f"{url}/v1/detokenize", json={"model": "plain", "tokens": prompt["tokens"]}).json()[
+                "prompt"
+            ]
+            assert text.startswith("system: # Tools\n") and '"function": {"name": "add"' in text
+            assert 'assistant: <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n' in text
+            assert text.endswith("user: <tool_response>\n3\n</tool_response>\nassistant:")
+            prompt = httpx.post(f"{url}/v1/tokenize", json={"model": "refuse", "messages": ask}).json()["tokens"]
+            text = httpx.post(f"{url}/v1/detokenize", json={"model": "refuse", "tokens": prompt}).json()["prompt"]
             assert text == "user: add 1 and 2\nassistant:"
     finally:
         stop(process)

@@ -79,29 +79,50 @@ def test_openai_agents_forced_tool_then_structured_output(base_url: str) -> None
 def test_pydantic_ai_tools_and_structured_output(base_url: str) -> None:
     """pydantic-ai asks for its output through a forced ``final_result`` tool beside the
     agent's own tools; whichever the model calls parses."""
+    from openai import AsyncOpenAI
     from pydantic_ai import Agent, UsageLimitExceeded
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.settings import ModelSettings
     from pydantic_ai.usage import UsageLimits
 
-    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=base_url, api_key="x"))
-    agent = Agent(model, output_type=Answer, tools=[add], model_settings=ModelSettings(temperature=0, max_tokens=120))
-    try:
-        result = agent.run_sync("What is 2 + 3?", usage_limits=UsageLimits(request_limit=4))
-    except UsageLimitExceeded:
-        return  # the random model kept calling add: every call parsed, or pydantic-ai would have raised
-    assert isinstance(result.output, Answer)
+    async def run() -> object:
+        client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+        model = OpenAIChatModel("tiny", provider=OpenAIProvider(openai_client=client))
+        settings = ModelSettings(temperature=0, max_tokens=120)
+        agent = Agent(model, output_type=Answer, tools=[add], model_settings=settings)
+        try:
+            return (await agent.run("What is 2 + 3?", usage_limits=UsageLimits(request_limit=4))).output
+        except UsageLimitExceeded:
+            return None  # the random model kept calling add: every call parsed, or pydantic-ai would have raised
+        finally:
+            await client.close()
+
+    output = asyncio.run(run())
+    assert output is None or isinstance(output, Answer)
 
 
 def test_langchain_bind_tools_and_structured_output(base_url: str) -> None:
+    import httpx
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="tiny", base_url=base_url, api_key="x", temperature=0, max_tokens=120)  # type: ignore[arg-type]
-    message = llm.bind_tools([add], tool_choice="required").invoke("What is 2 + 3?")
+    with httpx.Client() as http:
+        llm = ChatOpenAI(
+            model="tiny",
+            base_url=base_url,
+            api_key="x",
+            temperature=0,
+            max_tokens=120,
+            http_client=http,  # type: ignore[arg-type]
+        )
+        check_langchain(llm)
+
+
+def check_langchain(llm: object) -> None:
+    message = llm.bind_tools([add], tool_choice="required").invoke("What is 2 + 3?")  # type: ignore[attr-defined]
     assert [call["name"] for call in message.tool_calls] == ["add"]  # type: ignore[attr-defined]
     assert set(message.tool_calls[0]["args"]) <= {"a", "b"}  # type: ignore[attr-defined]
-    structured = llm.with_structured_output(Answer, method="json_schema").invoke("Answer briefly.")
+    structured = llm.with_structured_output(Answer, method="json_schema").invoke("Answer briefly.")  # type: ignore[attr-defined]
     assert isinstance(structured, Answer)
-    streamed = "".join(str(chunk.content) for chunk in llm.stream("Say hi."))
-    assert streamed == llm.invoke("Say hi.").content
+    streamed = "".join(str(chunk.content) for chunk in llm.stream("Say hi."))  # type: ignore[attr-defined]
+    assert streamed == llm.invoke("Say hi.").content  # type: ignore[attr-defined]

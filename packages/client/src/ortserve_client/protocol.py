@@ -687,9 +687,13 @@ class Model(_Response):
     """A loaded generative model: what its prompts may hold: ``["text"]``, plus ``"image"``
     and ``"audio"`` for the multimodal models that take them."""
     tool_format: str | None = None
-    """A loaded generative model: how its chat template writes tool calls (``hermes``,
-    ``llama3``, ``mistral``, ``phi4``...); ``None``: its template has no tools (serve it
-    with ``--model-option NAME:chat-template=FILE`` to give it some)."""
+    """A loaded generative model: how it writes tool calls (``hermes``, ``llama3``,
+    ``mistral``, ``phi4``...); ``None``: tool requests are a 400."""
+    tools_in_system_prompt: bool | None = None
+    """A loaded generative model: its chat template knows no tools, so they are described
+    in its system prompt (Hermes format) and calls parsed from its output (``false``: the
+    template handles them; give a model a better one with ``--model-option
+    NAME:chat-template=FILE``)."""
     parent: str | None = None
     """For a LoRA adapter (id ``MODEL:ADAPTER``): the model it adapts (as vLLM lists LoRA modules)."""
     root: str | None = None
@@ -762,11 +766,13 @@ class ModelList(_Response):
 
 
 class TokenizeRequest(_Request):
-    """``POST /v1/tokenize`` (extension): either ``prompt`` or chat ``messages``."""
+    """``POST /v1/tokenize`` (extension): either ``prompt`` or chat ``messages`` (with the
+    ``tools`` a chat request would send, as vLLM's takes them)."""
 
     model: str
     prompt: str | UnsetType = UNSET
     messages: list[ChatMessage] | UnsetType = UNSET
+    tools: list[Tool] | UnsetType = UNSET
     add_generation_prompt: bool = True
 
 

@@ -132,6 +132,12 @@ class ModelConfig:
     whose template has no tools, or none at all; as vLLM's ``--chat-template``). It is
     read and compiled when the model loads: a missing file or a template that does not
     parse fails that model's load, naming the file (and line)."""
+    tools_in_system_prompt: bool = True
+    """A model whose chat template knows no tools (SmolLM2's, many base and older models')
+    gets a request's tools described in its system prompt and its calls parsed in the
+    Hermes format (``<tool_call>{...}</tool_call>``; forced calls constrained by grammar),
+    as LM Studio falls back to a default tool format; ``False`` refuses tool requests to
+    such a model with a 400."""
     adapters: dict[str, Path] = field(default_factory=dict)
     """LoRA adapters of a generative model: name -> ``.onnx_adapter`` file, made for this
     model's folder (its decoder takes the adapter's weights as inputs). A request picks one

@@ -73,9 +73,13 @@ class ModelStatus:
     """A loaded generative model: what its prompts may hold (``text``, and ``image`` and
     ``audio`` where its folder takes them); ``None`` for other kinds and unloaded models."""
     tool_format: str | None = None
-    """A loaded generative model: how its chat template has it write tool calls
-    (``hermes``, ``llama3``, ``mistral``, ``phi4``...); ``None`` where it has no tools (tool
-    requests are then a 400) and for other kinds and unloaded models."""
+    """A loaded generative model: how it writes tool calls (``hermes``, ``llama3``,
+    ``mistral``, ``phi4``...), from its chat template or, where that knows no tools, the
+    system-prompt fallback's ``hermes``; ``None`` where tool requests are a 400 (the
+    fallback off) and for other kinds and unloaded models."""
+    tools_in_system_prompt: bool | None = None
+    """A loaded generative model: whether its tools go into the system prompt because its
+    template knows none (:attr:`ModelConfig.tools_in_system_prompt`)."""
     in_flight: int = 0
     """Requests holding the model now (streams until their last event)."""
     last_used: float | None = None
@@ -416,6 +420,7 @@ class ModelRegistry:
             reproducible=engine.capabilities.reproducible if engine is not None else None,
             input_modalities=("text", *sorted(entry.model.modalities)) if isinstance(entry.model, ChatModel) else None,
             tool_format=entry.model.tool_format if isinstance(entry.model, ChatModel) else None,
+            tools_in_system_prompt=entry.model.tools_in_system_prompt if isinstance(entry.model, ChatModel) else None,
             in_flight=entry.in_flight,
             last_used=entry.last_used,
             resident_bytes=entry.resident_bytes if loaded else None,

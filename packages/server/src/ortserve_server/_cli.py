@@ -99,6 +99,7 @@ _MODEL_KEYS = (
     "prefix-cache-tokens",
     "prefill-int8",
     "chat-template",
+    "tools-in-system-prompt",
 )
 
 
@@ -125,6 +126,10 @@ def _model_configs(
             change["prefill_int8"] = _prefill_int8(value)
         elif key == "chat-template":
             change["chat_template"] = Path(value)
+        elif key == "tools-in-system-prompt":
+            if value not in ("on", "off"):
+                raise ValueError(f"--model-option {name}:{key}: use on or off, not {value!r}")
+            change["tools_in_system_prompt"] = value == "on"
         elif key in ("threads", "max-batch-size", "max-sequence-length", "prefix-cache-tokens"):
             field = {"threads": "intra_op_threads"}.get(key, key.replace("-", "_"))
             change[field] = _integer(key, value)

@@ -871,6 +871,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         reproducible=status.reproducible,
         input_modalities=None if status.input_modalities is None else list(status.input_modalities),
         tool_format=status.tool_format,
+        tools_in_system_prompt=status.tools_in_system_prompt,
         parent=None if adapter is None else name,
         root=None if adapter is None else name,
         error=status.error,
@@ -901,7 +902,10 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
     if has_messages:
         assert not isinstance(data.messages, msgspec.UnsetType)
         messages = await chat_messages(data.messages, ortserve.config)
-        prompt = await model.aprepare_chat(messages, add_generation_prompt=data.add_generation_prompt)
+        tools = [msgspec.to_builtins(tool) for tool in data.tools] if isinstance(data.tools, list) else None
+        prompt = await model.aprepare_chat(
+            messages, tools=tools or None, add_generation_prompt=data.add_generation_prompt
+        )
         tokens = list(prompt)  # a multimodal prompt counts each image as the features it becomes
     else:
         assert isinstance(data.prompt, str)

@@ -26,7 +26,7 @@ from ._request import GenerationStream, Prompt, Request
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
 from ._template import ChatTemplate, Message
-from ._tools import ToolCallFormat, detect_tool_format
+from ._tools import ToolCallFormat, detect_tool_format, tools_as_text
 
 if TYPE_CHECKING:
     from ..engines import Engine
@@ -95,6 +95,13 @@ class ChatModel:
             self.chat_template.source if self.chat_template else None
         )
         """How this model writes tool calls (from its chat template), or None."""
+        self.tools_in_system_prompt = (
+            self.tool_format is None and self.chat_template is not None and config.tools_in_system_prompt
+        )
+        """Its template knows no tools: they go into the system prompt (:func:`tools_as_text`)
+        and calls are parsed in the ``hermes`` format."""
+        if self.tools_in_system_prompt:
+            self.tool_format = "hermes"
         self.reasoning: ReasoningMarkers | None = detect_reasoning(
             self.chat_template.source if self.chat_template else None
         )
@@ -386,6 +393,8 @@ class ChatModel:
             raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
         placeholders = self._media.placeholders if self._media is not None else {}
         flat, media = flatten_messages(messages, placeholders, self.name)
+        if self.tools_in_system_prompt:
+            flat, tools = tools_as_text(flat, tools), None
         text = self.chat_template.render(
             flat, tools=tools, add_generation_prompt=add_generation_prompt, extra=template_kwargs
         )

@@ -24,7 +24,14 @@ from typing import Any, Literal
 from ._constraints import Grammar, closed_schema
 from ._reasoning import _held
 
-__all__ = ["ToolCall", "ToolCallFormat", "ToolCallParser", "detect_tool_format", "forced_tool_grammar"]
+__all__ = [
+    "ToolCall",
+    "ToolCallFormat",
+    "ToolCallParser",
+    "detect_tool_format",
+    "forced_tool_grammar",
+    "tools_as_text",
+]
 
 ToolCallFormat = Literal["hermes", "llama3", "phi4", "mistral"]
 
@@ -51,6 +58,70 @@ _FORMATS: dict[ToolCallFormat, _Markers] = {
     "mistral": _Markers("[TOOL_CALLS]", None, many=True, arguments_key="arguments"),
     "llama3": _Markers("<|python_tag|>", None, many=False, arguments_key="parameters"),
 }
+
+
+_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def tools_as_text(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """``messages`` for a chat template that knows no tools, with the tools and the calls in
+    their text: the tools described in the system message (Hermes/Qwen2.5's wording, which
+    small models are trained on; a system message is added when there is none), each
+    assistant call written as ``<tool_call>{"name", "arguments"}</tool_call>`` in its
+    content, and tool results as user turns in ``<tool_response>`` tags (a template
+    without tools may refuse the ``tool`` role). The output is parsed in the ``hermes``
+    format then."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            response = f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"
+            if out and out[-1].get("role") == "user" and str(out[-1].get("content", "")).endswith("</tool_response>"):
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{response}"}
+            else:
+                out.append({"role": "user", "content": response})
+            continue
+        converted = {key: value for key, value in message.items() if key not in ("tool_calls", "tool_call_id")}
+        calls = message.get("tool_calls") or []
+        if role == "assistant" and calls:
+            written = []
+            for call in calls:
+                function = call.get("function", {})
+                arguments = function.get("arguments")
+                parsed = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else arguments or {}
+                body = json.dumps({"name": function.get("name"), "arguments": parsed}, ensure_ascii=False)
+                written.append(f"<tool_call>\n{body}\n</tool_call>")
+            converted["content"] = "\n".join(filter(None, [_text(message.get("content")), *written]))
+        out.append(converted)
+    if tools:
+        described = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{_text(out[0].get('content'))}\n\n{described}"}
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    return out
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (a list of parts: their text joined)."""
+    if isinstance(content, list):
+        return "".join(part if isinstance(part, str) else str(part.get("text", "")) for part in content)
+    return "" if content is None else str(content)
 
 
 def detect_tool_format(template_source: str | None) -> ToolCallFormat | None:
