@@ -108,6 +108,36 @@ def test_media_example_asks_about_an_image_and_subtitles_audio() -> None:
     assert subtitles.startswith("1\n00:00:0") and " --> " in subtitles
 
 
+def test_agent_frameworks_example_runs_each_framework(tmp_path: Path) -> None:
+    """The README's agent framework snippets, on the tiny model given a template without
+    tools (as SmolLM2's): tools go into the system prompt, calls and answers parse."""
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(EXAMPLES.parent / "tests" / "fixtures" / "tiny-qwen2", plain)
+    (plain / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "agent_frameworks.py")],
+        env={**os.environ, "PORT": str(free_port()), "ORTSERVE_EXAMPLE_MODEL": str(plain)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    # The random model writes unbounded city names: its call may be cut by max_tokens (then
+    # LangChain lists it under invalid_tool_calls) and handed back so in the next turn.
+    assert any(line.startswith("langchain tool call: ") for line in lines), lines
+    assert any(line.startswith("langchain structured: city=") for line in lines), lines
+    assert any(line.startswith("openai-agents: ") for line in lines), lines
+    assert any(line.startswith("pydantic-ai: ") for line in lines), lines
+
+
 @pytest.mark.ray
 def test_ray_example_holds_a_conversation_on_one_replica_and_serves() -> None:
     pytest.importorskip("ray", reason="needs the ray extra: uv sync --extra ray")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from ortserve_runtime import ToolCall, ToolCallParser, detect_tool_format, forced_tool_grammar
+from ortserve_runtime.chat._tools import tools_as_text
 from serving import TINY_MODEL
 
 WEATHER = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "c"}))
@@ -141,3 +142,30 @@ def test_forced_grammar_names_marker_tokens_by_id() -> None:
     assert str(grammar.source).startswith('start: tool\ntool: <[7]> "\\n" call "\\n" <[8]>')
     assert forced_tool_grammar("hermes", tools, name="missing") is None
     assert forced_tool_grammar("mistral", tools) is None
+
+
+def test_tools_as_text_for_a_template_without_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    cut = {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b'}}
+    whole = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": "Sure.", "tool_calls": [whole, cut]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "tool", "tool_call_id": "c2", "content": "error"},
+    ]
+    out = tools_as_text(messages, tools)
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("# Tools\n")
+    assert '{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}' in out[0]["content"]
+    assert out[2] == {
+        "role": "assistant",
+        "content": 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b}\n</tool_call>',
+    }
+    assert out[3] == {
+        "role": "user",
+        "content": "<tool_response>\n3\n</tool_response>\n<tool_response>\nerror\n</tool_response>",
+    }
+    with_system = tools_as_text([{"role": "system", "content": "Be brief."}, *messages[:1]], tools)
+    assert with_system[0]["content"].startswith("Be brief.\n\n# Tools\n") and len(with_system) == 2
+    assert tools_as_text(messages[:1], None) == messages[:1]

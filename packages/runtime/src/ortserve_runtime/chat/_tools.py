@@ -103,9 +103,10 @@ def tools_as_text(
             for call in calls:
                 function = call.get("function", {})
                 arguments = function.get("arguments")
-                parsed = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else arguments or {}
-                body = json.dumps({"name": function.get("name"), "arguments": parsed}, ensure_ascii=False)
-                written.append(f"<tool_call>\n{body}\n</tool_call>")
+                # As the model wrote them: a call cut by max_tokens comes back as unfinished JSON.
+                text = arguments if isinstance(arguments, str) else json.dumps(arguments or {}, ensure_ascii=False)
+                name = json.dumps(function.get("name"), ensure_ascii=False)
+                written.append(f'<tool_call>\n{{"name": {name}, "arguments": {text.strip() or "{}"}}}\n</tool_call>')
             converted["content"] = "\n".join(filter(None, [_text(message.get("content")), *written]))
         out.append(converted)
     if tools:
