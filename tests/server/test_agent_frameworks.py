@@ -6,6 +6,7 @@ and structured turns come back well-formed, and the frameworks' own parsers take
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterator
 
@@ -126,3 +127,66 @@ def check_langchain(llm: object) -> None:
     assert isinstance(structured, Answer)
     streamed = "".join(str(chunk.content) for chunk in llm.stream("Say hi."))  # type: ignore[attr-defined]
     assert streamed == llm.invoke("Say hi.").content  # type: ignore[attr-defined]
+
+
+SMOLLM2 = os.environ.get("ORTSERVE_SMOLLM2")
+CHATML_TOOLS = TINY_MODEL / "chat_template.jinja"  # Qwen2.5's tool wording, ChatML
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="ORTSERVE_SMOLLM2 (a SmolLM2-135M genai folder) not set")
+def test_smollm2_agent_loops() -> None:
+    """Real weights (SmolLM2-135M int4, its folder untouched): given a ChatML tool template,
+    LangChain's forced call and structured output, and openai-agents' loop (forced call,
+    tool run, structured answer) give Paris's weather; with its own template (tools in
+    the system prompt) the forced call is still well-formed."""
+    from pathlib import Path
+
+    import httpx
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool
+    from langchain_openai import ChatOpenAI
+    from openai import AsyncOpenAI
+    from ortserve_runtime import ModelConfig
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=40)
+        temperature_c: int
+
+    def get_weather(city: str) -> str:
+        """Get the current weather of a city."""
+        return json.dumps({"city": city, "temperature_c": 21})
+
+    folder = Path(str(SMOLLM2))
+    config = ServerConfig(
+        models={"smol": folder, "own": folder},
+        model_configs={"smol": ModelConfig(chat_template=CHATML_TOOLS)},
+    )
+    with running(create_app(config)) as url, httpx.Client() as http:
+        for name in ("smol", "own"):
+            llm = ChatOpenAI(
+                model=name, base_url=f"{url}/v1", api_key="x", temperature=0, max_tokens=150, http_client=http
+            )  # type: ignore[arg-type]
+            call = llm.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
+            assert call.tool_calls == [
+                {"name": "get_weather", "args": {"city": "Paris"}, "id": call.tool_calls[0]["id"], "type": "tool_call"}
+            ]  # type: ignore[attr-defined]
+            weather = llm.with_structured_output(Weather, method="json_schema").invoke(
+                "Paris: 21 degrees. City, temperature?"
+            )
+            assert weather == Weather(city="Paris", temperature_c=21), (name, weather)
+
+        async def loop() -> object:
+            client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x")
+            agent = Agent(
+                name="weather",
+                instructions="Answer with the tool's data.",
+                model=OpenAIChatCompletionsModel(model="smol", openai_client=client),
+                tools=[function_tool(get_weather)],
+                output_type=Weather,
+                model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=150),
+            )
+            try:
+                return (await Runner.run(agent, "What is the weather in Paris?", max_turns=5)).final_output
+            finally:
+                await client.close()
+
+        assert asyncio.run(loop()) == Weather(city="Paris", temperature_c=21)
