@@ -129,6 +129,24 @@ def check_langchain(llm: object) -> None:
     assert streamed == llm.invoke("Say hi.").content  # type: ignore[attr-defined]
 
 
+def test_langchain_anthropic_tools_and_structured_output(base_url: str) -> None:
+    """langchain-anthropic through the Messages API (its base URL is the server's root)."""
+    from langchain_anthropic import ChatAnthropic
+
+    llm = ChatAnthropic(
+        model="tiny",  # type: ignore[call-arg]
+        base_url=base_url.removesuffix("/v1"),
+        api_key="x",  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=120,  # type: ignore[call-arg]
+    )
+    message = llm.bind_tools([add], tool_choice="add").invoke("What is 2 + 3?")
+    assert [call["name"] for call in message.tool_calls] == ["add"]  # type: ignore[attr-defined]
+    assert set(message.tool_calls[0]["args"]) <= {"a", "b"}  # type: ignore[attr-defined]
+    structured = llm.with_structured_output(Answer).invoke("Answer briefly.")
+    assert isinstance(structured, Answer)
+
+
 SMOLLM2 = os.environ.get("ORTSERVE_SMOLLM2")
 CHATML_TOOLS = TINY_MODEL / "chat_template.jinja"  # Qwen2.5's tool wording, ChatML
 
