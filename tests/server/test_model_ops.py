@@ -312,6 +312,27 @@ def test_control_routes_need_the_api_key_or_the_admin_key() -> None:
         assert control(base, "unload", "tiny", key="admin-key").json()["status"] == "unloaded"
 
 
+def test_unloading_or_pinning_through_keep_alive_needs_the_admin_key() -> None:
+    """With an admin key, an API caller cannot unload (keep_alive 0) or pin (negative) a
+    model through a generation request: 403 naming keep_alive; a positive duration works,
+    and the admin key works for all three."""
+    with serve(admin_key="admin-key") as base:
+        with sdk(base) as client:
+            for value in (0, -1, "-5m", "0s"):
+                with pytest.raises(openai.PermissionDeniedError) as refused:
+                    chat(client, extra_body={"keep_alive": value})
+                assert refused.value.body["param"] == "keep_alive", value  # type: ignore[index]
+            assert chat(client, extra_body={"keep_alive": "5m"}) == "length"
+        with sdk(base, "admin-key") as admin:
+            assert chat(admin, extra_body={"keep_alive": -1}) == "length"
+            assert chat(admin, extra_body={"keep_alive": 0}) == "length"
+        messages = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "keep_alive": 0}
+        assert httpx.post(f"{base}/v1/messages", json=messages).status_code == 403
+        assert httpx.post(f"{base}/v1/messages", json=messages, headers={"x-api-key": "admin-key"}).status_code == 200
+    with serve() as base, sdk(base) as client:  # no admin key: the API caller decides, as before
+        assert chat(client, extra_body={"keep_alive": 0}) == "length"
+
+
 def test_only_configured_names_load(tmp_path: Path) -> None:
     with serve() as base:
         for name in (str(TINY_MODEL), "../tiny", "tiny/../tiny", "hf:owner/repo", ""):

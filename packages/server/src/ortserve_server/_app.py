@@ -26,7 +26,7 @@ from ._anthropic import anthropic_exception_handlers, anthropic_route_handlers
 from ._config import ServerConfig
 from ._control import control_route_handlers
 from ._errors import METRICS_OPT, exception_handlers
-from ._leases import release_leases
+from ._leases import mark_admin_callers, release_leases
 from ._openapi import RequestLimits
 from ._responses import responses_route_handlers
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler, rerank_alias_handlers
@@ -61,7 +61,10 @@ def _routers(state: OrtServe) -> list[Router]:
             guards=[*guards, body_guard],
             exception_handlers=errors,
             request_max_body_size=config.max_body_size,
-            middleware=[release_leases] if leases else [],
+            middleware=[
+                *([release_leases] if leases else []),
+                *([mark_admin_callers(config.admin_key)] if config.admin_key and leases else []),
+            ],
             opt={METRICS_OPT: state.metrics},
         )
 

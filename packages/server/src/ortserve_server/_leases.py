@@ -9,16 +9,18 @@ stream included, or the request failed. While a model is held, an unload waits f
 from __future__ import annotations
 
 import contextvars
+import hmac
 import math
 import re
+from collections.abc import Callable
 
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
 from ortserve_runtime import ModelLease, ModelRegistry
 
-from ._errors import BadRequestError
+from ._errors import BadRequestError, ForbiddenError
 
-__all__ = ["hold_model", "parse_keep_alive", "release_leases"]
+__all__ = ["hold_model", "keep_alive_by_admin", "mark_admin_callers", "parse_keep_alive", "release_leases"]
 
 _held: contextvars.ContextVar[list[ModelLease] | None] = contextvars.ContextVar("ortserve_leases", default=None)
 
@@ -34,6 +36,46 @@ async def hold_model(registry: ModelRegistry, name: str, keep_alive: float | Non
     else:
         held.append(lease)
     return lease.model
+
+
+_admin: contextvars.ContextVar[bool] = contextvars.ContextVar("ortserve_admin_caller", default=False)
+
+
+def mark_admin_callers(admin_key: str) -> Callable[[ASGIApp], ASGIApp]:
+    """Middleware factory: remember whether a request presents the admin key
+    (``Authorization: Bearer`` or ``x-api-key``), for :func:`keep_alive_by_admin`."""
+    expected = admin_key.encode()
+
+    def factory(app: ASGIApp) -> ASGIApp:
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            headers = dict(scope.get("headers", []))
+            bearer = headers.get(b"authorization", b"").partition(b" ")
+            given = [headers.get(b"x-api-key", b"").strip()]
+            if bearer[0].lower() == b"bearer":
+                given.append(bearer[2].strip())
+            token = _admin.set(any(hmac.compare_digest(key, expected) for key in given if key))
+            try:
+                await app(scope, receive, send)
+            finally:
+                _admin.reset(token)
+
+        return middleware
+
+    return factory
+
+
+def keep_alive_by_admin(seconds: float | None, admin_key: str | None) -> None:
+    """Refuse (403 naming ``keep_alive``) a request's ``keep_alive`` of 0 (unload now) or
+    negative (keep loaded for ever) unless it comes with the admin key, where one is set:
+    unloading and pinning models are the control routes' to do, not any API caller's."""
+    if admin_key is None or seconds is None or seconds > 0 or _admin.get():
+        return
+    raise ForbiddenError(
+        "keep_alive 0 (unload) or negative (keep loaded) needs the admin key on this server: send it "
+        "(Authorization: Bearer <admin key>), use the control routes (/v1/models/load, /v1/models/unload), "
+        "or give a positive duration",
+        param="keep_alive",
+    )
 
 
 def release_leases(app: ASGIApp) -> ASGIApp:

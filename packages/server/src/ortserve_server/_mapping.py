@@ -38,7 +38,7 @@ from ortserve_runtime import (
 
 from ._config import ServerConfig
 from ._errors import BadRequestError, ModelNotFoundHTTPError, OverloadedError, UnsupportedParameterError
-from ._leases import hold_model, parse_keep_alive
+from ._leases import hold_model, keep_alive_by_admin, parse_keep_alive
 from ._state import OrtServe
 
 __all__ = [
@@ -162,6 +162,7 @@ async def require_speech_model(state: OrtServe, name: str, keep_alive: KeepAlive
 
 async def _loaded(state: OrtServe, name: str, kind: ModelKind, keep_alive: KeepAlive = msgspec.UNSET) -> Any:
     seconds = parse_keep_alive(keep_alive)
+    keep_alive_by_admin(seconds, state.config.admin_key)
     registry = state.registry
     if name not in registry.names():
         raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
