@@ -322,6 +322,53 @@ def test_server_keeps_serving_after_errors(client: openai.OpenAI, base_url: str)
     assert client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2).choices
 
 
+def test_cache_salt_keeps_users_apart(client: openai.OpenAI) -> None:
+    """vLLM's cache_salt: a prompt computed under one salt is no hit for another salt or
+    none (the side channel: cached_tokens and timing told user B what user A sent), and is
+    for the same salt; on chat, completions, Responses and Messages alike."""
+    secret = [{"role": "system", "content": "The PIN is 4711. Never tell it. " * 6}, {"role": "user", "content": "Hi"}]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=secret,
+            max_tokens=2,
+            temperature=0,
+            extra_body=extra,  # type: ignore[arg-type]
+        )
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+    first = cached("alice")
+    assert first == 0
+    deadline = time.monotonic() + 10
+    while (hit := cached("alice")) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the reply's rows go into the cache while the engine is idle
+    assert hit > 32
+    assert cached("bob") == 0 and cached(None) == 0
+    base = str(client.base_url).rstrip("/")
+    prompt = "The PIN is 1234. Never tell it. " * 8
+    for _ in range(2):
+        completion = httpx.post(
+            f"{base}/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": "carol"},
+        ).json()
+    assert completion["usage"]["prompt_tokens_details"]["cached_tokens"] > 32
+    other = httpx.post(
+        f"{base}/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": "dave"}
+    ).json()
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for path, body in (
+        ("responses", {"model": "tiny", "input": prompt, "max_output_tokens": 1, "cache_salt": "erin"}),
+        (
+            "messages",
+            {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": prompt}], "cache_salt": "erin"},
+        ),
+    ):
+        assert httpx.post(f"{base}/{path}", json=body).status_code == 200, path
+
+
 def test_cached_prompt_tokens_are_reported(client: openai.OpenAI) -> None:
     """The next turn of a chat reuses the history from the prefix cache: OpenAI's
     usage.prompt_tokens_details.cached_tokens says how much, whole and streamed."""

@@ -206,6 +206,10 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     keep_alive: float | str | UnsetType | None = UNSET
     """Extension (Ollama's): how long the model stays loaded once idle after this request
     (seconds or ``"5m"``; 0 unloads it, negative keeps it). Absent: ``--idle-unload``."""
+    cache_salt: str | UnsetType | None = UNSET
+    """Extension (vLLM's): the prefix-cache scope. Key/value rows a request computed serve
+    only later requests with the same salt, so users given different salts cannot learn
+    from ``cached_tokens`` or timing what the other sent."""
     stop_sequences: list[str] | UnsetType = UNSET
     temperature: float | UnsetType = UNSET
     """0 to 1, as Anthropic allows."""

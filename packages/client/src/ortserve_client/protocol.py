@@ -319,6 +319,10 @@ class _GenerationRequest(_Request):
     """Extension (Ollama's): how long the model stays loaded once idle after this
     request: seconds, or a duration (``"90s"``, ``"5m"``, ``"1h"``); 0 unloads it after
     the request, a negative value keeps it loaded. Absent: the server's ``--idle-unload``."""
+    cache_salt: str | UnsetType | None = UNSET
+    """Extension (vLLM's): the prefix-cache scope. Key/value rows a request computed serve
+    only later requests with the same salt, so users given different salts cannot learn
+    from ``cached_tokens`` or timing what the other sent."""
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):

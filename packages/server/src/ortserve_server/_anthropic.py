@@ -264,6 +264,7 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) -> _M
             raise BadRequestError("max_tokens must be at least 1", param="max_tokens")
         request = msgspec.structs.replace(
             request,
+            cache_salt=data.cache_salt,
             max_tokens=data.max_tokens,
             temperature=data.temperature,
             top_p=data.top_p,

@@ -478,6 +478,7 @@ def _generation_options(
             grammar=grammar,
             logit_bias=bias,
             min_p=_or(data.min_p, 0.0),
+            cache_salt=_or(data.cache_salt, None),
             presence_penalty=_or(data.presence_penalty, 0.0),
             frequency_penalty=_or(data.frequency_penalty, 0.0),
             logprobs=logprobs,

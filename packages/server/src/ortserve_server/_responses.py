@@ -252,6 +252,7 @@ def _chat_request(data: rp.ResponseCreateRequest, messages: list[p.ChatMessage])
         top_p=data.top_p,
         # _check let it through only for a reasoning model; the template reads it.
         reasoning_effort=data.reasoning.effort if isinstance(data.reasoning, rp.Reasoning) else msgspec.UNSET,
+        cache_salt=data.cache_salt,
     )
 
 

@@ -66,6 +66,10 @@ class GenerationOptions:
     logprobs: int | None = None
     """Report each token's log-probability and this many most likely alternatives
     (0: the token's own only); ``None``: none, and no work spent on them."""
+    cache_salt: str | None = None
+    """The prefix-cache scope (vLLM's ``cache_salt``): key/value rows computed for a
+    request with one salt serve only requests with the same salt, so that users given
+    different salts cannot learn from ``cached_tokens`` or timing what the other sent."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first option out of range."""

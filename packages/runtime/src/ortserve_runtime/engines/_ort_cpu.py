@@ -32,6 +32,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import hashlib
 import logging
 import mmap
 import shutil
@@ -513,10 +514,15 @@ class OrtCpuEngine(OwnerThread):
 
     def _cache_group(self, request: Request | _Refill) -> str:
         """The prefix-cache group of ``request``'s row: og computes a LongRoPE prompt past the
-        window with the long factors throughout, one within it with the short ones; and
-        key/values computed through an adapter serve only that adapter."""
+        window with the long factors throughout, one within it with the short ones;
+        key/values computed through an adapter serve only that adapter; and those of a
+        request with a ``cache_salt`` only requests with the same salt."""
         rope = "long-rope" if self._past_window(len(request.prompt)) else ""
-        return f"{rope}:{request.adapter}" if request.adapter is not None else rope
+        group = f"{rope}:{request.adapter}" if request.adapter is not None else rope
+        salt = request.cache_salt if isinstance(request, _Refill) else request.options.cache_salt
+        if salt is not None:  # kept as a digest: the cache holds no caller's secret
+            group += ":salt:" + hashlib.sha256(salt.encode()).hexdigest()
+        return group
 
     def _reuse_prefix(self, request: Request | _Refill, *, count: bool = True) -> None:
         """Copy the longest cached prefix of ``request``'s prompt into its row (``count``:
@@ -703,7 +709,7 @@ class OrtCpuEngine(OwnerThread):
                 and self._graph.rope_window is None
                 and len(history) <= self.prefix_cache.budget_tokens
             ):
-                self._refills.append(_Refill(history, request.adapter))
+                self._refills.append(_Refill(history, request.adapter, request.options.cache_salt))
         last = self._rows.pop()
         if last is not request:
             self._copy_row(last.row, row, last.length)
@@ -779,6 +785,7 @@ class _Refill:
 
     prompt: list[int]
     adapter: str | None
+    cache_salt: str | None = None
     row: int = -1
     prefilled: int = 0
     cached_tokens: int = 0
