@@ -178,3 +178,14 @@ async def test_adding_an_adapter_that_does_not_fit_names_the_file(tmp_path: Path
         await registry.add_adapter("tiny", "a:b", LORA_ADAPTERS["alpha"])
     assert registry.adapters("tiny") == ()
     await registry.close()
+
+
+def test_a_file_larger_than_the_model_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    from ortserve_runtime._folder import GenaiFolder
+    from ortserve_runtime.engines._adapters import check_adapters
+
+    big = tmp_path / "big.onnx_adapter"
+    with big.open("wb") as sparse:
+        sparse.truncate(2**31)  # 2 GiB of holes: reading it whole would take 2 GiB of memory
+    with pytest.raises(ModelLoadError, match="larger than the model it would adapt"):
+        check_adapters(GenaiFolder.read(LORA_MODEL), {"big": big})

@@ -14,6 +14,9 @@ where the server was started with ``--allow-runtime-adapters`` (vLLM's
 
 from __future__ import annotations
 
+import logging
+import re
+
 from litestar import post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
@@ -26,6 +29,10 @@ from ._mapping import model_adapters, split_adapter
 from ._openapi import POST_ERRORS, error_responses
 from ._routes import model_card
 from ._state import OrtServe
+
+logger = logging.getLogger("ortserve.server")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""What an adapter loaded over HTTP may be called: a model id's characters, no path."""
 
 __all__ = ["control_route_handlers"]
 
@@ -95,6 +102,12 @@ def _adapter_of(state: OrtServe, lora_name: str, model: str | None) -> tuple[str
         raise BadRequestError(f"lora_name {lora_name!r} names model {name!r}, not {model!r}", param="model")
     if name not in state.registry.names() or state.registry.kind(name) != "generative":
         raise ModelNotFoundHTTPError(f"no generative model {name!r} is served here", param="model")
+    if not _ADAPTER_NAME.fullmatch(adapter) or ".." in adapter:
+        raise BadRequestError(
+            "lora_name's adapter name must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a "
+            "letter or digit)",
+            param="lora_name",
+        )
     return name, adapter
 
 
@@ -110,8 +123,14 @@ async def load_lora_adapter(data: JSONBody[p.LoraAdapterLoadRequest], ortserve: 
     name, adapter = _adapter_of(ortserve, data.lora_name, data.model)
     try:
         await ortserve.registry.add_adapter(name, adapter, data.lora_path)
-    except ModelLoadError as exc:  # the file: missing, not an adapter, made for another model
-        raise BadRequestError(str(exc), param="lora_path") from exc
+    except ModelLoadError as exc:  # the file: missing, unreadable, too large, not an adapter of this model
+        # One answer whatever the reason, so that the route does not tell which files exist
+        # or are readable; the operator finds the reason in the log.
+        logger.warning("load_lora_adapter %s:%s refused: %s", name, adapter, exc)
+        raise BadRequestError(
+            f"lora_path is not a usable .onnx_adapter file for model {name!r} (the server log says why)",
+            param="lora_path",
+        ) from exc
     except ValueError as exc:  # the name: taken or not allowed; an engine without adapters
         raise BadRequestError(str(exc), param="lora_name") from exc
     return model_card(ortserve, name, adapter)

@@ -31,11 +31,22 @@ def check_adapters(folder: GenaiFolder, adapters: Mapping[str, Path]) -> dict[st
     except Exception as exc:  # onnx raises its own untyped errors for missing or corrupt files
         raise ModelLoadError(f"{decoder_path} could not be read: {exc}", path=decoder_path) from exc
     inputs = {i.name for i in graph.input}
+    # An adapter is smaller than the model it adapts: a larger file is no adapter, and is
+    # refused before onnxruntime reads it whole.
+    largest = sum(
+        f.stat().st_size for f in folder.path.iterdir() if f.is_file() and f.name.startswith(decoder_path.name)
+    )
     checked = {}
     for name, given in adapters.items():
         path = Path(given).expanduser().resolve()
         if not path.is_file():
             raise ModelLoadError(f"adapter {name!r}: {path} does not exist", path=path)
+        size = path.stat().st_size
+        if size > largest:
+            raise ModelLoadError(
+                f"adapter {name!r}: {path} is {size} bytes, larger than the model it would adapt ({largest} bytes)",
+                path=path,
+            )
         try:
             tensors = set(ort.AdapterFormat.read_adapter(str(path)).get_parameters())
         except Exception as exc:  # onnxruntime raises plain RuntimeErrors for bad files
