@@ -20,6 +20,7 @@ from ortserve_client import (
     LocalServer,
     PortInUseError,
     Ready,
+    Restarting,
     ServerExited,
     ServerStartupTimeout,
     Spawned,
@@ -85,6 +86,36 @@ async def test_spawn_chat_stop_leaves_nothing() -> None:
     assert kinds[0] is Spawned and Ready in kinds and kinds[-1] is Exited
     assert events[-1] == Exited(0)
     print(f"spawn-to-ready {ready_after:.2f} s, stop-to-port-free {stopped_after:.2f} s")
+
+
+async def test_a_dying_server_is_reported_and_restarted_on_failure() -> None:
+    """SIGKILL to the spawned server: Exited(-9) is reported when it happens (not at stop);
+    with restart="on-failure" it comes back on the same port and serves again; without,
+    it stays down and stop() is a no-op."""
+    events: list[object] = []
+    async with LocalServer({"tiny": TINY}, port=0, on_event=events.append, restart="on-failure") as server:
+        first, port = server.pid, server.port
+        assert first is not None
+        os.killpg(first, signal.SIGKILL)
+        assert await wait_until(lambda: Exited(-signal.SIGKILL) in events)
+        assert await wait_until(
+            lambda: server.pid not in (None, first) and events and isinstance(events[-1], Ready), 60
+        )
+        assert Restarting(1, 0.5) in events and server.port == port
+        async with server.client() as client:
+            assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+        second = server.pid
+    assert second is not None and not alive(second) and events[-1] == Exited(0)
+
+    events.clear()
+    async with LocalServer({"tiny": TINY}, port=0, on_event=events.append) as server:
+        pid = server.pid
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)
+        assert await wait_until(lambda: Exited(-signal.SIGKILL) in events)
+        await asyncio.sleep(1.0)
+        assert not any(isinstance(e, Restarting) for e in events) and server.process is None
+    assert [e for e in events if isinstance(e, Exited)] == [Exited(-signal.SIGKILL)]
 
 
 async def test_port_zero_reports_the_real_port() -> None:

@@ -26,7 +26,7 @@ from ._errors import (
     ServiceUnavailableError,
     StreamError,
 )
-from ._sidecar import Attached, Exited, LocalServer, LogLine, Ready, ServerEvent, Spawned
+from ._sidecar import Attached, Exited, LocalServer, LogLine, Ready, Restarting, ServerEvent, Spawned
 from ._streaming import AsyncStream
 
 # The client (_client, _streaming, _errors), downloads (_download) and the sidecar (_sidecar).
@@ -55,6 +55,7 @@ __all__ = [
     "PortInUseError",
     "RateLimitError",
     "Ready",
+    "Restarting",
     "ServerEvent",
     "ServerExited",
     "ServerLifecycleError",

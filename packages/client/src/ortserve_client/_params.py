@@ -53,6 +53,7 @@ class _SamplingParams(TypedDict, total=False):
     guided_choice: Sequence[str] | None
     lora: Sequence[JSONObject] | None
     keep_alive: float | str | None
+    cache_salt: str | None
 
 
 class ChatCompletionParams(_SamplingParams, total=False):

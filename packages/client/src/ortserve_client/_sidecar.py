@@ -38,6 +38,7 @@ __all__ = [
     "LocalServer",
     "LogLine",
     "Ready",
+    "Restarting",
     "ServerEvent",
     "Spawned",
 ]
@@ -73,10 +74,21 @@ class LogLine:
 
 @dataclass(frozen=True, slots=True)
 class Exited:
+    """The spawned server's process ended: at :meth:`LocalServer.stop`, or on its own (a
+    crash, a kill), which is reported when it happens."""
+
     returncode: int | None
 
 
-ServerEvent = DownloadEvent | Spawned | Ready | Attached | LogLine | Exited
+@dataclass(frozen=True, slots=True)
+class Restarting:
+    """``restart="on-failure"``: the server died and is started again after ``delay`` seconds."""
+
+    attempt: int
+    delay: float
+
+
+ServerEvent = DownloadEvent | Spawned | Ready | Attached | LogLine | Exited | Restarting
 
 
 class LocalServer:
@@ -87,6 +99,11 @@ class LocalServer:
     on a free port. ``lazy=True`` starts a spawned server with its models configured but
     not loaded (each loads on first use, or :meth:`load`); ``serve_args`` are further
     ``ortserve serve`` flags (``["--idle-unload", "300", "--max-loaded-models", "2"]``).
+
+    A spawned server is watched: if it dies on its own, :class:`Exited` is reported at once,
+    and with ``restart="on-failure"`` it is started again on the same port after a backoff
+    (0.5 s, doubling up to 10 s; at most ``max_restarts`` times in a row before one stays
+    up for a minute), with :class:`Restarting` then :class:`Spawned`/:class:`Ready`.
     """
 
     def __init__(
@@ -104,6 +121,8 @@ class LocalServer:
         log_lines: int = 200,
         lazy: bool = False,
         serve_args: Sequence[str] = (),
+        restart: Literal["no", "on-failure"] = "no",
+        max_restarts: int = 5,
     ) -> None:
         self.models = dict(models or {})
         self.host = host
@@ -117,7 +136,14 @@ class LocalServer:
         self.log: collections.deque[str] = collections.deque(maxlen=log_lines)
         self.lazy = lazy
         self.serve_args = list(serve_args)
+        if restart not in ("no", "on-failure"):
+            raise ValueError(f"restart must be 'no' or 'on-failure', not {restart!r}")
+        self.restart = restart
+        self.max_restarts = max_restarts
         self.owned = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._folders: dict[str, Path] = {}
         self.process: asyncio.subprocess.Process | None = None
         self._readers: list[asyncio.Task[None]] = []
         self._atexit: Callable[[], None] | None = None
@@ -163,6 +189,7 @@ class LocalServer:
 
     async def start(self) -> None:
         """Attach to a healthy ortserve server on the port, or spawn one and wait for it."""
+        self._stopping = False
         if self.port == 0:
             await self._spawn()
             return
@@ -173,6 +200,12 @@ class LocalServer:
 
     async def stop(self) -> None:
         """Stop the server if this object spawned it: SIGTERM to its group, then SIGKILL."""
+        self._stopping = True
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         process = self.process
         if process is None or not self.owned:
             return
@@ -228,7 +261,18 @@ class LocalServer:
     # -- spawn -----------------------------------------------------------------------------
 
     async def _spawn(self) -> None:
-        folders = {name: await self._resolve(source) for name, source in self.models.items()}
+        self._folders = {name: await self._resolve(source) for name, source in self.models.items()}
+        await self._start_process()
+        assert self.process is not None
+        self._watcher = asyncio.create_task(self._watch(self.process))
+
+    def _stop_requested(self) -> bool:
+        return self._stopping
+
+    async def _start_process(self, *, give_up: bool = True) -> None:
+        """Start the server process and wait until it is healthy; on failure it is killed,
+        and (``give_up``) this object stopped."""
+        folders = self._folders
         args = [*self.command, "serve", "--host", self.host, "--port", str(self.port), "--ready-json"]
         for name, folder in folders.items():
             args += ["--model", f"{name}={folder}"]
@@ -260,9 +304,43 @@ class LocalServer:
             self.port = int(line["port"])
             await self._wait_healthy(deadline)
         except BaseException:
-            await self._abandon()
+            if give_up:
+                await self._abandon()
+            elif self.process.returncode is None:
+                _signal_group(self.process.pid, signal.SIGKILL)
+                await self.process.wait()
             raise
         self._emit(Ready(self.base_url, pid))
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+        """Report the spawned server's death when it happens, and restart it if asked."""
+        restarts, up_since = 0, time.monotonic()
+        while True:
+            await process.wait()
+            if self._stopping:
+                return
+            await asyncio.gather(*self._readers, return_exceptions=True)
+            self._emit(Exited(process.returncode))
+            if self.restart != "on-failure" or process.returncode == 0:
+                self.process = None
+                return
+            if time.monotonic() - up_since > 60:
+                restarts = 0  # it had stayed up: a new run of failures
+            if restarts >= self.max_restarts:
+                self.process = None
+                return
+            restarts += 1
+            delay = min(10.0, 0.5 * 2 ** (restarts - 1))
+            self._emit(Restarting(restarts, delay))
+            await asyncio.sleep(delay)
+            if self._stop_requested():
+                return
+            try:
+                await self._start_process(give_up=False)
+            except ServerLifecycleError:
+                continue  # its log went to on_event; the next attempt backs off further
+            assert self.process is not None
+            process, up_since = self.process, time.monotonic()
 
     async def _resolve(self, source: str | Path) -> Path:
         text = str(source)
