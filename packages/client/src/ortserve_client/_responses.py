@@ -25,6 +25,7 @@ class ResponseCreateParams(TypedDict, total=False):
 
     instructions: str | None
     keep_alive: float | str | None
+    cache_salt: str | None
     tools: Sequence[rp.FunctionTool | JSONObject] | None
     tool_choice: Literal["none", "auto", "required"] | rp.ToolChoiceFunction | JSONObject | None
     parallel_tool_calls: bool | None
