@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.server
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -201,6 +203,14 @@ def image_host() -> Iterator[str]:
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
                 self.end_headers()
+            elif self.path == "/drip.png":  # a byte every 0.3 s, never done
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                for byte in png:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.3)
             else:
                 self.send_error(404)
 
@@ -219,9 +229,36 @@ def test_allowed_hosts_are_fetched(url: str, client: openai.OpenAI, image_host: 
     remote = {"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}}
     inline = image_part(image_bytes(colour=(90, 60, 30)))
     assert chat(client, ask(remote)).choices[0].message.content == chat(client, ask(inline)).choices[0].message.content
-    for path, words in (("/missing.png", "HTTP 404"), ("/moved.png", "HTTP 302")):
-        error = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}{path}"}}))
-        assert words in error["message"]
+    # One answer for a missing path, a redirect and a closed port: which paths exist and
+    # which ports are open is no caller's business.
+    closed = f"http://127.0.0.1:{_closed_port()}/x.png"
+    for where in (f"{image_host}/missing.png", f"{image_host}/moved.png", closed):
+        error = _bad(url, ask({"type": "image_url", "image_url": {"url": where}}))
+        assert error["message"] == "the image could not be fetched", (where, error)
+
+
+def test_a_dripping_host_ends_at_the_fetch_deadline(url: str, image_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortserve_server import _mapping
+
+    monkeypatch.setattr(_mapping, "IMAGE_FETCH_SECONDS", 1.0)  # the server runs in this process
+    started = time.monotonic()
+    error = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/drip.png"}}))
+    assert "within 1 s" in error["message"] and time.monotonic() - started < 5
+
+
+def test_images_a_model_cannot_take_are_refused_before_any_is_fetched(url: str, image_host: str) -> None:
+    many = [{"type": "image_url", "image_url": {"url": f"{image_host}/drip.png?{i}"}} for i in range(MAX_IMAGES + 1)]
+    started = time.monotonic()
+    too_many = _bad(url, ask(*many))
+    assert "takes at most" in too_many["message"] and time.monotonic() - started < 1  # no drip was read
+    text_only = _bad(url, ask(many[0]), model="tiny")
+    assert "does not take images" in text_only["message"] and text_only["param"] == "messages[0].content[0]"
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def test_tokenize_counts_what_the_model_sees(url: str, client: openai.OpenAI) -> None:

@@ -297,7 +297,7 @@ async def _prepare(
         plan = plan_chat(mapped.request, model, state.config)
         if isinstance(data, a.MessagesRequest):  # counting tokens queues nothing
             check_room(state, model, plan.n, "n", "generations")  # before the prompt is prepared
-        messages = await chat_messages(mapped.request.messages, state.config)
+        messages = await chat_messages(mapped.request.messages, state.config, model)
         prompt = await model.aprepare_chat(
             messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(mapped.request)
         )

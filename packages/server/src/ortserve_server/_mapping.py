@@ -9,6 +9,7 @@ import asyncio
 import base64
 import binascii
 import json
+import logging
 import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,8 @@ from ._config import ServerConfig
 from ._errors import BadRequestError, ModelNotFoundHTTPError, OverloadedError, UnsupportedParameterError
 from ._leases import hold_model, keep_alive_by_admin, parse_keep_alive
 from ._state import OrtServe
+
+logger = logging.getLogger("ortserve.server")
 
 __all__ = [
     "GenerationPlan",
@@ -230,18 +233,41 @@ def check_completion_request(data: p.CompletionRequest, config: ServerConfig) ->
         raise _refuse("best_of")
 
 
-async def chat_messages(messages: Sequence[p.ChatMessage], config: ServerConfig) -> list[dict[str, Any]]:
+IMAGE_FETCH_SECONDS = 30.0
+"""Every remote image of a request is fetched within this (a host dripping a byte every few
+seconds would otherwise hold the request open as long as it likes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _RemoteImage:
+    """An allowed http(s) image URL, fetched once the request's other checks passed."""
+
+    url: str
+    where: str
+
+
+async def chat_messages(
+    messages: Sequence[p.ChatMessage], config: ServerConfig, model: ChatModel | None = None
+) -> list[dict[str, Any]]:
     """Protocol messages as the plain dicts chat templates expect; content parts become
-    text, :class:`ImageInput` and :class:`AudioInput` (the model decides what it takes)."""
+    text, :class:`ImageInput` and :class:`AudioInput`. With ``model``, what it cannot take
+    (images at all, or more of them than it takes) is refused before any remote image is
+    fetched; remote images are fetched together, within :data:`IMAGE_FETCH_SECONDS`."""
     result: list[dict[str, Any]] = []
+    remote: list[tuple[list[Any], int, _RemoteImage]] = []
+    images: list[str] = []
     for index, message in enumerate(messages):
         content = message.content
-        parts: str | list[str | ImageInput | AudioInput] = content if isinstance(content, str) else ""
+        parts: str | list[Any] = content if isinstance(content, str) else ""
         if isinstance(content, list):
-            parts = [
-                await _content_part(part, f"messages[{index}].content[{number}]", config)
-                for number, part in enumerate(content)
-            ]
+            parts = []
+            for number, part in enumerate(content):
+                converted = _content_part(part, f"messages[{index}].content[{number}]", config)
+                if isinstance(converted, _RemoteImage):
+                    remote.append((parts, len(parts), converted))
+                if isinstance(converted, ImageInput | _RemoteImage):
+                    images.append(f"messages[{index}].content[{number}]")
+                parts.append(converted)
         role = message.__struct_config__.tag
         # "developer" is OpenAI's newer name for the system role; templates know "system".
         item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": parts}
@@ -257,10 +283,42 @@ async def chat_messages(messages: Sequence[p.ChatMessage], config: ServerConfig)
             if _given(value):
                 item[key] = value
         result.append(item)
+    if model is not None and images:
+        _check_images(model, images)
+    if remote:
+        await _fetch_remote(remote, config)
     return result
 
 
-async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -> str | ImageInput | AudioInput:
+def _check_images(model: ChatModel, images: list[str]) -> None:
+    """Refuse images ``model`` cannot take (``images``: where each is), before any is fetched."""
+    if "image" not in model.modalities:
+        raise BadRequestError(f"model {model.name!r} does not take images", param=images[0])
+    if len(images) > model.config.max_images:
+        raise BadRequestError(
+            f"the messages hold {len(images)} images; this server takes at most {model.config.max_images}",
+            param="messages",
+        )
+
+
+async def _fetch_remote(remote: list[tuple[list[Any], int, _RemoteImage]], config: ServerConfig) -> None:
+    """Fetch every remote image together, each into its place in its message's parts."""
+    try:
+        async with asyncio.timeout(IMAGE_FETCH_SECONDS):
+            fetched = await asyncio.gather(
+                *(_fetch_image(image.url, image.where, config.max_body_size) for _, _, image in remote)
+            )
+    except TimeoutError:
+        raise BadRequestError(
+            f"the images could not be fetched within {IMAGE_FETCH_SECONDS:g} s", param=remote[0][2].where
+        ) from None
+    for (parts, position, _), data in zip(remote, fetched, strict=True):
+        parts[position] = ImageInput(data)
+
+
+def _content_part(
+    part: p.ContentPart, where: str, config: ServerConfig
+) -> str | ImageInput | AudioInput | _RemoteImage:
     if isinstance(part, p.TextContentPart):
         return part.text
     if isinstance(part, p.InputAudioContentPart):
@@ -293,7 +351,7 @@ async def _content_part(part: p.ContentPart, where: str, config: ServerConfig) -
             "(remote hosts must be allowed with image_url_hosts / --allow-image-host)",
             param=where,
         )
-    return ImageInput(await _fetch_image(url, where, config.max_body_size))
+    return _RemoteImage(url, where)
 
 
 def decode_base64(data: str, where: str) -> bytes:
@@ -305,14 +363,16 @@ def decode_base64(data: str, where: str) -> bytes:
 
 async def _fetch_image(url: str, where: str, limit: int) -> bytes:
     """An allowed remote image, at most ``limit`` bytes, without following redirects (a
-    redirect could lead anywhere, defeating the allow-list)."""
+    redirect could lead anywhere, defeating the allow-list). Every failure is one answer:
+    which ports are open and which paths exist is no caller's business (the log says why)."""
     try:
         async with (
             httpx.AsyncClient(timeout=10.0, follow_redirects=False) as client,
             client.stream("GET", url) as response,
         ):
             if response.status_code != 200:
-                raise BadRequestError(f"fetching the image gave HTTP {response.status_code}", param=where)
+                logger.info("image fetch %s: HTTP %d", url, response.status_code)
+                raise BadRequestError("the image could not be fetched", param=where)
             body = bytearray()
             async for chunk in response.aiter_bytes():
                 body += chunk
@@ -320,7 +380,8 @@ async def _fetch_image(url: str, where: str, limit: int) -> bytes:
                     raise BadRequestError(f"the image is larger than {limit} bytes", param=where)
             return bytes(body)
     except httpx.HTTPError as exc:
-        raise BadRequestError(f"the image could not be fetched: {exc}", param=where) from exc
+        logger.info("image fetch %s: %s", url, exc)
+        raise BadRequestError("the image could not be fetched", param=where) from exc
 
 
 def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:

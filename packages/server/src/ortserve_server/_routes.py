@@ -377,7 +377,7 @@ async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletio
     tools = plan.tools
     check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
     prompt = await model.aprepare_chat(
-        await chat_messages(data.messages, ortserve.config),
+        await chat_messages(data.messages, ortserve.config, model),
         tools=tools.definitions,
         template_kwargs=template_kwargs(data),
     )
@@ -901,7 +901,7 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
         raise BadRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
     if has_messages:
         assert not isinstance(data.messages, msgspec.UnsetType)
-        messages = await chat_messages(data.messages, ortserve.config)
+        messages = await chat_messages(data.messages, ortserve.config, model)
         tools = [msgspec.to_builtins(tool) for tool in data.tools] if isinstance(data.tools, list) else None
         prompt = await model.aprepare_chat(
             messages, tools=tools or None, add_generation_prompt=data.add_generation_prompt
