@@ -125,3 +125,30 @@ def test_invalid_constraints_are_400_naming_the_field(tiny_url: str, extra: dict
     error = response.json()["error"]
     assert error["param"] == param
     assert "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+        {"$defs": {"x": {"type": "array", "items": {"$ref": "#/$defs/x"}, "minItems": 1}}, "$ref": "#/$defs/x"},
+    ],
+    ids=["self-nested-object", "self-nested-array"],
+)
+def test_a_schema_that_cannot_be_followed_is_a_400_not_a_stop(tiny_url: str, schema: dict[str, object]) -> None:
+    """It compiles, but no finite output matches it: llguidance gives up after a token, and
+    the answer says so (naming response_format) instead of a "stop" with output that does
+    not match; the server goes on serving."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "JSON please"}],
+        "max_tokens": 20,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    reply = httpx.post(f"{tiny_url}/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "response_format" and "could not be made to follow" in error["message"]
+    assert "<grammar>" not in error["message"]
+    ok = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+    assert ok.status_code == 200

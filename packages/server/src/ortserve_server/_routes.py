@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -227,6 +227,19 @@ class _Generation:
         self.reasoning_tokens = [0] * len(streams)
         """Per stream, the tokens generated inside its think block (markers included):
         the Responses API's ``reasoning_tokens``."""
+        self.fields: Mapping[str, str] = {}
+        """The plan's runtime ``param`` -> request field, for errors raised mid-generation
+        (a grammar the matcher gave up on names ``response_format``, ``tool_choice``...)."""
+
+    async def _events(self, cut: Any = None) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        """:func:`_merge` of the streams, with a refusal naming the request's field."""
+        try:
+            async for item in _merge(self.streams, cut) if cut is not None else _merge(self.streams):
+                yield item
+        except InvalidRequestError as exc:
+            if exc.param is not None and exc.param in self.fields:
+                raise InvalidRequestError(str(exc), param=self.fields[exc.param]) from exc
+            raise
 
     def split_reasoning(self, prompt: Prompt) -> None:
         """Split each stream's thinking from its answer when the model reasons and the
@@ -305,7 +318,7 @@ class _Generation:
         calls: list[list[ToolCall]] = [[] for _ in self.streams]
         finish = ["stop"] * len(self.streams)
         completion_tokens = 0
-        async for index, event in _merge(self.streams):
+        async for index, event in self._events():
             self._observe(event)
             text, made, reason = self._split(index, event)
             self.reasonings[index] += self.event_reasoning
@@ -337,7 +350,7 @@ class _Generation:
         completion_tokens = 0
         try:
             with self.state.cut_signal() as cut:
-                async for index, event in _merge(self.streams, cut):
+                async for index, event in self._events(cut):
                     self._observe(event)
                     completion_tokens += self._record(index, event)
                     self.event_logprobs = event.logprobs
@@ -384,6 +397,7 @@ async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletio
     streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
+    run.fields = plan.fields
     run.split_reasoning(prompt)
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     run.choices_per_prompt = plan.n
@@ -600,6 +614,7 @@ async def completions(
     n = plan.n
     streams = await plan.astart(ortserve, model, completion_prompts(data.prompt))
     run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
+    run.fields = plan.fields
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     run.choices_per_prompt = n
     response_id, created = new_id("cmpl"), int(time.time())

@@ -50,9 +50,16 @@ class Constraint:
         return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def advance(self, token: int) -> bool:
-        """Feed the chosen token; True once the grammar is complete (generation must end)."""
+        """Feed the chosen token; True once the grammar is complete (generation must end),
+        or the matcher failed (then :attr:`error` says why)."""
         self._matcher.consume_token(token)
         return bool(self._matcher.is_stopped() or self._matcher.is_error())
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher gave up, or ``None``."""
+        # llguidance's first line; the rest is its parser state and the whole grammar
+        return str(self._matcher.get_error()).strip().splitlines()[0] if self._matcher.is_error() else None
 
 
 class GrammarCompiler:

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer, decoders
 
-from .._errors import EngineClosedError
+from .._errors import EngineClosedError, InvalidRequestError
 from .._threads import hand_back
 from ._constraints import Constraint
 from ._logprobs import TokenBytes, TokenLogprob
@@ -236,6 +236,13 @@ class GenerationStream:
             raise item
         if item.finish_reason is not None:
             self._done = True
+            constraint = self._request.constraint
+            if constraint is not None and constraint.error is not None:
+                # The matcher gave up (a schema that compiles but cannot be followed, such as
+                # an object that must hold itself): what came out does not match it.
+                raise InvalidRequestError(
+                    f"the output could not be made to follow the grammar: {constraint.error}", param="grammar"
+                )
         return item
 
     def cancel(self) -> None:
