@@ -169,3 +169,21 @@ def test_tools_as_text_for_a_template_without_tools() -> None:
     with_system = tools_as_text([{"role": "system", "content": "Be brief."}, *messages[:1]], tools)
     assert with_system[0]["content"].startswith("Be brief.\n\n# Tools\n") and len(with_system) == 2
     assert tools_as_text(messages[:1], None) == messages[:1]
+
+
+def test_closed_schema_closes_declared_objects_only() -> None:
+    from ortserve_runtime.chat._constraints import closed_schema
+
+    assert closed_schema({"type": "object"}) == {"type": "object"}  # json_object: any object
+    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}}}
+    assert closed_schema(nested) == {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {}}, "additionalProperties": False}},
+        "additionalProperties": False,
+    }
+    kept = {"properties": {"a": {}}, "additionalProperties": True}
+    assert closed_schema(kept) == kept
+    merged = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_schema(merged) == merged
+    listed = {"type": "array", "items": {"properties": {"x": {}}}}
+    assert closed_schema(listed)["items"]["additionalProperties"] is False

@@ -96,8 +96,8 @@ _SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "els
 
 
 def closed_schema(schema: Any) -> Any:
-    """``schema`` with every object that does not say ``additionalProperties`` closed to
-    its declared properties (``additionalProperties: false``).
+    """``schema`` with every object that declares ``properties`` but does not say
+    ``additionalProperties`` closed to them (``additionalProperties: false``).
 
     JSON Schema leaves objects open by default, and a small model then goes on adding
     keys (``{"a": 1, "b": 2, "c": 3, ...``) until max_tokens cuts it (measured on
@@ -120,10 +120,9 @@ def closed_schema(schema: Any) -> Any:
     for key in (*_SUBSCHEMAS, "additionalProperties"):
         if isinstance(closed.get(key), dict):
             closed[key] = closed_schema(closed[key])
-    is_object = closed.get("type") == "object" or (isinstance(closed.get("type"), list) and "object" in closed["type"])
-    if (is_object or "properties" in closed) and not {"additionalProperties", "patternProperties", "allOf"} & set(
-        closed
-    ):
+    # Only objects that declare properties: {"type": "object"} alone (json_object, a tool
+    # without parameters) means any object.
+    if "properties" in closed and not {"additionalProperties", "patternProperties", "allOf"} & set(closed):
         closed["additionalProperties"] = False
     return closed
 
