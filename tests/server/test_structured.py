@@ -152,4 +152,3 @@ def test_a_schema_that_cannot_be_followed_is_a_400_not_a_stop(tiny_url: str, sch
     assert "<grammar>" not in error["message"]
     ok = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
     assert ok.status_code == 200
-
