@@ -343,7 +343,8 @@ def test_a_chat_template_file_replaces_the_models_own(tmp_path: Path) -> None:
         *("--model", f"refuse={plain}", "--model-option", "refuse:tools-in-system-prompt=off"),
         *("--model-option", f"given:chat-template={tool_template}", "--model-option", f"bad:chat-template={broken}"),
     )
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    add = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": add}}]
     ask = [{"role": "user", "content": "add 1 and 2"}]
     try:
         url = f"http://127.0.0.1:{ready['port']}"
