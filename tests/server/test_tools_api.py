@@ -257,8 +257,12 @@ def test_auto_with_a_response_format_calls_or_answers_in_it(tiny_client: openai.
 
 def test_undeclared_keys_are_never_generated(tiny_client: openai.OpenAI) -> None:
     """Schemas that do not say additionalProperties (LangChain's, LiteLLM's, most hand-written
-    tools') get objects holding their declared keys only."""
-    open_params = {"type": "object", "properties": {"a": {"type": "integer"}, "note": {"type": "object"}}}
+    tools') get objects holding their declared keys only (``note`` declares none; an object
+    that declares no ``properties`` at all stays any object)."""
+    open_params = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "note": {"type": "object", "properties": {}}},
+    }
     tools = [{"type": "function", "function": {"name": "add", "parameters": open_params}}]
     complete = 0
     for seed in range(6):
