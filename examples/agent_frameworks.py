@@ -67,9 +67,10 @@ async def with_openai_agents(base_url: str) -> None:
 
 async def with_pydantic_ai(base_url: str) -> None:
     from openai import AsyncOpenAI
-    from pydantic_ai import Agent, UsageLimitExceeded
+    from pydantic_ai import Agent, ModelHTTPError, UsageLimitExceeded
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
     from pydantic_ai.usage import UsageLimits
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused")
@@ -77,12 +78,15 @@ async def with_pydantic_ai(base_url: str) -> None:
         OpenAIChatModel("local", provider=OpenAIProvider(openai_client=client)),
         output_type=Weather,
         tools=[get_weather],
+        model_settings=ModelSettings(temperature=0, max_tokens=150),
     )
     try:
         result = await agent.run("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=5))
         print("pydantic-ai:", result.output)
     except UsageLimitExceeded:
         print("pydantic-ai: the model kept calling the tool")
+    except ModelHTTPError as exc:  # a small context filled by the loop's turns: the server's 400
+        print(f"pydantic-ai: the server refused a turn: {exc.body}")
     finally:
         await client.close()
 
