@@ -409,7 +409,7 @@ async def create_message(
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     parallel = getattr(data.tool_choice, "disable_parallel_tool_use", None) is not True
     run = _Generation(ortserve, f"{ortserve.config.path}/messages", model, streams, parsers, parallel, tools.forced)
-    run.fields = plan.fields
+    run.plan = plan
     run.split_reasoning(prompt)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if data.stream is not True:

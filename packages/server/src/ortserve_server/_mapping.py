@@ -582,9 +582,13 @@ class GenerationPlan:
         try:
             return [model.generate(prompt, options=o) for prompt in prompts for o in self.options]
         except InvalidRequestError as exc:
-            if exc.param is not None and exc.param in self.fields:
-                raise type(exc)(str(exc), param=self.fields[exc.param]) from exc
-            raise
+            raise self.named(exc) from exc
+
+    def named(self, exc: InvalidRequestError) -> InvalidRequestError:
+        """``exc`` naming the request's field (``grammar`` -> ``response_format``...)."""
+        if exc.param is not None and exc.param in self.fields:
+            return type(exc)(str(exc), param=self.fields[exc.param])
+        return exc
 
     async def astart(
         self, state: OrtServe, model: ChatModel, prompts: Sequence[str | list[int] | Prompt]

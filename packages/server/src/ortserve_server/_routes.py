@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,6 +52,7 @@ from ._errors import (
     closed_message,
 )
 from ._mapping import (
+    GenerationPlan,
     chat_messages,
     check_chat_request,
     check_room,
@@ -227,9 +228,9 @@ class _Generation:
         self.reasoning_tokens = [0] * len(streams)
         """Per stream, the tokens generated inside its think block (markers included):
         the Responses API's ``reasoning_tokens``."""
-        self.fields: Mapping[str, str] = {}
-        """The plan's runtime ``param`` -> request field, for errors raised mid-generation
-        (a grammar the matcher gave up on names ``response_format``, ``tool_choice``...)."""
+        self.plan: GenerationPlan | None = None
+        """The plan that started the streams: names the request's field in errors raised
+        mid-generation (a grammar the matcher gave up on: ``response_format``...)."""
 
     async def _events(self, cut: Any = None) -> AsyncIterator[tuple[int, GenerationEvent]]:
         """:func:`_merge` of the streams, with a refusal naming the request's field."""
@@ -237,9 +238,9 @@ class _Generation:
             async for item in _merge(self.streams, cut) if cut is not None else _merge(self.streams):
                 yield item
         except InvalidRequestError as exc:
-            if exc.param is not None and exc.param in self.fields:
-                raise InvalidRequestError(str(exc), param=self.fields[exc.param]) from exc
-            raise
+            if self.plan is None:
+                raise
+            raise self.plan.named(exc) from exc
 
     def split_reasoning(self, prompt: Prompt) -> None:
         """Split each stream's thinking from its answer when the model reasons and the
@@ -397,7 +398,7 @@ async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletio
     streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
-    run.fields = plan.fields
+    run.plan = plan
     run.split_reasoning(prompt)
     run.prompt_tokens = len(prompt)  # the n choices share one prompt
     run.choices_per_prompt = plan.n
@@ -614,7 +615,7 @@ async def completions(
     n = plan.n
     streams = await plan.astart(ortserve, model, completion_prompts(data.prompt))
     run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
-    run.fields = plan.fields
+    run.plan = plan
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     run.choices_per_prompt = n
     response_id, created = new_id("cmpl"), int(time.time())
