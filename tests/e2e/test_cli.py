@@ -162,6 +162,16 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--provider-option", "device_id=0"], "CPU provider takes no provider options"),
         (["--adapter", "nope:alpha=x.onnx_adapter"], "--adapter nope:alpha: no model named 'nope'"),
         (["--adapter", f"tiny:alpha={LORA_ADAPTERS['alpha']}"], f"was not made for {TINY_MODEL}"),
+        (["--model-option", "tiny:tools-in-system-prompt=maybe"], "use on or off"),
+        (
+            [
+                "--model",
+                f"whisper={TINY_MODEL.parent / 'tiny-whisper'}",
+                "--model-option",
+                "whisper:chat-template=x.j2",
+            ],
+            "model 'whisper' is a speech model; it has no chat",
+        ),
     ],
 )
 def test_bad_engine_and_provider_settings_are_named(args: list[str], words: str) -> None:

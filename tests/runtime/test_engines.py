@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from og_reference import og_greedy
+from og_reference import ordinary_ids as ids
 from ortserve_runtime import (
     ChatModel,
     ContextLengthError,
@@ -243,3 +244,24 @@ def test_a_hand_back_to_a_closed_loop_says_so(batched: bool) -> None:
         assert received == ["a"]
     finally:
         live.close()
+
+
+async def test_cache_salt_runs_where_it_keeps_requests_apart(model: ChatModel) -> None:
+    """Every CPU engine honours cache_salt (ort-cpu scopes its prefix cache by it; og-engine's
+    static batches and og-generator reuse nothing across requests). og-engine's dynamic
+    batches (paged attention: accelerators only) reuse prefixes inside og, which takes no
+    salt: there the salt is refused by name rather than accepted and ignored (the engine
+    itself needs a GPU, so its capability stands in for it here)."""
+    import dataclasses
+
+    salted = GenerationOptions(max_tokens=3, temperature=0, cache_salt="alice")
+    _, tokens, _, _ = await model.generate(ids(10), options=salted).collect()
+    assert len(tokens) == 3
+    original = model.engine.capabilities
+    model.engine.capabilities = dataclasses.replace(original, salted_cache=False)
+    try:
+        with pytest.raises(InvalidRequestError, match="cache_salt") as refused:
+            model.generate(ids(10), options=salted)
+        assert refused.value.param == "cache_salt"
+    finally:
+        model.engine.capabilities = original

@@ -406,6 +406,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _ls()
 
 
+_CHAT_KEYS = ("chat-template", "tools-in-system-prompt")
+
+
+def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[str, Path]) -> None:
+    """A chat setting given for one model that does not chat (an embedding, rerank or
+    speech model) is a ``ValueError`` naming it, not a setting nothing reads."""
+    from ortserve_runtime import ModelLoadError, detect_model_kind
+
+    for name, key, _ in options:
+        if key not in _CHAT_KEYS or name not in folders:
+            continue
+        try:
+            kind = detect_model_kind(folders[name])
+        except ModelLoadError:
+            continue  # the model fails its own load, with the reason
+        if kind != "generative":
+            raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it has no chat")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from ortserve_runtime import ModelConfig, ModelLoadError
@@ -421,6 +440,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         resolved = {name: _resolve_model(name, path) for name, path in models.items()}
+        _check_chat_options(args.model_option, resolved)
         provider_options = dict(args.provider_option)
         if args.device_id is not None:
             provider_options["device_id"] = str(args.device_id)

@@ -367,6 +367,12 @@ class ChatModel:
                         "(or ort-cpu on the CPU)",
                         param=name,
                     )
+        if options.cache_salt is not None and not capabilities.salted_cache:
+            raise InvalidRequestError(
+                f"cache_salt: model {self.name!r} runs on the {self.engine.name} engine, whose prefix reuse inside "
+                "onnxruntime-genai takes no salt; serve the model with --engine og-generator to keep requests apart",
+                param="cache_salt",
+            )
         if options.seed is not None and not options.greedy and not capabilities.seeds:
             raise InvalidRequestError(
                 f"seed: model {self.name!r} runs on the {self.engine.name} engine with {capabilities.batching} "

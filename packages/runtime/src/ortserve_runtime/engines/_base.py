@@ -35,6 +35,10 @@ class EngineCapabilities:
     scaled per call); og-generator runs each request alone; og-engine's static batches
     were measured to keep greedy tokens, while its dynamic batches (paged attention, an
     accelerator's kernels over whatever the step holds) make no such promise."""
+    salted_cache: bool = True
+    """A request's ``cache_salt`` keeps other requests from reusing its key/values: ort-cpu
+    scopes its prefix cache by it, og-generator shares nothing between requests; og-engine
+    with paged attention reuses prefixes inside onnxruntime-genai, which takes no salt."""
 
 
 @runtime_checkable

@@ -84,6 +84,7 @@ class OgEngine(OwnerThread):
             media=False,
             batching="dynamic" if dynamic else "static",
             reproducible=not dynamic,
+            salted_cache=not dynamic,
         )
         self._model = og_model
         self._turns: dict[Request, _Turn] = {}
