@@ -18,6 +18,7 @@ from .._config import ModelConfig
 from .._errors import AdapterNotFoundError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
 from ._constraints import Grammar, GrammarCompiler
+from ._drafts import Drafter
 from ._logprobs import TokenBytes
 from ._media import Media, flatten_messages
 from ._multimodal import MediaProcessor
@@ -310,6 +311,13 @@ class ChatModel:
             grammar = dataclasses.replace(grammar, after_reasoning=(self.reasoning, prompt.reasoning))
         self._check_engine(prompt, options, grammar)
         constraint = self.grammars.constraint(grammar) if grammar is not None else None
+        drafter = None
+        if self.engine.capabilities.drafts and (options.prediction or self.config.speculative == "ngram"):
+            predicted = None
+            if options.prediction:
+                self.check_prompt_size(options.prediction, "prediction")
+                predicted = self.encode(options.prediction, add_special_tokens=False)
+            drafter = Drafter(prompt.ids, predicted, lookup=self.config.speculative == "ngram")
         request = Request(
             prompt=list(prompt.ids),
             media=prompt.media,
@@ -322,6 +330,7 @@ class ChatModel:
             eos=self.eos_token_ids,
             token_bytes=self.token_bytes if options.logprobs is not None else None,
             adapter=self._adapter_key(),
+            drafter=drafter,
         )
         return GenerationStream(self.engine, request)
 
@@ -372,6 +381,12 @@ class ChatModel:
                 f"cache_salt: model {self.name!r} runs on the {self.engine.name} engine, whose prefix reuse inside "
                 "onnxruntime-genai takes no salt; serve the model with --engine og-generator to keep requests apart",
                 param="cache_salt",
+            )
+        if options.prediction and not capabilities.drafts:
+            raise InvalidRequestError(
+                f"prediction: model {self.name!r} runs on the {self.engine.name} engine, which takes no draft tokens "
+                "from a request; leave prediction out, or serve the model with --engine ort-cpu",
+                param="prediction",
             )
         if options.seed is not None and not options.greedy and not capabilities.seeds:
             raise InvalidRequestError(

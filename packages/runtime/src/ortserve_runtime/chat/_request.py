@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders
 from .._errors import EngineClosedError, InvalidRequestError
 from .._threads import hand_back
 from ._constraints import Constraint
+from ._drafts import Drafter
 from ._logprobs import TokenBytes, TokenLogprob
 from ._reasoning import ReasoningStart
 from ._sampling import GenerationOptions, Sampler
@@ -43,6 +44,11 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     """Prompt tokens whose key/values came from the engine's prefix cache (not prefilled)."""
+    accepted_prediction_tokens: int = 0
+    """Draft tokens (speculative decoding: the request's prediction or a prompt lookup) that
+    became output tokens; OpenAI's ``completion_tokens_details`` name."""
+    rejected_prediction_tokens: int = 0
+    """Draft tokens checked and not taken."""
 
     @property
     def total_tokens(self) -> int:
@@ -115,6 +121,9 @@ class Request:
     """Names the tokens of log-probabilities; set only when the options ask for them."""
     adapter: str | None = None
     """The LoRA adapter to generate through (a name the engine loaded), or the base model."""
+    drafter: Drafter | None = None
+    """Proposes draft tokens for speculative decoding (engines that take drafts), if the
+    request has a prediction or its model speculates."""
     id: int = field(default_factory=lambda: next(_request_ids))
     tokens: list[int] = field(default_factory=list)
     decoder: Any = field(default_factory=lambda: decoders.DecodeStream(skip_special_tokens=True))
@@ -173,7 +182,10 @@ class Request:
     def final(
         self, reason: FinishReason, text: str = "", token: int | None = None, logprobs: TokenLogprob | None = None
     ) -> GenerationEvent:
-        usage = Usage(len(self.prompt), len(self.tokens), self.cached_tokens)
+        drafter = self.drafter
+        accepted = drafter.accepted if drafter is not None else 0
+        rejected = drafter.proposed - accepted if drafter is not None else 0
+        usage = Usage(len(self.prompt), len(self.tokens), self.cached_tokens, accepted, rejected)
         return GenerationEvent(
             token_id=token,
             text=text,

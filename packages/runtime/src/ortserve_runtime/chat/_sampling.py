@@ -66,6 +66,10 @@ class GenerationOptions:
     logprobs: int | None = None
     """Report each token's log-probability and this many most likely alternatives
     (0: the token's own only); ``None``: none, and no work spent on them."""
+    prediction: str | None = None
+    """Text the output is expected to be close to (OpenAI's Predicted Outputs): its tokens
+    are drafts for speculative decoding, which change how fast the output comes, never what
+    it is (greedy output, and sampled output's distribution; see _drafts)."""
     cache_salt: str | None = None
     """The prefix-cache scope (vLLM's ``cache_salt``): key/value rows computed for a
     request with one salt serve only requests with the same salt, so that users given

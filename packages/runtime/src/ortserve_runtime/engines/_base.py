@@ -35,6 +35,10 @@ class EngineCapabilities:
     scaled per call); og-generator runs each request alone; og-engine's static batches
     were measured to keep greedy tokens, while its dynamic batches (paged attention, an
     accelerator's kernels over whatever the step holds) make no such promise."""
+    drafts: bool = False
+    """Takes a request's draft tokens (its ``prediction``) and checks them in one call:
+    ort-cpu. og's per-request drafts (``Request.set_draft_tokens``) need its dynamic
+    batches, which the CPU does not have; og-generator speculates from n-grams only."""
     salted_cache: bool = True
     """A request's ``cache_salt`` keeps other requests from reusing its key/values: ort-cpu
     scopes its prefix cache by it, og-generator shares nothing between requests; og-engine
