@@ -37,7 +37,6 @@ import logging
 import mmap
 import shutil
 import tempfile
-import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -296,7 +295,6 @@ class OrtCpuEngine(OwnerThread):
         """Draft tokens checked so far (speculative decoding, see :meth:`_speculate`)."""
         self.accepted_draft_tokens = 0
         """Draft tokens that became output tokens."""
-        self._call_costs = _CallCosts()
         self.prefill_session: Any = None
         """The int8 prefill session, where ``ModelConfig.prefill_int8`` asks for one."""
         convertible = graph.last_only and has_int4_matrices(graph.int8_source)
@@ -671,12 +669,6 @@ class OrtCpuEngine(OwnerThread):
             request = self._rows[0]
             if request.drafter is not None and self._speculate(request):
                 return
-            started = time.perf_counter()
-            alone = self._decode_rows([request], 0)
-            self._call_costs.record(1, time.perf_counter() - started)
-            if not request.cancelled:
-                self._accept(request, alone[0])
-            return
         if self._graph.rope_window is not None or self._adapter_inputs:
             self._regroup()
         rows = list(self._rows)
@@ -733,7 +725,7 @@ class OrtCpuEngine(OwnerThread):
         if window is not None and length <= window:
             limit = min(limit, window - length)  # the whole call within LongRoPE's window, as a step's
         draft = drafter.propose(request.tokens, limit)
-        size = self._call_costs.draft_length(drafter.acceptance, len(draft))
+        size = _draft_length(drafter.acceptance, len(draft))
         if size == 0:
             if draft:
                 drafter.skipped()
@@ -742,11 +734,8 @@ class OrtCpuEngine(OwnerThread):
         ids = np.asarray([[request.tokens[-1], *draft]], dtype=graph.ids_dtype)
         mask = np.ones((1, length + size), dtype=graph.mask_dtype)
         positions = np.arange(length - 1, length + size, dtype=graph.ids_dtype)[None, :]
-        started = time.perf_counter()
-        logits = self._bind(
-            slice(request.row, request.row + 1), ids, mask, positions, request.adapter, every_position=True
-        )
-        self._call_costs.record(size + 1, time.perf_counter() - started)
+        rows = slice(request.row, request.row + 1)
+        logits = self._bind(rows, ids, mask, positions, request.adapter, every_position=True)
         accepted = 0
         for position in range(size + 1):
             if request.cancelled:
@@ -862,38 +851,24 @@ class OrtCpuEngine(OwnerThread):
             values[target, :, :length] = values[source, :, :length]
 
 
-class _CallCosts:
-    """Seconds of a call of one request by the positions it runs (1: a decode step),
-    learnt from the calls made; they size drafts (see :meth:`draft_length`)."""
+def _draft_length(acceptance: float, available: int) -> int:
+    """The draft length (up to ``available``; 0: none) that yields the most tokens a second
+    if each draft token is accepted with chance ``acceptance`` given the ones before it
+    were: a call checking ``k`` drafts yields ``1 + a + ... + a**k`` tokens and costs
+    ``1.2 + 0.15 (k - 1)`` decode steps (SmolLM2-135M int4 measured 1.28x, 1.66x and 2.2x
+    for 1, 4 and 8 drafts; the 0.5B-shaped model 1.10x, 1.66x and 2.6x).
 
-    def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
-
-    def record(self, positions: int, seconds: float) -> None:
-        known = self._seconds.get(positions)
-        self._seconds[positions] = seconds if known is None else known + 0.1 * (seconds - known)
-
-    def seconds(self, positions: int) -> float:
-        """The learnt time, or until a call of that size ran, a guess from a decode step's
-        (1.2x for 2 positions, +0.15x a position: SmolLM2-135M int4 measured 1.28x, 1.66x
-        and 2.2x for 2, 5 and 9; the 0.5B-shaped model 1.10x, 1.66x and 2.6x)."""
-        known = self._seconds.get(positions)
-        if known is not None:
-            return known
-        return self._seconds.get(1, 1.0) * (1.2 + 0.15 * (positions - 2))
-
-    def draft_length(self, acceptance: float, available: int) -> int:
-        """The draft length (up to ``available``; 0: none) that yields the most tokens a
-        second, if each draft token is accepted with chance ``acceptance`` given the ones
-        before it were: a call of ``k`` drafts yields ``1 + a + ... + a**k`` tokens."""
-        best, best_rate = 0, 1.0 / self.seconds(1)
-        expected = 1.0
-        for size in range(1, available + 1):
-            expected += acceptance**size
-            rate = expected / self.seconds(size + 1)
-            if rate > best_rate:
-                best, best_rate = size, rate
-        return best
+    A fixed model, not timings: a request's drafts, and so the calls its tokens are
+    computed in, then depend on the request alone (see :meth:`OrtCpuEngine._speculate`).
+    """
+    best, best_rate = 0, 1.0
+    expected = 1.0
+    for size in range(1, available + 1):
+        expected += acceptance**size
+        rate = expected / (1.2 + 0.15 * (size - 1))
+        if rate > best_rate:
+            best, best_rate = size, rate
+    return best
 
 
 @dataclasses.dataclass(eq=False)
