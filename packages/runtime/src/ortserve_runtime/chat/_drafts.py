@@ -65,6 +65,10 @@ class PromptLookup:
         return []
 
 
+_NEARBY = 16
+"""Prediction tokens after the last known place searched for the output's last token alone."""
+
+
 class _PredictionCursor:
     """Where the output stands in a predicted text (see the module docstring)."""
 
@@ -96,18 +100,21 @@ class _PredictionCursor:
 
     def _find(self, output: Sequence[int]) -> int:
         """Where the output's last tokens (4, 3, then 2 of them) stand in the prediction:
-        the first occurrence after the last known place, else the first anywhere; -1 if
-        nowhere (the output is in its own text, the edit)."""
+        the first occurrence after the last known place, else the first anywhere; else its
+        last token a little after the last known place (the same text tokenized another
+        way: a prediction starting with a partial character, or mid-word); -1 if nowhere
+        (the output is in its own text, the edit)."""
+        known = max(self._position, 0)
         for n in (4, 3, 2):
             ends = self._ends.get(tuple(output[-n:])) if len(output) >= n else None
             if ends:
-                after = [end for end in ends if end > self._last_known]
+                after = [end for end in ends if end > known]
                 return (after or ends)[0]
+        if output:
+            nearby = self.prediction[known : known + _NEARBY]
+            if output[-1] in nearby:
+                return known + nearby.index(output[-1]) + 1
         return -1
-
-    @property
-    def _last_known(self) -> int:
-        return max(self._position, 0)
 
 
 @dataclass

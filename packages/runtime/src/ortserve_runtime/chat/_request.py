@@ -182,18 +182,21 @@ class Request:
     def final(
         self, reason: FinishReason, text: str = "", token: int | None = None, logprobs: TokenLogprob | None = None
     ) -> GenerationEvent:
-        drafter = self.drafter
-        accepted = drafter.accepted if drafter is not None else 0
-        rejected = drafter.proposed - accepted if drafter is not None else 0
-        usage = Usage(len(self.prompt), len(self.tokens), self.cached_tokens, accepted, rejected)
         return GenerationEvent(
             token_id=token,
             text=text,
             finish_reason=reason,
-            usage=usage,
+            usage=self.usage(),
             logprobs=logprobs,
             stop_sequence=self.stops.matched,
         )
+
+    def usage(self) -> Usage:
+        """The token counts so far (a final event carries them)."""
+        drafter = self.drafter
+        accepted = drafter.accepted if drafter is not None else 0
+        rejected = drafter.proposed - accepted if drafter is not None else 0
+        return Usage(len(self.prompt), len(self.tokens), self.cached_tokens, accepted, rejected)
 
     def _tail(self) -> str:
         """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),

@@ -736,23 +736,23 @@ class OrtCpuEngine(OwnerThread):
         positions = np.arange(length - 1, length + size, dtype=graph.ids_dtype)[None, :]
         rows = slice(request.row, request.row + 1)
         logits = self._bind(rows, ids, mask, positions, request.adapter, every_position=True)
-        accepted = 0
+        events = []
         for position in range(size + 1):
-            if request.cancelled:
+            events.append(request.advance(logits[0, position]))
+            if events[-1].finish_reason is not None or position == size or request.tokens[-1] != draft[position]:
                 break
-            event = request.advance(logits[0, position])
-            taken = position < size and request.tokens[-1] == draft[position]
-            accepted += taken
-            if event.finish_reason is not None:
-                self._release(request)
-                request.deliver(event)
-                break
-            request.deliver(event)
-            if not taken:
-                break
+        accepted = sum(
+            1 for token, drafted in zip(request.tokens[-len(events) :], draft, strict=False) if token == drafted
+        )
         drafter.record(size, accepted)
         self.draft_tokens += size
         self.accepted_draft_tokens += accepted
+        if events[-1].finish_reason is not None:
+            self._release(request)
+            # Its usage counts this call's drafts, accounted only now.
+            events[-1] = dataclasses.replace(events[-1], usage=request.usage())
+        for event in events:
+            request.deliver(event)
         return True
 
     def _accept(self, request: Request, logits: npt.NDArray[np.float32]) -> None:
