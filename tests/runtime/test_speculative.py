@@ -110,11 +110,13 @@ async def test_prompt_lookup_changes_no_token_on_real_weights() -> None:
         plain, ngram = await registry.get("plain"), await registry.get("ngram")
         article = (
             "The city council voted on Tuesday to build a new library in the old railway station. The project "
-            "will cost twelve million dollars and is expected to open in two years."
+            "will cost twelve million dollars and is expected to open in two years. Mayor Lena Ortiz said the "
+            "library would have a children's wing, a makerspace and a rooftop garden. Some residents worried "
+            "about parking, but the council promised a new bus line to the station."
         )
-        messages = [{"role": "user", "content": f"Article: {article}\n\nSummarise it, quoting it word for word."}]
-        prompt = list(plain.prepare_chat(messages).ids)
-        options = GenerationOptions(max_tokens=80, temperature=0, logprobs=0)
+        content = f"Article: {article}\n\nSummarise the article, quoting its sentences word for word."
+        prompt = list(plain.prepare_chat([{"role": "user", "content": content}]).ids)
+        options = GenerationOptions(max_tokens=120, temperature=0, logprobs=0)
         want, got = await run(plain, prompt, options), await run(ngram, prompt, options)
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
