@@ -69,6 +69,7 @@ __all__ = [
     "ModelUnloadRequest",
     "NamedToolChoice",
     "NamedToolChoiceFunction",
+    "PredictionContent",
     "PromptTokensDetails",
     "RerankDocument",
     "RerankRequest",
@@ -283,6 +284,14 @@ class StreamOptions(_Request):
 # -- chat completions ----------------------------------------------------------------------
 
 
+class PredictionContent(_Request, tag_field="type", tag="content"):
+    """OpenAI's Predicted Outputs: text the completion is expected to be close to (a file
+    being edited); its tokens are drafts for speculative decoding. It changes how fast the
+    completion comes, not what it is."""
+
+    content: str | list[TextContentPart]
+
+
 class _GenerationRequest(_Request):
     """Fields chat and text completions share. ``top_k``, ``repetition_penalty`` and
     ``min_tokens`` are extensions that vLLM and others accept too."""
@@ -323,6 +332,9 @@ class _GenerationRequest(_Request):
     """Extension (vLLM's): the prefix-cache scope. Key/value rows a request computed serve
     only later requests with the same salt, so users given different salts cannot learn
     from ``cached_tokens`` or timing what the other sent."""
+    prediction: PredictionContent | UnsetType | None = UNSET
+    """Predicted Outputs (OpenAI's, on chat completions; here on completions too): usage's
+    ``completion_tokens_details`` then counts the accepted and rejected prediction tokens."""
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -360,6 +372,12 @@ class CompletionTokensDetails(_Response):
 
     reasoning_tokens: int = 0
     """Tokens of a reasoning model's thinking (its think block, markers included)."""
+    accepted_prediction_tokens: int = 0
+    """Draft tokens (the request's ``prediction``, or the model's ``--speculative`` drafts)
+    that became completion tokens."""
+    rejected_prediction_tokens: int = 0
+    """Draft tokens checked and not taken (their cost was spent; they are not billed as
+    completion tokens here)."""
 
 
 class CompletionUsage(_Response):
@@ -370,7 +388,7 @@ class CompletionUsage(_Response):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
-    """Set for reasoning models only."""
+    """Set for reasoning models and for completions that checked draft tokens."""
 
 
 class ChatCompletionMessage(_Response):
@@ -693,6 +711,14 @@ class Model(_Response):
     tool_format: str | None = None
     """A loaded generative model: how it writes tool calls (``hermes``, ``llama3``,
     ``mistral``, ``phi4``...); ``None``: tool requests are a 400."""
+    speculative: str | None = None
+    """A loaded generative model's speculative decoding (``--speculative``): ``ngram``, or
+    ``None`` (requests with a ``prediction`` still speculate on ort-cpu)."""
+    draft_tokens: int | None = None
+    """Draft tokens the model's engine checked since it loaded (ort-cpu; og-generator's
+    count inside onnxruntime-genai)."""
+    draft_acceptance_rate: float | None = None
+    """The share of them that became output tokens (``None`` before any was checked)."""
     tools_in_system_prompt: bool | None = None
     """A loaded generative model: its chat template knows no tools, so they are described
     in its system prompt (Hermes format) and calls parsed from its output (``false``: the

@@ -80,6 +80,12 @@ class ModelStatus:
     tools_in_system_prompt: bool | None = None
     """A loaded generative model: whether its tools go into the system prompt because its
     template knows none (:attr:`ModelConfig.tools_in_system_prompt`)."""
+    speculative: str | None = None
+    """A loaded generative model's :attr:`ModelConfig.speculative`."""
+    draft_tokens: int | None = None
+    """Draft tokens its engine checked since the load (engines that speculate)."""
+    accepted_draft_tokens: int | None = None
+    """Those that became output tokens."""
     in_flight: int = 0
     """Requests holding the model now (streams until their last event)."""
     last_used: float | None = None
@@ -421,6 +427,9 @@ class ModelRegistry:
             input_modalities=("text", *sorted(entry.model.modalities)) if isinstance(entry.model, ChatModel) else None,
             tool_format=entry.model.tool_format if isinstance(entry.model, ChatModel) else None,
             tools_in_system_prompt=entry.model.tools_in_system_prompt if isinstance(entry.model, ChatModel) else None,
+            speculative=entry.config.speculative if isinstance(entry.model, ChatModel) else None,
+            draft_tokens=getattr(engine, "draft_tokens", None),
+            accepted_draft_tokens=getattr(engine, "accepted_draft_tokens", None),
             in_flight=entry.in_flight,
             last_used=entry.last_used,
             resident_bytes=entry.resident_bytes if loaded else None,

@@ -15,7 +15,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ._demo import demo_models
 
@@ -100,6 +100,7 @@ _MODEL_KEYS = (
     "prefill-int8",
     "chat-template",
     "tools-in-system-prompt",
+    "speculative",
 )
 
 
@@ -126,6 +127,8 @@ def _model_configs(
             change["prefill_int8"] = _prefill_int8(value)
         elif key == "chat-template":
             change["chat_template"] = Path(value)
+        elif key == "speculative":
+            change["speculative"] = _speculative(value)
         elif key == "tools-in-system-prompt":
             if value not in ("on", "off"):
                 raise ValueError(f"--model-option {name}:{key}: use on or off, not {value!r}")
@@ -168,6 +171,12 @@ def _positive(kind: type[int | float]) -> Callable[[str], int | float]:
         return number
 
     return parse
+
+
+def _speculative(value: str) -> Literal["ngram"] | None:
+    if value not in ("ngram", "off"):
+        raise ValueError(f"speculative must be ngram or off, got {value!r}")
+    return "ngram" if value == "ngram" else None
 
 
 def _prefill_int8(value: str) -> bool | None:
@@ -275,6 +284,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "into $ORTSERVE_CACHE/int8-prefill (about 1.5x faster prefill on CPUs with VNNI; costs memory, and "
         "greedy replies change as rounding changes them, and with what shares a call: the model is no longer "
         "reproducible); auto: on where the CPU has VNNI (default off)",
+    )
+    serve.add_argument(
+        "--speculative",
+        choices=["ngram", "off"],
+        default="off",
+        help="speculative decoding for every generative model (one model: --model-option NAME:speculative=ngram): "
+        "ngram drafts a request's next tokens from its prompt and output (quoting, editing, RAG answers), checked "
+        "in one model call; on ort-cpu while a request runs alone, on og-generator by onnxruntime-genai. Requests "
+        "with a prediction speculate on ort-cpu without it (default off)",
     )
     serve.add_argument(
         "--chat-template",
@@ -406,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _ls()
 
 
-_CHAT_KEYS = ("chat-template", "tools-in-system-prompt")
+_CHAT_KEYS = ("chat-template", "tools-in-system-prompt", "speculative")
 
 
 def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[str, Path]) -> None:
@@ -454,6 +472,7 @@ def _serve(args: argparse.Namespace) -> int:
             prefix_cache_tokens=args.prefix_cache_tokens,
             prefill_int8=_prefill_int8(args.prefill_int8),
             chat_template=args.chat_template,
+            speculative=_speculative(args.speculative),
         )
         config = ServerConfig(
             models=dict(resolved),

@@ -540,6 +540,7 @@ def _generation_options(
             logit_bias=bias,
             min_p=_or(data.min_p, 0.0),
             cache_salt=_or(data.cache_salt, None),
+            prediction=_prediction(data.prediction),
             presence_penalty=_or(data.presence_penalty, 0.0),
             frequency_penalty=_or(data.frequency_penalty, 0.0),
             logprobs=logprobs,
@@ -549,6 +550,14 @@ def _generation_options(
     for o in options:
         o.validate()
     return options
+
+
+def _prediction(given: p.PredictionContent | msgspec.UnsetType | None) -> str | None:
+    """The text of a ``prediction`` (a string, or text parts joined as OpenAI joins them)."""
+    if not isinstance(given, p.PredictionContent):
+        return None
+    content = given.content
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 def _logit_bias(given: dict[str, float] | msgspec.UnsetType | None) -> dict[int, float]:

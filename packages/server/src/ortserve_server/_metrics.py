@@ -50,6 +50,18 @@ class Metrics:
             buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=self.registry,
         )
+        self.spec_proposed_tokens = Counter(
+            "ortserve_spec_proposed_tokens",
+            "Draft tokens checked by speculative decoding",
+            ["model"],
+            registry=self.registry,
+        )
+        self.spec_accepted_tokens = Counter(
+            "ortserve_spec_accepted_tokens",
+            "Draft tokens that became output tokens",
+            ["model"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "ortserve_queue_depth", "Requests waiting for the model", ["model"], registry=self.registry
         )
@@ -66,6 +78,12 @@ class Metrics:
         self.requests.labels(endpoint, model, status_class(status)).inc()
         if status >= 400:
             self.count_error(endpoint, status)
+
+    def count_drafts(self, model: str, accepted: int, rejected: int) -> None:
+        """A request's speculative decoding: ``accepted`` draft tokens taken, ``rejected`` not."""
+        if accepted or rejected:
+            self.spec_proposed_tokens.labels(model).inc(accepted + rejected)
+            self.spec_accepted_tokens.labels(model).inc(accepted)
 
     def count_error(self, endpoint: str, status: int) -> None:
         self.errors.labels(endpoint, status_class(status)).inc()

@@ -225,6 +225,8 @@ class _Generation:
         """The thinking of the event :meth:`_split` split last (content is the answer only)."""
         self.reasonings = [""] * len(streams)
         """Per stream, all its thinking (:meth:`collect`)."""
+        self.drafts = [(0, 0)] * len(streams)
+        """Per stream, its accepted and rejected draft tokens (speculative decoding)."""
         self.reasoning_tokens = [0] * len(streams)
         """Per stream, the tokens generated inside its think block (markers included):
         the Responses API's ``reasoning_tokens``."""
@@ -289,6 +291,7 @@ class _Generation:
         if event.usage is None:
             return 0
         self.cached[index] = event.usage.cached_tokens
+        self.drafts[index] = (event.usage.accepted_prediction_tokens, event.usage.rejected_prediction_tokens)
         self.stop_sequences[index] = event.stop_sequence
         return event.usage.completion_tokens
 
@@ -301,14 +304,21 @@ class _Generation:
         # choice found cached (the first choice may have put it there for the others).
         per = self.choices_per_prompt
         cached = sum(min(self.cached[i : i + per]) for i in range(0, len(self.cached), per))
+        accepted = sum(a for a, _ in self.drafts)
+        rejected = sum(r for _, r in self.drafts)
+        self.metrics.count_drafts(name, accepted, rejected)
         return p.CompletionUsage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=self.prompt_tokens + completion_tokens,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
             completion_tokens_details=(
-                p.CompletionTokensDetails(reasoning_tokens=sum(self.reasoning_tokens))
-                if self.reasoning_parsers is not None
+                p.CompletionTokensDetails(
+                    reasoning_tokens=sum(self.reasoning_tokens),
+                    accepted_prediction_tokens=accepted,
+                    rejected_prediction_tokens=rejected,
+                )
+                if self.reasoning_parsers is not None or accepted or rejected
                 else None
             ),
         )
@@ -888,6 +898,13 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         input_modalities=None if status.input_modalities is None else list(status.input_modalities),
         tool_format=status.tool_format,
         tools_in_system_prompt=status.tools_in_system_prompt,
+        speculative=status.speculative,
+        draft_tokens=status.draft_tokens,
+        draft_acceptance_rate=(
+            status.accepted_draft_tokens / status.draft_tokens
+            if status.draft_tokens and status.accepted_draft_tokens is not None
+            else None
+        ),
         parent=None if adapter is None else name,
         root=None if adapter is None else name,
         error=status.error,
