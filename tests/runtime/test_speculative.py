@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ortserve_runtime import ChatModel, GenerationOptions, InvalidRequestError, ModelConfig, ModelRegistry
+from ortserve_runtime import (
+    ChatModel,
+    GenerationOptions,
+    InvalidRequestError,
+    ModelConfig,
+    ModelLoadError,
+    ModelRegistry,
+)
 from ortserve_runtime.chat._drafts import Drafter, PromptLookup
 
 pytestmark = pytest.mark.anyio
@@ -121,6 +128,11 @@ async def test_prompt_lookup_changes_no_token_on_real_weights() -> None:
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
         assert got["usage"].accepted_prediction_tokens >= 10
+        # og-generator's own n-gram speculation on the same weights.
+        registry.add("og", folder, ModelConfig(engine="og-generator", speculative="ngram"))
+        og_run = await run(await registry.get("og"), prompt, GenerationOptions(max_tokens=120, temperature=0))
+        assert og_run["tokens"] == want["tokens"]
+        assert og_run["usage"].accepted_prediction_tokens >= 5
     finally:
         await registry.close()
 
@@ -168,9 +180,9 @@ async def test_a_cancelled_speculating_request_frees_its_row(registry: ModelRegi
     model = await registry.get("tiny-gemma4")
     prompt = prompt_of(model)
     want = await run(model, prompt)
-    stream = model.generate(
-        prompt, options=GenerationOptions(max_tokens=64, temperature=0, prediction=model.decode(want["tokens"]))
-    )
+    # Long enough (hundreds of steps, drafts taken all along) for the cancel to land mid-way.
+    options = GenerationOptions(max_tokens=3000, temperature=0, prediction=model.decode(want["tokens"]))
+    stream = model.generate(prompt, options=options)
     seen = 0
     async for event in stream:
         seen += 1
@@ -178,6 +190,8 @@ async def test_a_cancelled_speculating_request_frees_its_row(registry: ModelRegi
             stream.cancel()
         if event.finish_reason is not None:
             assert event.finish_reason == "cancelled"
+            assert event.usage is not None and 5 <= event.usage.completion_tokens < 3000
+            assert event.usage.accepted_prediction_tokens > 0
     assert model.engine.active == 0
     same(await run(model, prompt), want)
 
@@ -281,3 +295,38 @@ def test_a_prediction_cursor_follows_an_edit() -> None:
     drafter.record(3, 2)
     assert (drafter.proposed, drafter.accepted) == (3, 2)
     assert drafter.acceptance < drafter.prior
+
+
+async def test_og_generator_speculates_with_ogs_ngrams() -> None:
+    registry = ModelRegistry(ModelConfig(engine="og-generator"))
+    registry.add("plain", FIXTURES / "tiny-qwen2")
+    registry.add("ngram", FIXTURES / "tiny-qwen2", ModelConfig(engine="og-generator", speculative="ngram"))
+    for refused in ("tiny-gemma4", "tiny-lfm2", "tiny-phi3v"):
+        registry.add(refused, FIXTURES / refused, ModelConfig(engine="og-generator", speculative="ngram"))
+    try:
+        plain, ngram = await registry.get("plain"), await registry.get("ngram")
+        prompt = plain.encode(CORPUS[:300])
+        options = GenerationOptions(max_tokens=200, temperature=0)
+        want = await run(plain, prompt, options)
+        got = await run(ngram, prompt, options)
+        assert got["tokens"] == want["tokens"] and got["finish"] == want["finish"]
+        # The random model seldom repeats itself: og checked a draft, and would take one that
+        # held (the real-weights test below counts accepted ones).
+        assert got["usage"].rejected_prediction_tokens + got["usage"].accepted_prediction_tokens >= 1
+        assert ngram.engine.draft_tokens >= 1  # type: ignore[attr-defined]
+        # A stop string and a short limit end og's run where the host's would.
+        text = plain.decode(want["tokens"])
+        for limited in (
+            GenerationOptions(max_tokens=9, temperature=0),
+            GenerationOptions(max_tokens=64, temperature=0, stop=(text[10:14],)),
+        ):
+            assert (await run(ngram, prompt, limited))["tokens"] == (await run(plain, prompt, limited))["tokens"]
+        # What only the host sampler does (logprobs here) decodes as usual, without drafts.
+        scored = await run(ngram, prompt, GREEDY)
+        assert scored["tokens"] == want["tokens"][:64] and scored["usage"].accepted_prediction_tokens == 0
+        # What og cannot speculate on fails to load, naming the setting.
+        for refused in ("tiny-gemma4", "tiny-lfm2", "tiny-phi3v"):
+            with pytest.raises(ModelLoadError, match="speculative"):
+                await registry.get(refused)
+    finally:
+        await registry.close()

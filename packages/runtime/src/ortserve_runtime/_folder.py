@@ -108,24 +108,32 @@ class GenaiFolder:
         return any(flag is True for flag in flags)
 
 
-def check_og_runs(og_model: Any, folder: GenaiFolder, provider: str) -> None:
+def check_og_runs(og_model: Any, folder: GenaiFolder, provider: str, *, speculative: bool = False) -> None:
     """Run a text decoder through a 3-token prompt and 2 decode steps on ``og_model``, or
     raise :class:`ModelLoadError` with og's error: a folder og loads but cannot run (the
     builder's fp16 CPU graphs fail their first decode step in onnxruntime 1.31, measured)
-    is then that model's load error, not a 500 on every request."""
+    is then that model's load error, not a 500 on every request. ``speculative``: then
+    also through og's n-gram speculation, on a prompt whose end it finds earlier (og
+    refuses models that are not plain decoders only when it first drafts)."""
     import onnxruntime_genai as og
 
-    try:
-        params = og.GeneratorParams(og_model)
-        params.set_search_options(max_length=max(8, folder.shortest_sequence), do_sample=False)
-        generator = og.Generator(og_model, params)
-        generator.append_tokens([0, 1, 2])
-        for _ in range(2):
-            generator.generate_next_token()
-    except Exception as exc:  # og raises plain RuntimeError for every run failure
-        raise ModelLoadError(
-            f"{folder.path}: onnxruntime-genai loads it but cannot run it on {provider}: {exc}", path=folder.path
-        ) from exc
+    probes = [([0, 1, 2], False), ([0, 1, 2, 3, 0, 1, 2], True)] if speculative else [([0, 1, 2], False)]
+    for prompt, drafted in probes:
+        try:
+            params = og.GeneratorParams(og_model)
+            params.set_search_options(max_length=max(len(prompt) + 6, folder.shortest_sequence), do_sample=False)
+            if drafted:
+                params.set_speculative_options(ngram_size=3, max_draft_tokens=4)
+            generator = og.Generator(og_model, params)
+            generator.append_tokens(prompt)
+            for _ in range(2):
+                generator.generate_next_token()
+        except Exception as exc:  # og raises plain RuntimeError for every run failure
+            what = "its n-gram speculation (speculative: ngram)" if drafted else "it"
+            raise ModelLoadError(
+                f"{folder.path}: onnxruntime-genai loads it but cannot run {what} on {provider}: {exc}",
+                path=folder.path,
+            ) from exc
 
 
 def load_og_model(folder: Path, config: ModelConfig, *, every_core: bool = True) -> Any:

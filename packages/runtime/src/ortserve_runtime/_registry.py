@@ -216,10 +216,11 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             choice, reason = "og-generator", f"auto: {refusal}; og-generator runs it"
             logger.info("model %r: %s", name, reason)
     if engine is None:
+        _check_og_speculation(folder, config, choice, refusal)
         og_model = load_og_model(path, config)
         if not multimodal:  # og.Engine runs what og.Generator runs: probe both the same way
             try:
-                check_og_runs(og_model, folder, config.provider)
+                check_og_runs(og_model, folder, config.provider, speculative=config.speculative is not None)
             except ModelLoadError as exc:
                 if refusal is None:
                     raise
@@ -252,6 +253,31 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         raise
     model.engine_reason = reason
     return model
+
+
+def _check_og_speculation(folder: GenaiFolder, config: ModelConfig, choice: str, refusal: str | None) -> None:
+    """Refuse ``speculative`` where onnxruntime-genai cannot do it (measured with og 0.18,
+    its errors quoted): og.Engine takes no n-gram option, and og.Generator's n-gram decoding
+    "requires a plain decoder-only text model" (multimodal models; others are probed by
+    :func:`check_og_runs`) and "cannot rewind" a sliding-window cache once it is full."""
+    decoder = folder.genai.get("model", {}).get("decoder", {})
+    if config.speculative is None:
+        return
+    if choice == "og-engine":
+        why = "og.Engine takes no n-gram speculation (only drafts a caller gives, on paged attention)"
+    elif folder.is_multimodal or refusal is not None:
+        why = "onnxruntime-genai's n-gram decoding requires a plain decoder-only text model" + (
+            f" ({refusal})" if refusal else ""
+        )
+    elif isinstance(decoder.get("sliding_window"), dict):
+        why = "onnxruntime-genai cannot rewind its sliding-window cache after a rejected draft"
+    else:
+        return
+    raise ModelLoadError(
+        f"{folder.path}: speculative (--speculative ngram) on the {choice} engine: {why}; serve this model with "
+        "--model-option NAME:speculative=off, or on ort-cpu",
+        path=folder.path,
+    )
 
 
 def resident_memory() -> int:
