@@ -797,6 +797,22 @@ async def test_logprobs_and_sampling_keywords_with_the_real_server(server_url: s
         assert bad.value.body is not None and bad.value.body.error.param == "logit_bias"
 
 
+async def test_a_prediction_with_the_real_server(server_url: str) -> None:
+    """``prediction`` as a Struct or a dict; usage decodes the prediction token counts."""
+    async with AsyncClient(f"{server_url}/v1") as client:
+        messages = [{"role": "user", "content": "hi"}]
+        plain = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+        text = plain.choices[0].message.content
+        assert isinstance(text, str)
+        for prediction in (p.PredictionContent(content=text), {"type": "content", "content": text}):
+            chat = await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=24, temperature=0, prediction=prediction
+            )
+            assert chat.choices[0].message.content == text
+            assert chat.usage is not None and chat.usage.completion_tokens_details is not None
+            assert chat.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
 async def test_images_as_protocol_structs(server_url: str) -> None:
     from images import image_bytes
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
-from .protocol import ChatMessage, NamedToolChoice, ResponseFormat, StreamOptions, Tool
+from .protocol import ChatMessage, NamedToolChoice, PredictionContent, ResponseFormat, StreamOptions, Tool
 
 __all__ = [
     "ChatCompletionParams",
@@ -54,6 +54,7 @@ class _SamplingParams(TypedDict, total=False):
     lora: Sequence[JSONObject] | None
     keep_alive: float | str | None
     cache_salt: str | None
+    prediction: PredictionContent | JSONObject | None
 
 
 class ChatCompletionParams(_SamplingParams, total=False):
