@@ -75,7 +75,7 @@ ARTICLE = (
     "council promised a new bus line to the station. Construction will begin in the spring, after the "
     "station's roof is repaired."
 )
-QUOTE = f"Article: {ARTICLE}\n\nSummarise the article, quoting its sentences word for word."
+QUOTE = f"Here is an article:\n\n{ARTICLE}\n\nWrite a summary of it that quotes the article's key sentences exactly."
 STORY = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 

@@ -37,8 +37,9 @@ class EngineCapabilities:
     accelerator's kernels over whatever the step holds) make no such promise."""
     drafts: bool = False
     """Takes a request's draft tokens (its ``prediction``) and checks them in one call:
-    ort-cpu. og's per-request drafts (``Request.set_draft_tokens``) need its dynamic
-    batches, which the CPU does not have; og-generator speculates from n-grams only."""
+    ort-cpu. og.Engine on the CPU reports ``max_draft_tokens_per_proposal() == 0`` and
+    refuses ``Request.set_draft_tokens`` ("This engine does not support speculative draft
+    verification", og 0.18); og.Generator takes no drafts from its caller."""
     salted_cache: bool = True
     """A request's ``cache_salt`` keeps other requests from reusing its key/values: ort-cpu
     scopes its prefix cache by it, og-generator shares nothing between requests; og-engine
