@@ -330,3 +330,42 @@ async def test_og_generator_speculates_with_ogs_ngrams() -> None:
                 await registry.get(refused)
     finally:
         await registry.close()
+
+
+async def test_a_draft_model_changes_no_token() -> None:
+    """The tiny Gemma 4 drafted for by the smaller tiny Qwen2 (the same tokenizer): drafts
+    checked like any other; a draft model with another tokenizer, or on og, fails the load
+    naming it; the same model as its own draft is never worth a call (a draft token would
+    cost a whole step)."""
+    target, draft = FIXTURES / "tiny-gemma4", FIXTURES / "tiny-qwen2"
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefix_cache_tokens=0))
+    registry.add("plain", target)
+    registry.add("drafted", target, ModelConfig(engine="ort-cpu", speculative=f"draft:{draft}"))
+    registry.add("itself", target, ModelConfig(engine="ort-cpu", speculative=f"draft:{target}"))
+    registry.add("mismatched", target, ModelConfig(engine="ort-cpu", speculative=f"draft:{FIXTURES / 'tiny-qwen3-vl'}"))
+    registry.add("og", draft, ModelConfig(engine="og-generator", speculative=f"draft:{draft}"))
+    try:
+        plain, drafted = await registry.get("plain"), await registry.get("drafted")
+        checked = 0
+        for length in (20, 100):  # a new request, then another: the draft's row follows each
+            prompt = prompt_of(plain, length)
+            want = await run(plain, prompt)
+            got = await run(drafted, prompt)
+            same(got, want)
+            checked += got["usage"].accepted_prediction_tokens + got["usage"].rejected_prediction_tokens
+        assert checked >= 2 and drafted.engine.draft_tokens == checked  # type: ignore[attr-defined]
+        # Beside others it decodes in the batch; alone again, its draft catches up.
+        others = [prompt_of(plain, 30 + i)[3:] for i in range(2)]
+        results = await asyncio.gather(
+            run(drafted, prompt), *(run(drafted, o, GenerationOptions(max_tokens=5, temperature=0)) for o in others)
+        )
+        same(results[0], want)
+        itself = await run(await registry.get("itself"), prompt)
+        same(itself, want)
+        assert itself["usage"].accepted_prediction_tokens + itself["usage"].rejected_prediction_tokens == 0
+        with pytest.raises(ModelLoadError, match="another tokenizer"):
+            await registry.get("mismatched")
+        with pytest.raises(ModelLoadError, match="ort-cpu only"):
+            await registry.get("og")
+    finally:
+        await registry.close()

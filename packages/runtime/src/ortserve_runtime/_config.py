@@ -138,17 +138,25 @@ class ModelConfig:
     Hermes format (``<tool_call>{...}</tool_call>``; forced calls constrained by grammar),
     as LM Studio falls back to a default tool format; ``False`` refuses tool requests to
     such a model with a 400."""
-    speculative: Literal["ngram"] | None = None
+    speculative: str | None = None
     """Speculative decoding: ``ngram`` drafts each request's next tokens by looking its last
     tokens up in its prompt and output (see chat/_drafts), checked in one model call;
     ort-cpu does it while a request runs alone (a separate call per request costs more
     than a batched step saves, measured), og-generator through onnxruntime-genai's own
-    n-gram speculation. ``None``: only requests carrying a ``prediction`` speculate."""
+    n-gram speculation. ``draft:FOLDER`` (ort-cpu): a smaller genai model with the same
+    tokenizer drafts greedily. ``None``: only requests carrying a ``prediction`` speculate."""
     adapters: dict[str, Path] = field(default_factory=dict)
     """LoRA adapters of a generative model: name -> ``.onnx_adapter`` file, made for this
     model's folder (its decoder takes the adapter's weights as inputs). A request picks one
     by name (:meth:`ChatModel.with_adapter`; over HTTP the model id ``MODEL:NAME``); without
     one it runs the base model. Loaded with the model; the names may not contain ``:``."""
+
+    @property
+    def draft_folder(self) -> Path | None:
+        """The draft model's folder of ``speculative="draft:FOLDER"``."""
+        if self.speculative is None or not self.speculative.startswith("draft:"):
+            return None
+        return Path(self.speculative.removeprefix("draft:")).expanduser()
 
     def __post_init__(self) -> None:
         check_provider(self.provider)
@@ -159,8 +167,8 @@ class ModelConfig:
             )
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"unknown speculative method {self.speculative!r}; choose ngram")
+        if self.speculative not in (None, "ngram") and self.draft_folder in (None, Path()):
+            raise ValueError(f"unknown speculative method {self.speculative!r}; choose ngram or draft:FOLDER")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if self.multimodal_concurrency < 1:

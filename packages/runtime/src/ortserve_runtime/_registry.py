@@ -263,7 +263,9 @@ def _check_og_speculation(folder: GenaiFolder, config: ModelConfig, choice: str,
     decoder = folder.genai.get("model", {}).get("decoder", {})
     if config.speculative is None:
         return
-    if choice == "og-engine":
+    if config.draft_folder is not None:
+        why = "draft models (draft:FOLDER) run on ort-cpu only"
+    elif choice == "og-engine":
         why = "og.Engine takes no n-gram speculation (only drafts a caller gives, on paged attention)"
     elif folder.is_multimodal or refusal is not None:
         why = "onnxruntime-genai's n-gram decoding requires a plain decoder-only text model" + (
@@ -274,7 +276,7 @@ def _check_og_speculation(folder: GenaiFolder, config: ModelConfig, choice: str,
     else:
         return
     raise ModelLoadError(
-        f"{folder.path}: speculative (--speculative ngram) on the {choice} engine: {why}; serve this model with "
+        f"{folder.path}: speculative ({config.speculative}) on the {choice} engine: {why}; serve this model with "
         "--model-option NAME:speculative=off, or on ort-cpu",
         path=folder.path,
     )

@@ -15,7 +15,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from ._demo import demo_models
 
@@ -173,10 +173,12 @@ def _positive(kind: type[int | float]) -> Callable[[str], int | float]:
     return parse
 
 
-def _speculative(value: str) -> Literal["ngram"] | None:
-    if value not in ("ngram", "off"):
-        raise ValueError(f"speculative must be ngram or off, got {value!r}")
-    return "ngram" if value == "ngram" else None
+def _speculative(value: str) -> str | None:
+    if value in ("ngram", "off"):
+        return None if value == "off" else value
+    if value.startswith("draft:") and value.removeprefix("draft:").strip():
+        return "draft:" + str(Path(value.removeprefix("draft:")).expanduser().resolve())
+    raise ValueError(f"speculative must be ngram, draft:FOLDER or off, got {value!r}")
 
 
 def _prefill_int8(value: str) -> bool | None:
@@ -287,12 +289,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--speculative",
-        choices=["ngram", "off"],
         default="off",
+        metavar="ngram|draft:FOLDER|off",
         help="speculative decoding for every generative model (one model: --model-option NAME:speculative=ngram): "
         "ngram drafts a request's next tokens from its prompt and output (quoting, editing, RAG answers), checked "
-        "in one model call; on ort-cpu while a request runs alone, on og-generator by onnxruntime-genai. Requests "
-        "with a prediction speculate on ort-cpu without it (default off)",
+        "in one model call; on ort-cpu while a request runs alone, on og-generator by onnxruntime-genai. "
+        "draft:FOLDER (ort-cpu): a smaller genai model with the same tokenizer drafts. Requests with a prediction "
+        "speculate on ort-cpu without it (default off)",
     )
     serve.add_argument(
         "--chat-template",

@@ -312,7 +312,7 @@ class ChatModel:
         self._check_engine(prompt, options, grammar)
         constraint = self.grammars.constraint(grammar) if grammar is not None else None
         drafter = None
-        if self.engine.capabilities.drafts and (options.prediction or self.config.speculative == "ngram"):
+        if self.engine.capabilities.drafts and (options.prediction or self.config.speculative is not None):
             predicted = None
             if options.prediction:
                 self.check_prompt_size(options.prediction, "prediction")

@@ -252,6 +252,8 @@ class OrtCpuEngine(OwnerThread):
             )
         super().__init__(model_name)
         self._graph = _DecoderGraph(folder.path, folder.genai, config)
+        self._draft = _DraftModel(folder, config, max_sequence_length) if config.draft_folder is not None else None
+        """The draft model of ``speculative="draft:FOLDER"``."""
         self._adapter_inputs = _adapter_inputs(adapters or {})
         """Adapter tensors by adapter key; replaced, never changed in place (see :meth:`add_adapter`)."""
         self._retired: set[str] = set()
@@ -726,8 +728,11 @@ class OrtCpuEngine(OwnerThread):
             limit = min(limit, window - length)  # the whole call within LongRoPE's window, as a step's
         draft = drafter.propose(request.tokens, limit)
         size = _draft_length(drafter.acceptance, len(draft))
+        if not draft and self._draft is not None:  # no prediction to follow: the draft model's
+            size = _draft_length(drafter.acceptance, limit, self._draft.cost)
+            draft = self._draft.propose(request, size) if size else []
         if size == 0:
-            if draft:
+            if draft or self._draft is not None:
                 drafter.skipped()
             return False
         draft = draft[:size]
@@ -851,7 +856,87 @@ class OrtCpuEngine(OwnerThread):
             values[target, :, :length] = values[source, :, :length]
 
 
-def _draft_length(acceptance: float, available: int) -> int:
+class _DraftModel:
+    """A smaller model with the same tokenizer that drafts greedily for the request being
+    checked (``speculative="draft:FOLDER"``; speculation runs for a request alone, so one
+    cache row follows one request at a time: switching requests prefills the new one's
+    sequence, and a rejected draft is dropped by keeping the row's common prefix with the
+    sequence). Greedy drafts put all their weight on one guess, so checking them as
+    :meth:`OrtCpuEngine._speculate` does keeps a sampled request's distribution."""
+
+    def __init__(self, target: GenaiFolder, config: ModelConfig, max_sequence_length: int) -> None:
+        path = config.draft_folder
+        assert path is not None
+        try:
+            folder = GenaiFolder.read(path)
+            same = folder.tokenizer_path.read_bytes() == target.tokenizer_path.read_bytes()
+        except (ModelLoadError, OSError) as exc:
+            raise ModelLoadError(f"speculative draft model {path}: {exc}", path=path) from exc
+        if not same or folder.model.get("vocab_size") != target.model.get("vocab_size"):
+            raise ModelLoadError(
+                f"speculative draft model {path} has another tokenizer than {target.path} (tokenizer.json and "
+                "vocab_size must match): its tokens would be another model's",
+                path=path,
+            )
+        self.graph = _DecoderGraph(folder.path, folder.genai, dataclasses.replace(config, speculative=None))
+        shapes = [(1, heads, max_sequence_length, size) for heads, size in self.graph.layer_shapes]
+        dtype = self.graph.cache_dtype
+        self._cache = [(_unhuged_zeros(shape, dtype), _unhuged_zeros(shape, dtype)) for shape in shapes]
+        self._chunk = config.prefill_chunk_tokens
+        self.cost = _weight_bytes(folder.path) / max(_weight_bytes(target.path), 1)
+        """A draft token's cost in the target's decode steps, by their weights' sizes."""
+        self._owner: Request | None = None
+        self._cached: list[int] = []
+        """The tokens whose key/values the row holds."""
+
+    def propose(self, request: Request, size: int) -> list[int]:
+        """``size`` greedy tokens to follow ``request``'s sequence."""
+        sequence = [*request.prompt, *request.tokens]
+        if self._owner is not request:
+            self._owner, self._cached = request, []
+        common = 0
+        for cached, token in zip(self._cached, sequence, strict=False):
+            if cached != token:
+                break
+            common += 1
+        common = min(common, len(sequence) - 1)  # the last token goes in: its logits draft
+        for start in range(common, len(sequence), self._chunk):
+            logits = self._run(sequence[start : start + self._chunk], start)
+        drafts = [int(np.argmax(logits))]
+        while len(drafts) < size:
+            drafts.append(int(np.argmax(self._run(drafts[-1:], len(sequence) + len(drafts) - 1))))
+        self._cached = sequence + drafts[:-1]
+        return drafts
+
+    def _run(self, ids: list[int], start: int) -> npt.NDArray[np.float32]:
+        graph = self.graph
+        binding = graph.session.io_binding()
+        for (past_k, present_k, past_v, present_v), (keys, values) in zip(graph.cache_names, self._cache, strict=True):
+            key_value = ort.OrtValue.ortvalue_from_numpy(keys)
+            value_value = ort.OrtValue.ortvalue_from_numpy(values)
+            binding.bind_ortvalue_input(past_k, key_value)
+            binding.bind_ortvalue_output(present_k, key_value)
+            binding.bind_ortvalue_input(past_v, value_value)
+            binding.bind_ortvalue_output(present_v, value_value)
+        end = start + len(ids)
+        binding.bind_cpu_input(graph.input_ids, np.asarray([ids], dtype=graph.ids_dtype))
+        binding.bind_cpu_input(graph.attention_mask, np.ones((1, end), dtype=graph.mask_dtype))
+        if graph.has_position_ids:
+            binding.bind_cpu_input(graph.position_ids, np.arange(start, end, dtype=graph.ids_dtype)[None, :])
+        if graph.last_only:
+            binding.bind_cpu_input(LOGIT_POSITIONS, _LAST_POSITION)
+        binding.bind_output(graph.logits)
+        graph.session.run_with_iobinding(binding)
+        logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()[0, -1]
+        return logits
+
+
+def _weight_bytes(folder: Path) -> int:
+    """The size of a model folder's ONNX files and their external data."""
+    return sum(path.stat().st_size for path in folder.iterdir() if ".onnx" in path.name)
+
+
+def _draft_length(acceptance: float, available: int, draft_cost: float = 0.0) -> int:
     """The draft length (up to ``available``; 0: none) that yields the most tokens a second
     if each draft token is accepted with chance ``acceptance`` given the ones before it
     were: a call checking ``k`` drafts yields ``1 + a + ... + a**k`` tokens and costs
@@ -859,14 +944,15 @@ def _draft_length(acceptance: float, available: int) -> int:
     int4 2.0x for 4 drafts and 2.75x for 8; the 0.5B-shaped model 1.10x, 1.66x and 2.6x
     for 1, 4 and 8).
 
-    A fixed model, not timings: a request's drafts, and so the calls its tokens are
-    computed in, then depend on the request alone (see :meth:`OrtCpuEngine._speculate`).
+    A draft model adds ``draft_cost`` decode steps per draft token. A fixed model, not
+    timings: a request's drafts, and so the calls its tokens are computed in, then depend on
+    the request alone (see :meth:`OrtCpuEngine._speculate`).
     """
     best, best_rate = 0, 1.0
     expected = 1.0
     for size in range(1, available + 1):
         expected += acceptance**size
-        rate = expected / (1.1 + 0.2 * (size - 1))
+        rate = expected / (1.1 + 0.2 * (size - 1) + draft_cost * size)
         if rate > best_rate:
             best, best_rate = size, rate
     return best
