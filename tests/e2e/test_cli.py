@@ -163,6 +163,10 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--adapter", "nope:alpha=x.onnx_adapter"], "--adapter nope:alpha: no model named 'nope'"),
         (["--adapter", f"tiny:alpha={LORA_ADAPTERS['alpha']}"], f"was not made for {TINY_MODEL}"),
         (["--model-option", "tiny:tools-in-system-prompt=maybe"], "use on or off"),
+        (["--model-option", "tiny:speculative=fast"], "speculative must be ngram, draft:FOLDER or off"),
+        (["--speculative", "draft:"], "speculative must be ngram, draft:FOLDER or off"),
+        (["--prefix-cache-mb", "-5"], "prefix_cache_mb must be a size in MiB"),
+        (["--model-option", "tiny:prefix-cache-mb=lots"], "prefix-cache-mb must be a size in MiB"),
         (
             [
                 "--model",

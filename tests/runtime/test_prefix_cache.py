@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
@@ -201,3 +202,27 @@ async def test_prompts_differing_only_in_the_image_never_share_a_cache_entry() -
         assert results["red"] != results["blue"]
     finally:
         await registry.close()
+
+
+async def test_a_budget_in_mib_and_the_bytes_held() -> None:
+    registry, model = await load(prefix_cache_mb=1, prefix_cache_min_tokens=8)  # type: ignore[arg-type]
+    try:
+        engine: Any = model.engine
+        cache = engine.prefix_cache
+        assert cache.budget_tokens == 2**20 // cache.bytes_per_token > 0
+        await model.generate(TEXT, options=GREEDY).collect()
+        assert 0 < cache.held_bytes <= 2**20
+        # The running rows' bytes follow the tokens they hold, and are given up at the end.
+        stream = model.generate(TEXT, options=GenerationOptions(max_tokens=300, min_tokens=300, temperature=0))
+        await stream.__anext__()
+        assert engine.live_kv_bytes >= len(model.encode(TEXT)) * cache.bytes_per_token
+        await stream.aclose()
+        for _ in range(100):
+            if engine.active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.live_kv_bytes == 0
+    finally:
+        await registry.close()
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        ModelConfig(prefix_cache_mb=-1)

@@ -401,3 +401,4 @@ def test_cached_prompt_tokens_are_reported(client: openai.OpenAI) -> None:
     )
     assert float(hits.split()[-1]) >= 2
     assert 'ortserve_prefix_cache_bytes{model="tiny"}' in metrics
+    assert 'ortserve_kv_live_bytes{model="tiny"} 0.0' in metrics  # nothing runs now

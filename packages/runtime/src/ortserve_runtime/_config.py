@@ -111,6 +111,9 @@ class ModelConfig:
     starting the same way (the next turn of a chat, a shared system prompt) prefills only
     the rest; least recently used go first; 0 turns it off. Memory:
     this many tokens x layers x 2 x kv heads x head size x 4 bytes (fp32 caches)."""
+    prefix_cache_mb: float | None = None
+    """The prefix cache's budget in MiB of key/values instead of tokens (a token's bytes
+    depend on the model: 46 KB on SmolLM2-135M at fp32); ``None``: ``prefix_cache_tokens``."""
     prefix_cache_min_tokens: int = 32
     """Shortest common prefix worth reusing."""
     multimodal_concurrency: int = 4
@@ -173,6 +176,10 @@ class ModelConfig:
             raise ValueError("max_batch_size must be at least 1")
         if self.multimodal_concurrency < 1:
             raise ValueError("multimodal_concurrency must be at least 1")
+        if self.prefix_cache_mb is not None and not 0 <= self.prefix_cache_mb < float("inf"):
+            raise ValueError(
+                f"prefix_cache_mb must be a size in MiB, 0 or more (0 turns the cache off), got {self.prefix_cache_mb}"
+            )
         if self.prefix_cache_tokens < 0:
             raise ValueError("prefix_cache_tokens must not be negative (0 turns the cache off)")
         if self.max_audio_seconds <= 0:

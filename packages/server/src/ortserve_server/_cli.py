@@ -97,6 +97,7 @@ _MODEL_KEYS = (
     "max-batch-size",
     "max-sequence-length",
     "prefix-cache-tokens",
+    "prefix-cache-mb",
     "prefill-int8",
     "chat-template",
     "tools-in-system-prompt",
@@ -127,6 +128,8 @@ def _model_configs(
             change["prefill_int8"] = _prefill_int8(value)
         elif key == "chat-template":
             change["chat_template"] = Path(value)
+        elif key == "prefix-cache-mb":
+            change["prefix_cache_mb"] = _mebibytes(key, value)
         elif key == "speculative":
             change["speculative"] = _speculative(value)
         elif key == "tools-in-system-prompt":
@@ -186,6 +189,13 @@ def _prefill_int8(value: str) -> bool | None:
     if value not in choices:
         raise ValueError(f"prefill-int8 must be one of auto, on, off, got {value!r}")
     return choices[value]
+
+
+def _mebibytes(key: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{key} must be a size in MiB, got {value!r}") from None
 
 
 def _integer(key: str, value: str) -> int:
@@ -277,6 +287,14 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16384,
         help="tokens of earlier prompts the ort-cpu engine keeps to skip their prefill again (0: off)",
+    )
+    serve.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="the prefix cache's budget in MiB of key/values instead of --prefix-cache-tokens (a token's size "
+        "depends on the model; 0: off)",
     )
     serve.add_argument(
         "--prefill-int8",
@@ -473,6 +491,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_sequence_length=args.max_sequence_length,
             intra_op_threads=args.threads,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            prefix_cache_mb=args.prefix_cache_mb,
             prefill_int8=_prefill_int8(args.prefill_int8),
             chat_template=args.chat_template,
             speculative=_speculative(args.speculative),

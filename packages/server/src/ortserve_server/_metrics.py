@@ -70,7 +70,8 @@ class Metrics:
         )
 
     def watch_prefix_caches(self, caches: Callable[[], Iterable[tuple[str, Any]]]) -> None:
-        """Report the prefix caches ``caches()`` names (model, cache) at every scrape."""
+        """Report the prefix caches (and running rows) of the engines ``caches()`` names
+        (model, engine) at every scrape."""
         self.registry.register(_PrefixCacheCollector(caches))
 
     def count_request(self, endpoint: str, model: str, status: int) -> None:
@@ -131,9 +132,15 @@ class _PrefixCacheCollector(Collector):
         held = GaugeMetricFamily(
             "ortserve_prefix_cache_bytes", "Key/value bytes the prefix cache holds", labels=["model"]
         )
-        for model, cache in self._caches():
+        live = GaugeMetricFamily(
+            "ortserve_kv_live_bytes", "Key/value bytes the running requests' rows hold", labels=["model"]
+        )
+        for model, engine in self._caches():
+            cache = engine.prefix_cache
             for attribute, family in counters.items():
                 family.add_metric([model], getattr(cache, attribute))
             held.add_metric([model], cache.held_bytes)
+            live.add_metric([model], engine.live_kv_bytes)
         yield from counters.values()
         yield held
+        yield live

@@ -54,9 +54,9 @@ class OrtServe:
         self._cut_waiters: set[asyncio.Future[None]] = set()
 
     def _prefix_caches(self) -> list[tuple[str, Any]]:
-        loaded = ((name, self.registry.loaded(name)) for name in self.registry.names())
-        caches = ((name, getattr(getattr(model, "engine", None), "prefix_cache", None)) for name, model in loaded)
-        return [(name, cache) for name, cache in caches if cache is not None]
+        """The loaded models' engines that keep a prefix cache (ort-cpu), by name."""
+        loaded = ((name, getattr(self.registry.loaded(name), "engine", None)) for name in self.registry.names())
+        return [(name, engine) for name, engine in loaded if getattr(engine, "prefix_cache", None) is not None]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OrtServe:
         # Litestar deep-copies routers when it registers them; the models, threads and

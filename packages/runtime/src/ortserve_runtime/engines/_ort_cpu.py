@@ -280,7 +280,11 @@ class OrtCpuEngine(OwnerThread):
         """The refill going into row 0 now."""
         self.prefill_chunk = config.prefill_chunk_tokens
         token_bytes = 2 * sum(h * size for h, size in graph.layer_shapes) * np.dtype(graph.cache_dtype).itemsize
-        self.prefix_cache = PrefixCache(config.prefix_cache_tokens, config.prefix_cache_min_tokens, token_bytes)
+        self._token_bytes = token_bytes
+        budget = config.prefix_cache_tokens
+        if config.prefix_cache_mb is not None:
+            budget = int(config.prefix_cache_mb * 2**20) // token_bytes
+        self.prefix_cache = PrefixCache(budget, config.prefix_cache_min_tokens, token_bytes)
         """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
         self._bindings: dict[tuple[int, int, str | None, int, bool], Any] = {}
         """IO bindings by row range, adapter, session and logits buffer (see :meth:`_bind`)."""
@@ -368,6 +372,12 @@ class OrtCpuEngine(OwnerThread):
     def kv_cache_bytes(self) -> int:
         """The KV cache's full capacity (its pages become resident as tokens are cached)."""
         return sum(key.nbytes + value.nbytes for key, value in self._cache)
+
+    @property
+    def live_kv_bytes(self) -> int:
+        """Key/value bytes the running requests' rows hold (their tokens so far)."""
+        held = [*self._rows, *([self._prefilling] if self._prefilling is not None else [])]
+        return sum(request.length for request in held) * self._token_bytes
 
     @property
     def active(self) -> int:
