@@ -620,6 +620,8 @@ class OrtCpuEngine(OwnerThread):
         # what the largest call needed otherwise: measured +220 MB after a 4,096-token prompt).
         shrink = self._shrink_arena if input_ids.shape[1] >= _SHRINK_AFTER_TOKENS else None
         session.run_with_iobinding(binding, shrink)
+        if shrink is not None:
+            _release_freed_memory()  # what the arena gave back stays in the C heap otherwise
         self.steps += 1
         if fixed_logits and self._logits is not None:
             # Views into the engine's buffer: each caller samples from them before the
