@@ -256,3 +256,31 @@ async def test_a_first_load_measured_over_the_memory_budget_is_let_go_while_othe
     (await registry.acquire("b")).release()
     assert [s.state for s in registry.status()] == ["unloaded", "ready"]
     await registry.close()
+
+
+async def test_a_preload_is_taken_over_by_the_first_load(tmp_path: Path) -> None:
+    """Loads started before an event loop (``ortserve serve`` overlaps them with its
+    imports): the first ``load`` gets that model; a broken folder's failure is raised
+    there; a preload nobody took is closed with the registry."""
+    broken = tmp_path / "broken"
+    shutil.copytree(TINY_MODEL, broken)
+    (broken / "model.onnx").write_bytes(b"not an onnx graph")
+    registry = ModelRegistry()
+    registry.add("tiny", TINY_MODEL)
+    registry.add("broken", broken)
+    registry.add("never", TINY_MODEL)
+    registry.preload(["tiny", "broken", "never"])
+    untaken = registry._entries["never"].preloaded  # what close() must close
+    assert untaken is not None
+    try:
+        model = await registry.load("tiny")
+        assert await registry.load("tiny") is model
+        text, _, _, _ = await model.generate("Hello", options=None).collect()
+        assert isinstance(text, str)
+        with pytest.raises(ModelLoadError, match=r"model\.onnx"):
+            await registry.load("broken")
+        assert registry.status_of("broken").state == "error"
+    finally:
+        await registry.close()
+    assert registry.status_of("never").state == "unloaded"
+    assert untaken.result()[0].engine.closing

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -321,6 +322,9 @@ class _Entry:
         """The engine's KV cache capacity, where it reports one (kept like ``resident_bytes``)."""
         self.expires_at: float | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.preloaded: concurrent.futures.Future[tuple[Any, int]] | None = None
+        """A load started by :meth:`ModelRegistry.preload` (the model and its RSS growth),
+        until :meth:`ModelRegistry.load` takes it over."""
         self.kept: bool = False
         """Its last request asked to keep it loaded (a negative ``keep_alive``): unloaded to
         make room only when no other idle model can be."""
@@ -563,27 +567,56 @@ class ModelRegistry:
             if model is not None and entry.unloading is None:
                 model.remove_adapter(adapter)
 
+    def preload(self, names: Sequence[str]) -> None:
+        """Start loading ``names`` now, one after another on a thread of their own, with no
+        event loop needed: ``ortserve serve`` loads its models while the web framework
+        imports (onnxruntime builds a session without holding the GIL). :meth:`load` takes
+        each load over; a failure is raised there. The RSS growth measured meanwhile also
+        counts what the other thread imported (approximate, as always)."""
+        pending = [self._entry(name) for name in names]
+        pending = [entry for entry in pending if entry.model is None and entry.preloaded is None]
+        if not pending:
+            return
+        executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ortserve-preload")
+        for entry in pending:
+            entry.preloaded = executor.submit(self._measured_load, entry)
+        executor.shutdown(wait=False)
+
+    def _measured_load(self, entry: _Entry) -> tuple[Any, int]:
+        """The model of ``entry`` and the growth of the resident set around its load."""
+        before = resident_memory()
+        model = self._factory(entry.kind)(entry.name, entry.path, entry.config)
+        return model, max(0, resident_memory() - before)
+
     async def close(self) -> None:
         """Unload everything at once (the server's shutdown drained requests already)."""
+        for entry in self._entries.values():
+            preloaded, entry.preloaded = entry.preloaded, None
+            if preloaded is not None:  # started, never taken over (a startup that failed)
+                with contextlib.suppress(Exception):
+                    model, _ = await asyncio.wrap_future(preloaded)
+                    await model.close()
         for name in list(self._entries):
             await self.unload(name, grace=0)
 
     # -- internals -------------------------------------------------------------------------
 
     async def _load(self, entry: _Entry) -> Any:
-        factory = self._factory(entry.kind)
         async with self._load_lock:
             await self._make_room(entry)
-            before = resident_memory()
+            preloaded, entry.preloaded = entry.preloaded, None
             try:
-                model = await asyncio.to_thread(factory, entry.name, entry.path, entry.config)
+                if preloaded is not None:
+                    model, grew = await asyncio.wrap_future(preloaded)
+                else:
+                    model, grew = await asyncio.to_thread(self._measured_load, entry)
             except ModelLoadError as exc:
                 entry.error = str(exc)
                 raise
             except Exception as exc:  # anything else a broken folder provokes, still named by path
                 entry.error = f"{entry.path} could not be loaded: {exc}"
                 raise ModelLoadError(entry.error, path=entry.path) from exc
-            entry.resident_bytes = max(0, resident_memory() - before)
+            entry.resident_bytes = grew
             entry.kv_cache_bytes = getattr(getattr(model, "engine", None), "kv_cache_bytes", None)
             entry.error = None
             budget = self.memory_budget

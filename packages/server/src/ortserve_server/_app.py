@@ -127,9 +127,9 @@ class OrtServePlugin(InitPlugin, RequestLimits):
     ``cors_origins`` asks for it (unless the host has its own), and the request limits in
     the app's OpenAPI schema (as an OpenAPI schema plugin, so it comes before Litestar's)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, state: OrtServe | None = None) -> None:
         RequestLimits.__init__(self, config.max_n)
-        self.state = OrtServe(config)
+        self.state = state if state is not None else OrtServe(config)
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
         config = self.state.config
@@ -144,13 +144,14 @@ class OrtServePlugin(InitPlugin, RequestLimits):
         return app_config
 
 
-def create_app(config: ServerConfig, *, debug: bool = False) -> Litestar:
+def create_app(config: ServerConfig, *, debug: bool = False, state: OrtServe | None = None) -> Litestar:
     """A standalone ASGI app serving only ortserve (what ``ortserve serve`` runs).
 
     Unlike the plugin, it also answers unknown routes with an OpenAI-shaped 404 and serves
-    its OpenAPI schema at ``config.schema_path``.
+    its OpenAPI schema at ``config.schema_path``. ``state``: one made beforehand (the CLI
+    makes it first, to start loading models while this module's imports run).
     """
-    plugin = OrtServePlugin(config)
+    plugin = OrtServePlugin(config, state=state)
     app = Litestar(
         plugins=[plugin],
         exception_handlers=exception_handlers,

@@ -465,12 +465,10 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from ortserve_runtime import ModelConfig, ModelLoadError
 
-    from ._app import create_app
     from ._config import ServerConfig
-    from ._serving import ConnectionLimits, GuardedH11Protocol, default_max_connections, listen, raise_fd_limit
+    from ._state import OrtServe
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     models = dict(args.model) if args.model else demo_models()
@@ -520,7 +518,17 @@ def _serve(args: argparse.Namespace) -> int:
             memory_budget=args.memory_budget,
             unload_grace=args.unload_grace,
         )
-        app = create_app(config)
+        state = OrtServe(config)
+        # The models load on a thread of their own while Litestar and uvicorn import below
+        # (onnxruntime builds sessions without the GIL): start-up is the longer of the two,
+        # not their sum.
+        state.preload()
+        import uvicorn
+
+        from ._app import create_app
+        from ._serving import ConnectionLimits, GuardedH11Protocol, default_max_connections, listen, raise_fd_limit
+
+        app = create_app(config, state=state)
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"ortserve: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
 import msgspec
 from ortserve_client import protocol as p
 from ortserve_runtime import (
@@ -365,6 +364,8 @@ async def _fetch_image(url: str, where: str, limit: int) -> bytes:
     """An allowed remote image, at most ``limit`` bytes, without following redirects (a
     redirect could lead anywhere, defeating the allow-list). Every failure is one answer:
     which ports are open and which paths exist is no caller's business (the log says why)."""
+    import httpx  # only for remote images (--allow-image-host): kept out of start-up
+
     try:
         async with (
             httpx.AsyncClient(timeout=10.0, follow_redirects=False) as client,

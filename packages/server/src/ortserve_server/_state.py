@@ -85,6 +85,13 @@ class OrtServe:
             self._cut_waiters.discard(waiter)
             waiter.cancel()
 
+    def preload(self) -> None:
+        """Start loading what :meth:`startup` will load, before any event loop runs (see
+        :meth:`ModelRegistry.preload`). Not with a memory budget: loads there make room
+        one by one, measured."""
+        if self.config.load_on_startup and self.config.memory_budget is None:
+            self.registry.preload(self.registry.names()[: self.config.max_loaded_models])
+
     async def startup(self) -> None:
         if self.config.load_on_startup:
             # Up to --max-loaded-models and while they fit the memory budget; the rest
