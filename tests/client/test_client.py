@@ -716,11 +716,18 @@ def test_import_is_light() -> None:
     code = (
         "import sys, time; t = time.perf_counter(); import ortserve_client; t = time.perf_counter() - t; "
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'onnxruntime', 'onnxruntime_genai', 'litestar', "
-        "'numpy', 'ortserve_server', 'ortserve_runtime', 'uvicorn'}); print(heavy, t)"
+        "'numpy', 'ortserve_server', 'ortserve_runtime', 'uvicorn', 'httpx'}); print(heavy, t)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ")
     assert out[0] == "[]"
     assert float(out[1]) < 1.0
+    # The protocol Structs alone (what the server imports) need msgspec only; the client
+    # brings httpx when first used.
+    code = "import sys; from ortserve_client import protocol; import ortserve_client; ortserve_client.AsyncClient; print('httpx' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "True"
+    )
 
 
 # -- contract with the real server -------------------------------------------------------
