@@ -1,17 +1,21 @@
 """Agent frameworks through their documented custom-base-URL paths against a real server:
-openai-agents, pydantic-ai and langchain-openai, on the tiny (random) model. Its words are
-gibberish, so these check structure: every request the framework sends is accepted, forced
-and structured turns come back well-formed, and the frameworks' own parsers take them."""
+openai-agents, pydantic-ai, langchain-openai, langchain-anthropic, LiteLLM and DSPy, on the
+tiny (random) model. Its words are gibberish, so these check structure: every request the
+framework sends is accepted, forced and structured turns come back well-formed, and the
+frameworks' own parsers take them. (instructor and LlamaIndex's OpenAILike cannot be
+installed beside openai-agents: they pin openai below 3, openai-agents needs 3.)"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Iterator
 
 import pytest
 from ortserve_server import ServerConfig, create_app
+from ortserve_server._demo import minilm_folder
 from pydantic import BaseModel, Field
 from serving import TINY_MODEL, running
 
@@ -23,8 +27,10 @@ class Answer(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as url:
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    minilm = minilm_folder(tmp_path_factory.mktemp("m") / "minilm")  # the demo's embedding model
+    assert minilm is not None
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL, "minilm": minilm}))) as url:
         yield f"{url}/v1"
 
 
@@ -147,6 +153,53 @@ def test_langchain_anthropic_tools_and_structured_output(base_url: str) -> None:
     assert isinstance(structured, Answer)
 
 
+def test_litellm_tools_streaming_structured_output_and_embeddings(base_url: str) -> None:
+    """LiteLLM's OpenAI-compatible path (``openai/MODEL`` with ``api_base``): a forced tool
+    call its parser takes, streaming, a json_schema answer, and embeddings."""
+    import litellm
+
+    common = {"api_base": base_url, "api_key": "x", "max_tokens": 120, "temperature": 0}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    called = litellm.completion(model="openai/tiny", messages=messages, tools=[tool], tool_choice="required", **common)
+    calls = called.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "add"
+    assert set(json.loads(calls[0].function.arguments)) <= {"a", "b"}  # undeclared keys closed
+    plain = litellm.completion(model="openai/tiny", messages=messages, **common)
+    streamed = litellm.completion(model="openai/tiny", messages=messages, stream=True, **common)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == plain.choices[0].message.content
+    structured = litellm.completion(model="openai/tiny", messages=messages, response_format=Answer, **common)
+    Answer.model_validate_json(structured.choices[0].message.content)
+    vectors = litellm.embedding(model="openai/minilm", input=["hello"], api_base=base_url, api_key="x")
+    assert len(vectors.data[0]["embedding"]) > 0
+
+
+def test_dspy_reaches_the_model_through_litellm(base_url: str) -> None:
+    """DSPy's documented path for an OpenAI-compatible server (``dspy.LM("openai/MODEL",
+    api_base=...)``): its prompt reaches the model and the model's text comes back to DSPy's
+    parser unchanged (the random model's text does not follow DSPy's field format, so the
+    parse itself is not checked here)."""
+    import dspy
+    import openai
+
+    lm = dspy.LM("openai/tiny", api_base=base_url, api_key="x", temperature=0, max_tokens=40, cache=False)
+    with dspy.context(lm=lm), contextlib.suppress(dspy.utils.exceptions.AdapterParseError):
+        dspy.Predict("question -> answer: str")(question="What is 2 + 3?")
+    assert lm.history
+    sent = lm.history[-1]
+    direct = openai.OpenAI(base_url=base_url, api_key="x").chat.completions.create(
+        model="tiny", messages=sent["messages"], temperature=0, max_tokens=40
+    )
+    assert sent["outputs"][0] == direct.choices[0].message.content
+
+
 SMOLLM2 = os.environ.get("ORTSERVE_SMOLLM2")
 CHATML_TOOLS = TINY_MODEL / "chat_template.jinja"  # Qwen2.5's tool wording, ChatML
 
@@ -208,3 +261,26 @@ def test_smollm2_agent_loops() -> None:
                 await client.close()
 
         assert asyncio.run(loop()) == Weather(city="Paris", temperature_c=21)
+
+        import litellm
+
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Get the current weather of a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+        called = litellm.completion(
+            model="openai/smol",
+            api_base=f"{url}/v1",
+            api_key="x",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[tool],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=150,
+        )
+        call = called.choices[0].message.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
