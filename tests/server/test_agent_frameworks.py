@@ -194,9 +194,8 @@ def test_dspy_reaches_the_model_through_litellm(base_url: str) -> None:
         dspy.Predict("question -> answer: str")(question="What is 2 + 3?")
     assert lm.history
     sent = lm.history[-1]
-    direct = openai.OpenAI(base_url=base_url, api_key="x").chat.completions.create(
-        model="tiny", messages=sent["messages"], temperature=0, max_tokens=40
-    )
+    with openai.OpenAI(base_url=base_url, api_key="x") as client:
+        direct = client.chat.completions.create(model="tiny", messages=sent["messages"], temperature=0, max_tokens=40)
     assert sent["outputs"][0] == direct.choices[0].message.content
 
 
