@@ -109,6 +109,13 @@ def test_a_forced_call_cut_short_is_still_a_call(tiny_client: openai.OpenAI, too
     )
     assert (content, finish) == ("", "length")
     assert [(c["name"], c["arguments"]) for c in calls] == [(call.name, call.arguments)]
+    # "required" with one tool forces that tool: cut before its name, the call still names it.
+    only = [t for t in TOOLS if t["function"]["name"] == "add"]
+    single = tiny_client.chat.completions.create(
+        max_tokens=1, temperature=0, **{**kwargs, "tools": only, "tool_choice": "required"}
+    ).choices[0]
+    assert single.finish_reason == "length"
+    assert single.message.tool_calls is not None and single.message.tool_calls[0].function.name == "add"
 
 
 def test_stream_puts_id_and_name_first_then_arguments(tiny_client: openai.OpenAI) -> None:

@@ -464,7 +464,7 @@ class ToolPlan:
     """Force a call (``required`` or a named function), or let the output be a call or an
     answer in the response format (``auto`` with a JSON schema format)."""
     forced: str | None = None
-    """The name of the function a forced call must call (``""``: any), else ``None``."""
+    """The name of the function a forced call must call (``""``: any of several), else ``None``."""
 
 
 def _tool_plan(
@@ -503,7 +503,9 @@ def _tool_plan(
             param="tool_choice",
         )
     _check_grammar_size(grammar, "tools", config)
-    return ToolPlan(definitions, model.tool_format, grammar, name or "")
+    # "required" with one tool forces that one: a call cut before its name still names it.
+    only = tools[0].function.name if len(tools) == 1 else ""
+    return ToolPlan(definitions, model.tool_format, grammar, name or only)
 
 
 def _generation_options(
