@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from ortserve_client import (
     Attached,
@@ -267,3 +268,21 @@ async def test_two_hosts_starting_at_once_share_one_server(tmp_path: Path) -> No
     for host in hosts:
         host.communicate(timeout=60)
     assert all(h.returncode == 0 for h in hosts)
+
+
+async def test_a_chat_template_for_one_model(tmp_path: Path) -> None:
+    """``chat_templates`` gives a spawned server's model another template (the prompt it
+    renders is what the template says); a name that is not served is refused up front."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    messages = [{"role": "user", "content": "hello there"}]
+    served = LocalServer({"tiny": TINY, "own": TINY}, port=0, chat_templates={"tiny": template})
+    async with served as server, httpx.AsyncClient() as http:
+        counts = {}
+        for name in ("tiny", "own"):
+            reply = await http.post(f"{server.base_url}/tokenize", json={"model": name, "messages": messages})
+            counts[name] = reply.json()["count"]
+        plain = await http.post(f"{server.base_url}/tokenize", json={"model": "own", "prompt": "hello there"})
+    assert counts["tiny"] == plain.json()["count"] < counts["own"]
+    with pytest.raises(ValueError, match="not served: nope"):
+        LocalServer({"tiny": TINY}, chat_templates={"nope": template})

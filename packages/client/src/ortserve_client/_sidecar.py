@@ -97,8 +97,10 @@ class LocalServer:
     ``models`` maps names to model folders or ``hf:OWNER/REPO[/SUBFOLDER]`` references,
     which are downloaded first (progress goes to ``on_event``). ``port=0`` always spawns
     on a free port. ``lazy=True`` starts a spawned server with its models configured but
-    not loaded (each loads on first use, or :meth:`load`); ``serve_args`` are further
-    ``ortserve serve`` flags (``["--idle-unload", "300", "--max-loaded-models", "2"]``).
+    not loaded (each loads on first use, or :meth:`load`); ``chat_templates`` gives models
+    a Jinja chat template file to use instead of their own (``--model-option
+    NAME:chat-template=FILE``: a model whose template knows no tools); ``serve_args`` are
+    further ``ortserve serve`` flags (``["--idle-unload", "300", "--max-loaded-models", "2"]``).
 
     A spawned server is watched: if it dies on its own, :class:`Exited` is reported at once,
     and with ``restart="on-failure"`` it is started again on the same port after a backoff
@@ -121,6 +123,7 @@ class LocalServer:
         log_lines: int = 200,
         lazy: bool = False,
         serve_args: Sequence[str] = (),
+        chat_templates: Mapping[str, str | Path] | None = None,
         restart: Literal["no", "on-failure"] = "no",
         max_restarts: int = 5,
     ) -> None:
@@ -136,6 +139,10 @@ class LocalServer:
         self.log: collections.deque[str] = collections.deque(maxlen=log_lines)
         self.lazy = lazy
         self.serve_args = list(serve_args)
+        self.chat_templates = {name: Path(path).expanduser().resolve() for name, path in (chat_templates or {}).items()}
+        unknown = sorted(set(self.chat_templates) - set(self.models))
+        if unknown:
+            raise ValueError(f"chat_templates names models that are not served: {', '.join(unknown)}")
         if restart not in ("no", "on-failure"):
             raise ValueError(f"restart must be 'no' or 'on-failure', not {restart!r}")
         self.restart = restart
@@ -276,6 +283,8 @@ class LocalServer:
         args = [*self.command, "serve", "--host", self.host, "--port", str(self.port), "--ready-json"]
         for name, folder in folders.items():
             args += ["--model", f"{name}={folder}"]
+        for name, template in self.chat_templates.items():
+            args += ["--model-option", f"{name}:chat-template={template}"]
         args += [*(["--lazy"] if self.lazy else []), *self.serve_args]
         env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         if self.api_key:
