@@ -125,6 +125,17 @@ def test_langchain_bind_tools_and_structured_output(base_url: str) -> None:
         check_langchain(llm)
 
 
+def test_langchain_embeddings(base_url: str) -> None:
+    """``OpenAIEmbeddings`` with the served embedding model (its token-length check off: it
+    would fetch OpenAI's tokenizer tables, and the server checks lengths itself)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(model="minilm", base_url=base_url, api_key="x", check_embedding_ctx_length=False)  # type: ignore[arg-type]
+    vectors = embeddings.embed_documents(["hello", "world"])
+    assert len(vectors) == 2 and len(vectors[0]) == 384
+    assert embeddings.embed_query("hello") == pytest.approx(vectors[0], abs=1e-6)
+
+
 def check_langchain(llm: object) -> None:
     message = llm.bind_tools([add], tool_choice="required").invoke("What is 2 + 3?")  # type: ignore[attr-defined]
     assert [call["name"] for call in message.tool_calls] == ["add"]  # type: ignore[attr-defined]
