@@ -286,3 +286,48 @@ async def test_a_chat_template_for_one_model(tmp_path: Path) -> None:
     assert counts["tiny"] == plain.json()["count"] < counts["own"]
     with pytest.raises(ValueError, match="not served: nope"):
         LocalServer({"tiny": TINY}, chat_templates={"nope": template})
+
+
+POSING = textwrap.dedent(
+    """
+    import http.server, json, sys
+    port, log = int(sys.argv[1]), sys.argv[2]
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            with open(log, "a") as f:
+                f.write(json.dumps(dict(self.headers)) + "\\n")
+            body = json.dumps({"status": "ok", "models": [{"id": "tiny", "status": "ready"}]}).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+            self.wfile.write(body)
+        do_POST = do_GET
+        def log_message(self, *args): pass
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+async def test_the_api_key_goes_only_to_a_server_that_proves_it_holds_it(tmp_path: Path) -> None:
+    """A process answering /health in ortserve's shape gets neither the key nor a prompt:
+    the client asks for an HMAC of a nonce under the key first. A real server with the key
+    proves it, and a second host attaches to it."""
+    port = free_port()
+    log = tmp_path / "headers.jsonl"
+    posing = subprocess.Popen([sys.executable, "-c", POSING, str(port), str(log)])
+    try:
+        assert await wait_until(lambda: not port_free(port), 30)
+        with pytest.raises(PortInUseError, match="cannot prove it holds this API key"):
+            await LocalServer({"tiny": TINY}, port=port, api_key="sk-very-secret").start()
+        seen = log.read_text()
+        assert "x-ortserve-challenge" in seen.lower() and "sk-very-secret" not in seen
+    finally:
+        posing.terminate()
+        posing.wait()
+    port = free_port()
+    async with LocalServer({"tiny": TINY}, port=port, api_key="sk-right") as first:
+        assert first.owned
+        second = LocalServer({"tiny": TINY}, port=port, api_key="sk-right")
+        await second.start()
+        assert not second.owned
+        await second.stop()
+        with pytest.raises(PortInUseError, match="cannot prove"):
+            await LocalServer({"tiny": TINY}, port=port, api_key="sk-wrong").start()

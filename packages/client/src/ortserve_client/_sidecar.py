@@ -14,8 +14,10 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import hmac
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -89,6 +91,11 @@ class Restarting:
 
 
 ServerEvent = DownloadEvent | Spawned | Ready | Attached | LogLine | Exited | Restarting
+
+
+_PROOF_CHALLENGE = "x-ortserve-challenge"
+_PROOF = "x-ortserve-proof"
+"""The server's answer to a nonce: HMAC-SHA256 under the API key (see ``_try_attach``)."""
 
 
 class LocalServer:
@@ -235,11 +242,16 @@ class LocalServer:
     # -- attach ----------------------------------------------------------------------------
 
     async def _try_attach(self) -> bool:
-        """True if an ortserve server with our models answers; raises if a stranger does."""
+        """True if an ortserve server with our models answers; raises if a stranger does.
+
+        With an API key, the server must first prove it holds the key (HMAC of a fresh
+        nonce, answered on ``/health``): otherwise anything answering /health in the right
+        shape would be sent the key and the prompts."""
         url = f"http://{self.host}:{self.port}/health"
+        nonce = secrets.token_hex(16)
         try:
             async with httpx.AsyncClient(timeout=2.0) as http:
-                response = await http.get(url)
+                response = await http.get(url, headers={_PROOF_CHALLENGE: nonce})
         except httpx.ConnectError:
             return False  # nothing listening: ours to spawn
         except httpx.HTTPError as exc:
@@ -250,6 +262,15 @@ class LocalServer:
             assert isinstance(health["status"], str)
         except (ValueError, KeyError, TypeError, AssertionError):
             raise PortInUseError(self._stranger(f"answers /health with HTTP {response.status_code}")) from None
+        if self.api_key:
+            expected = hmac.new(self.api_key.encode(), nonce.encode(), "sha256").hexdigest()
+            if not hmac.compare_digest(response.headers.get(_PROOF, ""), expected):
+                raise PortInUseError(
+                    self._stranger(
+                        "answers /health like ortserve but cannot prove it holds this API key (the key and "
+                        "prompts were not sent)"
+                    )
+                )
         missing = sorted(set(self.models) - served)
         if missing:
             raise ServerLifecycleError(

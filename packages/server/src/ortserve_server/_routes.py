@@ -965,7 +965,7 @@ async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDepende
     responses={503: ResponseSpec(p.Health, description="Models loading or failed", generate_examples=False)}
     | error_responses(403),
 )
-async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Health]:
+async def health_handler(ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]) -> Response[p.Health]:
     statuses = ortserve.registry.status()
     overall = "ok"
     # Loading is "not ready" only while the models load at startup: a model that loads on
@@ -978,7 +978,22 @@ async def health_handler(ortserve: NamedDependency[OrtServe]) -> Response[p.Heal
         status=overall,
         models=[p.HealthModel(id=s.name, status=s.state, provider=s.provider, engine=s.engine) for s in statuses],
     )
-    return Response(body, status_code=200 if overall == "ok" else 503)
+    return Response(body, status_code=200 if overall == "ok" else 503, headers=_key_proof(ortserve, request))
+
+
+PROOF_CHALLENGE = "x-ortserve-challenge"
+PROOF = "x-ortserve-proof"
+
+
+def _key_proof(ortserve: OrtServe, request: Request[Any, Any, Any]) -> dict[str, str]:
+    """The answer to a client's challenge: HMAC-SHA256 of its nonce under the API key, so a
+    client (``LocalServer``) can tell this server holds the key before it sends the key or a
+    prompt; nothing is learnt of the key from it. No key, no proof."""
+    challenge = request.headers.get(PROOF_CHALLENGE)
+    key = ortserve.config.api_key
+    if not key or not challenge or len(challenge) > 128:
+        return {}
+    return {PROOF: hmac.new(key.encode(), challenge.encode(), "sha256").hexdigest()}
 
 
 @get(
