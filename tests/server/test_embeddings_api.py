@@ -7,6 +7,7 @@ import base64
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -139,3 +140,41 @@ def test_embedding_batches_count_against_max_queued(tmp_path_factory: pytest.Tem
         assert "3 batches" in refused.json()["error"]["message"]
         fits = httpx.post(f"{base}/v1/embeddings", json={"model": "minilm", "input": ["word"] * 8})
         assert fits.status_code == 200 and len(fits.json()["data"]) == 8
+
+
+def test_a_large_request_neither_starves_a_small_one_nor_outlives_its_client(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """1,024 inputs of about 40 tokens: a one-input request sent while they run waits one
+    round of runs, not all of them; and once their client gives up, their runs stop."""
+    folder = minilm_folder(tmp_path_factory.mktemp("m") / "minilm")
+    assert folder is not None
+    app = create_app(ServerConfig(models={"minilm": folder}))
+    big = {"model": "minilm", "input": [f"sentence number {i} of the long list " * 4 for i in range(1024)]}
+    with running(app) as base:
+        model = app.state.ortserve.registry.loaded("minilm")
+
+        def post(body: dict[str, object], timeout: float = 120) -> float:
+            started = time.perf_counter()
+            response = httpx.post(f"{base}/v1/embeddings", json=body, timeout=timeout)
+            assert response.status_code == 200
+            return time.perf_counter() - started
+
+        before = model.runs
+        with ThreadPoolExecutor(1) as pool:
+            large = pool.submit(post, big)
+            time.sleep(0.3)
+            small = post({"model": "minilm", "input": "hello"})
+            assert not large.done()  # it finished behind the large one's first round, not after it
+            large_took = large.result()
+        assert small < 0.5 and large_took > 4 * small, (small, large_took)
+        whole = model.runs - before - 1  # the large request's runs (the small one took one)
+
+        started_runs = model.runs
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/embeddings", json=big, timeout=0.5)
+        time.sleep(0.5)  # the server notices the client left and drops the rest
+        stopped_at = model.runs
+        time.sleep(1.0)
+        assert model.runs == stopped_at, "runs went on after the client left"
+        assert 0 < stopped_at - started_runs < whole, (stopped_at - started_runs, whole)

@@ -656,7 +656,7 @@ async def completions(
 
 @post("/embeddings", status_code=200, summary="Create embeddings", responses=error_responses(*POST_ERRORS))
 async def embeddings(
-    data: JSONBody[p.EmbeddingRequest], ortserve: NamedDependency[OrtServe]
+    data: JSONBody[p.EmbeddingRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[p.CreateEmbeddingResponse]:
     model = await require_embedding_model(ortserve, data.model, data.keep_alive)
     given = data.input
@@ -669,7 +669,10 @@ async def embeddings(
     check_room(ortserve, model, model.batches(inputs), "input", "batches")
     truncate = data.truncate if isinstance(data.truncate, bool) else None
     dimensions = data.dimensions if isinstance(data.dimensions, int) else None
-    result = await model.embed(data.input, truncate=truncate, dimensions=dimensions)
+    # A client that gives up stops its runs (a 2,048-input request ran 198 s on alone).
+    result = await _while_connected(
+        request, ortserve, model.embed(data.input, truncate=truncate, dimensions=dimensions)
+    )
     as_base64 = data.encoding_format == "base64"
     items = [
         p.Embedding(
@@ -684,13 +687,15 @@ async def embeddings(
     return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))
 
 
-async def _rerank(data: p.RerankRequest, ortserve: OrtServe) -> Response[p.RerankResponse]:
+async def _rerank(
+    data: p.RerankRequest, ortserve: OrtServe, request: Request[Any, Any, Any]
+) -> Response[p.RerankResponse]:
     model = await require_rerank_model(ortserve, data.model, data.keep_alive)
     documents = [d if isinstance(d, str) else d.text for d in data.documents]
     top_n = data.top_n if isinstance(data.top_n, int) else 0
     if top_n < 0:
         raise BadRequestError("top_n must be 0 or more (0 or absent: every document)", param="top_n")
-    result = await _score_pairs(ortserve, model, data, data.query, documents, ("query", "documents"), "rerank")
+    result = await _score_pairs(ortserve, request, model, data, data.query, documents, ("query", "documents"), "rerank")
     # Best first; equal scores keep the documents' order (sorted is stable).
     order = sorted(range(len(documents)), key=lambda i: -float(result.scores[i]))
     keep_documents = data.return_documents is not False
@@ -709,6 +714,7 @@ async def _rerank(data: p.RerankRequest, ortserve: OrtServe) -> Response[p.Reran
 
 async def _score_pairs(
     ortserve: OrtServe,
+    request: Request[Any, Any, Any],
     model: RerankModel,
     data: p.RerankRequest | p.ScoreRequest,
     first: str | list[str],
@@ -725,7 +731,7 @@ async def _score_pairs(
         )
     check_room(ortserve, model, model.batches(len(second)), names[1], "batches")
     truncate = data.truncate if isinstance(data.truncate, bool) else None
-    result = await model.score(first, second, truncate=truncate, names=names)
+    result = await _while_connected(request, ortserve, model.score(first, second, truncate=truncate, names=names))
     ortserve.metrics.count_request(f"{ortserve.config.path}/{route}", data.model, 200)
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
     return result
@@ -737,16 +743,18 @@ async def _score_pairs(
     summary="Rerank documents by relevance to a query (cross-encoder models; Jina/Cohere shape, as vLLM)",
     responses=error_responses(*POST_ERRORS),
 )
-async def rerank(data: JSONBody[p.RerankRequest], ortserve: NamedDependency[OrtServe]) -> Response[p.RerankResponse]:
-    return await _rerank(data, ortserve)
+async def rerank(
+    data: JSONBody[p.RerankRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[p.RerankResponse]:
+    return await _rerank(data, ortserve, request)
 
 
 @post(["/rerank", "/v2/rerank"], status_code=200, include_in_schema=False)
 async def rerank_alias(
-    data: JSONBody[p.RerankRequest], ortserve: NamedDependency[OrtServe]
+    data: JSONBody[p.RerankRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[p.RerankResponse]:
     """vLLM's aliases of ``/v1/rerank`` (llama-server also answers ``/rerank``), at the root."""
-    return await _rerank(data, ortserve)
+    return await _rerank(data, ortserve, request)
 
 
 @post(
@@ -755,12 +763,14 @@ async def rerank_alias(
     summary="Score text pairs (cross-encoder models; vLLM's shape): 1:1, 1:N or N:N",
     responses=error_responses(*POST_ERRORS),
 )
-async def score(data: JSONBody[p.ScoreRequest], ortserve: NamedDependency[OrtServe]) -> Response[p.ScoreResponse]:
+async def score(
+    data: JSONBody[p.ScoreRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[p.ScoreResponse]:
     model = await require_rerank_model(ortserve, data.model, data.keep_alive)
     # vLLM's pairing: one text_1 (a string, or a list of one) with each text_2, else pairwise.
     first = data.text_1[0] if isinstance(data.text_1, list) and len(data.text_1) == 1 else data.text_1
     second = [data.text_2] if isinstance(data.text_2, str) else data.text_2
-    result = await _score_pairs(ortserve, model, data, first, second, ("text_1", "text_2"), "score")
+    result = await _score_pairs(ortserve, request, model, data, first, second, ("text_1", "text_2"), "score")
     tokens = result.prompt_tokens
     return Response(
         p.ScoreResponse(
