@@ -186,7 +186,7 @@ def test_og_engine_refuses_what_it_cannot_do(client: openai.OpenAI, extra: dict[
     assert "og-engine" in info.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as completion:
         client.completions.create(
-            model="og", prompt="Hi", max_tokens=2, extra_body={**extra, "logprobs": 1} if "logprobs" in extra else extra
+            model="og", prompt="Hi", max_tokens=2, extra_body={"logprobs": 1} if "logprobs" in extra else extra
         )
     assert completion.value.body["param"] == param  # type: ignore[index]
     # What og can do still works there.

@@ -339,7 +339,9 @@ def test_only_configured_names_load(tmp_path: Path) -> None:
             response = control(base, "load", name)
             assert response.status_code == 404, name
             assert response.json()["error"]["code"] == "model_not_found"
-        assert control(base, "load", "tiny", path=str(tmp_path)).json()["status"] == "ready"  # no field names a folder
+        refused = control(base, "load", "tiny", path=str(tmp_path))  # no field names a folder
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "path"
+        assert control(base, "load", "tiny").json()["status"] == "ready"
         assert httpx.post(f"{base}/v1/models/load", json={"name": "tiny"}).status_code == 400
         assert states(base) == {"tiny": "ready"}
 

@@ -51,6 +51,7 @@ class _SamplingParams(TypedDict, total=False):
     guided_regex: str | None
     guided_grammar: str | None
     guided_choice: Sequence[str] | None
+    guided_json: JSONObject | str | None
     lora: Sequence[JSONObject] | None
     keep_alive: float | str | None
     cache_salt: str | None

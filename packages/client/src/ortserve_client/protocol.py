@@ -321,6 +321,8 @@ class _GenerationRequest(_Request):
     the given strings."""
     guided_grammar: str | UnsetType | None = UNSET
     guided_choice: list[str] | UnsetType | None = UNSET
+    guided_json: dict[str, Any] | str | UnsetType | None = UNSET
+    """vLLM's: output matching a JSON schema (an object, or its JSON text)."""
     lora: list[Any] | UnsetType | None = UNSET
     """llama-server's per-request adapter scales (``[{"id", "scale"}]``): refused with a 400
     that points at the model id ``MODEL:ADAPTER``, which is how a request picks an adapter here."""

@@ -30,7 +30,7 @@ from ._leases import mark_admin_callers, release_leases
 from ._openapi import RequestLimits
 from ._responses import responses_route_handlers
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler, rerank_alias_handlers
-from ._security import SiteGuard, body_guard
+from ._security import SiteGuard, make_body_guard
 from ._state import OrtServe
 
 __all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespan", "wsgi_app"]
@@ -58,7 +58,7 @@ def _routers(state: OrtServe) -> list[Router]:
             path=path,
             route_handlers=handlers,
             dependencies=provide,
-            guards=[*guards, body_guard],
+            guards=[*guards, make_body_guard(lenient=config.lenient)],
             exception_handlers=errors,
             request_max_body_size=config.max_body_size,
             middleware=[

@@ -306,6 +306,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "reproducible); auto: on where the CPU has VNNI (default off)",
     )
     serve.add_argument(
+        "--lenient",
+        action="store_true",
+        help="ignore request fields this server does not know instead of a 400 naming them (for clients that send "
+        "extras; an ignored field is a setting that does nothing)",
+    )
+    serve.add_argument(
         "--speculative",
         default="off",
         metavar="ngram|draft:FOLDER|off",
@@ -517,6 +523,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_loaded_models=args.max_loaded_models,
             memory_budget=args.memory_budget,
             unload_grace=args.unload_grace,
+            lenient=args.lenient,
         )
         state = OrtServe(config)
         # The models load on a thread of their own while Litestar and uvicorn import below

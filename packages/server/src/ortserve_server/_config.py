@@ -90,6 +90,10 @@ class ServerConfig:
     """Largest ``n`` (choices per request)."""
     max_guided_choices: int = 1000
     """Options ``guided_choice`` may list (OpenAI allows 1000 enum values per schema)."""
+    lenient: bool = False
+    """Ignore fields a request body has that this server does not know, instead of a 400
+    naming them (for clients that send extras; an ignored field is a setting that does
+    nothing, so it is off by default)."""
     max_grammar_bytes: int = 131_072
     """Largest output constraint (``response_format`` schema, ``guided_regex``,
     ``guided_grammar``, ``guided_choice`` as a grammar, a forced tool call's schema)."""

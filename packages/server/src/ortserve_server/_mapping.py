@@ -427,6 +427,18 @@ def _grammar_of(
         if not isinstance(schema, dict):
             raise BadRequestError("response_format.json_schema.schema is required", param="response_format")
         asked.append((Grammar("json_schema", schema), "response_format"))
+    if _given(data.guided_json):
+        guided: Any = data.guided_json
+        if isinstance(guided, str):
+            try:
+                guided = json.loads(guided)
+            except ValueError:
+                raise BadRequestError(
+                    "guided_json must be a JSON schema (an object or its JSON text)", param="guided_json"
+                ) from None
+        if not isinstance(guided, dict):
+            raise BadRequestError("guided_json must be a JSON schema object", param="guided_json")
+        asked.append((Grammar("json_schema", guided), "guided_json"))
     if _given(data.guided_regex):
         asked.append((Grammar("regex", str(data.guided_regex)), "guided_regex"))
     if _given(data.guided_grammar):

@@ -19,6 +19,7 @@ both before any handler runs:
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,7 +31,7 @@ from litestar.handlers import BaseRouteHandler
 from ._config import ServerConfig
 from ._errors import BadRequestError, ForbiddenError, UnsupportedMediaTypeError
 
-__all__ = ["SiteGuard", "body_guard"]
+__all__ = ["SiteGuard", "body_guard", "make_body_guard"]
 
 _JSON = "application/json"
 _MULTIPART = "multipart/form-data"
@@ -134,10 +135,40 @@ def _body_media_type(handler: BaseRouteHandler) -> str | None:
     return _JSON
 
 
-async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+def make_body_guard(*, lenient: bool) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Any]:
+    """:func:`body_guard`, and (unless ``lenient``) a 400 naming the fields of a JSON body
+    that its request Struct does not have: ignored, they would be settings that do nothing
+    (vLLM's ``guided_json`` once gave unconstrained output here)."""
+
+    async def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        decoded = await body_guard(connection, handler)
+        if lenient or not isinstance(decoded, dict):
+            return
+        known = _known_fields(handler)
+        unknown = sorted(key for key in decoded if key not in known) if known is not None else []
+        if unknown:
+            raise BadRequestError(
+                f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: this server does "
+                "not take it (start it with --lenient to ignore fields it does not know)",
+                param=unknown[0],
+            )
+
+    return guard
+
+
+def _known_fields(handler: BaseRouteHandler) -> frozenset[str] | None:
+    """The fields of the Struct a route's JSON body decodes into (``None``: not a Struct)."""
+    field = handler.parsed_fn_signature.parameters.get("data")
+    annotation = getattr(field, "annotation", None)
+    fields = getattr(annotation, "__struct_encode_fields__", None)
+    return frozenset(fields) if fields is not None else None
+
+
+async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> Any:
     """Decode the body now, so that what Litestar's decoders raise on undecodable input
     (``UnicodeDecodeError``, ``RecursionError``) is a 400; Litestar keeps the decoded body
-    for the handler. Runs after the API key check: no decoding for strangers."""
+    for the handler, and the JSON one is returned. Runs after the API key check: no decoding
+    for strangers."""
     kind = _body_media_type(handler)
     if kind is None or not isinstance(connection, Request):
         return
@@ -160,6 +191,7 @@ async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: Ba
         raise BadRequestError(
             f"the request body must be a JSON object, not {_JSON_KINDS.get(type(decoded), 'a value')}"
         )
+    return decoded
 
 
 _JSON_KINDS = {
