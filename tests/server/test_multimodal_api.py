@@ -186,6 +186,10 @@ def test_more_bad_input(url: str, client: openai.OpenAI) -> None:
         assert chat(client, ask(part), max_tokens=2).choices[0].message.content is not None
 
 
+DRIPS_ENDED: list[tuple[str, float]] = []
+"""Paths of /drip fetches whose fetcher hung up, and when."""
+
+
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
     """A loopback HTTP server with /cat.png and a redirect to it."""
@@ -203,14 +207,17 @@ def image_host() -> Iterator[str]:
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
                 self.end_headers()
-            elif self.path == "/drip.png":  # a byte every 0.3 s, never done
+            elif self.path.startswith("/drip"):  # a byte every 0.3 s, never done
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(png)))
                 self.end_headers()
-                for byte in png:
-                    self.wfile.write(bytes([byte]))
-                    self.wfile.flush()
-                    time.sleep(0.3)
+                try:
+                    for byte in png:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.3)
+                except OSError:  # the fetcher hung up
+                    DRIPS_ENDED.append((self.path, time.monotonic()))
             else:
                 self.send_error(404)
 
@@ -244,6 +251,23 @@ def test_a_dripping_host_ends_at_the_fetch_deadline(url: str, image_host: str, m
     started = time.monotonic()
     error = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/drip.png"}}))
     assert "within 1 s" in error["message"] and time.monotonic() - started < 5
+
+
+def test_a_fetch_stops_when_its_client_leaves(url: str, image_host: str) -> None:
+    """The client gives up after 1 s: the server hangs up on the dripping host then, not at
+    the fetch deadline (30 s)."""
+    body = {
+        "model": "vision",
+        "messages": ask({"type": "image_url", "image_url": {"url": f"{image_host}/drip-gone.png"}}),
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1.0)
+    left = time.monotonic()
+    deadline = left + 5
+    while not any(path == "/drip-gone.png" for path, _ in DRIPS_ENDED) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = [when for path, when in DRIPS_ENDED if path == "/drip-gone.png"]
+    assert ended and ended[0] - left < 2.0, "the fetch went on after the client left"
 
 
 def test_images_a_model_cannot_take_are_refused_before_any_is_fetched(url: str, image_host: str) -> None:

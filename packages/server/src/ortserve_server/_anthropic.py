@@ -34,7 +34,7 @@ from ._errors import (
 )
 from ._mapping import GenerationPlan, chat_messages, check_room, plan_chat, require_model, template_kwargs
 from ._openapi import POST_ERRORS, also_sends, with_error_responses
-from ._routes import _Generation, _stream_response, _while_connected
+from ._routes import _Generation, _stream_response, _while_connected, fetching_while_connected
 from ._state import OrtServe
 
 __all__ = ["anthropic_exception_handlers", "anthropic_route_handlers"]
@@ -286,7 +286,7 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) -> _M
 
 
 async def _prepare(
-    data: a.MessagesRequest | a.CountTokensRequest, state: OrtServe
+    data: a.MessagesRequest | a.CountTokensRequest, state: OrtServe, request: Request[Any, Any, Any]
 ) -> tuple[ChatModel, GenerationPlan, Prompt]:
     """Model, plan and prompt of a request; a refusal names Anthropic's field."""
     keep_alive = data.keep_alive if isinstance(data, a.MessagesRequest) else msgspec.UNSET
@@ -297,7 +297,9 @@ async def _prepare(
         plan = plan_chat(mapped.request, model, state.config)
         if isinstance(data, a.MessagesRequest):  # counting tokens queues nothing
             check_room(state, model, plan.n, "n", "generations")  # before the prompt is prepared
-        messages = await chat_messages(mapped.request.messages, state.config, model)
+        messages = await chat_messages(
+            mapped.request.messages, state.config, model, fetching_while_connected(request, state)
+        )
         prompt = await model.aprepare_chat(
             messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(mapped.request)
         )
@@ -403,7 +405,7 @@ class _Blocks:
 async def create_message(
     data: JSONBody[a.MessagesRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
-    model, plan, prompt = await _prepare(data, ortserve)
+    model, plan, prompt = await _prepare(data, ortserve, request)
     tools = plan.tools
     streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
@@ -477,9 +479,9 @@ async def create_message(
     ),
 )
 async def count_tokens(
-    data: JSONBody[a.CountTokensRequest], ortserve: NamedDependency[OrtServe]
+    data: JSONBody[a.CountTokensRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> a.CountTokensResponse:
-    _, _, prompt = await _prepare(data, ortserve)
+    _, _, prompt = await _prepare(data, ortserve, request)
     ortserve.metrics.count_request(f"{ortserve.config.path}/messages/count_tokens", data.model, 200)
     return a.CountTokensResponse(input_tokens=len(prompt))
 

@@ -12,7 +12,7 @@ import json
 import logging
 import urllib.parse
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -246,12 +246,16 @@ class _RemoteImage:
 
 
 async def chat_messages(
-    messages: Sequence[p.ChatMessage], config: ServerConfig, model: ChatModel | None = None
+    messages: Sequence[p.ChatMessage],
+    config: ServerConfig,
+    model: ChatModel | None = None,
+    while_connected: Callable[[Awaitable[None]], Awaitable[None]] | None = None,
 ) -> list[dict[str, Any]]:
     """Protocol messages as the plain dicts chat templates expect; content parts become
     text, :class:`ImageInput` and :class:`AudioInput`. With ``model``, what it cannot take
     (images at all, or more of them than it takes) is refused before any remote image is
-    fetched; remote images are fetched together, within :data:`IMAGE_FETCH_SECONDS`."""
+    fetched; remote images are fetched together, within :data:`IMAGE_FETCH_SECONDS`, and
+    through ``while_connected`` (the route's: fetches stop when the client leaves)."""
     result: list[dict[str, Any]] = []
     remote: list[tuple[list[Any], int, _RemoteImage]] = []
     images: list[str] = []
@@ -285,7 +289,8 @@ async def chat_messages(
     if model is not None and images:
         _check_images(model, images)
     if remote:
-        await _fetch_remote(remote, config)
+        fetching = _fetch_remote(remote, config)
+        await (while_connected(fetching) if while_connected is not None else fetching)
     return result
 
 

@@ -537,7 +537,9 @@ async def create_response(
     instructions = data.instructions if isinstance(data.instructions, str) else None
     messages, origins = _messages(instructions, items)
     with _named_as_responses(origins):
-        run = await start_chat(ortserve, model, _chat_request(data, messages), f"{ortserve.config.path}/responses")
+        run = await start_chat(
+            ortserve, model, _chat_request(data, messages), f"{ortserve.config.path}/responses", request
+        )
     exchange = _Exchange(data, ortserve, [item for _, item in items])
     output = _Output(summarize=isinstance(data.reasoning, rp.Reasoning) and data.reasoning.summary is not None)
     if data.stream is True:

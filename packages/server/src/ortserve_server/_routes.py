@@ -132,6 +132,16 @@ async def _while_connected(request: Request[Any, Any, Any], state: OrtServe, wor
     return task.result()
 
 
+def fetching_while_connected(
+    request: Request[Any, Any, Any] | None, state: OrtServe
+) -> Callable[[Awaitable[None]], Awaitable[None]] | None:
+    """What :func:`chat_messages` runs its remote image fetches through: stopped when the
+    client leaves (``None`` without a request)."""
+    if request is None:
+        return None
+    return lambda work: _while_connected(request, state, work)
+
+
 async def _disconnected(request: Request[Any, Any, Any]) -> None:
     """Returns when the server reports the client gone (the body was read already, so
     ``receive`` has nothing else to say; under WSGI it never returns)."""
@@ -394,14 +404,20 @@ def _openai_error_chunk(exc: Exception) -> bytes:
     return _sse(p.ErrorResponse(error=error_detail(exc)))
 
 
-async def start_chat(ortserve: OrtServe, model: ChatModel, data: p.ChatCompletionRequest, endpoint: str) -> _Generation:
+async def start_chat(
+    ortserve: OrtServe,
+    model: ChatModel,
+    data: p.ChatCompletionRequest,
+    endpoint: str,
+    request: Request[Any, Any, Any] | None = None,
+) -> _Generation:
     """A chat request checked, its prompt prepared and its generations started: what every
     API family that speaks in messages (chat completions, Responses) runs the same way."""
     plan = plan_chat(data, model, ortserve.config)
     tools = plan.tools
     check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
     prompt = await model.aprepare_chat(
-        await chat_messages(data.messages, ortserve.config, model),
+        await chat_messages(data.messages, ortserve.config, model, fetching_while_connected(request, ortserve)),
         tools=tools.definitions,
         template_kwargs=template_kwargs(data),
     )
@@ -465,7 +481,7 @@ async def chat_completions(
     if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
         return await _transcribe_chat(data, ortserve, request)
     model = await require_model(ortserve, data.model, data.keep_alive)
-    run = await start_chat(ortserve, model, data, f"{ortserve.config.path}/chat/completions")
+    run = await start_chat(ortserve, model, data, f"{ortserve.config.path}/chat/completions", request)
     n = run.choices_per_prompt
     response_id, created = new_id("chatcmpl"), int(time.time())
     call_ids: dict[tuple[int, int], str] = {}
