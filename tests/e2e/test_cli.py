@@ -170,6 +170,10 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--prefix-cache-mb", "-5"], "prefix_cache_mb must be a size in MiB"),
         (["--model-option", "tiny:prefix-cache-mb=lots"], "prefix-cache-mb must be a size in MiB"),
         (
+            ["--model", f"whisper={TINY_MODEL.parent / 'tiny-whisper'}", "--model-option", "whisper:speculative=ngram"],
+            "model 'whisper' is a speech model; it has no chat",
+        ),
+        (
             [
                 "--model",
                 f"whisper={TINY_MODEL.parent / 'tiny-whisper'}",

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelRegistry
+from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelLoadError, ModelRegistry
 from serving import TINY_MODEL, refilled
 
 pytestmark = pytest.mark.anyio
@@ -226,3 +226,9 @@ async def test_a_budget_in_mib_and_the_bytes_held() -> None:
         await registry.close()
     with pytest.raises(ValueError, match="prefix_cache_mb"):
         ModelConfig(prefix_cache_mb=-1)
+    # An engine without ortserve's prefix cache refuses it, naming it (never a setting ignored).
+    og = ModelRegistry(ModelConfig(engine="og-generator", prefix_cache_mb=1))
+    og.add("tiny", TINY_MODEL)
+    with pytest.raises(ModelLoadError, match="prefix_cache_mb"):
+        await og.get("tiny")
+    await og.close()

@@ -196,12 +196,8 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             "adapter per request); use --engine og-generator or auto",
             path=path,
         )
-    if config.prefill_int8 and choice != "ort-cpu":
-        raise ModelLoadError(
-            f"{path}: prefill_int8 (--prefill-int8 on) applies to the ort-cpu engine only, and this model runs on "
-            f"{choice}; turn it off for this model (--model-option NAME:prefill-int8=off)",
-            path=path,
-        )
+    if choice != "ort-cpu":
+        _check_ort_cpu_settings(path, config, choice)
     adapters = check_adapters(folder, config.adapters)
     engine: Engine | None = None
     media = None
@@ -254,6 +250,24 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         raise
     model.engine_reason = reason
     return model
+
+
+def _check_ort_cpu_settings(path: Path, config: ModelConfig, choice: str) -> None:
+    """Refuse, naming them, the settings only the ort-cpu engine reads, for a model that
+    runs on ``choice`` (an og engine)."""
+    if config.prefix_cache_mb is not None:
+        raise ModelLoadError(
+            f"{path}: prefix_cache_mb (--prefix-cache-mb) sizes the ort-cpu engine's prefix cache, and this model "
+            f"runs on {choice}, which keeps none of ortserve's; set it per model for ort-cpu models "
+            "(--model-option NAME:prefix-cache-mb=MIB)",
+            path=path,
+        )
+    if config.prefill_int8:
+        raise ModelLoadError(
+            f"{path}: prefill_int8 (--prefill-int8 on) applies to the ort-cpu engine only, and this model runs on "
+            f"{choice}; turn it off for this model (--model-option NAME:prefill-int8=off)",
+            path=path,
+        )
 
 
 def _check_og_speculation(folder: GenaiFolder, config: ModelConfig, choice: str, refusal: str | None) -> None:

@@ -451,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _ls()
 
 
-_CHAT_KEYS = ("chat-template", "tools-in-system-prompt", "speculative")
+_CHAT_KEYS = ("chat-template", "tools-in-system-prompt", "speculative", "prefix-cache-mb")
 
 
 def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[str, Path]) -> None:
