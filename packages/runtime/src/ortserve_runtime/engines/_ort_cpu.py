@@ -201,6 +201,17 @@ class _DecoderGraph:
             options.add_session_config_entry(key, value)
         return options
 
+    def bind_cache(self, binding: Any, cache: list[tuple[Any, Any]], rows: slice) -> None:
+        """Bind the key/value ``cache`` rows ``rows`` as both past and present of every layer:
+        GroupQueryAttention appends in place (share-buffer mode)."""
+        for (past_k, present_k, past_v, present_v), (keys, values) in zip(self.cache_names, cache, strict=True):
+            key_value = ort.OrtValue.ortvalue_from_numpy(keys[rows])
+            value_value = ort.OrtValue.ortvalue_from_numpy(values[rows])
+            binding.bind_ortvalue_input(past_k, key_value)
+            binding.bind_ortvalue_output(present_k, key_value)
+            binding.bind_ortvalue_input(past_v, value_value)
+            binding.bind_ortvalue_output(present_v, value_value)
+
     def open_int8_prefill(self) -> Any:
         """A session of the int8 copy of this graph (see _int8_prefill; the engine asks only
         where :func:`has_int4_matrices` and ``last_only``), or ``None`` where no weight could
@@ -635,14 +646,7 @@ class OrtCpuEngine(OwnerThread):
         if len(self._bindings) >= 2 * self.max_batch_size:
             self._bindings.clear()  # ranges churn as requests come and go; keep the map small
         binding = session.io_binding()
-        for (past_k, present_k, past_v, present_v), (keys, values) in zip(graph.cache_names, self._cache, strict=True):
-            # The same buffer as past and present: GQA appends in place (share-buffer mode).
-            key_value = ort.OrtValue.ortvalue_from_numpy(keys[rows])
-            value_value = ort.OrtValue.ortvalue_from_numpy(values[rows])
-            binding.bind_ortvalue_input(past_k, key_value)
-            binding.bind_ortvalue_output(present_k, key_value)
-            binding.bind_ortvalue_input(past_v, value_value)
-            binding.bind_ortvalue_output(present_v, value_value)
+        graph.bind_cache(binding, self._cache, rows)
         # An unbound LoRA input takes its default (the base model): a binding keeps the
         # adapter it was made with, so bindings are kept per adapter too.
         for name, tensor in self._adapter_inputs[adapter].items() if adapter is not None else ():
@@ -894,6 +898,8 @@ class _DraftModel:
         shapes = [(1, heads, max_sequence_length, size) for heads, size in self.graph.layer_shapes]
         dtype = self.graph.cache_dtype
         self._cache = [(_unhuged_zeros(shape, dtype), _unhuged_zeros(shape, dtype)) for shape in shapes]
+        self._binding = self.graph.session.io_binding()
+        self.graph.bind_cache(self._binding, self._cache, slice(0, 1))
         self._chunk = config.prefill_chunk_tokens
         self.cost = _weight_bytes(folder.path) / max(_weight_bytes(target.path), 1)
         """A draft token's cost in the target's decode steps, by their weights' sizes."""
@@ -921,15 +927,7 @@ class _DraftModel:
         return drafts
 
     def _run(self, ids: list[int], start: int) -> npt.NDArray[np.float32]:
-        graph = self.graph
-        binding = graph.session.io_binding()
-        for (past_k, present_k, past_v, present_v), (keys, values) in zip(graph.cache_names, self._cache, strict=True):
-            key_value = ort.OrtValue.ortvalue_from_numpy(keys)
-            value_value = ort.OrtValue.ortvalue_from_numpy(values)
-            binding.bind_ortvalue_input(past_k, key_value)
-            binding.bind_ortvalue_output(present_k, key_value)
-            binding.bind_ortvalue_input(past_v, value_value)
-            binding.bind_ortvalue_output(present_v, value_value)
+        graph, binding = self.graph, self._binding
         end = start + len(ids)
         binding.bind_cpu_input(graph.input_ids, np.asarray([ids], dtype=graph.ids_dtype))
         binding.bind_cpu_input(graph.attention_mask, np.ones((1, end), dtype=graph.mask_dtype))
