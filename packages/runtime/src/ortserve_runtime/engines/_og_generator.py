@@ -69,8 +69,6 @@ class OgGeneratorEngine(OwnerThread):
         """Draft tokens og checked for this engine's requests (n-gram speculation)."""
         self.accepted_draft_tokens = 0
         """Those that became output tokens."""
-        self._og_decoded: dict[Request, int] = {}
-        """Requests og decodes itself (n-gram speculation), with the output tokens taken so far."""
         self._adapters: Any = None
         if adapters:
             self._adapters = og.Adapters(og_model)
@@ -127,7 +125,6 @@ class OgGeneratorEngine(OwnerThread):
                     if request in self._inbox:
                         self._inbox.remove(request)
                     self._running.pop(request, None)
-                    self._og_decoded.pop(request, None)
                 admit = bool(self._inbox) and not starting and not changes and len(self._running) < self.concurrency
                 if admit:
                     admitted = self._inbox.popleft()
@@ -153,7 +150,6 @@ class OgGeneratorEngine(OwnerThread):
             request.deliver(error)
         self._inbox.clear()
         self._running.clear()
-        self._og_decoded.clear()
 
     def add_adapter(self, key: str, path: Path) -> None:
         """Load LoRA adapter ``key`` into og (on the owner thread, between steps, while no
@@ -201,7 +197,6 @@ class OgGeneratorEngine(OwnerThread):
             action(*args)
         except Exception as exc:  # noqa: BLE001
             self._running.pop(request, None)
-            self._og_decoded.pop(request, None)
             request.deliver(EngineError(f"generation failed: {exc}"))
 
     def _og_speculates(self, request: Request) -> bool:
@@ -225,7 +220,8 @@ class OgGeneratorEngine(OwnerThread):
             # og's n-gram drafts: 3 tokens looked up, up to MAX_DRAFT_TOKENS drafted, their
             # number adapted by og to the acceptance (down to 1).
             params.set_speculative_options(ngram_size=3, max_draft_tokens=MAX_DRAFT_TOKENS, min_adaptive_k=1)
-            request.drafter = Drafter(request.prompt)  # counts og's drafts for the usage
+            # Marks the request as og's to decode (_og_step), and counts og's drafts for the usage.
+            request.drafter = Drafter(request.prompt)
         generator = og.Generator(self._model, params)
         if request.adapter is not None:
             generator.set_active_adapter(self._adapters, request.adapter)
@@ -244,14 +240,11 @@ class OgGeneratorEngine(OwnerThread):
             request.deliver(EngineError(f"generation failed: {error}"))
             return
         self._running[request] = future.result()
-        if request.drafter is not None:
-            self._og_decoded[request] = 0
-            self._guarded(request, self._og_step, request, self._running[request])
-        else:
-            self._guarded(request, self._accept, request, self._running[request])
+        step = self._og_step if request.drafter is not None else self._accept
+        self._guarded(request, step, request, self._running[request])
 
     def _step(self, request: Request, generator: Any) -> None:
-        if request in self._og_decoded:
+        if request.drafter is not None:
             self._og_step(request, generator)
             return
         generator.append_tokens([request.tokens[-1]])
@@ -268,9 +261,7 @@ class OgGeneratorEngine(OwnerThread):
         self.accepted_draft_tokens += accepted - drafter.accepted
         drafter.proposed, drafter.accepted = proposed, accepted
         sequence = generator.get_sequence(0)
-        taken = self._og_decoded[request]
-        new = [int(t) for t in sequence[len(request.prompt) + taken :]]
-        self._og_decoded[request] = taken + len(new)
+        new = [int(t) for t in sequence[len(request.prompt) + len(request.tokens) :]]
         for token in new:
             event = request.take(token)
             request.deliver(event)
@@ -286,7 +277,6 @@ class OgGeneratorEngine(OwnerThread):
             else:
                 request.deliver(request.final("length"))
         del self._running[request]
-        del self._og_decoded[request]
 
     def _accept(self, request: Request, generator: Any) -> None:
         event = request.advance(generator.get_logits().reshape(-1))
