@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -96,9 +97,14 @@ async def stream(model: ChatModel, prompt: list[int], options: GenerationOptions
     return tokens, rate, usage
 
 
+@functools.cache
+def _og_model(folder: Path) -> og.Model:
+    return og.Model(str(folder))
+
+
 def og_rate(folder: Path, prompt: list[int], max_tokens: int, ngram: bool) -> tuple[float, list[int]]:
     """og.Generator greedy on the same prompt: decode tokens per second (after the first)."""
-    model = og.Model(str(folder))
+    model = _og_model(folder)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + max_tokens, do_sample=False)
     if ngram:
