@@ -264,7 +264,8 @@ class LocalServer:
             raise PortInUseError(self._stranger(f"answers /health with HTTP {response.status_code}")) from None
         if self.api_key:
             expected = hmac.new(self.api_key.encode(), nonce.encode(), "sha256").hexdigest()
-            if not hmac.compare_digest(response.headers.get(_PROOF, ""), expected):
+            proofs = response.headers.get(_PROOF, "").split(",")  # one per key the server accepts
+            if not any(hmac.compare_digest(proof.strip(), expected) for proof in proofs):
                 raise PortInUseError(
                     self._stranger(
                         "answers /health like ortserve but cannot prove it holds this API key (the key and "

@@ -32,7 +32,15 @@ from ._errors import (
     closed_message,
     reshaped_exception_handlers,
 )
-from ._mapping import GenerationPlan, chat_messages, check_room, plan_chat, require_model, template_kwargs
+from ._mapping import (
+    GenerationPlan,
+    chat_messages,
+    check_room,
+    key_scope,
+    plan_chat,
+    require_model,
+    template_kwargs,
+)
 from ._openapi import POST_ERRORS, also_sends, with_error_responses
 from ._routes import _Generation, _stream_response, _while_connected, fetching_while_connected
 from ._state import OrtServe
@@ -294,7 +302,7 @@ async def _prepare(
     mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
     try:
         mapped = _map(data, model)
-        plan = plan_chat(mapped.request, model, state.config)
+        plan = plan_chat(mapped.request, model, state.config, key_scope(request))
         if isinstance(data, a.MessagesRequest):  # counting tokens queues nothing
             check_room(state, model, plan.n, "n", "generations")  # before the prompt is prepared
         messages = await chat_messages(

@@ -42,9 +42,11 @@ def _guards(
     config: ServerConfig, *, keyed: bool = True, x_api_key: bool = False, key: str | None = None
 ) -> list[Guard]:
     """Host/Origin/content type first (a rebinding page learns nothing, not even whether a
-    key is set), then the key where the route needs it (``key``, else the API key)."""
-    key = key or config.api_key
-    return [SiteGuard(config), *([make_auth_guard(key, x_api_key=x_api_key)] if keyed and key else [])]
+    key is set), then the key where the route needs it (``key``, else the API keys)."""
+    keys = (key,) if key else config.api_keys
+    scoped = config.prefix_cache_scope == "key" and not key
+    guard = make_auth_guard(keys, x_api_key=x_api_key, scoped=scoped)
+    return [SiteGuard(config), *([guard] if keyed and keys else [])]
 
 
 def _routers(state: OrtServe) -> list[Router]:

@@ -234,7 +234,20 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--api-key", default=os.environ.get("ORTSERVE_API_KEY"), help="or ORTSERVE_API_KEY")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key callers must send (Authorization: Bearer KEY); repeatable, one per user or app; "
+        "or ORTSERVE_API_KEY",
+    )
+    serve.add_argument(
+        "--prefix-cache-scope",
+        choices=("shared", "key"),
+        default="shared",
+        help="whose cached prompts a request may reuse: anyone's (shared) or only its own API key's (key), "
+        "so a caller cannot learn from cached_tokens or timing what another key's callers sent",
+    )
     serve.add_argument(
         "--provider",
         choices=PROVIDERS,
@@ -509,7 +522,8 @@ def _serve(args: argparse.Namespace) -> int:
                 args.adapter,
                 list(models),
             ),
-            api_key=args.api_key or None,
+            api_key=tuple(args.api_key) or os.environ.get("ORTSERVE_API_KEY") or None,
+            prefix_cache_scope=args.prefix_cache_scope,
             max_queued=args.max_queued,
             image_url_hosts=tuple(args.allow_image_host),
             allowed_hosts=tuple(args.allow_host),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ortserve_runtime import ModelConfig
 
@@ -25,9 +26,15 @@ class ServerConfig:
     rerank_aliases: bool = True
     """Also answer ``POST /rerank`` and ``/v2/rerank`` at the root, as vLLM does (clients
     written for it call those); ``False`` leaves the root to a host app's own routes."""
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None
     """When set, every route but health needs ``Authorization: Bearer <api_key>``: the API,
-    metrics (unless ``public_metrics``) and the OpenAPI schema."""
+    metrics (unless ``public_metrics``) and the OpenAPI schema. Several keys (a tuple)
+    are each accepted, one per user or app: see ``prefix_cache_scope``."""
+    prefix_cache_scope: Literal["shared", "key"] = "shared"
+    """Whose cached prompts a request may reuse. ``"shared"``: anyone's with the same
+    ``cache_salt`` (or none). ``"key"``: only those sent with the same API key, so that a
+    caller cannot learn from ``cached_tokens`` or timing what a caller with another key
+    sent (the prefix cache's side channel); needs ``api_key``."""
     admin_key: str | None = None
     """When set, the model control routes (``POST /v1/models/load`` and ``/unload``, and the
     LoRA adapter routes where ``runtime_adapters`` allows them) need
@@ -109,3 +116,9 @@ class ServerConfig:
     oldest go first."""
     responses_store_ttl: float = 3600.0
     """Seconds a stored response is kept after it was made."""
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (none: the API is open)."""
+        keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
+        return tuple(k for k in keys if k)

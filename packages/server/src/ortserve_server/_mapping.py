@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+from litestar.connection import ASGIConnection
 from ortserve_client import protocol as p
 from ortserve_runtime import (
     AdapterNotFoundError,
@@ -44,12 +45,14 @@ from ._state import OrtServe
 logger = logging.getLogger("ortserve.server")
 
 __all__ = [
+    "KEY_SCOPE",
     "GenerationPlan",
     "chat_messages",
     "check_chat_request",
     "check_room",
     "completion_prompts",
     "decode_base64",
+    "key_scope",
     "model_adapters",
     "new_id",
     "plan_chat",
@@ -525,8 +528,28 @@ def _tool_plan(
     return ToolPlan(definitions, model.tool_format, grammar, name or only)
 
 
+KEY_SCOPE = "ortserve.key_scope"
+"""Where the API key guard leaves the caller's key digest in the ASGI scope when the
+prefix cache is scoped by key (``ServerConfig.prefix_cache_scope``)."""
+
+
+def key_scope(request: ASGIConnection[Any, Any, Any, Any] | None) -> str | None:
+    """The caller's prefix-cache scope (its API key's digest), ``None`` when shared."""
+    scope = None if request is None else request.scope.get(KEY_SCOPE)
+    return scope if isinstance(scope, str) else None
+
+
+def _scoped_salt(salt: str | None, scope: str | None) -> str | None:
+    """The salt the engine keys cached rows by: the request's own within its caller's scope."""
+    return salt if scope is None else f"key:{scope}:{salt or ''}"
+
+
 def _generation_options(
-    data: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig, n: int, grammar: Grammar | None
+    data: p.ChatCompletionRequest | p.CompletionRequest,
+    config: ServerConfig,
+    n: int,
+    grammar: Grammar | None,
+    scope: str | None,
 ) -> list[GenerationOptions]:
     """Runtime options for each of the ``n`` choices (seeds differ per choice)."""
     max_tokens = _or(getattr(data, "max_completion_tokens", None), None)
@@ -559,7 +582,7 @@ def _generation_options(
             grammar=grammar,
             logit_bias=bias,
             min_p=_or(data.min_p, 0.0),
-            cache_salt=_or(data.cache_salt, None),
+            cache_salt=_scoped_salt(_or(data.cache_salt, None), scope),
             prediction=_prediction(data.prediction),
             presence_penalty=_or(data.presence_penalty, 0.0),
             frequency_penalty=_or(data.frequency_penalty, 0.0),
@@ -635,15 +658,18 @@ class GenerationPlan:
         return streams
 
 
-def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig) -> GenerationPlan:
-    """Check a chat request (a 400 naming any parameter it cannot honour) and map it."""
+def plan_chat(
+    data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig, scope: str | None = None
+) -> GenerationPlan:
+    """Check a chat request (a 400 naming any parameter it cannot honour) and map it;
+    ``scope``: the caller's prefix-cache scope (:func:`key_scope`)."""
     check_chat_request(data, config)
     constraint = _grammar_of(data, config)
     tools = _tool_plan(data, model, constraint, config)
     grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
     return GenerationPlan(
-        n, _generation_options(data, config, n, grammar), tools, {"prompt": "messages", "grammar": field}
+        n, _generation_options(data, config, n, grammar, scope), tools, {"prompt": "messages", "grammar": field}
     )
 
 
@@ -656,9 +682,10 @@ def template_kwargs(data: p.ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def plan_completion(data: p.CompletionRequest, config: ServerConfig) -> GenerationPlan:
-    """Check a completion request (a 400 naming any parameter it cannot honour) and map it."""
+def plan_completion(data: p.CompletionRequest, config: ServerConfig, scope: str | None = None) -> GenerationPlan:
+    """Check a completion request (a 400 naming any parameter it cannot honour) and map it
+    (``scope`` as for :func:`plan_chat`)."""
     check_completion_request(data, config)
     grammar, field = _grammar_of(data, config) or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
-    return GenerationPlan(n, _generation_options(data, config, n, grammar), ToolPlan(), {"grammar": field})
+    return GenerationPlan(n, _generation_options(data, config, n, grammar, scope), ToolPlan(), {"grammar": field})

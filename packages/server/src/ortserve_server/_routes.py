@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,12 +53,14 @@ from ._errors import (
     closed_message,
 )
 from ._mapping import (
+    KEY_SCOPE,
     GenerationPlan,
     chat_messages,
     check_chat_request,
     check_room,
     completion_prompts,
     decode_base64,
+    key_scope,
     model_adapters,
     new_id,
     plan_chat,
@@ -86,19 +89,31 @@ T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def make_auth_guard(api_key: str, *, x_api_key: bool = False) -> Any:
-    """A guard that wants ``Authorization: Bearer <api_key>`` (or, with ``x_api_key``, the
-    ``x-api-key`` header Anthropic's clients send), compared in constant time."""
-    expected = api_key.encode()
+def make_auth_guard(api_keys: Sequence[str], *, x_api_key: bool = False, scoped: bool = False) -> Any:
+    """A guard that wants ``Authorization: Bearer <key>`` for one of ``api_keys`` (or, with
+    ``x_api_key``, the ``x-api-key`` header Anthropic's clients send), compared in constant
+    time. With ``scoped``, it records which key came (:data:`KEY_SCOPE`) for the prefix
+    cache's per-key scope."""
+    expected = [(key.encode(), hashlib.sha256(key.encode()).hexdigest()) for key in api_keys]
     ask = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if x_api_key else "'Authorization: Bearer <key>'"
+
+    def matching(given: str) -> str | None:
+        found = None
+        for key, digest in expected:  # every key compared: the time does not tell which matched
+            if hmac.compare_digest(given.strip().encode(), key):
+                found = digest
+        return found
 
     def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         given_key = connection.headers.get("x-api-key") if x_api_key else None
-        if given_key is not None and hmac.compare_digest(given_key.strip().encode(), expected):
-            return
-        scheme, _sep, given = connection.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        digest = matching(given_key) if given_key is not None else None
+        if digest is None:
+            scheme, _sep, given = connection.headers.get("authorization", "").partition(" ")
+            digest = matching(given) if scheme.lower() == "bearer" else None
+        if digest is None:
             raise AuthenticationError(f"missing or wrong API key: send {ask}")
+        if scoped:
+            connection.scope[KEY_SCOPE] = digest  # type: ignore[literal-required]
 
     return auth_guard
 
@@ -413,7 +428,7 @@ async def start_chat(
 ) -> _Generation:
     """A chat request checked, its prompt prepared and its generations started: what every
     API family that speaks in messages (chat completions, Responses) runs the same way."""
-    plan = plan_chat(data, model, ortserve.config)
+    plan = plan_chat(data, model, ortserve.config, key_scope(request))
     tools = plan.tools
     check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
     prompt = await model.aprepare_chat(
@@ -637,7 +652,7 @@ async def completions(
     data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     model = await require_model(ortserve, data.model, data.keep_alive)
-    plan = plan_completion(data, ortserve.config)
+    plan = plan_completion(data, ortserve.config, key_scope(request))
     n = plan.n
     streams = await plan.astart(ortserve, model, completion_prompts(data.prompt))
     run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
@@ -1013,13 +1028,14 @@ PROOF = "x-ortserve-proof"
 
 def _key_proof(ortserve: OrtServe, request: Request[Any, Any, Any]) -> dict[str, str]:
     """The answer to a client's challenge: HMAC-SHA256 of its nonce under the API key, so a
-    client (``LocalServer``) can tell this server holds the key before it sends the key or a
+    client (``LocalServer``) can tell this server holds its key before it sends the key or a
     prompt; nothing is learnt of the key from it. No key, no proof."""
     challenge = request.headers.get(PROOF_CHALLENGE)
-    key = ortserve.config.api_key
-    if not key or not challenge or len(challenge) > 128:
+    keys = ortserve.config.api_keys
+    if not keys or not challenge or len(challenge) > 128:
         return {}
-    return {PROOF: hmac.new(key.encode(), challenge.encode(), "sha256").hexdigest()}
+    # one proof per accepted key (comma-separated): the client looks for its own
+    return {PROOF: ",".join(hmac.new(k.encode(), challenge.encode(), "sha256").hexdigest() for k in keys)}
 
 
 @get(

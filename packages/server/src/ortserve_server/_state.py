@@ -31,6 +31,10 @@ class OrtServe:
             raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
         if re.fullmatch(r"[a-z0-9]*", config.response_id_tag) is None:  # the tag ray.response_owner reads
             raise ValueError(f"response_id_tag must be lower-case letters and digits, got {config.response_id_tag!r}")
+        if config.prefix_cache_scope not in ("shared", "key"):
+            raise ValueError(f"prefix_cache_scope must be 'shared' or 'key', got {config.prefix_cache_scope!r}")
+        if config.prefix_cache_scope == "key" and not config.api_keys:
+            raise ValueError("prefix_cache_scope 'key' keeps API keys' callers apart: set api_key (one or several)")
         self.registry = ModelRegistry(
             config.model_config,
             idle_unload=config.idle_unload,
