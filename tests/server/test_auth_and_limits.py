@@ -101,3 +101,32 @@ def test_unexpected_errors_are_500_without_internals(monkeypatch: pytest.MonkeyP
         monkeypatch.undo()
         ok = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_request_bodies_in_memory_have_a_budget() -> None:
+    """``max_body_memory``: a body that cannot fit is a 503 before it is read (declared
+    length) or as it arrives (chunked), in the API's error shape; bodies that ended give
+    their bytes back, and one that fits is served."""
+    config = ServerConfig(models={"tiny": TINY_MODEL}, max_body_memory=64 * 1024)
+    app = create_app(config)
+    with running(app) as url, httpx.Client(timeout=30) as client:
+        chat = {"model": "tiny", "messages": HELLO, "max_tokens": 1, "user": "u" * 70_000}
+        declared = client.post(f"{url}/v1/chat/completions", json=chat)
+        assert declared.status_code == 503
+        assert declared.headers["retry-after"] == "1"
+        assert declared.json()["error"]["code"] == "server_overloaded"
+
+        def chunks() -> Iterator[bytes]:
+            yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+            for _ in range(10):
+                yield b"x" * 10_000
+            yield b'"}], "max_tokens": 1}'
+
+        chunked = client.post(
+            f"{url}/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert chunked.status_code == 503, chunked.text
+        assert "--max-body-memory-mb" in chunked.json()["error"]["message"]
+        small = client.post(f"{url}/v1/chat/completions", json={**chat, "user": "u" * 30_000})
+        assert small.status_code == 200, small.text
+        assert app.state.ortserve.body_budget.held == 0

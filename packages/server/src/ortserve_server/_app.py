@@ -64,6 +64,7 @@ def _routers(state: OrtServe) -> list[Router]:
             exception_handlers=errors,
             request_max_body_size=config.max_body_size,
             middleware=[
+                state.body_budget,
                 *([release_leases] if leases else []),
                 *([mark_admin_callers(config.admin_key)] if config.admin_key and leases else []),
             ],

@@ -423,13 +423,32 @@ def _build_parser() -> argparse.ArgumentParser:
         help="seconds a request's headers may take to arrive, from connect or the previous response (default 10)",
     )
     connections.add_argument(
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in which a request body must bring --body-min-rate bytes a second, else 408 (default 10)",
+    )
+    connections.add_argument(
+        "--body-min-rate",
+        type=int,
+        default=1024,
+        help="bytes a second a request body must average over each --body-timeout window (default 1024)",
+    )
+    connections.add_argument(
+        "--max-body-memory-mb",
+        type=float,
+        default=256.0,
+        help="MiB of request bodies held in memory at once across all requests; past it, 503 (default 256)",
+    )
+    connections.add_argument(
         "--keep-alive-timeout", type=float, default=5.0, help="close a keep-alive connection idle this long (default 5)"
     )
     connections.add_argument(
         "--max-connections",
         type=int,
         default=None,
-        help="open connections at most; more are closed on accept (default 1000, less under a low open-file limit)",
+        help="open connections at most; past it the one waiting longest for its request is closed "
+        "(default 1000, less under a low open-file limit)",
     )
     connections.add_argument(
         "--max-header-size", type=int, default=16384, help="bytes of request line and headers at most (default 16384)"
@@ -538,6 +557,7 @@ def _serve(args: argparse.Namespace) -> int:
             memory_budget=args.memory_budget,
             unload_grace=args.unload_grace,
             lenient=args.lenient,
+            max_body_memory=int(args.max_body_memory_mb * 1024 * 1024),
         )
         state = OrtServe(config)
         # The models load on a thread of their own while Litestar and uvicorn import below
@@ -563,6 +583,8 @@ def _serve(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     limits = ConnectionLimits(
         header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        body_min_rate=args.body_min_rate,
         max_connections=args.max_connections or default_max_connections(fd_limit),
     )
     server = uvicorn.Server(

@@ -89,6 +89,9 @@ class ServerConfig:
     (streams get an error event, others a 503)."""
     max_body_size: int = 16 * 1024 * 1024
     """Largest request body in bytes; larger ones get 413."""
+    max_body_memory: int = 256 * 1024 * 1024
+    """Bytes of request bodies held in memory at once, across all requests; a request whose
+    body would go past it gets 503 + Retry-After (see ``_body_budget``)."""
     max_queued: int = 64
     """Requests waiting for a batch row per model before new ones get 503 + Retry-After."""
     max_tokens_limit: int | None = None

@@ -6,9 +6,11 @@
   client's delayed ACK.
 - :class:`GuardedH11Protocol` is uvicorn's h11 protocol plus what it lacks: a deadline for
   a request's head (uvicorn arms no timer before the first request, and any byte cancels
-  its keep-alive timer, so idle and slowloris connections were held forever), and a cap
-  on open connections (one past it is closed as soon as it is accepted, before it can
-  use up file descriptors the server needs).
+  its keep-alive timer, so idle and slowloris connections were held forever), a minimum
+  rate for its body (a client that sent 15 MB of a 16 MB body and stalled held it for as
+  long as it liked, and one dripping a byte every 5 s held its connection), and a cap on
+  open connections (past it, the connection that has waited longest for its request is
+  closed, so a fresh client is served even while a thousand slow ones hold every slot).
 - :func:`raise_fd_limit` lifts RLIMIT_NOFILE's soft limit to the hard one.
 - :class:`AcceptErrorLog` reports "out of file descriptors" once per interval: asyncio
   logs a traceback for every failed ``accept()``, up to the listen backlog per loop
@@ -49,8 +51,14 @@ class ConnectionLimits:
     header_timeout: float = 10.0
     """Seconds a request's head (request line and headers) may take to arrive in full,
     counted from the connection opening or from the end of the previous response."""
+    body_timeout: float = 10.0
+    """Seconds in which a request's body must bring ``body_min_rate`` bytes a second (a
+    stalled or trickling body is answered 408 and its connection closed)."""
+    body_min_rate: int = 1024
+    """Bytes a second a request's body must average over each ``body_timeout`` window
+    (Apache's mod_reqtimeout ``MinRate``); time the server itself is not reading is not counted."""
     max_connections: int = 1000
-    """Open connections at most; more are closed as soon as they are accepted."""
+    """Open connections at most; past it, the one waiting longest for its request goes."""
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -95,13 +103,18 @@ def default_max_connections(fd_limit: int) -> int:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head deadline and a connection cap.
+    """uvicorn's h11 protocol with a request-head deadline, a body rate and a connection cap.
 
     The head deadline runs whenever the connection waits for a request (h11 says both
     sides are IDLE): from the connection opening, and from the end of each response. It
     is absolute, so a client trickling one header byte a second is cut like one that
-    sends nothing. A connection past :attr:`ConnectionLimits.max_connections` is closed
-    at once: the descriptor comes back at once and the client sees a close, not a hang.
+    sends nothing. While a body is coming, every :attr:`ConnectionLimits.body_timeout`
+    seconds must bring :attr:`ConnectionLimits.body_min_rate` bytes a second, whether the
+    app still reads it or has answered already (uvicorn then drops the rest, and every
+    byte would hold the connection open). A connection past
+    :attr:`ConnectionLimits.max_connections` closes the connection that has waited
+    longest for its request (head or body), or itself when every other is being answered:
+    the descriptor comes back at once and that client sees a close, not a hang.
     """
 
     limits = ConnectionLimits()
@@ -114,18 +127,39 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._body_check: asyncio.TimerHandle | None = None
+        self._body_bytes = 0
+        """Body bytes received in the current ``body_timeout`` window."""
+        self.waiting_since: float | None = None
+        """When this connection began waiting for its current request (head or body);
+        ``None`` while a request is being answered. The connection cap closes the oldest."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.waiting_since = time.monotonic()
         if len(self.connections) > self.limits.max_connections:
-            _CONNECTION_CAP_LOG.report(f"more than {self.limits.max_connections} open connections (--max-connections)")
-            transport.abort()
-            return
+            waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self]
+            waiting = [c for c in waiting if c.waiting_since is not None and not c.transport.is_closing()]
+            oldest = min(waiting, key=lambda c: c.waiting_since or 0.0, default=None)
+            what = f"more than {self.limits.max_connections} open connections (--max-connections)"
+            if oldest is None:
+                _CONNECTION_CAP_LOG.report(f"refusing connections: {what}")
+                transport.abort()
+                return
+            _CONNECTION_CAP_LOG.report(f"{what}: closing the one that waited longest for its request")
+            oldest.transport.abort()
         self._watch_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._stop_body_check()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.SEND_BODY:
+            self._body_bytes += len(data)
+        super().data_received(data)
+        self._watch_head()
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -136,17 +170,34 @@ class GuardedH11Protocol(H11Protocol):
         self._watch_head()
 
     def _watch_head(self) -> None:
-        """Arm the head deadline when a request is awaited, drop it once one arrived."""
-        awaiting = self.conn.our_state is h11.IDLE and self.conn.their_state is h11.IDLE
-        if awaiting and self._head_deadline is None and not self.transport.is_closing():
+        """Arm the head deadline when a request is awaited, drop it once one arrived; watch
+        the body's rate while one comes."""
+        if self.transport.is_closing():
+            return
+        theirs = self.conn.their_state
+        awaiting = self.conn.our_state is h11.IDLE and theirs is h11.IDLE
+        if awaiting and self._head_deadline is None:
             self._head_deadline = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
         elif not awaiting:
             self._stop_head_timer()
+        if theirs is h11.SEND_BODY and self._body_check is None:
+            self._body_bytes = 0
+            self._body_check = self.loop.call_later(self.limits.body_timeout, self._check_body_rate)
+        receiving = theirs is h11.IDLE or theirs is h11.SEND_BODY
+        if not receiving:
+            self.waiting_since = None
+        elif self.waiting_since is None:
+            self.waiting_since = time.monotonic()
 
     def _stop_head_timer(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
+
+    def _stop_body_check(self) -> None:
+        if self._body_check is not None:
+            self._body_check.cancel()
+            self._body_check = None
 
     def _head_timed_out(self) -> None:
         self._head_deadline = None
@@ -154,6 +205,40 @@ class GuardedH11Protocol(H11Protocol):
             # As uvicorn's keep-alive timeout does: nothing to answer, just close.
             self.conn.send(h11.ConnectionClosed())
             self.transport.close()
+
+    def _check_body_rate(self) -> None:
+        """End of a ``body_timeout`` window: enough body bytes, or 408 and close."""
+        self._body_check = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        enough = self._body_bytes >= self.limits.body_min_rate * self.limits.body_timeout
+        # Reading paused: the app is not taking the body yet (uvicorn holds 64 KiB for it),
+        # so the client could not send; the window starts again.
+        if enough or self.flow.read_paused:
+            self._body_bytes = 0
+            self._body_check = self.loop.call_later(self.limits.body_timeout, self._check_body_rate)
+            return
+        _BODY_RATE_LOG.report(
+            f"closing a connection: its request body came slower than {self.limits.body_min_rate} bytes/s over "
+            f"{self.limits.body_timeout:g} s (--body-min-rate, --body-timeout)",
+            level=logging.INFO,
+        )
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and self.conn.our_state is h11.SEND_RESPONSE:
+            cycle.disconnected = True  # the app's own answer, if it comes, goes nowhere
+            body = (
+                b'{"error": {"message": "the request body came too slowly (at least '
+                + str(self.limits.body_min_rate).encode()
+                + b' bytes/s)", "type": "invalid_request_error", "param": null, "code": "request_timeout"}}'
+            )
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
+            for event in (h11.Response(status_code=408, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class _OncePerInterval:
@@ -164,23 +249,24 @@ class _OncePerInterval:
         self._last = -float("inf")
         self._suppressed = 0
 
-    def report(self, what: str) -> None:
+    def report(self, what: str, level: int = logging.WARNING) -> None:
         now = time.monotonic()
         if now - self._last < self.interval:
             self._suppressed += 1
             return
         more = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
-        logger.warning("refusing connections: %s%s", what, more)
+        logger.log(level, "%s%s", what, more)
         self._last, self._suppressed = now, 0
 
 
 _CONNECTION_CAP_LOG = _OncePerInterval(10.0)
+_BODY_RATE_LOG = _OncePerInterval(10.0)
 
 
 class AcceptErrorLog:
     """An event loop exception handler that turns asyncio's per-``accept()`` traceback for
-    EMFILE/ENFILE/ENOBUFS/ENOMEM into one warning per ``interval`` seconds; everything
-    else goes to the loop's default handler."""
+    EMFILE/ENFILE/ENOBUFS/ENOMEM into one warning per ``interval`` seconds, drops the
+    retry's error after shutdown, and passes everything else to the loop's default handler."""
 
     MESSAGE = "socket.accept() out of system resource"
 
@@ -191,9 +277,15 @@ class AcceptErrorLog:
         loop.set_exception_handler(self)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), ValueError) and "_start_serving" in repr(context.get("handle")):
+            # After such a failure asyncio retries accept() on a timer that closing the
+            # server does not cancel; firing after shutdown, it finds the socket closed.
+            return
         if context.get("message") != self.MESSAGE:
             loop.default_exception_handler(context)
             return
         exc = context.get("exception")
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        self._log.report(f"accept() failed: {reason}; raise the open file limit or lower --max-connections")
+        self._log.report(
+            f"refusing connections: accept() failed: {reason}; raise the open file limit or lower --max-connections"
+        )

@@ -12,6 +12,7 @@ from typing import Any
 
 from ortserve_runtime import ModelCapacityError, ModelLoadError, ModelRegistry
 
+from ._body_budget import BodyBudget
 from ._config import ServerConfig
 from ._metrics import Metrics
 from ._response_store import ResponseStore
@@ -45,6 +46,8 @@ class OrtServe:
         for name, path in config.models.items():
             self.registry.add(name, path, config.model_configs.get(name))
         self.metrics = Metrics()
+        self.body_budget = BodyBudget(config.max_body_memory, config.max_body_size)
+        """The request bodies held at once, charged by every API route."""
         self.metrics.watch_prefix_caches(self._prefix_caches)
         self.created = int(time.time())
         self.responses = ResponseStore(
