@@ -17,10 +17,23 @@ import onnxruntime as ort
 import pytest
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelLoadError, ModelRegistry
 from ortserve_runtime.engines import _ort_cpu as ort_cpu
-from ortserve_runtime.engines._int8_prefill import _dequantize, int8_prefill_graph
+from ortserve_runtime.engines._int8_prefill import _dequantize, cpu_has_vnni, int8_prefill_graph
 from serving import TINY_MODEL
 
 pytestmark = pytest.mark.anyio
+
+needs_vnni = pytest.mark.skipif(
+    not cpu_has_vnni(), reason="int8 products saturate without VNNI (what prefill_int8 refuses there)"
+)
+
+
+@pytest.fixture
+def as_if_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's VNNI check passes: for tests of the conversion and its cache, which do
+    not depend on the products' values (without VNNI these are off, hence refused)."""
+    monkeypatch.setattr(ort_cpu, "cpu_has_vnni", lambda: True)
+
+
 IR = 10  # what the installed onnxruntime reads
 
 
@@ -90,6 +103,8 @@ def test_dequantised_weights_are_what_matmulnbits_multiplies_by(zero_points: boo
     arrays = {t.name: onnx.numpy_helper.to_array(t) for t in inits}
     ours = _dequantize(arrays["w_q"], arrays["w_s"], arrays.get("w_z"), k, n, block)
     np.testing.assert_allclose(ours, reference, atol=1e-6)
+    if not cpu_has_vnni():
+        return  # the int8 products below saturate (what prefill_int8 refuses there)
 
     # The int8 graph multiplies by nearly the same matrix.
     opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
@@ -136,6 +151,7 @@ def counted(run: Callable[..., object], calls: list[object]) -> Callable[..., ob
     return call
 
 
+@needs_vnni
 async def test_the_engine_prefills_through_int8_and_decodes_through_int4(tmp_path: Path) -> None:
     folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
     prompt = [(13 * i) % 900 + 20 for i in range(200)]  # long enough for the int8 session
@@ -169,7 +185,7 @@ async def load_with_int8(folder: Path) -> tuple[ModelRegistry, ChatModel]:
     return registry, model
 
 
-async def test_the_int8_copy_is_cached(tmp_path: Path, int8_cache_in_tmp: Path) -> None:
+async def test_the_int8_copy_is_cached(tmp_path: Path, int8_cache_in_tmp: Path, as_if_vnni: None) -> None:
     folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
     registry, _ = await load_with_int8(folder)
     await registry.close()
@@ -196,7 +212,7 @@ async def test_the_int8_copy_is_cached(tmp_path: Path, int8_cache_in_tmp: Path) 
 
 
 async def test_a_cache_that_cannot_be_written_converts_into_a_temporary_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_if_vnni: None
 ) -> None:
     folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
     (tmp_path / "not-a-folder").write_text("")
@@ -210,7 +226,7 @@ async def test_a_cache_that_cannot_be_written_converts_into_a_temporary_folder(
 
 
 async def test_a_copy_that_cannot_be_made_fails_on_and_is_skipped_by_auto(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_if_vnni: None
 ) -> None:
     folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
 
@@ -271,6 +287,20 @@ async def test_prefill_int8_on_is_refused_where_it_cannot_act(
     auto.add("tiny", folder)
     model: ChatModel = await auto.get("tiny")
     assert getattr(model.engine, "prefill_session", None) is None
+    await auto.close()
+
+
+async def test_prefill_int8_on_is_refused_without_vnni(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ort_cpu, "cpu_has_vnni", lambda: False)
+    folder = int4_copy_of_tiny(tmp_path / "tiny-int4")
+    registry = ModelRegistry(ModelConfig(prefill_int8=True))
+    registry.add("tiny", folder)
+    with pytest.raises(ModelLoadError, match="needs a CPU with VNNI"):
+        await registry.get("tiny")
+    auto = ModelRegistry(ModelConfig(prefill_int8=None))  # auto: off on this CPU
+    auto.add("tiny", folder)
+    model: ChatModel = await auto.get("tiny")
+    assert model.engine.prefill_session is None  # type: ignore[attr-defined]
     await auto.close()
 
 
