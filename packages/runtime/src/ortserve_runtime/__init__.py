@@ -23,6 +23,7 @@ from ._errors import (
     EngineError,
     InvalidRequestError,
     ModelCapacityError,
+    ModelCrashedError,
     ModelLoadError,
     ModelNotFoundError,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "Message",
     "ModelCapacityError",
     "ModelConfig",
+    "ModelCrashedError",
     "ModelKind",
     "ModelLease",
     "ModelLoadError",

@@ -85,5 +85,10 @@ class ContextLengthError(InvalidRequestError):
     """The prompt, or prompt plus requested tokens, does not fit the model's context."""
 
 
+class ModelCrashedError(EngineError):
+    """The process the model ran in ended (a crash inside onnxruntime-genai): its requests
+    fail with this, and the next request loads the model again."""
+
+
 class EngineClosedError(EngineError):
     """The model was closed (unloaded or shutting down) before the request finished."""

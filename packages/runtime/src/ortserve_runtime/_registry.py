@@ -28,6 +28,7 @@ from ._threads import OwnerThread
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
 from .engines import Engine, NotDrivableError, OgEngine, OgGeneratorEngine, OrtCpuEngine
 from .engines._adapters import check_adapters
+from .engines._og_process import OgProcess
 
 logger = logging.getLogger(__name__)
 
@@ -215,16 +216,12 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             logger.info("model %r: %s", name, reason)
     if engine is None:
         _check_og_speculation(folder, config, choice, refusal)
-        og_model = load_og_model(path, config)
-        if not multimodal:  # og.Engine runs what og.Generator runs: probe both the same way
-            try:
-                check_og_runs(og_model, folder, config.provider, speculative=config.speculative is not None)
-            except ModelLoadError as exc:
-                if refusal is None:
-                    raise
-                raise ModelLoadError(f"no engine runs it: {refusal}; {exc}", path=path) from exc
-        media = MediaProcessor(folder, og_model, config) if multimodal else None
-        if choice == "og-engine":
+        speculative = config.speculative is not None
+        if choice == "og-engine":  # og.Engine.run releases the GIL: it stays in this process
+            og_model = load_og_model(path, config)
+            _checked_og(
+                lambda: check_og_runs(og_model, folder, config.provider, speculative=speculative), refusal, path
+            )
             engine = OgEngine(
                 name,
                 og_model,
@@ -234,15 +231,22 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
                 shortest_sequence=folder.shortest_sequence,
             )
         else:
-            concurrency = config.multimodal_concurrency if multimodal else config.max_batch_size
-            engine = OgGeneratorEngine(
-                name,
-                og_model,
-                config,
-                concurrency=concurrency,
-                shortest_sequence=folder.shortest_sequence,
-                adapters=adapters,
-            )
+            og = OgProcess(path, config)
+            try:
+                if not multimodal:
+                    _checked_og(lambda: og.call("step", "check_runs", speculative), refusal, path)
+                media = MediaProcessor(folder, og, config) if multimodal else None
+                engine = OgGeneratorEngine(
+                    name,
+                    og,
+                    config,
+                    concurrency=config.multimodal_concurrency if multimodal else config.max_batch_size,
+                    shortest_sequence=folder.shortest_sequence,
+                    adapters=adapters,
+                )
+            except BaseException:
+                og.close()
+                raise
     try:
         model = ChatModel(name, folder, config, engine, media)
     except BaseException:
@@ -251,6 +255,17 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         raise
     model.engine_reason = reason
     return model
+
+
+def _checked_og(check: Callable[[], None], refusal: str | None, path: Path) -> None:
+    """``check`` (og runs the folder), its failure also naming why ort-cpu refused it
+    when ``auto`` fell back to og."""
+    try:
+        check()
+    except ModelLoadError as exc:
+        if refusal is None:
+            raise
+        raise ModelLoadError(f"no engine runs it: {refusal}; {exc}", path=path) from exc
 
 
 def _check_ort_cpu_settings(path: Path, config: ModelConfig, choice: str) -> None:
@@ -496,6 +511,11 @@ class ModelRegistry:
         while True:
             if entry.unloading is not None:
                 await asyncio.shield(entry.unloading)
+            failed = getattr(entry.model, "failed", None)
+            if failed is not None:  # its engine's process ended: this load replaces it
+                logger.warning("model %r: %s; loading it again", name, failed)
+                await asyncio.shield(self._start_unload(entry, 0))
+                continue
             if entry.model is None:
                 if entry.loading is None or entry.loading.done():
                     entry.loading = asyncio.create_task(self._load(entry))
@@ -598,14 +618,16 @@ class ModelRegistry:
         executor.shutdown(wait=False)
 
     def _measured_load(self, entry: _Entry) -> tuple[Any, int]:
-        """The model of ``entry`` and the growth of the resident set around its load.
+        """The model of ``entry`` and the growth of the resident set around its load (plus
+        the resident set of a process the model runs in).
 
         Garbage is collected first: objects of an earlier model freed during this load made
         the growth read 0 (seen in a test process that had served other models)."""
         gc.collect()
         before = resident_memory()
         model = self._factory(entry.kind)(entry.name, entry.path, entry.config)
-        return model, max(0, resident_memory() - before)
+        elsewhere = getattr(getattr(model, "engine", None), "process_resident_bytes", 0)  # og's own process
+        return model, max(0, resident_memory() - before) + elsewhere
 
     async def close(self) -> None:
         """Unload everything at once (the server's shutdown drained requests already)."""

@@ -36,6 +36,7 @@ from ortserve_runtime import (
     EngineError,
     InvalidRequestError,
     ModelCapacityError,
+    ModelCrashedError,
     ModelLoadError,
     ModelNotFoundError,
 )
@@ -168,6 +169,9 @@ def _engine_error(_: Request[Any, Any, Any], exc: EngineError) -> Response[Error
         return error_response(
             503, closed_message(exc), type="server_error", code="model_unloaded", headers={"Retry-After": "1"}
         )
+    if isinstance(exc, ModelCrashedError):
+        logger.error("model crashed: %s", exc)
+        return error_response(503, str(exc), type="server_error", code="model_crashed", headers={"Retry-After": "1"})
     if isinstance(exc, ModelCapacityError):
         return error_response(
             503, str(exc), type="server_error", param="model", code="model_capacity", headers={"Retry-After": "1"}

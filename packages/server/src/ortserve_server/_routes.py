@@ -34,6 +34,7 @@ from ortserve_runtime import (
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
+    ModelCrashedError,
     Prompt,
     ReasoningParser,
     RerankModel,
@@ -412,6 +413,8 @@ def error_detail(exc: Exception) -> p.ErrorDetail:
         return p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
     if isinstance(exc, EngineClosedError):
         return p.ErrorDetail(message=closed_message(exc), type="server_error", code="model_unloaded")
+    if isinstance(exc, ModelCrashedError):
+        return p.ErrorDetail(message=str(exc), type="server_error", code="model_crashed")
     return p.ErrorDetail(message="the generation failed", type="server_error")
 
 

@@ -111,6 +111,13 @@ class ChatModel:
         self._token_bytes: TokenBytes | None = None
 
     @property
+    def failed(self) -> str | None:
+        """Why the model cannot serve any more and must be loaded again (its engine's
+        process ended), or ``None``."""
+        failed: str | None = getattr(self.engine, "failed", None)
+        return failed
+
+    @property
     def token_bytes(self) -> TokenBytes:
         """Token id -> text and bytes, for log-probabilities (made on first use: it reads
         the whole tokenizer once, which most requests never need)."""

@@ -2,22 +2,25 @@
 each family's placeholders in the chat text, and onnxruntime-genai's multimodal processor.
 
 The processor turns the rendered text and the media (decoded safely first, see
-:func:`normalise_image`) into the inputs an ``og.Generator`` takes; the ``og-generator``
-engine runs them.
+:func:`normalise_image`) into the inputs an ``og.Generator`` takes; both run in the
+model's og process (see ``engines._og_process``), which keeps the inputs until the
+``og-generator`` engine runs them.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any
-
-import onnxruntime_genai as og
+import json
+from typing import TYPE_CHECKING
 
 from .._config import ModelConfig
-from .._errors import InvalidRequestError, ModelLoadError
+from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
+from ._image_tokens import ImageTokenRule, calibrate, image_size, probe_images
 from ._media import AudioInput, ImageInput, Media, Placeholders, normalise_image
 from ._request import Prompt
+
+if TYPE_CHECKING:
+    from ..engines._og_process import OgProcess
 
 __all__ = ["MULTIMODAL_TYPES", "MediaProcessor"]
 
@@ -43,7 +46,7 @@ MULTIMODAL_TYPES = frozenset(_FAMILIES)
 class MediaProcessor:
     """Turns a rendered chat and its media into a :class:`Prompt` for one model."""
 
-    def __init__(self, folder: GenaiFolder, og_model: Any, config: ModelConfig) -> None:
+    def __init__(self, folder: GenaiFolder, og: OgProcess, config: ModelConfig) -> None:
         if folder.model_type not in _FAMILIES:
             raise ModelLoadError(
                 f"{folder.path} is a {folder.model_type!r} model; the multimodal types served are {sorted(_FAMILIES)}",
@@ -58,13 +61,26 @@ class MediaProcessor:
         self.modalities = frozenset("image" if kind is ImageInput else "audio" for kind in self.placeholders)
         self.config = config
         self.model_type = folder.model_type
+        self.max_sequence_length = folder.max_sequence_length(config)
+        self._og = og
         try:
-            self._processor = og_model.create_multimodal_processor()
-        except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
+            og.call("media", "load_processor")
+            self.image_tokens = self._image_token_rule(folder) if ImageInput in self.placeholders else None
+        except RuntimeError as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
             raise ModelLoadError(
                 f"{folder.path} could not be loaded by onnxruntime-genai: {exc}", path=folder.path
             ) from exc
-        self._lock = threading.Lock()
+
+    def _image_token_rule(self, folder: GenaiFolder) -> ImageTokenRule | None:
+        """How many tokens an image of a size makes here (see ``_image_tokens``), if a rule
+        reproduces og's counts on the probe images."""
+        try:
+            processor = json.loads((folder.path / "processor_config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        placeholder = self.placeholders[ImageInput](1)
+        counts = self._og.call("media", "image_tokens", f"Look: {placeholder} ok", "Look:  ok", probe_images())
+        return calibrate(self.model_type, processor, counts)
 
     def prepare(self, text: str, media: Media) -> Prompt:
         images = [(where, part) for where, part in media if isinstance(part, ImageInput)]
@@ -74,42 +90,23 @@ class MediaProcessor:
                 f"the messages hold {len(images)} images; this server takes at most {self.config.max_images}",
                 param="messages",
             )
+        self._check_image_tokens(images)
         pngs = [normalise_image(image, max_pixels=self.config.max_image_pixels, param=where) for where, image in images]
         for where, part in media:
             if isinstance(part, AudioInput) and not part.data:
                 raise InvalidRequestError("the audio is empty", param=where)
-        try:
-            with self._lock:
-                inputs = self._processor(
-                    text,
-                    images=og.Images.open_bytes(*pngs) if pngs else None,
-                    audios=og.Audios.open_bytes(*audios) if audios else None,
-                )
-            ids = [int(t) for t in inputs["input_ids"].as_numpy().reshape(-1)]
-        except RuntimeError as exc:  # og reports undecodable audio and placeholder mismatches so
-            raise InvalidRequestError(f"the media could not be processed: {exc}", param="messages") from exc
-        if len(pngs) > 1:
-            _check_padding(inputs, self.model_type)
+        ids, inputs = self._og.process(text, pngs, audios, self.model_type)
         return Prompt(ids, inputs)
 
-
-def _check_padding(inputs: Any, model_type: str) -> None:
-    """Refuse images og's processor batched wrongly, before the model runs them.
-
-    og 0.18's Pixtral processor (mistral3) pads several images to the tallest one's height
-    but the last one's width, and then fails inside generation; a request whose images fit
-    their padded tensor is fine.
-    """
-    try:
-        pixels = inputs["pixel_values"].as_numpy().shape
-        sizes = inputs["image_sizes"].as_numpy()
-    except RuntimeError:  # a family without image_sizes
-        return
-    if len(pixels) != 4:  # phi3v's image_sizes describe crops, not padding
-        return
-    if (sizes[:, 0] > pixels[2]).any() or (sizes[:, 1] > pixels[3]).any():
-        raise InvalidRequestError(
-            f"onnxruntime-genai cannot batch these images for a {model_type} model: images of different "
-            "sizes must go in separate requests (or be given the same size)",
-            param="messages",
-        )
+    def _check_image_tokens(self, images: list[tuple[str, ImageInput]]) -> None:
+        """Refuse, before any pixel is decoded, images whose tokens alone pass the context."""
+        if self.image_tokens is None or not images:
+            return
+        sizes = [image_size(image.data) for _, image in images]
+        tokens = sum(self.image_tokens(*size) for size in sizes if size is not None)
+        if tokens >= self.max_sequence_length:
+            raise ContextLengthError(
+                f"the {len(images)} image{'s' if len(images) > 1 else ''} alone make {tokens} tokens, more than "
+                f"this model's limit of {self.max_sequence_length} tokens",
+                param="messages",
+            )

@@ -4,6 +4,8 @@ Multimodal models do not run on ``og.Engine`` ("Expected a decoder-only model") 
 ``ort-cpu`` (their decoder takes embeddings the vision and speech graphs produce), and
 some providers cannot batch with ``og.Engine``; so each request gets its own generator:
 
+* og runs in a process of its own (:mod:`._og_process`): its calls hold the GIL, which
+  in the server's process stopped every route while a long prompt or an image went in;
 * one owner thread runs up to ``concurrency`` generators, one token each in turn, so
   concurrent streams all advance; a new request's prompt (thousands of tokens with an
   image) goes in on a second thread meanwhile, so it does not stall them; more requests
@@ -28,20 +30,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import onnxruntime_genai as og
-
 from .._config import ModelConfig
 from .._errors import EngineError, ModelLoadError
 from .._threads import OwnerThread
 from ..chat._drafts import MAX_DRAFT_TOKENS, Drafter
 from ..chat._request import Request
 from ._base import EngineCapabilities
+from ._og_process import OgProcess, RemoteMedia
 
 __all__ = ["OgGeneratorEngine"]
 
 
 class OgGeneratorEngine(OwnerThread):
-    """An ``og.Generator`` per request on ``og_model``'s provider, interleaved token by token."""
+    """An ``og.Generator`` per request in ``og``'s process, interleaved token by token."""
 
     name = "og-generator"
     capabilities = EngineCapabilities(
@@ -51,7 +52,7 @@ class OgGeneratorEngine(OwnerThread):
     def __init__(
         self,
         model_name: str,
-        og_model: Any,
+        og: OgProcess,
         config: ModelConfig,
         *,
         concurrency: int,
@@ -63,33 +64,41 @@ class OgGeneratorEngine(OwnerThread):
         """og's least max_length for this folder (see GenaiFolder.shortest_sequence); the
         request still stops at its own max_tokens."""
         self.provider: str = config.provider
-        self._model = og_model
+        self._og = og
         self._speculative = config.speculative == "ngram"
         self.draft_tokens = 0
         """Draft tokens og checked for this engine's requests (n-gram speculation)."""
         self.accepted_draft_tokens = 0
         """Those that became output tokens."""
-        self._adapters: Any = None
-        if adapters:
-            self._adapters = og.Adapters(og_model)
-            for name, path in adapters.items():
-                try:
-                    self._adapters.load(str(path), name)
-                except RuntimeError as exc:
-                    raise ModelLoadError(
-                        f"adapter {name!r}: onnxruntime-genai cannot load {path}: {exc}", path=path
-                    ) from exc
+        for name, path in (adapters or {}).items():
+            try:
+                og.call("step", "load_adapter", name, str(path))
+            except RuntimeError as exc:
+                raise ModelLoadError(
+                    f"adapter {name!r}: onnxruntime-genai cannot load {path}: {exc}", path=path
+                ) from exc
         self._adapter_changes: list[tuple[str, Path | None, concurrent.futures.Future[None]]] = []
         """Adapters to load (a path) or retire (``None``), applied by the owner thread between steps."""
         self._retired: set[str] = set()
         """Adapters to unload from og once no generator uses them."""
         self.concurrency = concurrency
-        self._running: dict[Request, Any] = {}
-        """Requests being generated, each with its og.Generator."""
-        self._starting: dict[Request, concurrent.futures.Future[Any]] = {}
+        self._running: dict[Request, None] = {}
+        """Requests being generated, in the order they started (each has an og.Generator
+        in og's process, by its id)."""
+        self._starting: dict[Request, concurrent.futures.Future[None]] = {}
         """Requests whose prompt goes in on the prefill thread (an image prompt takes long;
         the running streams keep stepping meanwhile: og generators run side by side)."""
         self._start_thread()
+
+    @property
+    def failed(self) -> str | None:
+        """Why og's process is gone, once it is: the model must be loaded again."""
+        return self._og.failure
+
+    @property
+    def process_resident_bytes(self) -> int:
+        """The resident memory of og's process (the model's weights and caches)."""
+        return self._og.resident_bytes()
 
     @property
     def active(self) -> int:
@@ -124,7 +133,7 @@ class OgGeneratorEngine(OwnerThread):
                 for request in ended:
                     if request in self._inbox:
                         self._inbox.remove(request)
-                    self._running.pop(request, None)
+                    self._end(request)
                 admit = bool(self._inbox) and not starting and not changes and len(self._running) < self.concurrency
                 if admit:
                     admitted = self._inbox.popleft()
@@ -137,11 +146,9 @@ class OgGeneratorEngine(OwnerThread):
             if adapting:
                 self._change_adapters(changes, in_use)
             for request in [r for r, f in starting.items() if f.done()]:
-                # popped into the call: no local name keeps the generator (and og's hold
-                # on its adapter) alive after its request ends
                 self._started(request, starting.pop(request))
-            for request, generator in list(self._running.items()):
-                self._guarded(request, self._step, request, generator)
+            for request in list(self._running):
+                self._guarded(request, self._step, request)
         prefill.shutdown(wait=True)
         for _, _, done in self._adapter_changes:
             done.set_exception(self._closed_error())
@@ -150,6 +157,7 @@ class OgGeneratorEngine(OwnerThread):
             request.deliver(error)
         self._inbox.clear()
         self._running.clear()
+        self._og.close()
 
     def add_adapter(self, key: str, path: Path) -> None:
         """Load LoRA adapter ``key`` into og (on the owner thread, between steps, while no
@@ -179,16 +187,14 @@ class OgGeneratorEngine(OwnerThread):
                 done.set_result(None)
                 continue
             try:
-                if self._adapters is None:
-                    self._adapters = og.Adapters(self._model)
-                self._adapters.load(str(path), key)
+                self._og.call("step", "load_adapter", key, str(path))
             except Exception as exc:  # noqa: BLE001  # og's error for the file, to the caller
                 done.set_exception(exc)
             else:
                 done.set_result(None)
         for key in self._retired - in_use:
             with contextlib.suppress(Exception):  # a generator still holds it: again after the next step
-                self._adapters.unload(key)
+                self._og.call("step", "unload_adapter", key)
                 self._retired.discard(key)
 
     def _guarded(self, request: Request, action: Any, *args: Any) -> None:
@@ -196,8 +202,15 @@ class OgGeneratorEngine(OwnerThread):
         try:
             action(*args)
         except Exception as exc:  # noqa: BLE001
-            self._running.pop(request, None)
-            request.deliver(EngineError(f"generation failed: {exc}"))
+            self._end(request)
+            request.deliver(exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}"))
+
+    def _end(self, request: Request) -> None:
+        """Stop generating ``request``; its generator (and og's hold on its adapter) goes
+        with og's next call."""
+        if request in self._running:
+            del self._running[request]
+            self._og.forget_generator(request.id)
 
     def _og_speculates(self, request: Request) -> bool:
         """Whether og decodes ``request`` itself with n-gram speculation: greedy, and nothing
@@ -211,75 +224,76 @@ class OgGeneratorEngine(OwnerThread):
             and options.min_tokens == 0
         )
 
-    def _prefill(self, request: Request) -> Any:
-        """On the prefill thread: a generator with the prompt in its cache."""
-        params = og.GeneratorParams(self._model)
-        params.set_search_options(max_length=max(len(request.prompt) + request.max_tokens, self._shortest))
-        if self._og_speculates(request):
-            params.set_search_options(do_sample=False)
-            # og's n-gram drafts: 3 tokens looked up, up to MAX_DRAFT_TOKENS drafted, their
-            # number adapted by og to the acceptance (down to 1).
-            params.set_speculative_options(ngram_size=3, max_draft_tokens=MAX_DRAFT_TOKENS, min_adaptive_k=1)
-            # Marks the request as og's to decode (_og_step), and counts og's drafts for the usage.
+    def _prefill(self, request: Request) -> None:
+        """On the prefill thread: a generator with the prompt in its cache, in og's process."""
+        speculates = self._og_speculates(request)
+        if speculates:
+            # og drafts n-grams of 3 tokens, up to MAX_DRAFT_TOKENS, their number adapted to
+            # the acceptance (down to 1). The drafter marks the request as og's to decode
+            # (_og_step) and counts og's drafts for the usage.
             request.drafter = Drafter(request.prompt)
-        generator = og.Generator(self._model, params)
-        if request.adapter is not None:
-            generator.set_active_adapter(self._adapters, request.adapter)
-        if request.media is not None:
-            generator.set_inputs(request.media)
-        else:
-            generator.append_tokens(request.prompt)
-        return generator
+        media = request.media
+        self._og.call(
+            "prefill",
+            "start",
+            request.id,
+            max(len(request.prompt) + request.max_tokens, self._shortest),
+            speculates,
+            MAX_DRAFT_TOKENS,
+            request.adapter,
+            media.key if isinstance(media, RemoteMedia) else None,
+            [] if media is not None else request.prompt,
+        )
 
-    def _started(self, request: Request, future: concurrent.futures.Future[Any]) -> None:
+    def _started(self, request: Request, future: concurrent.futures.Future[None]) -> None:
+        error = future.exception()
+        if error is None:
+            self._running[request] = None
         if request.cancelled:
+            self._end(request)
             request.deliver(request.final("cancelled"))
             return
-        error = future.exception()
         if error is not None:
-            request.deliver(EngineError(f"generation failed: {error}"))
+            self._og.forget_generator(request.id)
+            request.deliver(error if isinstance(error, EngineError) else EngineError(f"generation failed: {error}"))
             return
-        self._running[request] = future.result()
         step = self._og_step if request.drafter is not None else self._accept
-        self._guarded(request, step, request, self._running[request])
+        self._guarded(request, step, request)
 
-    def _step(self, request: Request, generator: Any) -> None:
+    def _step(self, request: Request) -> None:
         if request.drafter is not None:
-            self._og_step(request, generator)
-            return
-        generator.append_tokens([request.tokens[-1]])
-        self._accept(request, generator)
+            self._og_step(request)
+        else:
+            self._accept(request, request.tokens[-1])
 
-    def _og_step(self, request: Request, generator: Any) -> None:
+    def _og_step(self, request: Request) -> None:
         """og generates the next tokens (one, or several when a draft is accepted)."""
-        generator.generate_next_token()
-        stats = generator.get_speculative_stats()
+        known = len(request.prompt) + len(request.tokens)
+        new, proposed, accepted, done, length = self._og.call("step", "og_step", request.id, known)
         drafter = request.drafter
         assert drafter is not None
-        proposed, accepted = int(stats["draft_tokens_evaluated"]), int(stats["draft_tokens_accepted"])
         self.draft_tokens += proposed - drafter.proposed
         self.accepted_draft_tokens += accepted - drafter.accepted
         drafter.proposed, drafter.accepted = proposed, accepted
-        sequence = generator.get_sequence(0)
-        new = [int(t) for t in sequence[len(request.prompt) + len(request.tokens) :]]
         for token in new:
             event = request.take(token)
             request.deliver(event)
             if event.finish_reason is not None:
                 break
         else:
-            if not generator.is_done():
+            if not done:
                 return
-            if request.eos and len(sequence) < len(request.prompt) + request.max_tokens:
+            if request.eos and length < len(request.prompt) + request.max_tokens:
                 # og ends on EOS without putting it in the sequence; the front counts EOS as
                 # generated (as the host path does) and streams no text for it.
                 request.deliver(request.take(min(request.eos)))
             else:
                 request.deliver(request.final("length"))
-        del self._running[request]
+        self._end(request)
 
-    def _accept(self, request: Request, generator: Any) -> None:
-        event = request.advance(generator.get_logits().reshape(-1))
+    def _accept(self, request: Request, token: int | None = None) -> None:
+        """The logits after ``token`` (none: after the prompt) sampled into the next event."""
+        event = request.advance(self._og.call("step", "logits", request.id, token))
         if event.finish_reason is not None:
-            del self._running[request]
+            self._end(request)
         request.deliver(event)

@@ -1,0 +1,173 @@
+"""onnxruntime-genai in a process of its own, for the ``og-generator`` engine.
+
+``og.Generator``'s calls hold the GIL while they run (``set_inputs`` with an image,
+``append_tokens`` with a long prompt, the multimodal processor): in the server's process
+one 3,900-token prompt stopped every route for 0.84 s and eight 25-megapixel images for
+6.3 s. In a child process they hold only the child's GIL, and a crash inside og ends
+that model's requests with an error rather than the server.
+
+:class:`OgProcess` is the parent's side: it starts
+``ortserve_runtime.engines._og_child`` (see :data:`_BOOTSTRAP`) with one socket pair per *lane* (``step``,
+``prefill``, ``media``), so the engine's owner thread, its prefill thread and the chat
+front's media preparation each talk to a thread of their own in the child and go on side
+by side as they did in one process. A call is one pickled message and its answer; logits
+come back as a NumPy array (one copy of vocabulary-sized floats, tens of microseconds,
+against a decode step of milliseconds). The child holds the ``og.Model``, the generators by
+request id and the processed media by id; the parent names what to drop with its next call.
+The child exits when the parent closes the lanes or dies (they read end-of-file).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from .._config import ModelConfig
+from .._errors import EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
+
+__all__ = ["LANES", "OgProcess", "RemoteMedia"]
+
+LANES = ("step", "prefill", "media")
+"""One per parent thread that calls og: the owner thread's decode steps (and adapters),
+the prefill thread's new generators, and the chat front's media processing."""
+
+
+_BOOTSTRAP = """
+import sys, types
+package = sys.argv[1]
+for name, path in (("ortserve_runtime", package), ("ortserve_runtime.engines", package + "/engines")):
+    module = types.ModuleType(name)
+    module.__path__ = [path]
+    sys.modules[name] = module
+from ortserve_runtime.engines._og_child import main
+main(sys.argv[2:])
+"""
+"""Starts the child without running the packages' ``__init__`` (they import every model
+kind and engine: 0.96 s, against the child's own few modules)."""
+
+
+class RemoteMedia:
+    """A multimodal prompt's processed inputs, held in the child under ``key``; dropped
+    there once this object is gone."""
+
+    __slots__ = ("__weakref__", "key")
+
+    def __init__(self, process: OgProcess, key: int) -> None:
+        self.key = key
+        import weakref
+
+        weakref.finalize(self, process.forget_media, key)
+
+
+class OgProcess:
+    """The parent's side of one model's og process (see the module docstring)."""
+
+    def __init__(self, folder: Path, config: ModelConfig) -> None:
+        self.folder = folder
+        pairs = [socket.socketpair() for _ in LANES]
+        child_fds = [child.fileno() for _, child in pairs]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        package = Path(__file__).resolve().parents[1]
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, str(package), *map(str, child_fds)],
+            pass_fds=child_fds,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        for _, child in pairs:
+            child.close()
+        self._lanes = {name: Connection(ours.detach()) for name, (ours, _) in zip(LANES, pairs, strict=True)}
+        self._locks = {name: threading.Lock() for name in LANES}
+        self._forgotten: list[tuple[str, int]] = []
+        """Media and generators to drop in the child, sent with the next call (list.append
+        is atomic: a finalizer may add to it from any thread)."""
+        try:
+            self.call("step", "load", str(folder), config)
+        except EngineError as exc:
+            self.close()
+            if isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{folder} could not be loaded: {exc}", path=folder) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def call(self, lane: str, op: str, *args: Any) -> Any:
+        """Run ``op`` in the child on ``lane`` and return its answer; what the child raised
+        comes back as :class:`InvalidRequestError`, :class:`ModelLoadError` or
+        ``RuntimeError`` with og's message; a child that ended is a :class:`ModelCrashedError`."""
+        forgotten, self._forgotten = self._forgotten, []
+        connection = self._lanes[lane]
+        with self._locks[lane]:
+            try:
+                connection.send_bytes(pickle.dumps((forgotten, op, args), protocol=pickle.HIGHEST_PROTOCOL))
+                status, value = pickle.loads(connection.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise ModelCrashedError(self._death()) from exc
+        if status == "ok":
+            return value
+        kind, message = value
+        if kind == "invalid":
+            raise InvalidRequestError(message, param="messages")
+        if kind == "load":
+            raise ModelLoadError(message, path=self.folder)
+        if kind == "value":
+            raise ValueError(message)
+        raise RuntimeError(message)
+
+    def process(
+        self, text: str, pngs: Sequence[bytes], audios: Sequence[bytes], model_type: str
+    ) -> tuple[list[int], RemoteMedia]:
+        """og's multimodal processor on a rendered chat and its media (decoded and checked
+        already): the prompt's ids, and its inputs as the child keeps them."""
+        ids, key = self.call("media", "process", text, pngs, audios, model_type)
+        return ids, RemoteMedia(self, key)
+
+    def forget_media(self, key: int) -> None:
+        self._forgotten.append(("media", key))
+
+    def forget_generator(self, key: int) -> None:
+        self._forgotten.append(("generator", key))
+
+    def resident_bytes(self) -> int:
+        """The child's resident set size (Linux; 0 elsewhere)."""
+        try:
+            with open(f"/proc/{self._process.pid}/statm") as statm:
+                return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    @property
+    def failure(self) -> str | None:
+        """Why the child is gone, once it is (``None`` while it runs)."""
+        return self._death() if self._process.poll() is not None else None
+
+    def _death(self) -> str:
+        try:
+            code = self._process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = f"exit status {code}" if code is not None and code >= 0 else f"signal {-(code or 0)}"
+        return f"the onnxruntime-genai process of this model ended ({how}); the next request loads it again"
+
+    def close(self) -> None:
+        """Close the lanes (the child exits on reading their end) and reap the child."""
+        for connection in self._lanes.values():
+            connection.close()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()

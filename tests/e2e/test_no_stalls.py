@@ -1,0 +1,161 @@
+"""No request freezes the server: onnxruntime-genai's calls (which hold the GIL) run in a
+process of their own, and images that cannot fit are refused from their headers. Each case
+is the probe's, against a real `ortserve serve` process, with /health polled throughout."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+from test_connections import serving
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+PHI3V = FIXTURES / "tiny-phi3v"
+GAP = 0.1
+"""The longest /health may take while the work runs (seconds)."""
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with serving("--model", f"v={PHI3V}") as (_, url):
+        yield url
+
+
+@contextmanager
+def health_watch(url: str) -> Iterator[list[float]]:
+    """Times of /health answers (polled every 5 ms) while the block runs."""
+    times: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                start = time.perf_counter()
+                assert client.get(f"{url}/health").status_code == 200
+                times.append(time.perf_counter() - start)
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        yield times
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _chat(url: str, content: Any, model: str = "v") -> httpx.Response:
+    body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def _image_url(size: int, kind: str) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (size, size), (120, 30, 200)).save(out, kind)
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _during(url: str, work: Callable[[], Any]) -> tuple[Any, float]:
+    with health_watch(url) as times:
+        result = work()
+    return result, max(times)
+
+
+def test_a_long_prompt_does_not_stall_health(url: str) -> None:
+    """3,900 tokens into og.Generator held the GIL 0.84 s in the server's process."""
+    reply, gap = _during(url, lambda: _chat(url, "hello world " * 1950))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] > 3800
+    print(f"longest /health: {gap * 1000:.0f} ms")
+    assert gap < GAP, gap
+
+
+def test_an_image_does_not_stall_health(url: str) -> None:
+    image = _image_url(1500, "PNG")
+    content = [{"type": "text", "text": "what"}, {"type": "image_url", "image_url": {"url": image}}]
+    reply, gap = _during(url, lambda: _chat(url, content))
+    assert reply.status_code == 200, reply.text
+    print(f"longest /health: {gap * 1000:.0f} ms")
+    assert gap < GAP, gap
+
+
+@pytest.mark.parametrize("kind", ["PNG", "JPEG"])
+def test_images_that_cannot_fit_are_refused_before_decoding(url: str, kind: str) -> None:
+    """Eight 5000x5000 images: 20,096 tokens for a 4,096-token model, found after 6 s of
+    decoding and processing (2.4 GB); four such requests at once held a text chat 4.7 s."""
+    image = _image_url(5000, kind)
+    content = [{"type": "text", "text": "what"}] + [{"type": "image_url", "image_url": {"url": image}}] * 8
+    replies: list[httpx.Response] = []
+
+    def work() -> tuple[float, httpx.Response]:
+        threads = [threading.Thread(target=lambda: replies.append(_chat(url, content))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        start = time.perf_counter()
+        text = _chat(url, "hi")
+        waited = time.perf_counter() - start
+        for thread in threads:
+            thread.join()
+        return waited, text
+
+    (waited, text), gap = _during(url, work)
+    assert text.status_code == 200 and waited < 2, (text.status_code, waited)
+    for reply in replies:
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+        assert "images alone make" in error["message"]
+    print(f"longest /health: {gap * 1000:.0f} ms")
+    assert gap < GAP, gap
+
+
+def _og_processes(server_pid: int) -> list[int]:
+    """The server's child processes (of any of its threads: models load on worker threads)."""
+    tasks = Path(f"/proc/{server_pid}/task")
+    if not tasks.exists():
+        pytest.skip("no /proc to find the model's process")
+    return [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+
+
+def test_a_crash_in_onnxruntime_genai_fails_its_requests_and_the_model_comes_back() -> None:
+    """og's process killed mid-stream (as a crash inside og would end it): that stream
+    ends with an error event naming what happened, the server and its other models serve
+    on, and the next request to the model loads it again."""
+    with serving("--model", f"v={PHI3V}", "--model", f"q={FIXTURES / 'tiny-qwen2'}") as (process, url):
+        (child,) = _og_processes(process.pid)  # tiny-qwen2 runs on ort-cpu, in the server's process
+        body = {
+            "model": "v",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3000,
+            "min_tokens": 3000,
+            "stream": True,
+        }
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as stream:
+            for line in stream.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == 10:
+                    os.kill(child, signal.SIGKILL)
+        assert events[-1] == "data: [DONE]", events[-3:]
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "model_crashed", error
+        assert "onnxruntime-genai process of this model ended (signal 9)" in error["message"]
+        assert _chat(url, "hi", model="q").status_code == 200
+        assert _chat(url, "hi").status_code == 200  # loaded again, in a new process
+        (again,) = _og_processes(process.pid)
+        assert again != child
+        assert process.poll() is None
