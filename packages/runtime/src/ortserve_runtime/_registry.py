@@ -626,7 +626,7 @@ class ModelRegistry:
         gc.collect()
         before = resident_memory()
         model = self._factory(entry.kind)(entry.name, entry.path, entry.config)
-        elsewhere = getattr(getattr(model, "engine", None), "process_resident_bytes", 0)  # og's own process
+        elsewhere = getattr(model, "process_resident_bytes", 0)  # og's own process
         return model, max(0, resident_memory() - before) + elsewhere
 
     async def close(self) -> None:

@@ -1,7 +1,9 @@
 """Speech-to-text models (Whisper) on onnxruntime-genai's ``og.Generator``.
 
 Encoder-decoder models do not run on ``og.Engine`` ("Expected a decoder-only model"), so
-requests go to one worker thread that owns the model and runs one generator at a time.
+requests go to one worker thread that runs one generator at a time, in the model's own og
+process (``engines._og_process``: og's calls hold the GIL, and a long recording held every
+route of the server up to 0.14 s at a time with the tiny test model, longer with real ones).
 Requests take turns by 30-second window, so a short clip is not stuck behind a long
 recording; a cancelled request leaves at once, or stops at its next token.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import queue
 import threading
@@ -21,15 +24,14 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
-import onnxruntime_genai as og
 import soundfile
 from tokenizers import Tokenizer
 
 from ._config import ModelConfig
-from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
-from ._folder import load_og_model
+from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
 from ._threads import resolve_future
 from .chat._sampling import GenerationOptions, Sampler
+from .engines._og_process import OgProcess
 
 __all__ = ["Segment", "SpeechModel", "Transcription"]
 
@@ -105,9 +107,9 @@ class SpeechModel:
         # On the provider the config names, or a ModelLoadError that says what to install.
         # Whisper keeps og's own thread default unless intra_op_threads (--threads) is set,
         # which then reaches its encoder and decoder, as session_options do.
-        self._model = load_og_model(folder, config, every_core=False)
+        self._og = OgProcess(folder, config, every_core=False)
         try:
-            self._processor = self._model.create_multimodal_processor()
+            self._og.call("step", "load_processor")
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
             genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
             self.context_length = int(genai["model"]["context_length"])
@@ -124,10 +126,14 @@ class SpeechModel:
             self._transcribe, self._no_timestamps = int(special["transcribe"] or 0), int(special["notimestamps"] or 0)
             # Text tokens sit below <|endoftext|>; timestamps (0.02 s apart) from <|0.00|> on.
             self._end_of_text, self._timestamp_begin = int(special["endoftext"] or 0), int(special["0.00"] or 0)
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
+        except BaseException as exc:
+            self._og.close()
+            if isinstance(exc, ModelLoadError) or not isinstance(exc, Exception):
+                raise
+            # onnxruntime-genai raises plain RuntimeError for broken folders
             raise ModelLoadError(f"{folder} could not be loaded as a speech model: {exc}", path=folder) from exc
+        self._generators = itertools.count(1)
+        """Keys of the generators made in og's process, one per window."""
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._turns: deque[tuple[_Job, Generator[None, None, tuple[int, list[_Window], float | None]]]] = deque()
         """Requests in hand, taking turns by window (worker thread only)."""
@@ -205,10 +211,21 @@ class SpeechModel:
         tokens = sum(len(window.tokens) for window in windows)
         return Transcription(text, self._languages[language_id], duration, tokens, segments)
 
+    @property
+    def failed(self) -> str | None:
+        """Why the model cannot serve any more (its og process ended), or ``None``."""
+        return self._og.failure
+
+    @property
+    def process_resident_bytes(self) -> int:
+        """The resident memory of the model's og process."""
+        return self._og.resident_bytes()
+
     async def close(self) -> None:
         self._closed = True
         self._queue.put(None)
         await asyncio.to_thread(self._worker.join)
+        await asyncio.to_thread(self._og.close)
 
     def _run(self) -> None:
         turns = self._turns
@@ -229,7 +246,7 @@ class SpeechModel:
                 next(steps)  # one window
             except StopIteration as done:
                 resolve_future(job.loop, job.future, done.value)
-            except (InvalidRequestError, EngineClosedError) as exc:
+            except (InvalidRequestError, EngineClosedError, ModelCrashedError) as exc:
                 resolve_future(job.loop, job.future, exc)
             except Exception as exc:  # noqa: BLE001  # any other failure fails this request only
                 resolve_future(job.loop, job.future, EngineError(f"transcription failed: {exc}"))
@@ -275,36 +292,35 @@ class SpeechModel:
         self, audio: bytes, prompt: str, language_id: int | None, max_tokens: int, job: _Job
     ) -> tuple[int, list[int]]:
         """One window: the language (detected if not given) and the tokens up to <|endoftext|>."""
-        try:
-            inputs = self._processor(prompt, audios=og.Audios.open_bytes(audio))
-        except RuntimeError as exc:  # og reports undecodable or empty audio as RuntimeError
-            raise InvalidRequestError(f"the audio could not be decoded: {exc}", param="file") from exc
+        _, inputs = self._og.process(
+            prompt, [], [audio], "whisper", lane="step", param="file"
+        )  # undecodable or empty audio: a 400 naming the file
         task = [self._transcribe] if job.timestamps else [self._transcribe, self._no_timestamps]
         prompt_length = len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) + 1 + len(task)
         if prompt_length >= self.context_length:
             raise InvalidRequestError("the prompt leaves no room to transcribe", param="prompt")
         max_tokens = min(max_tokens, self.context_length - prompt_length)
-        params = og.GeneratorParams(self._model)
-        params.set_search_options(max_length=prompt_length + max_tokens)
-        generator = og.Generator(self._model, params)
-        generator.set_inputs(inputs)
-        if language_id is None:
-            logits = generator.get_logits().reshape(-1)
-            language_id = max(self._languages, key=lambda i: float(logits[i]))
-        generator.append_tokens([language_id, *task])
-        # Sampled here rather than by og, so that the timestamp rules can shape the logits.
-        sampler = Sampler(GenerationOptions(temperature=job.temperature), frozenset({self._end_of_text}))
-        tokens: list[int] = []
-        while not job.cancelled and len(tokens) < max_tokens:
-            logits = self._allowed(
-                np.array(generator.get_logits().reshape(-1), dtype=np.float32), tokens, job.timestamps
-            )
-            token = sampler.choose(logits, [], len(tokens))
-            if token == self._end_of_text:
-                break
-            tokens.append(token)
-            if len(tokens) < max_tokens:
-                generator.append_tokens([token])
+        key = next(self._generators)
+        self._og.call("step", "start", key, prompt_length + max_tokens, False, 0, None, inputs.key, [])
+        try:
+            if language_id is None:
+                logits = self._og.call("step", "logits", key, [])
+                language_id = max(self._languages, key=lambda i: float(logits[i]))
+            logits = self._og.call("step", "logits", key, [language_id, *task])
+            # Sampled here rather than by og, so that the timestamp rules can shape the logits.
+            sampler = Sampler(GenerationOptions(temperature=job.temperature), frozenset({self._end_of_text}))
+            tokens: list[int] = []
+            while not job.cancelled and len(tokens) < max_tokens:
+                token = sampler.choose(
+                    self._allowed(np.array(logits, dtype=np.float32), tokens, job.timestamps), [], len(tokens)
+                )
+                if token == self._end_of_text:
+                    break
+                tokens.append(token)
+                if len(tokens) < max_tokens:
+                    logits = self._og.call("step", "logits", key, [token])
+        finally:
+            self._og.forget_generator(key)
         return language_id, tokens
 
     def _allowed(self, logits: npt.NDArray[np.float32], tokens: list[int], timestamps: bool) -> npt.NDArray[np.float32]:

@@ -118,6 +118,12 @@ class ChatModel:
         return failed
 
     @property
+    def process_resident_bytes(self) -> int:
+        """The resident memory of the process the engine runs og in (0: this process)."""
+        size: int = getattr(self.engine, "process_resident_bytes", 0)
+        return size
+
+    @property
     def token_bytes(self) -> TokenBytes:
         """Token id -> text and bytes, for log-probabilities (made on first use: it reads
         the whole tokenizer once, which most requests never need)."""

@@ -33,11 +33,11 @@ class _Child:
 
     # Each op runs on the lane it was sent on; ops of different lanes run side by side.
 
-    def load(self, folder: str, config: ModelConfig) -> None:
+    def load(self, folder: str, config: ModelConfig, every_core: bool) -> None:
         from .._folder import load_og_model
 
         self.folder, self.config = Path(folder), config
-        self.model = load_og_model(self.folder, config)
+        self.model = load_og_model(self.folder, config, every_core=every_core)
 
     def check_runs(self, speculative: bool) -> None:
         from .._folder import GenaiFolder, check_og_runs
@@ -69,7 +69,7 @@ class _Child:
         ]
 
     def process(
-        self, text: str, pngs: Sequence[bytes], audios: Sequence[bytes], model_type: str
+        self, text: str, pngs: Sequence[bytes], audios: Sequence[bytes], model_type: str, param: str
     ) -> tuple[list[int], int]:
         """The processor's inputs for a rendered chat and its media (decoded and checked by
         the parent), kept under a new key; the prompt's ids go back."""
@@ -81,9 +81,10 @@ class _Child:
                 images=og.Images.open_bytes(*pngs) if pngs else None,
                 audios=og.Audios.open_bytes(*audios) if audios else None,
             )
-            ids = [int(t) for t in inputs["input_ids"].as_numpy().reshape(-1)]
+            ids = [int(t) for t in inputs["input_ids"].as_numpy().reshape(-1)] if model_type != "whisper" else []
         except RuntimeError as exc:  # og reports undecodable audio and placeholder mismatches so
-            raise InvalidRequestError(f"the media could not be processed: {exc}", param="messages") from exc
+            what = "the audio could not be decoded" if model_type == "whisper" else "the media could not be processed"
+            raise InvalidRequestError(f"{what}: {exc}", param=param) from exc
         if len(pngs) > 1:
             _check_padding(inputs, model_type)
         self.next_media += 1
@@ -116,10 +117,11 @@ class _Child:
             generator.append_tokens(list(prompt))
         self.generators[key] = generator
 
-    def logits(self, key: int, token: int | None) -> Any:
+    def logits(self, key: int, tokens: Sequence[int]) -> Any:
+        """The logits after appending ``tokens`` (none: where the generator stands)."""
         generator = self.generators[key]
-        if token is not None:
-            generator.append_tokens([token])
+        if tokens:
+            generator.append_tokens(list(tokens))
         return generator.get_logits().reshape(-1)
 
     def og_step(self, key: int, known: int) -> tuple[list[int], int, int, bool, int]:
@@ -184,7 +186,7 @@ def _serve(child: _Child, connection: Connection) -> None:
         try:
             answer: tuple[str, Any] = ("ok", _OPS[op](child, *args))
         except InvalidRequestError as exc:
-            answer = ("err", ("invalid", str(exc)))
+            answer = ("err", ("invalid", (str(exc), exc.param)))
         except ModelLoadError as exc:
             answer = ("err", ("load", str(exc)))
         except ValueError as exc:  # a setting og refuses (provider options...)

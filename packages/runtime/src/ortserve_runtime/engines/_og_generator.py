@@ -293,7 +293,7 @@ class OgGeneratorEngine(OwnerThread):
 
     def _accept(self, request: Request, token: int | None = None) -> None:
         """The logits after ``token`` (none: after the prompt) sampled into the next event."""
-        event = request.advance(self._og.call("step", "logits", request.id, token))
+        event = request.advance(self._og.call("step", "logits", request.id, [] if token is None else [token]))
         if event.finish_reason is not None:
             self._end(request)
         request.deliver(event)

@@ -70,7 +70,7 @@ class RemoteMedia:
 class OgProcess:
     """The parent's side of one model's og process (see the module docstring)."""
 
-    def __init__(self, folder: Path, config: ModelConfig) -> None:
+    def __init__(self, folder: Path, config: ModelConfig, *, every_core: bool = True) -> None:
         self.folder = folder
         pairs = [socket.socketpair() for _ in LANES]
         child_fds = [child.fileno() for _, child in pairs]
@@ -90,7 +90,7 @@ class OgProcess:
         """Media and generators to drop in the child, sent with the next call (list.append
         is atomic: a finalizer may add to it from any thread)."""
         try:
-            self.call("step", "load", str(folder), config)
+            self.call("step", "load", str(folder), config, every_core)
         except EngineError as exc:
             self.close()
             if isinstance(exc, ModelLoadError):
@@ -120,7 +120,8 @@ class OgProcess:
             return value
         kind, message = value
         if kind == "invalid":
-            raise InvalidRequestError(message, param="messages")
+            text, param = message
+            raise InvalidRequestError(text, param=param)
         if kind == "load":
             raise ModelLoadError(message, path=self.folder)
         if kind == "value":
@@ -128,11 +129,19 @@ class OgProcess:
         raise RuntimeError(message)
 
     def process(
-        self, text: str, pngs: Sequence[bytes], audios: Sequence[bytes], model_type: str
+        self,
+        text: str,
+        pngs: Sequence[bytes],
+        audios: Sequence[bytes],
+        model_type: str,
+        *,
+        lane: str = "media",
+        param: str = "messages",
     ) -> tuple[list[int], RemoteMedia]:
         """og's multimodal processor on a rendered chat and its media (decoded and checked
-        already): the prompt's ids, and its inputs as the child keeps them."""
-        ids, key = self.call("media", "process", text, pngs, audios, model_type)
+        already): the prompt's ids (none for Whisper), and its inputs as the child keeps
+        them; what og cannot process is an :class:`InvalidRequestError` naming ``param``."""
+        ids, key = self.call(lane, "process", text, pngs, audios, model_type, param)
         return ids, RemoteMedia(self, key)
 
     def forget_media(self, key: int) -> None:
