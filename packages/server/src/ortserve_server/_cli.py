@@ -242,6 +242,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "or ORTSERVE_API_KEY",
     )
     serve.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR|none",
+        help="where state that outlives the server is kept (stored Responses, in DIR/ortserve.db); "
+        "'none' keeps it in memory (default: the user's state directory, or ORTSERVE_STATE_DIR)",
+    )
+    serve.add_argument(
         "--prefix-cache-scope",
         choices=("shared", "key"),
         default="shared",
@@ -502,6 +509,17 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it has no chat")
 
 
+def _state_dir(given: str | None) -> Path | None:
+    """``--state-dir``: a folder, ``none`` (memory), or by default ``ORTSERVE_STATE_DIR``,
+    else the user's state directory."""
+    given = given if given is not None else os.environ.get("ORTSERVE_STATE_DIR")
+    if given is not None:
+        return None if given.lower() == "none" else Path(given).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("ortserve", appauthor=False))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ortserve_runtime import ModelConfig, ModelLoadError
 
@@ -543,6 +561,7 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             api_key=tuple(args.api_key) or os.environ.get("ORTSERVE_API_KEY") or None,
             prefix_cache_scope=args.prefix_cache_scope,
+            state_dir=_state_dir(args.state_dir),
             max_queued=args.max_queued,
             image_url_hosts=tuple(args.allow_image_host),
             allowed_hosts=tuple(args.allow_host),

@@ -119,6 +119,10 @@ class ServerConfig:
     oldest go first."""
     responses_store_ttl: float = 3600.0
     """Seconds a stored response is kept after it was made."""
+    state_dir: Path | None = None
+    """Where state that outlives the process is kept (stored Responses, in the SQLite file
+    ``ortserve.db``; replicas may share it); ``None`` keeps it in this process's memory.
+    ``ortserve serve`` defaults to the user's state directory (``--state-dir none``: memory)."""
 
     @property
     def api_keys(self) -> tuple[str, ...]:

@@ -32,6 +32,8 @@ Decisions, where OpenAI leaves room:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import re
 import time
@@ -470,6 +472,8 @@ class _Exchange:
         tag = state.config.response_id_tag  # a Ray replica's id: see ortserve_server.ray
         self.id = f"resp_{tag}-{uuid.uuid4().hex}" if tag else _new_id("resp")
         self.created = int(time.time())
+        self.saving: concurrent.futures.Future[None] | None = None
+        """The store's write of the finished response, where it goes to a file."""
 
     def response(
         self, output: list[rp.OutputItem], status: str, usage: rp.ResponseUsage | None = None, reason: str | None = None
@@ -504,7 +508,7 @@ class _Exchange:
         status = "incomplete" if reason == "length" else "completed"
         response = self.response(output, status, _usage(usage, reasoning_tokens), reason)
         if self.data.store is True:
-            self.state.responses.put(response, [*self.items, *(_as_input(item) for item in output)])
+            self.saving = self.state.responses.put(response, [*self.items, *(_as_input(item) for item in output)])
         return response
 
 
@@ -524,11 +528,11 @@ async def create_response(
     _check(data, ortserve, model)
     history: list[tuple[str, rp.InputItem]] = []
     if isinstance(data.previous_response_id, str):
-        previous = ortserve.responses.get(data.previous_response_id)
+        previous = await ortserve.responses.get(data.previous_response_id)
         if previous is None:
             raise PreviousResponseNotFoundError(
                 f"previous response {data.previous_response_id!r} was not found (responses are kept only when "
-                "created with store: true, in this server process, for a limited time)",
+                "created with store: true, for a limited time, and across restarts only with a state dir)",
                 param="previous_response_id",
             )
         history = [("previous_response_id", item) for item in previous.items]
@@ -546,7 +550,10 @@ async def create_response(
         return _stream_response(_events(run, exchange, output))
     texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
     output.feed(run.reasonings[0], texts[0], calls[0], finish[0])
-    return Response(exchange.finished(output.items, finish[0], usage, run.reasoning_tokens[0]))
+    response = exchange.finished(output.items, finish[0], usage, run.reasoning_tokens[0])
+    if exchange.saving is not None:  # on disk before the client learns its id (a streamed one: as it is sent)
+        await asyncio.wrap_future(exchange.saving)
+    return Response(response)
 
 
 def _events(run: _Generation, exchange: _Exchange, output: _Output) -> Any:
@@ -585,7 +592,7 @@ def _events(run: _Generation, exchange: _Exchange, output: _Output) -> Any:
     responses=error_responses(404, *GET_ERRORS),
 )
 async def retrieve_response(response_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> rp.Response:
-    stored = ortserve.responses.get(response_id)
+    stored = await ortserve.responses.get(response_id)
     if stored is None:
         raise ResponseNotFoundError(f"response {response_id!r} was not found", param="response_id")
     return stored.response
@@ -598,7 +605,7 @@ async def retrieve_response(response_id: FromPath[str], ortserve: NamedDependenc
     responses=error_responses(404, *GET_ERRORS),
 )
 async def delete_response(response_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> rp.ResponseDeleted:
-    if not ortserve.responses.delete(response_id):
+    if not await ortserve.responses.delete(response_id):
         raise ResponseNotFoundError(f"response {response_id!r} was not found", param="response_id")
     return rp.ResponseDeleted(id=response_id)
 

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import logging
 import re
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 from ortserve_runtime import ModelCapacityError, ModelLoadError, ModelRegistry
@@ -15,7 +17,7 @@ from ortserve_runtime import ModelCapacityError, ModelLoadError, ModelRegistry
 from ._body_budget import BodyBudget
 from ._config import ServerConfig
 from ._metrics import Metrics
-from ._response_store import ResponseStore
+from ._response_store import STATE_FILE, ResponseStore
 
 __all__ = ["OrtServe"]
 
@@ -50,9 +52,13 @@ class OrtServe:
         """The request bodies held at once, charged by every API route."""
         self.metrics.watch_prefix_caches(self._prefix_caches)
         self.created = int(time.time())
-        self.responses = ResponseStore(
-            config.responses_store_max, config.responses_store_max_bytes, config.responses_store_ttl
-        )
+        state_file = None if config.state_dir is None else Path(config.state_dir) / STATE_FILE
+        try:
+            self.responses = ResponseStore(
+                config.responses_store_max, config.responses_store_max_bytes, config.responses_store_ttl, state_file
+            )
+        except (OSError, sqlite3.Error) as exc:
+            raise ValueError(f"state_dir: cannot keep state in {state_file}: {exc}") from exc
         """Responses kept for ``previous_response_id`` (``/v1/responses`` with ``store: true``)."""
         self.started = False
         self.cut_requests = 0
@@ -124,6 +130,7 @@ class OrtServe:
 
     async def shutdown(self) -> None:
         await self.registry.close()
+        await asyncio.to_thread(self.responses.close)  # queued writes land before the process ends
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Any = None) -> AsyncIterator[None]:
