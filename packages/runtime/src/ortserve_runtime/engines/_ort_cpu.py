@@ -32,6 +32,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import logging
 import mmap
@@ -314,7 +315,10 @@ class OrtCpuEngine(OwnerThread):
         """Draft tokens that became output tokens."""
         self.prefill_session: Any = None
         """The int8 prefill session, where ``ModelConfig.prefill_int8`` asks for one."""
-        convertible = graph.last_only and has_int4_matrices(graph.int8_source)
+        int4 = has_int4_matrices(graph.int8_source)
+        convertible = graph.last_only and int4
+        self._pad_lone_row = int4 and _lone_row_rounds_differently()
+        """Decode a lone row beside a dummy (see :meth:`_decode_rows`)."""
         if config.prefill_int8 and not convertible:
             raise ModelLoadError(
                 f"{folder.path}: prefill_int8 (--prefill-int8 on) needs an int4 model (4-bit MatMulNBits) whose "
@@ -724,9 +728,32 @@ class OrtCpuEngine(OwnerThread):
         width = int(lengths.max())
         mask = (np.arange(width)[None, :] < lengths[:, None]).astype(graph.mask_dtype)
         positions = (lengths - 1).astype(graph.ids_dtype)[:, None]
-        rows_slice = slice(first, first + len(rows))
-        logits: npt.NDArray[np.float32] = self._bind(rows_slice, ids, mask, positions, rows[0].adapter)[:, -1]
+        count = len(rows)
+        dummy = self._dummy_length(first + 1) if count == 1 and self._pad_lone_row else None
+        if dummy is not None:
+            # A lone row goes with a dummy in the row after it: onnxruntime's int4 MatMul
+            # multiplies one row by another kernel than several, which rounds differently
+            # (see _lone_row_rounds_differently).
+            width = max(width, dummy)
+            lengths = np.asarray([lengths[0], dummy])
+            ids = np.concatenate([ids, ids])
+            mask = (np.arange(width)[None, :] < lengths[:, None]).astype(graph.mask_dtype)
+            positions = (lengths - 1).astype(graph.ids_dtype)[:, None]
+            count = 2
+        rows_slice = slice(first, first + count)
+        logits: npt.NDArray[np.float32] = self._bind(rows_slice, ids, mask, positions, rows[0].adapter)[: len(rows), -1]
         return logits
+
+    def _dummy_length(self, row: int) -> int | None:
+        """The length a dummy in cache row ``row`` may have without changing anything read
+        later: 1 in a free row; in the row whose prompt is going in, one past what is in,
+        which the prompt's next chunk writes again. ``None``: no such row."""
+        if row >= self.max_batch_size:
+            return None
+        pending = self._prefilling
+        if pending is not None and pending.row == row:
+            return int(pending.prefilled) + 1
+        return 1 if row >= len(self._rows) + (pending is not None) else None
 
     def _speculate(self, request: Request) -> bool:
         """Check a draft of ``request``'s next tokens in one call, if one is worth it, and
@@ -1187,3 +1214,30 @@ def _session_from_graph(model_path: Path, graph_model: onnx.ModelProto, options:
         if maps:
             options.add_external_initializers_from_files_in_memory(list(files), maps, [len(m) for m in maps])
         return ort.InferenceSession(graph_model.SerializeToString(), options, providers=providers)
+
+
+@functools.cache
+def _lone_row_rounds_differently() -> bool:
+    """Whether onnxruntime's int4 MatMul (``MatMulNBits``) gives a row alone other bits than
+    the same row among several. On an AVX2-only EPYC it does (another kernel for one row:
+    SmolLM2-135M's logprobs moved up to 1.39 beside 7 other requests against alone); with
+    AVX-512 it did not. Measured once per process on a small product."""
+    rng = np.random.default_rng(0)
+    k, n, block = 64, 32, 32
+    packed = rng.integers(0, 256, size=(n, k // block, block // 2), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, size=(n * (k // block),)).astype(np.float32)
+    node = onnx.helper.make_node(
+        "MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block
+    )
+    graph = onnx.helper.make_graph(
+        [node],
+        "probe",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["M", k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["M", n])],
+        [onnx.numpy_helper.from_array(packed, "w"), onnx.numpy_helper.from_array(scales, "s")],
+    )
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
+    model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    return not np.array_equal(session.run(None, {"x": x[:1]})[0][0], session.run(None, {"x": x})[0][0])
