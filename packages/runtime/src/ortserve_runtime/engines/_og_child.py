@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -14,6 +15,7 @@ from typing import Any
 
 from .._config import ModelConfig
 from .._errors import InvalidRequestError, ModelLoadError
+from ._og_process import LANES, TOKEN_VARIABLE
 
 __all__: list[str] = []
 
@@ -199,11 +201,18 @@ def _serve(child: _Child, connection: Connection) -> None:
             return
 
 
-def main(fds: Sequence[str]) -> None:
+def main(host: str, port: int) -> None:
+    """Connect the lanes to the parent at ``host``:``port`` (each opens with the token in
+    the environment) and serve them."""
     # og imports NumPy on its first call (0.3 s): meanwhile, while the model loads.
     threading.Thread(target=__import__, args=("numpy",), daemon=True).start()
     child = _Child()
-    lanes = [Connection(int(fd)) for fd in fds]
+    token = os.environ.pop(TOKEN_VARIABLE).encode()
+    lanes = []
+    for _ in LANES:
+        lane = Connection(socket.create_connection((host, port)).detach())
+        lane.send_bytes(token)
+        lanes.append(lane)
     threads = [threading.Thread(target=_serve, args=(child, lane), daemon=True) for lane in lanes[1:]]
     for thread in threads:
         thread.start()

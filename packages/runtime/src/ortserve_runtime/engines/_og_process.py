@@ -7,8 +7,9 @@ one 3,900-token prompt stopped every route for 0.84 s and eight 25-megapixel ima
 that model's requests with an error rather than the server.
 
 :class:`OgProcess` is the parent's side: it starts
-``ortserve_runtime.engines._og_child`` (see :data:`_BOOTSTRAP`) with one socket pair per *lane* (``step``,
-``prefill``, ``media``), so the engine's owner thread, its prefill thread and the chat
+``ortserve_runtime.engines._og_child`` (see :data:`_BOOTSTRAP`), which connects back over
+loopback once per *lane* (``step``, ``prefill``, ``media``; each connection opens with a
+token the child got in its environment), so the engine's owner thread, its prefill thread and the chat
 front's media preparation each talk to a thread of their own in the child and go on side
 by side as they did in one process. A call is one pickled message and its answer; logits
 come back as a NumPy array (one copy of vocabulary-sized floats, tens of microseconds,
@@ -19,12 +20,15 @@ The child exits when the parent closes the lanes or dies (they read end-of-file)
 
 from __future__ import annotations
 
+import hmac
 import os
 import pickle
+import secrets
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -40,6 +44,11 @@ LANES = ("step", "prefill", "media")
 the prefill thread's new generators, and the chat front's media processing."""
 
 
+TOKEN_VARIABLE = "ORTSERVE_OG_TOKEN"
+"""The environment variable that hands the child the token its lanes open with."""
+START_TIMEOUT = 120.0
+"""Seconds the child may take to start and connect its lanes."""
+
 _BOOTSTRAP = """
 import sys, types
 package = sys.argv[1]
@@ -48,7 +57,7 @@ for name, path in (("ortserve_runtime", package), ("ortserve_runtime.engines", p
     module.__path__ = [path]
     sys.modules[name] = module
 from ortserve_runtime.engines._og_child import main
-main(sys.argv[2:])
+main(sys.argv[2], int(sys.argv[3]))
 """
 """Starts the child without running the packages' ``__init__`` (they import every model
 kind and engine: 0.96 s, against the child's own few modules)."""
@@ -72,23 +81,22 @@ class OgProcess:
 
     def __init__(self, folder: Path, config: ModelConfig, *, every_core: bool = True) -> None:
         self.folder = folder
-        pairs = [socket.socketpair() for _ in LANES]
-        child_fds = [child.fileno() for _, child in pairs]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         package = Path(__file__).resolve().parents[1]
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", _BOOTSTRAP, str(package), *map(str, child_fds)],
-            pass_fds=child_fds,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        for _, child in pairs:
-            child.close()
-        self._lanes = {name: Connection(ours.detach()) for name, (ours, _) in zip(LANES, pairs, strict=True)}
+        token = secrets.token_hex(16)
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(0.2)
+            host, port = server.getsockname()[:2]
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(package), host, str(port)],
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_VARIABLE: token},
+            )
+            self._lanes = {name: self._accept(server, token) for name in LANES}
         self._locks = {name: threading.Lock() for name in LANES}
         self._forgotten: list[tuple[str, int]] = []
-        """Media and generators to drop in the child, sent with the next call (list.append
-        is atomic: a finalizer may add to it from any thread)."""
+        """Media and generators to drop in the child, sent with the next call."""
+        self._forgetting = threading.RLock()
+        """Guards ``_forgotten``: reentrant, as a finalizer may run on a thread holding it."""
         try:
             self.call("step", "load", str(folder), config, every_core)
         except EngineError as exc:
@@ -100,6 +108,25 @@ class OgProcess:
             self.close()
             raise
 
+    def _accept(self, server: socket.socket, token: str) -> Connection:
+        """The child's next lane: a loopback connection that opens with ``token`` (another
+        local process that connects is dropped); a child that ends first is a load error."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    self._process.kill()
+                    self._process.wait()
+                    raise ModelLoadError(f"{self.folder}: {self._death()}", path=self.folder) from None
+                continue
+            sock.settimeout(None)
+            connection = Connection(sock.detach())
+            if connection.poll(5) and hmac.compare_digest(connection.recv_bytes(64), token.encode()):
+                return connection
+            connection.close()
+
     @property
     def pid(self) -> int:
         return self._process.pid
@@ -108,7 +135,8 @@ class OgProcess:
         """Run ``op`` in the child on ``lane`` and return its answer; what the child raised
         comes back as :class:`InvalidRequestError`, :class:`ModelLoadError` or
         ``RuntimeError`` with og's message; a child that ended is a :class:`ModelCrashedError`."""
-        forgotten, self._forgotten = self._forgotten, []
+        with self._forgetting:
+            forgotten, self._forgotten = self._forgotten, []
         connection = self._lanes[lane]
         with self._locks[lane]:
             try:
@@ -145,10 +173,12 @@ class OgProcess:
         return ids, RemoteMedia(self, key)
 
     def forget_media(self, key: int) -> None:
-        self._forgotten.append(("media", key))
+        with self._forgetting:
+            self._forgotten.append(("media", key))
 
     def forget_generator(self, key: int) -> None:
-        self._forgotten.append(("generator", key))
+        with self._forgetting:
+            self._forgotten.append(("generator", key))
 
     def resident_bytes(self) -> int:
         """The child's resident set size (Linux; 0 elsewhere)."""
