@@ -148,7 +148,10 @@ def test_bodies_in_memory_are_bounded_and_refused_with_503() -> None:
 def test_a_fresh_client_is_served_while_slow_bodies_hold_every_slot() -> None:
     """The probe's 1,000 dripping connections, scaled to a cap of 60: the server closes
     the connection waiting longest for its request, so /health is answered at once."""
-    with ExitStack() as stack, serving("--max-connections", "60", "--body-timeout", "30") as (_, url):
+    with (
+        ExitStack() as stack,
+        serving("--max-connections", "60", "--body-timeout", "30", "--grace-period", "0.5") as (_, url),
+    ):
         port = int(url.rsplit(":", 1)[1])
         drippers = []
         for _ in range(60):

@@ -34,6 +34,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .._config import ModelConfig
 from .._errors import EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
 
@@ -142,6 +144,11 @@ class OgProcess:
             try:
                 connection.send_bytes(pickle.dumps((forgotten, op, args), protocol=pickle.HIGHEST_PROTOCOL))
                 status, value = pickle.loads(connection.recv_bytes())
+                if status == "array":  # an array's bytes follow, unpickled (see _og_child._serve)
+                    dtype, shape = value
+                    array = np.empty(shape, dtype=dtype)  # writable: samplers mask logits in place
+                    connection.recv_bytes_into(array.data.cast("B"))
+                    return array
             except (EOFError, OSError) as exc:
                 raise ModelCrashedError(self._death()) from exc
         if status == "ok":
