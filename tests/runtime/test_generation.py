@@ -24,6 +24,7 @@ from ortserve_runtime import (
     InvalidRequestError,
     ModelConfig,
     ModelRegistry,
+    PreemptedError,
     load_chat_model,
 )
 from serving import TINY_MODEL
@@ -671,3 +672,34 @@ async def test_cancel_before_the_first_read(tiny: ChatModel) -> None:
     events = [event async for event in stream]
     assert [(e.finish_reason, e.token_id) for e in events] == [("cancelled", None)]
     assert tiny.engine.steps == steps and tiny.active == 0  # it never reached the engine
+
+
+async def test_background_requests_wait_behind_interactive_ones_and_give_their_rows_up() -> None:
+    """A batch's lines (``background``) queue after interactive requests, and on ort-cpu one
+    gives its row up as soon as an interactive request waits with every row taken."""
+    registry = ModelRegistry(ModelConfig(max_batch_size=2))
+    registry.add("tiny", TINY_MODEL)
+    model: ChatModel = await registry.get("tiny")
+    alone = await model.generate(PROMPTS[2], options=GREEDY).collect()
+    long = GenerationOptions(max_tokens=900, min_tokens=900, background=True)
+    rows = [model.generate(PROMPTS[0], options=long) for _ in range(2)]
+    for stream in rows:
+        await stream.__anext__()
+    # The tiny model decodes 900 tokens in well under a second: the engine's lock holds its
+    # thread between two steps while both rows run, and the two requests arrive together.
+    with model.engine._cond:  # type: ignore[attr-defined]
+        assert model.active == 2
+        queued_line = asyncio.create_task(model.generate(PROMPTS[1], options=long).collect())
+        interactive = asyncio.create_task(model.generate(PROMPTS[2], options=GREEDY).collect())
+        await wait_until(lambda: model.queued == 2)
+    assert await interactive == alone
+    outcomes = []
+    for stream in rows:
+        try:
+            outcomes.append((await stream.collect())[2])
+        except PreemptedError as exc:
+            assert "interactive" in str(exc)
+            outcomes.append("preempted")
+    assert sorted(outcomes) == ["length", "preempted"], outcomes
+    assert (await queued_line)[2] == "length"  # it waited behind the interactive one, then ran
+    await registry.close()

@@ -26,6 +26,7 @@ from ._errors import (
     ModelCrashedError,
     ModelLoadError,
     ModelNotFoundError,
+    PreemptedError,
 )
 from ._providers import PROVIDERS, Provider
 from ._registry import (
@@ -101,6 +102,7 @@ __all__ = [
     "ModelState",
     "ModelStatus",
     "Pooling",
+    "PreemptedError",
     "Prompt",
     "Provider",
     "ReasoningMarkers",

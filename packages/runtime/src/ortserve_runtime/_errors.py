@@ -8,7 +8,9 @@ EngineError                 root: anything the runtime raises on purpose; itself
 ├── ModelCapacityError      no room to load a model: limits reached and every loaded model busy (has .name)
 ├── InvalidRequestError     bad input caught before it reaches onnxruntime (has .param)
 │   └── ContextLengthError  prompt (plus max_tokens) longer than the model's context
-└── EngineClosedError       the model was unloaded or closed while a request waited
+├── EngineClosedError       the model was unloaded or closed while a request waited
+├── ModelCrashedError       the process the model ran in ended
+└── PreemptedError          a background request gave its batch row to an interactive one
 ```
 
 The server maps these onto HTTP statuses; nothing here knows about HTTP.
@@ -27,6 +29,7 @@ __all__ = [
     "ModelCapacityError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "PreemptedError",
 ]
 
 
@@ -92,3 +95,9 @@ class ModelCrashedError(EngineError):
 
 class EngineClosedError(EngineError):
     """The model was closed (unloaded or shutting down) before the request finished."""
+
+
+class PreemptedError(EngineError):
+    """A background request (``GenerationOptions.background``, a batch's line) gave up its
+    batch row to an interactive request that was waiting; nothing of it was delivered
+    beyond what came before, and it can run again."""

@@ -123,7 +123,11 @@ class OwnerThread:
             if self._closing:
                 request.deliver(EngineClosedError(f"model {self.model_name!r} is closed"))
                 return
-            self._inbox.append(request)
+            if request.options.background or not self._inbox or not self._inbox[-1].options.background:
+                self._inbox.append(request)
+            else:  # an interactive request goes before the background ones
+                first = next(i for i, queued in enumerate(self._inbox) if queued.options.background)
+                self._inbox.insert(first, request)
             self._cond.notify()
 
     def cancel(self, request: Request) -> None:

@@ -23,20 +23,20 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import anthropic_protocol as a
 from ortserve_client import protocol as p
-from ortserve_runtime import ChatModel, EngineClosedError, InvalidRequestError, Prompt, ToolCall, ToolCallParser
+from ortserve_runtime import ChatModel, InvalidRequestError, Prompt, ToolCall, ToolCallParser
 
 from ._errors import (
     BadRequestError,
     ServerError,
     UnsupportedParameterError,
-    closed_message,
     reshaped_exception_handlers,
+    unavailable_detail,
 )
 from ._mapping import (
     GenerationPlan,
+    caller_of,
     chat_messages,
     check_room,
-    key_scope,
     plan_chat,
     require_model,
     template_kwargs,
@@ -92,8 +92,8 @@ def _error_event(exc: Exception) -> bytes:
     """An error after the stream started, as Anthropic reports it (``event: error``)."""
     if isinstance(exc, ServerError):
         _, detail = _anthropic_error(exc.status_code, exc.message, None, exc.code)
-    elif isinstance(exc, EngineClosedError):  # the model was unloaded under the stream
-        _, detail = _anthropic_error(503, closed_message(exc), None, "model_unloaded")
+    elif (unavailable := unavailable_detail(exc)) is not None:  # the model unloaded or crashed under it
+        _, detail = _anthropic_error(503, unavailable.message, None, unavailable.code)
     else:  # unexpected: the message reveals nothing internal
         detail = a.AnthropicErrorDetail(type="api_error", message="the generation failed")
     return _event(a.AnthropicErrorResponse(error=detail))
@@ -302,7 +302,7 @@ async def _prepare(
     mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
     try:
         mapped = _map(data, model)
-        plan = plan_chat(mapped.request, model, state.config, key_scope(request))
+        plan = plan_chat(mapped.request, model, state.config, caller_of(request))
         if isinstance(data, a.MessagesRequest):  # counting tokens queues nothing
             check_room(state, model, plan.n, "n", "generations")  # before the prompt is prepared
         messages = await chat_messages(

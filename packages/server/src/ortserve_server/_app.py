@@ -23,6 +23,7 @@ from litestar.plugins import InitPlugin
 from litestar.types import ExceptionHandlersMap, Guard
 
 from ._anthropic import anthropic_exception_handlers, anthropic_route_handlers
+from ._batches import batch_route_handlers
 from ._config import ServerConfig
 from ._control import control_route_handlers
 from ._errors import METRICS_OPT, exception_handlers
@@ -54,7 +55,12 @@ def _routers(state: OrtServe) -> list[Router]:
     provide = {"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)}
 
     def api_router(
-        path: str, handlers: list[Any], guards: list[Guard], errors: ExceptionHandlersMap, leases: bool = True
+        path: str,
+        handlers: list[Any],
+        guards: list[Guard],
+        errors: ExceptionHandlersMap,
+        leases: bool = True,
+        max_body_size: int = config.max_body_size,
     ) -> Router:
         return Router(
             path=path,
@@ -62,7 +68,7 @@ def _routers(state: OrtServe) -> list[Router]:
             dependencies=provide,
             guards=[*guards, make_body_guard(lenient=config.lenient)],
             exception_handlers=errors,
-            request_max_body_size=config.max_body_size,
+            request_max_body_size=max_body_size,
             middleware=[
                 state.body_budget,
                 *([release_leases] if leases else []),
@@ -73,6 +79,14 @@ def _routers(state: OrtServe) -> list[Router]:
 
     routers = [
         api_router(config.path, [*api_route_handlers, *responses_route_handlers], _guards(config), exception_handlers),
+        # Files and batches: uploads may be larger than a request.
+        api_router(
+            config.path,
+            batch_route_handlers,
+            _guards(config),
+            exception_handlers,
+            max_body_size=max(config.max_file_size + 65536, config.max_body_size),  # the file and its form
+        ),
         # Loading and unloading models: the admin key when one is set, else the API key.
         api_router(
             config.path, control_route_handlers, _guards(config, key=config.admin_key), exception_handlers, leases=False

@@ -245,8 +245,23 @@ def _build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         default=None,
         metavar="DIR|none",
-        help="where state that outlives the server is kept (stored Responses, in DIR/ortserve.db); "
+        help="where state that outlives the server is kept (stored Responses, LoRA adapters loaded over HTTP, "
+        "files and batches, in DIR/ortserve.db); "
         "'none' keeps it in memory (default: the user's state directory, or ORTSERVE_STATE_DIR)",
+    )
+    serve.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="lines of a batch (/v1/batches) run at once at most, behind interactive requests (default 8)",
+    )
+    serve.add_argument(
+        "--max-file-mb",
+        type=float,
+        default=100,
+        metavar="MB",
+        help="largest file /v1/files takes (a batch's JSONL input; default 100)",
     )
     serve.add_argument(
         "--prefix-cache-scope",
@@ -562,6 +577,8 @@ def _serve(args: argparse.Namespace) -> int:
             api_key=tuple(args.api_key) or os.environ.get("ORTSERVE_API_KEY") or None,
             prefix_cache_scope=args.prefix_cache_scope,
             state_dir=_state_dir(args.state_dir),
+            batch_concurrency=args.batch_concurrency,
+            max_file_size=int(args.max_file_mb * 1024 * 1024),
             max_queued=args.max_queued,
             image_url_hosts=tuple(args.allow_image_host),
             allowed_hosts=tuple(args.allow_host),

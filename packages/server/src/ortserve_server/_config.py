@@ -119,9 +119,18 @@ class ServerConfig:
     oldest go first."""
     responses_store_ttl: float = 3600.0
     """Seconds a stored response is kept after it was made."""
+    max_file_size: int = 100 * 1024 * 1024
+    """Largest file ``POST /v1/files`` takes (a batch's JSONL input), in bytes."""
+    files_max_bytes: int = 1024 * 1024 * 1024
+    """Bytes of files kept at once (uploads and batch results); an upload past it gets 413."""
+    files_ttl: float = 30 * 86400.0
+    """Seconds a file is kept after it was made (uploads and batch results)."""
+    batch_concurrency: int = 8
+    """Lines of a batch run at once at most (behind interactive requests)."""
     state_dir: Path | None = None
-    """Where state that outlives the process is kept (stored Responses, in the SQLite file
-    ``ortserve.db``; replicas may share it); ``None`` keeps it in this process's memory.
+    """Where state that outlives the process is kept (stored Responses, LoRA adapters loaded
+    over HTTP, files and batches, in the SQLite file ``ortserve.db``; replicas may share it);
+    ``None`` keeps it in this process's memory.
     ``ortserve serve`` defaults to the user's state directory (``--state-dir none``: memory)."""
 
     @property

@@ -15,6 +15,7 @@ where the server was started with ``--allow-runtime-adapters`` (vLLM's
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 from litestar import post
@@ -133,6 +134,7 @@ async def load_lora_adapter(data: JSONBody[p.LoraAdapterLoadRequest], ortserve: 
         ) from exc
     except ValueError as exc:  # the name: taken or not allowed; an engine without adapters
         raise BadRequestError(str(exc), param="lora_name") from exc
+    await ortserve.adapters.add(name, adapter, os.path.abspath(data.lora_path))  # the same file after a restart
     return model_card(ortserve, name, adapter)
 
 
@@ -148,6 +150,7 @@ async def unload_lora_adapter(
 ) -> p.ModelDeleted:
     name, adapter = _adapter_of(ortserve, data.lora_name, data.model)
     await ortserve.registry.remove_adapter(name, adapter)  # AdapterNotFoundError: 404
+    await ortserve.adapters.remove(name, adapter)
     return p.ModelDeleted(id=f"{name}:{adapter}")
 
 

@@ -39,6 +39,7 @@ from ortserve_runtime import (
     ModelCrashedError,
     ModelLoadError,
     ModelNotFoundError,
+    PreemptedError,
 )
 
 from ._metrics import UNMATCHED
@@ -55,10 +56,10 @@ __all__ = [
     "ShuttingDownError",
     "UnsupportedMediaTypeError",
     "UnsupportedParameterError",
-    "closed_message",
     "error_response",
     "exception_handlers",
     "reshaped_exception_handlers",
+    "unavailable_detail",
 ]
 
 logger = logging.getLogger("ortserve.server")
@@ -165,13 +166,13 @@ def _engine_error(_: Request[Any, Any, Any], exc: EngineError) -> Response[Error
     if isinstance(exc, InvalidRequestError):
         code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
         return error_response(400, str(exc), type="invalid_request_error", param=exc.param, code=code)
-    if isinstance(exc, EngineClosedError):
+    unavailable = unavailable_detail(exc)
+    if unavailable is not None:
+        if isinstance(exc, ModelCrashedError):
+            logger.error("model crashed: %s", exc)
         return error_response(
-            503, closed_message(exc), type="server_error", code="model_unloaded", headers={"Retry-After": "1"}
+            503, unavailable.message, type=unavailable.type, code=unavailable.code, headers={"Retry-After": "1"}
         )
-    if isinstance(exc, ModelCrashedError):
-        logger.error("model crashed: %s", exc)
-        return error_response(503, str(exc), type="server_error", code="model_crashed", headers={"Retry-After": "1"})
     if isinstance(exc, ModelCapacityError):
         return error_response(
             503, str(exc), type="server_error", param="model", code="model_capacity", headers={"Retry-After": "1"}
@@ -183,8 +184,17 @@ def _engine_error(_: Request[Any, Any, Any], exc: EngineError) -> Response[Error
     return error_response(500, "the model failed to process the request", type="server_error")
 
 
-def closed_message(exc: EngineClosedError) -> str:
-    return f"{exc}: it was unloaded, or the server is shutting down, while the request ran; try again"
+def unavailable_detail(exc: Exception) -> ErrorDetail | None:
+    """The 503 body of an engine error that ends a request which may be sent again (the
+    model unloaded or crashed under it, a batch line preempted); ``None`` for others."""
+    if isinstance(exc, EngineClosedError):
+        message = f"{exc}: it was unloaded, or the server is shutting down, while the request ran; try again"
+        return ErrorDetail(message=message, type="server_error", code="model_unloaded")
+    if isinstance(exc, ModelCrashedError):
+        return ErrorDetail(message=str(exc), type="server_error", code="model_crashed")
+    if isinstance(exc, PreemptedError):
+        return ErrorDetail(message=str(exc), type="server_error", code="preempted")
+    return None
 
 
 def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:

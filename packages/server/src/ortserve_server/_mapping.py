@@ -45,14 +45,15 @@ from ._state import OrtServe
 logger = logging.getLogger("ortserve.server")
 
 __all__ = [
-    "KEY_SCOPE",
+    "CALLER",
+    "Caller",
     "GenerationPlan",
+    "caller_of",
     "chat_messages",
     "check_chat_request",
     "check_room",
     "completion_prompts",
     "decode_base64",
-    "key_scope",
     "model_adapters",
     "new_id",
     "plan_chat",
@@ -528,15 +529,29 @@ def _tool_plan(
     return ToolPlan(definitions, model.tool_format, grammar, name or only)
 
 
-KEY_SCOPE = "ortserve.key_scope"
-"""Where the API key guard leaves the caller's key digest in the ASGI scope when the
-prefix cache is scoped by key (``ServerConfig.prefix_cache_scope``)."""
+CALLER = "ortserve.caller"
+"""Where the API key guard (or the batch runner) leaves the request's :class:`Caller` in
+the ASGI scope."""
 
 
-def key_scope(request: ASGIConnection[Any, Any, Any, Any] | None) -> str | None:
-    """The caller's prefix-cache scope (its API key's digest), ``None`` when shared."""
-    scope = None if request is None else request.scope.get(KEY_SCOPE)
-    return scope if isinstance(scope, str) else None
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, as far as the server tells callers apart."""
+
+    owner: str = ""
+    """The digest of the API key it came with (``""`` on a server without keys): files
+    and batches belong to it."""
+    cache_scope: str | None = None
+    """Its prefix-cache scope: the key's digest where the cache is scoped by key
+    (``ServerConfig.prefix_cache_scope``), ``None`` where it is shared."""
+    background: bool = False
+    """A batch's line: runs behind interactive requests (``GenerationOptions.background``)."""
+
+
+def caller_of(request: ASGIConnection[Any, Any, Any, Any] | None) -> Caller:
+    """The request's :class:`Caller` (anonymous and interactive when nothing says otherwise)."""
+    found = None if request is None else request.scope.get(CALLER)
+    return found if isinstance(found, Caller) else Caller()
 
 
 def _scoped_salt(salt: str | None, scope: str | None) -> str | None:
@@ -549,7 +564,7 @@ def _generation_options(
     config: ServerConfig,
     n: int,
     grammar: Grammar | None,
-    scope: str | None,
+    caller: Caller,
 ) -> list[GenerationOptions]:
     """Runtime options for each of the ``n`` choices (seeds differ per choice)."""
     max_tokens = _or(getattr(data, "max_completion_tokens", None), None)
@@ -582,7 +597,8 @@ def _generation_options(
             grammar=grammar,
             logit_bias=bias,
             min_p=_or(data.min_p, 0.0),
-            cache_salt=_scoped_salt(_or(data.cache_salt, None), scope),
+            cache_salt=_scoped_salt(_or(data.cache_salt, None), caller.cache_scope),
+            background=caller.background,
             prediction=_prediction(data.prediction),
             presence_penalty=_or(data.presence_penalty, 0.0),
             frequency_penalty=_or(data.frequency_penalty, 0.0),
@@ -659,17 +675,17 @@ class GenerationPlan:
 
 
 def plan_chat(
-    data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig, scope: str | None = None
+    data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig, caller: Caller = Caller()
 ) -> GenerationPlan:
     """Check a chat request (a 400 naming any parameter it cannot honour) and map it;
-    ``scope``: the caller's prefix-cache scope (:func:`key_scope`)."""
+    ``caller``: who sent it (:func:`caller_of`), for its prefix-cache scope and priority."""
     check_chat_request(data, config)
     constraint = _grammar_of(data, config)
     tools = _tool_plan(data, model, constraint, config)
     grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
     return GenerationPlan(
-        n, _generation_options(data, config, n, grammar, scope), tools, {"prompt": "messages", "grammar": field}
+        n, _generation_options(data, config, n, grammar, caller), tools, {"prompt": "messages", "grammar": field}
     )
 
 
@@ -682,10 +698,10 @@ def template_kwargs(data: p.ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def plan_completion(data: p.CompletionRequest, config: ServerConfig, scope: str | None = None) -> GenerationPlan:
+def plan_completion(data: p.CompletionRequest, config: ServerConfig, caller: Caller = Caller()) -> GenerationPlan:
     """Check a completion request (a 400 naming any parameter it cannot honour) and map it
-    (``scope`` as for :func:`plan_chat`)."""
+    (``caller`` as for :func:`plan_chat`)."""
     check_completion_request(data, config)
     grammar, field = _grammar_of(data, config) or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
-    return GenerationPlan(n, _generation_options(data, config, n, grammar, scope), ToolPlan(), {"grammar": field})
+    return GenerationPlan(n, _generation_options(data, config, n, grammar, caller), ToolPlan(), {"grammar": field})

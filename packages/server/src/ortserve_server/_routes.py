@@ -30,11 +30,9 @@ from ortserve_client import protocol as p
 from ortserve_runtime import (
     AdapterNotFoundError,
     ChatModel,
-    EngineClosedError,
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
-    ModelCrashedError,
     Prompt,
     ReasoningParser,
     RerankModel,
@@ -51,17 +49,18 @@ from ._errors import (
     ClientDisconnectedError,
     ServerError,
     ShuttingDownError,
-    closed_message,
+    unavailable_detail,
 )
 from ._mapping import (
-    KEY_SCOPE,
+    CALLER,
+    Caller,
     GenerationPlan,
+    caller_of,
     chat_messages,
     check_chat_request,
     check_room,
     completion_prompts,
     decode_base64,
-    key_scope,
     model_adapters,
     new_id,
     plan_chat,
@@ -93,8 +92,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def make_auth_guard(api_keys: Sequence[str], *, x_api_key: bool = False, scoped: bool = False) -> Any:
     """A guard that wants ``Authorization: Bearer <key>`` for one of ``api_keys`` (or, with
     ``x_api_key``, the ``x-api-key`` header Anthropic's clients send), compared in constant
-    time. With ``scoped``, it records which key came (:data:`KEY_SCOPE`) for the prefix
-    cache's per-key scope."""
+    time. It records which key came (:data:`CALLER`): files and batches belong to it, and
+    with ``scoped`` it is the prefix cache's scope too."""
     expected = [(key.encode(), hashlib.sha256(key.encode()).hexdigest()) for key in api_keys]
     ask = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if x_api_key else "'Authorization: Bearer <key>'"
 
@@ -113,8 +112,8 @@ def make_auth_guard(api_keys: Sequence[str], *, x_api_key: bool = False, scoped:
             digest = matching(given) if scheme.lower() == "bearer" else None
         if digest is None:
             raise AuthenticationError(f"missing or wrong API key: send {ask}")
-        if scoped:
-            connection.scope[KEY_SCOPE] = digest  # type: ignore[literal-required]
+        caller = Caller(owner=digest, cache_scope=digest if scoped else None)
+        connection.scope[CALLER] = caller  # type: ignore[literal-required]
 
     return auth_guard
 
@@ -411,11 +410,7 @@ def error_detail(exc: Exception) -> p.ErrorDetail:
     message of an unexpected error reveals nothing internal)."""
     if isinstance(exc, ServerError):
         return p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
-    if isinstance(exc, EngineClosedError):
-        return p.ErrorDetail(message=closed_message(exc), type="server_error", code="model_unloaded")
-    if isinstance(exc, ModelCrashedError):
-        return p.ErrorDetail(message=str(exc), type="server_error", code="model_crashed")
-    return p.ErrorDetail(message="the generation failed", type="server_error")
+    return unavailable_detail(exc) or p.ErrorDetail(message="the generation failed", type="server_error")
 
 
 def _openai_error_chunk(exc: Exception) -> bytes:
@@ -431,7 +426,7 @@ async def start_chat(
 ) -> _Generation:
     """A chat request checked, its prompt prepared and its generations started: what every
     API family that speaks in messages (chat completions, Responses) runs the same way."""
-    plan = plan_chat(data, model, ortserve.config, key_scope(request))
+    plan = plan_chat(data, model, ortserve.config, caller_of(request))
     tools = plan.tools
     check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
     prompt = await model.aprepare_chat(
@@ -655,7 +650,7 @@ async def completions(
     data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     model = await require_model(ortserve, data.model, data.keep_alive)
-    plan = plan_completion(data, ortserve.config, key_scope(request))
+    plan = plan_completion(data, ortserve.config, caller_of(request))
     n = plan.n
     streams = await plan.astart(ortserve, model, completion_prompts(data.prompt))
     run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)

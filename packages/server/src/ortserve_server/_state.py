@@ -14,10 +14,13 @@ from typing import Any
 
 from ortserve_runtime import ModelCapacityError, ModelLoadError, ModelRegistry
 
+from ._adapter_store import AdapterStore
+from ._batch_store import BatchStore
 from ._body_budget import BodyBudget
 from ._config import ServerConfig
+from ._database import STATE_FILE, Database
 from ._metrics import Metrics
-from ._response_store import STATE_FILE, ResponseStore
+from ._response_store import ResponseStore
 
 __all__ = ["OrtServe"]
 
@@ -54,12 +57,21 @@ class OrtServe:
         self.created = int(time.time())
         state_file = None if config.state_dir is None else Path(config.state_dir) / STATE_FILE
         try:
-            self.responses = ResponseStore(
-                config.responses_store_max, config.responses_store_max_bytes, config.responses_store_ttl, state_file
-            )
+            self.database = Database(state_file)
         except (OSError, sqlite3.Error) as exc:
             raise ValueError(f"state_dir: cannot keep state in {state_file}: {exc}") from exc
+        """Where state is kept: a file under ``state_dir``, or memory."""
+        self.responses = ResponseStore(
+            self.database, config.responses_store_max, config.responses_store_max_bytes, config.responses_store_ttl
+        )
         """Responses kept for ``previous_response_id`` (``/v1/responses`` with ``store: true``)."""
+        self.adapters = AdapterStore(self.database)
+        """LoRA adapters loaded over HTTP, served again after a restart."""
+        self.batches = BatchStore(self.database, config.files_max_bytes, config.files_ttl)
+        """Files and batches (the Batch API)."""
+        from ._batches import BatchRunner  # it imports the routes, which import this module
+
+        self.batch_runner = BatchRunner(self)
         self.started = False
         self.cut_requests = 0
         """Requests that :meth:`cut_work` (or a harder stop) ended before they finished."""
@@ -106,6 +118,8 @@ class OrtServe:
             self.registry.preload(self.registry.names()[: self.config.max_loaded_models])
 
     async def startup(self) -> None:
+        if self.config.runtime_adapters:
+            await self.adapters.restore(self.registry)
         if self.config.load_on_startup:
             # Up to --max-loaded-models and while they fit the memory budget; the rest
             # load on first use (loading them all would only evict the first ones).
@@ -126,11 +140,13 @@ class OrtServe:
                     failures.append(exc)
             if failures and len(failures) == len(names):
                 raise failures[0]
+        self.batch_runner.start()  # open batches go on where the last run left them
         self.started = True
 
     async def shutdown(self) -> None:
+        await self.batch_runner.stop()  # lines without an answer run again at the next start
         await self.registry.close()
-        await asyncio.to_thread(self.responses.close)  # queued writes land before the process ends
+        await asyncio.to_thread(self.database.close)  # queued writes land before the process ends
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Any = None) -> AsyncIterator[None]:

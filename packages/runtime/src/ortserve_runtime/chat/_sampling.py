@@ -74,6 +74,10 @@ class GenerationOptions:
     """The prefix-cache scope (vLLM's ``cache_salt``): key/value rows computed for a
     request with one salt serve only requests with the same salt, so that users given
     different salts cannot learn from ``cached_tokens`` or timing what the other sent."""
+    background: bool = False
+    """Run behind interactive requests (a batch's lines): queued after them, and, on an
+    engine whose rows are all taken when an interactive request waits, its row given up
+    (it ends with :class:`~ortserve_runtime.PreemptedError`, to be run again)."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first option out of range."""

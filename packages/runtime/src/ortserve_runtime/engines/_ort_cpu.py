@@ -51,7 +51,7 @@ import onnx.numpy_helper
 import onnxruntime as ort
 
 from .._config import ModelConfig
-from .._errors import EngineError, ModelLoadError
+from .._errors import EngineError, ModelLoadError, PreemptedError
 from .._folder import GenaiFolder
 from .._threads import OwnerThread, batched_hand_backs
 from ..chat._drafts import MAX_DRAFT_TOKENS
@@ -488,6 +488,10 @@ class OrtCpuEngine(OwnerThread):
         while True:
             if self._prefilling is None:
                 with self._cond:
+                    waiting = self._inbox[0] if self._inbox and len(self._rows) >= self.max_batch_size else None
+                if waiting is not None and not waiting.options.background:
+                    self._preempt_background()
+                with self._cond:
                     if not self._inbox or len(self._rows) >= self.max_batch_size:
                         return
                     request = self._inbox.popleft()
@@ -513,6 +517,18 @@ class OrtCpuEngine(OwnerThread):
             self._remember(request)  # others may share this prompt's beginning
             self._rows.append(request)
             self._accept(request, logits)
+
+    def _preempt_background(self) -> None:
+        """Free a row for an interactive request that waits with every row taken: the
+        background request with the fewest tokens so far gives its row up (its prompt stays
+        in the prefix cache for its next run)."""
+        victims = [request for request in self._rows if request.options.background]
+        if not victims:
+            return
+        victim = min(victims, key=lambda request: len(request.tokens))
+        victim.cancelled = True  # no refill of a reply nobody gets
+        self._release(victim)
+        victim.deliver(PreemptedError(f"model {self.model_name!r}: gave its batch row to an interactive request"))
 
     def _refill_step(self) -> None:
         """While nothing else runs: prefill one chunk of the newest finished request's prompt

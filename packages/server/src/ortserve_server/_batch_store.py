@@ -1,0 +1,316 @@
+"""Files and batches in the state :class:`~._database.Database`.
+
+A batch's lines are rows of their own: a line is answered by one ``UPDATE ... WHERE status
+IS NULL`` (its answer committed with it), and the output and error files are made from the
+answered rows in one transaction. So a process killed at any point leaves each line either
+answered once or not at all, and a restart runs exactly the lines without an answer.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+from ortserve_client import batch_protocol as bp
+
+from ._database import Database, write
+
+__all__ = ["OPEN", "BatchStore", "PendingLine", "new_id"]
+
+OPEN = ("validating", "in_progress", "finalizing", "cancelling")
+"""The statuses of a batch that is not over: the runner picks these up (again, after a restart)."""
+
+_decode_batch = msgspec.json.Decoder(bp.Batch).decode
+_encode = msgspec.json.encode
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingLine:
+    line: int
+    """Its number in the input file, from 1."""
+    custom_id: str
+    request: bytes
+    """The body to send (JSON)."""
+
+
+def _file(row: Sequence[object]) -> bp.FileObject:
+    file_id, purpose, filename, size, created, expires = row
+    return bp.FileObject(
+        id=str(file_id),
+        purpose=str(purpose),
+        filename=str(filename),
+        bytes=int(size),  # type: ignore[call-overload]
+        created_at=int(created),  # type: ignore[call-overload]
+        expires_at=None if expires is None else int(expires),  # type: ignore[call-overload]
+    )
+
+
+_FILE_COLUMNS = "id, purpose, filename, bytes, created, expires"
+
+
+class BatchStore:
+    """Files (by owner: the caller's API key digest) and batches with their lines."""
+
+    def __init__(self, database: Database, max_bytes: int, ttl: float) -> None:
+        self._db = database
+        self.max_bytes = max_bytes
+        """Bytes of files kept at most (uploads and results alike)."""
+        self.ttl = ttl
+        """Seconds a file is kept after it was made."""
+
+    # -- files -------------------------------------------------------------------------------
+
+    async def add_file(self, owner: str, purpose: str, filename: str, content: bytes) -> bp.FileObject | None:
+        """Keep ``content``; ``None`` when it would take the files past ``max_bytes``."""
+        now = time.time()
+        row = (new_id("file-"), owner, purpose, filename, len(content), now, now + self.ttl, content)
+
+        def add(db: sqlite3.Connection) -> bp.FileObject | None:
+            with write(db):
+                db.execute("DELETE FROM files WHERE expires <= ?", (now,))
+                held = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
+                if held + len(content) > self.max_bytes:
+                    return None
+                db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+            return _file((row[0], purpose, filename, len(content), now, row[6]))
+
+        return await self._db.run(add)
+
+    async def file(self, owner: str, file_id: str) -> bp.FileObject | None:
+        def get(db: sqlite3.Connection) -> bp.FileObject | None:
+            found = db.execute(
+                f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND owner = ? AND expires > ?",
+                (file_id, owner, time.time()),
+            ).fetchone()
+            return None if found is None else _file(found)
+
+        return await self._db.run(get)
+
+    async def file_content(self, owner: str, file_id: str) -> bytes | None:
+        def get(db: sqlite3.Connection) -> bytes | None:
+            found = db.execute(
+                "SELECT content FROM files WHERE id = ? AND owner = ? AND expires > ?", (file_id, owner, time.time())
+            ).fetchone()
+            return None if found is None else bytes(found[0])
+
+        return await self._db.run(get)
+
+    async def delete_file(self, owner: str, file_id: str) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            with write(db):
+                return db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
+
+        return await self._db.run(delete)
+
+    async def files(self, owner: str, purpose: str | None, limit: int, after: str | None) -> list[bp.FileObject]:
+        """The owner's files, newest first; ``after``: those older than that file."""
+
+        def listed(db: sqlite3.Connection) -> list[bp.FileObject]:
+            query = f"SELECT {_FILE_COLUMNS} FROM files WHERE owner = ? AND expires > ?"
+            args: list[object] = [owner, time.time()]
+            if purpose is not None:
+                query += " AND purpose = ?"
+                args.append(purpose)
+            if after is not None:
+                query += " AND (created, id) < (SELECT created, id FROM files WHERE id = ?)"
+                args.append(after)
+            rows = db.execute(query + " ORDER BY created DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
+            return [_file(row) for row in rows]
+
+        return await self._db.run(listed)
+
+    # -- batches -----------------------------------------------------------------------------
+
+    async def create_batch(
+        self, owner: str, scope: str | None, batch: bp.Batch, lines: list[tuple[str, bytes]]
+    ) -> None:
+        """Keep ``batch`` and its lines (custom id, request body), in one transaction."""
+        rows = [(batch.id, number, custom_id, body) for number, (custom_id, body) in enumerate(lines, 1)]
+
+        def create(db: sqlite3.Connection) -> None:
+            with write(db):
+                db.execute(
+                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
+                    (batch.id, owner, batch.created_at, batch.status, scope, _encode(batch)),
+                )
+                db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, NULL, NULL)", rows)
+
+        await self._db.run(create)
+
+    async def batch(self, owner: str | None, batch_id: str) -> bp.Batch | None:
+        """The batch (its counts as they are now); ``owner`` ``None``: whoever owns it."""
+
+        def get(db: sqlite3.Connection) -> bp.Batch | None:
+            query = "SELECT batch FROM batches WHERE id = ?" + ("" if owner is None else " AND owner = ?")
+            found = db.execute(query, (batch_id,) if owner is None else (batch_id, owner)).fetchone()
+            return None if found is None else _counted(db, _decode_batch(found[0]))
+
+        return await self._db.run(get)
+
+    async def batches(self, owner: str, limit: int, after: str | None) -> list[bp.Batch]:
+        def listed(db: sqlite3.Connection) -> list[bp.Batch]:
+            query = "SELECT batch FROM batches WHERE owner = ?"
+            args: list[object] = [owner]
+            if after is not None:
+                query += " AND (created, id) < (SELECT created, id FROM batches WHERE id = ?)"
+                args.append(after)
+            rows = db.execute(query + " ORDER BY created DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
+            return [_counted(db, _decode_batch(row[0])) for row in rows]
+
+        return await self._db.run(listed)
+
+    async def open_batches(self) -> list[tuple[bp.Batch, str, str | None]]:
+        """Batches not over, oldest first, with their owner and prefix-cache scope."""
+
+        def listed(db: sqlite3.Connection) -> list[tuple[bp.Batch, str, str | None]]:
+            marks = ", ".join("?" * len(OPEN))
+            rows = db.execute(
+                f"SELECT batch, owner, scope FROM batches WHERE status IN ({marks}) ORDER BY created, id", OPEN
+            ).fetchall()
+            return [(_decode_batch(row[0]), row[1], row[2]) for row in rows]
+
+        return await self._db.run(listed)
+
+    async def update_batch(self, batch: bp.Batch, *, unless: Sequence[str] = ()) -> bool:
+        """Store ``batch`` as it is now, unless its stored status is in ``unless`` (a cancel
+        that came meanwhile wins over the runner's step); whether it was stored."""
+
+        def update(db: sqlite3.Connection) -> bool:
+            with write(db):
+                status = db.execute("SELECT status FROM batches WHERE id = ?", (batch.id,)).fetchone()
+                if status is None or status[0] in unless:
+                    return False
+                db.execute(
+                    "UPDATE batches SET status = ?, batch = ? WHERE id = ?", (batch.status, _encode(batch), batch.id)
+                )
+                return True
+
+        return await self._db.run(update)
+
+    async def pending_lines(self, batch_id: str, limit: int, skip: set[int]) -> list[PendingLine]:
+        """Lines without an answer, in order, but those in ``skip`` (running now)."""
+
+        def pending(db: sqlite3.Connection) -> list[PendingLine]:
+            rows = db.execute(
+                "SELECT line, custom_id, request FROM batch_lines WHERE batch_id = ? AND status IS NULL ORDER BY line",
+                (batch_id,),
+            )
+            found = []
+            for line, custom_id, request in rows:
+                if line not in skip:
+                    found.append(PendingLine(line, custom_id, bytes(request)))
+                    if len(found) == limit:
+                        break
+            return found
+
+        return await self._db.run(pending)
+
+    async def answer(self, batch_id: str, line: int, status: int, answer: bp.BatchOutputLine) -> bool:
+        """Record line ``line``'s answer (``status``: its HTTP status, 0 for a line never
+        run); ``False`` when it already had one (it is never answered twice)."""
+        encoded = _encode(answer)
+
+        def record(db: sqlite3.Connection) -> bool:
+            with write(db):
+                return (
+                    db.execute(
+                        "UPDATE batch_lines SET status = ?, answer = ? WHERE batch_id = ? AND line = ?"
+                        " AND status IS NULL",
+                        (status, encoded, batch_id, line),
+                    ).rowcount
+                    > 0
+                )
+
+        return await self._db.run(record)
+
+    async def close_lines(self, batch_id: str, code: str, message: str) -> None:
+        """Answer every line without an answer with ``error`` ``code`` (an expired or cancelled batch)."""
+
+        def close(db: sqlite3.Connection) -> None:
+            with write(db):
+                rows = db.execute(
+                    "SELECT line, custom_id FROM batch_lines WHERE batch_id = ? AND status IS NULL", (batch_id,)
+                ).fetchall()
+                db.executemany(
+                    "UPDATE batch_lines SET status = 0, answer = ? WHERE batch_id = ? AND line = ?",
+                    [
+                        (
+                            _encode(
+                                bp.BatchOutputLine(
+                                    id=new_id("batch_req_"),
+                                    custom_id=custom_id,
+                                    response=None,
+                                    error=bp.LineError(code=code, message=message),
+                                )
+                            ),
+                            batch_id,
+                            line,
+                        )
+                        for line, custom_id in rows
+                    ],
+                )
+
+        await self._db.run(close)
+
+    async def finish(self, batch: bp.Batch, owner: str) -> bp.Batch:
+        """Make the output file (2xx answers) and the error file (the others), in line order,
+        and store ``batch`` with their ids and final counts, all in one transaction."""
+        now = time.time()
+
+        def finish(db: sqlite3.Connection) -> bp.Batch:
+            with write(db):
+                output: list[bytes] = []
+                errors: list[bytes] = []
+                for status, answer in db.execute(
+                    "SELECT status, answer FROM batch_lines WHERE batch_id = ? AND status IS NOT NULL ORDER BY line",
+                    (batch.id,),
+                ):
+                    (output if 200 <= status < 300 else errors).append(bytes(answer))
+                done = _counted(db, batch)
+                for kind, lines in (("output", output), ("error", errors)):
+                    if not lines:
+                        continue
+                    content = b"\n".join(lines) + b"\n"
+                    file_id = new_id("file-")
+                    db.execute(
+                        "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            file_id,
+                            owner,
+                            "batch_output",
+                            f"{batch.id}_{kind}.jsonl",
+                            len(content),
+                            now,
+                            now + self.ttl,
+                            content,
+                        ),
+                    )
+                    if kind == "output":
+                        done.output_file_id = file_id
+                    else:
+                        done.error_file_id = file_id
+                db.execute(
+                    "UPDATE batches SET status = ?, batch = ? WHERE id = ?", (done.status, _encode(done), done.id)
+                )
+                return done
+
+        return await self._db.run(finish)
+
+
+def _counted(db: sqlite3.Connection, batch: bp.Batch) -> bp.Batch:
+    """``batch`` with its request counts read from its lines."""
+    total, completed, failed = db.execute(
+        "SELECT COUNT(*), COALESCE(SUM(status BETWEEN 200 AND 299), 0), COALESCE(SUM(status NOT BETWEEN 200 AND 299), 0)"
+        " FROM batch_lines WHERE batch_id = ?",
+        (batch.id,),
+    ).fetchone()
+    batch.request_counts = bp.BatchRequestCounts(total=total, completed=completed, failed=failed)
+    return batch

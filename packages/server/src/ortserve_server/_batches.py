@@ -1,0 +1,466 @@
+"""OpenAI's Files and Batch APIs: upload a JSONL file of requests, create a batch over it,
+and collect the answers as output and error files.
+
+The lines of a batch run in this process, one batch at a time, through the same routes
+(and so the same checks and answers) as interactive requests: each line is a request made
+to a private app holding the API routes, as the batch's owner. They run behind interactive
+requests (``GenerationOptions.background``): queued after them, and on ort-cpu a line gives
+its batch row up when an interactive request waits with every row taken (it runs again
+later; its prompt is still in the prefix cache). At most ``batch_concurrency`` lines run
+at once, so that lines fill idle rows rather than the queue interactive requests wait in.
+
+Everything a client was promised is in the state database (see ``_batch_store``): a
+restart, even after SIGKILL, resumes open batches and runs exactly the lines that have no
+answer yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, Router, delete, get, post
+from litestar.datastructures import UploadFile
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath, FromQuery, JSONBody, MultipartBody
+from ortserve_client import batch_protocol as bp
+from ortserve_client import protocol as p
+from ortserve_client import responses_protocol as rp
+
+from ._batch_store import OPEN, PendingLine, new_id
+from ._errors import BadRequestError, PayloadTooLargeError, ServerError, exception_handlers
+from ._leases import release_leases
+from ._mapping import CALLER, Caller, caller_of
+from ._openapi import GET_ERRORS, POST_ERRORS, error_responses
+from ._state import OrtServe
+
+__all__ = ["BatchRunner", "batch_route_handlers"]
+
+logger = logging.getLogger("ortserve.server")
+
+MAX_LINES = 50_000
+"""Lines a batch's input file may have (OpenAI's bound)."""
+COMPLETION_WINDOW = 24 * 3600.0
+_BODY_TYPES: dict[str, type[Any]] = {
+    "/v1/chat/completions": p.ChatCompletionRequest,
+    "/v1/completions": p.CompletionRequest,
+    "/v1/embeddings": p.EmbeddingRequest,
+    "/v1/responses": rp.ResponseCreateRequest,
+}
+_RETRY_CODES = {"preempted", "model_unloaded", "model_crashed", "model_capacity", "overloaded", "server_overloaded"}
+"""503 answers that say "send it again": a line that gets one runs again (a preempted one
+any number of times, the others up to ``_RETRIES`` times)."""
+_RETRIES = 20
+_decode_line = msgspec.json.Decoder(bp.BatchInputLine).decode
+
+
+class NotFoundError(ServerError):
+    status_code = 404
+    type = "invalid_request_error"
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+@dataclass
+class FileForm:
+    """The multipart form of ``POST /v1/files``."""
+
+    purpose: str
+    file: UploadFile | None = None
+
+
+def check_batch_file(content: bytes) -> list[tuple[str, bytes, str]]:
+    """The lines of a batch input file as (custom id, body, url); a 400 naming the first
+    line that is not a request a batch can run."""
+    lines: list[tuple[str, bytes, str]] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(content.splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"line {number}"
+        try:
+            line = _decode_line(raw)
+        except msgspec.DecodeError as exc:
+            raise BadRequestError(f"{where}: {exc}", param="file") from exc
+        body_type = _BODY_TYPES.get(line.url)
+        if body_type is None:
+            raise BadRequestError(
+                f"{where}: url {line.url!r} is not one a batch runs: {', '.join(bp.BATCH_ENDPOINTS)}", param="file"
+            )
+        if line.custom_id in seen:
+            raise BadRequestError(f"{where}: custom_id {line.custom_id!r} is used twice", param="file")
+        if line.body.get("stream"):
+            raise BadRequestError(f"{where}: body.stream: the lines of a batch do not stream", param="file")
+        try:
+            msgspec.convert(line.body, body_type)
+        except msgspec.ValidationError as exc:
+            raise BadRequestError(f"{where}: body: {exc}", param="file") from exc
+        seen.add(line.custom_id)
+        lines.append((line.custom_id, msgspec.json.encode(line.body), line.url))
+        if len(lines) > MAX_LINES:
+            raise BadRequestError(f"a batch file has at most {MAX_LINES} lines", param="file")
+    if not lines:
+        raise BadRequestError("the file has no lines: a batch file has one JSON request per line", param="file")
+    return lines
+
+
+@post(
+    "/files", status_code=200, summary="Upload a file (purpose batch: JSONL)", responses=error_responses(*POST_ERRORS)
+)
+async def create_file(
+    data: MultipartBody[FileForm], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.FileObject:
+    if data.purpose != "batch":
+        raise BadRequestError(f"purpose {data.purpose!r}: this server keeps files for batches only", param="purpose")
+    if data.file is None:
+        raise BadRequestError("'file' is required: the JSONL file, as a multipart file", param="file")
+    content = await data.file.read()
+    if len(content) > ortserve.config.max_file_size:
+        raise PayloadTooLargeError(f"a file may have at most {ortserve.config.max_file_size} bytes")
+    check_batch_file(content)
+    kept = await ortserve.batches.add_file(caller_of(request).owner, "batch", data.file.filename or "", content)
+    if kept is None:
+        raise PayloadTooLargeError("the server's room for files is full: delete files or wait for them to expire")
+    return kept
+
+
+@get("/files", summary="List files", responses=error_responses(*GET_ERRORS))
+async def list_files(
+    ortserve: NamedDependency[OrtServe],
+    request: Request[Any, Any, Any],
+    purpose: FromQuery[str | None] = None,
+    limit: FromQuery[int] = 10000,
+    after: FromQuery[str | None] = None,
+) -> bp.FileList:
+    found = await ortserve.batches.files(caller_of(request).owner, purpose, max(1, min(limit, 10000)) + 1, after)
+    return bp.FileList(
+        data=found[:limit],
+        has_more=len(found) > limit,
+        first_id=found[0].id if found else None,
+        last_id=found[:limit][-1].id if found else None,
+    )
+
+
+@get("/files/{file_id:str}", summary="Retrieve a file", responses=error_responses(404, *GET_ERRORS))
+async def retrieve_file(
+    file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.FileObject:
+    found = await ortserve.batches.file(caller_of(request).owner, file_id)
+    if found is None:
+        raise _no_file(file_id)
+    return found
+
+
+@get("/files/{file_id:str}/content", summary="A file's content", responses=error_responses(404, *GET_ERRORS))
+async def file_content(
+    file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[bytes]:
+    content = await ortserve.batches.file_content(caller_of(request).owner, file_id)
+    if content is None:
+        raise _no_file(file_id)
+    return Response(content, media_type="application/jsonl")
+
+
+@delete("/files/{file_id:str}", status_code=200, summary="Delete a file", responses=error_responses(404, *GET_ERRORS))
+async def delete_file(
+    file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.FileDeleted:
+    if not await ortserve.batches.delete_file(caller_of(request).owner, file_id):
+        raise _no_file(file_id)
+    return bp.FileDeleted(id=file_id)
+
+
+def _no_file(file_id: str) -> NotFoundError:
+    return NotFoundError(f"no file {file_id!r}", param="file_id")
+
+
+# -- batches ---------------------------------------------------------------------------------
+
+
+@post("/batches", status_code=200, summary="Create a batch", responses=error_responses(404, *POST_ERRORS))
+async def create_batch(
+    data: JSONBody[bp.BatchCreateRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.Batch:
+    caller = caller_of(request)
+    if data.endpoint not in _BODY_TYPES:
+        raise BadRequestError(f"endpoint must be one of {', '.join(bp.BATCH_ENDPOINTS)}", param="endpoint")
+    content = await ortserve.batches.file_content(caller.owner, data.input_file_id)
+    if content is None:
+        raise NotFoundError(f"no file {data.input_file_id!r}", param="input_file_id")
+    lines = check_batch_file(content)
+    for number, (_, _, url) in enumerate(lines, 1):
+        if url != data.endpoint:
+            raise BadRequestError(
+                f"request {number} of the file has url {url!r}, the batch's endpoint is {data.endpoint!r}",
+                param="input_file_id",
+            )
+    now = int(time.time())
+    batch = bp.Batch(
+        id=new_id("batch_"),
+        endpoint=data.endpoint,
+        input_file_id=data.input_file_id,
+        completion_window=data.completion_window,
+        status="validating",
+        created_at=now,
+        expires_at=now + int(COMPLETION_WINDOW),
+        request_counts=bp.BatchRequestCounts(total=len(lines)),
+        metadata=data.metadata,
+    )
+    await ortserve.batches.create_batch(caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines])
+    ortserve.batch_runner.start()
+    return batch
+
+
+@get("/batches", summary="List batches", responses=error_responses(*GET_ERRORS))
+async def list_batches(
+    ortserve: NamedDependency[OrtServe],
+    request: Request[Any, Any, Any],
+    limit: FromQuery[int] = 20,
+    after: FromQuery[str | None] = None,
+) -> bp.BatchList:
+    ortserve.batch_runner.start()
+    limit = max(1, min(limit, 100))
+    found = await ortserve.batches.batches(caller_of(request).owner, limit + 1, after)
+    shown = found[:limit]
+    return bp.BatchList(
+        data=shown,
+        has_more=len(found) > limit,
+        first_id=shown[0].id if shown else None,
+        last_id=shown[-1].id if shown else None,
+    )
+
+
+@get("/batches/{batch_id:str}", summary="Retrieve a batch", responses=error_responses(404, *GET_ERRORS))
+async def retrieve_batch(
+    batch_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.Batch:
+    ortserve.batch_runner.start()  # resumes open batches where no lifespan ran
+    found = await ortserve.batches.batch(caller_of(request).owner, batch_id)
+    if found is None:
+        raise NotFoundError(f"no batch {batch_id!r}", param="batch_id")
+    return found
+
+
+@post(
+    "/batches/{batch_id:str}/cancel",
+    status_code=200,
+    summary="Cancel a batch",
+    description="Lines running stop; the answers so far go to the output and error files.",
+    responses=error_responses(404, *POST_ERRORS),
+)
+async def cancel_batch(
+    batch_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.Batch:
+    found = await ortserve.batches.batch(caller_of(request).owner, batch_id)
+    if found is None:
+        raise NotFoundError(f"no batch {batch_id!r}", param="batch_id")
+    if found.status in ("validating", "in_progress"):
+        found.status, found.cancelling_at = "cancelling", int(time.time())
+        if await ortserve.batches.update_batch(found, unless=("finalizing", "completed", "cancelled", "expired")):
+            ortserve.batch_runner.cancel(batch_id)
+        else:
+            found = await ortserve.batches.batch(None, batch_id) or found
+    elif found.status not in ("cancelling", "cancelled"):
+        raise BadRequestError(f"batch {batch_id!r} is {found.status}: it cannot be cancelled", param="batch_id")
+    ortserve.batch_runner.start()
+    return found
+
+
+batch_route_handlers = [
+    create_file,
+    list_files,
+    retrieve_file,
+    file_content,
+    delete_file,
+    create_batch,
+    list_batches,
+    retrieve_batch,
+    cancel_batch,
+]
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+class BatchRunner:
+    """Runs the open batches, oldest first, in the event loop it is started from."""
+
+    def __init__(self, state: OrtServe) -> None:
+        self._state = state
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._cancelled: set[str] = set()
+        self._app: Litestar | None = None
+
+    def start(self) -> None:
+        """Run open batches (no-op where running); from the event loop that serves."""
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="ortserve-batches")
+        self._wake_up()
+
+    def cancel(self, batch_id: str) -> None:
+        self._cancelled.add(batch_id)
+        self._wake_up()
+
+    async def stop(self) -> None:
+        """Stop running lines (those without an answer run again at the next start)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            try:
+                batches = await self._state.batches.open_batches()
+                for batch, owner, scope in batches:
+                    await self._batch(batch, owner, scope)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a database that failed us: try again in a while, keep serving
+                logger.exception("running batches failed; trying again in 30 s")
+                await asyncio.sleep(30)
+                continue
+            if not batches:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 60)
+
+    async def _batch(self, batch: bp.Batch, owner: str, scope: str | None) -> None:
+        store = self._state.batches
+        if batch.status == "validating":
+            batch.status, batch.in_progress_at = "in_progress", int(time.time())
+            if not await store.update_batch(batch, unless=("cancelling",)):
+                batch.status = "cancelling"
+        if batch.status == "in_progress":
+            await self._lines(batch, Caller(owner=owner, cache_scope=scope, background=True))
+        current = await store.batch(None, batch.id)
+        if current is None or current.status not in OPEN:
+            return
+        now = int(time.time())
+        if current.status == "cancelling" or batch.id in self._cancelled:
+            await store.close_lines(batch.id, "batch_cancelled", "the batch was cancelled before this line ran")
+            current.status, current.cancelled_at = "cancelled", now
+        elif current.expires_at is not None and now >= current.expires_at:
+            await store.close_lines(batch.id, "batch_expired", "the batch expired before this line ran")
+            current.status, current.expired_at = "expired", now
+        else:
+            current.status, current.finalizing_at, current.completed_at = "completed", now, now
+        self._cancelled.discard(batch.id)
+        done = await store.finish(current, owner)
+        logger.info("batch %s %s: %s", batch.id, done.status, done.request_counts)
+
+    async def _lines(self, batch: bp.Batch, caller: Caller) -> None:
+        """Run the batch's lines without an answer until none is left, or it is cancelled
+        or expires (the lines running then stop, unanswered)."""
+        store = self._state.batches
+        limit = max(1, self._state.config.batch_concurrency)
+        running: dict[int, asyncio.Task[None]] = {}
+        try:
+            while batch.id not in self._cancelled and (batch.expires_at is None or time.time() < batch.expires_at):
+                if len(running) < limit:
+                    for line in await store.pending_lines(batch.id, limit - len(running), set(running)):
+                        running[line.line] = asyncio.create_task(self._line(batch, line, caller))
+                if not running:
+                    return
+                done, _ = await asyncio.wait(running.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a database failure: the batch waits for the next round
+                running = {number: task for number, task in running.items() if not task.done()}
+        finally:
+            for task in running.values():
+                task.cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)
+
+    async def _line(self, batch: bp.Batch, line: PendingLine, caller: Caller) -> None:
+        attempt = 0
+        while True:
+            status, body = await self._call(batch.endpoint, line.request, caller)
+            code = body.get("error", {}).get("code") if status == 503 and isinstance(body, dict) else None
+            if code not in _RETRY_CODES or (code != "preempted" and attempt >= _RETRIES):
+                break
+            attempt += code != "preempted"
+            await asyncio.sleep(0.05 if code == "preempted" else min(0.5 * attempt, 5.0))
+        answer = bp.BatchOutputLine(
+            id=new_id("batch_req_"),
+            custom_id=line.custom_id,
+            response=bp.BatchResponse(status_code=status, request_id=new_id("req_"), body=body),
+            error=None,
+        )
+        await self._state.batches.answer(batch.id, line.line, status, answer)
+
+    async def _call(self, url: str, body: bytes, caller: Caller) -> tuple[int, Any]:
+        """POST ``body`` to ``url`` of the private app, as ``caller``: (status, JSON answer)."""
+        if self._app is None:
+            self._app = _line_app(self._state)
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": url,
+            "raw_path": url.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+            "state": {},
+            CALLER: caller,
+        }
+        sent = False
+        status = 500
+        chunks: list[bytes] = []
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await never  # no disconnect: the line runs until it ends or is cancelled
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self._app(scope, receive, send)  # type: ignore[arg-type]
+        raw = b"".join(chunks)
+        try:
+            return status, msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            return status, raw.decode(errors="replace")
+
+
+def _line_app(state: OrtServe) -> Litestar:
+    """The API routes batch lines run through: no guards (the batch's owner was checked when
+    it was created, and the runner says who it is), the routes' own checks and errors."""
+    from ._responses import responses_route_handlers
+    from ._routes import api_route_handlers
+
+    router = Router(
+        path="/v1",
+        route_handlers=[*api_route_handlers, *responses_route_handlers],
+        dependencies={"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)},
+        exception_handlers=exception_handlers,
+        middleware=[release_leases],
+    )
+    return Litestar(route_handlers=[router], openapi_config=None, exception_handlers=exception_handlers)

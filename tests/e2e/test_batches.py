@@ -1,0 +1,197 @@
+"""The Files and Batch APIs through the openai SDK against real `ortserve serve` processes:
+uploads checked line by line, batches over every endpoint, cancellation, owners kept apart,
+and a batch that survives SIGKILL with every line answered exactly once."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from test_connections import serving
+
+
+def _client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def _chat_line(i: int, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": f"line-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"Count to {i}."}],
+            "max_tokens": 3,
+            "temperature": 0,
+            **body,
+        },
+    }
+
+
+def _wait(client: openai.OpenAI, batch_id: str, within: float = 120) -> Any:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} still {batch.status} after {within} s")
+
+
+def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_runs_through_the_sdk(tmp_path: Path) -> None:
+    lines = [_chat_line(i) for i in range(6)]
+    lines.append(_chat_line(6, model="no-such-model"))
+    with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        assert uploaded.purpose == "batch" and uploaded.bytes == len(_jsonl(lines))
+        assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
+        batch = client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"job": "test"},
+        )
+        assert batch.status == "validating" and batch.metadata == {"job": "test"}
+        done = _wait(client, batch.id)
+        assert done.status == "completed"
+        assert done.request_counts is not None
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (7, 6, 1)
+        output = _lines(client, done.output_file_id)
+        errors = _lines(client, done.error_file_id)
+        assert [line["custom_id"] for line in output] == [f"line-{i}" for i in range(6)]
+        direct = client.chat.completions.create(**lines[2]["body"])
+        assert output[2]["response"]["status_code"] == 200
+        assert output[2]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        assert errors[0]["custom_id"] == "line-6"
+        assert errors[0]["response"]["status_code"] == 404
+        assert errors[0]["response"]["body"]["error"]["param"] == "model"
+        assert client.batches.list().data[0].id == batch.id
+        listed = client.files.list(purpose="batch_output")
+        assert {f.id for f in listed.data} == {done.output_file_id, done.error_file_id}
+        assert client.files.delete(uploaded.id).deleted is True
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(uploaded.id)
+
+
+def test_every_endpoint_runs_in_a_batch(tmp_path: Path) -> None:
+    bodies = {
+        "/v1/completions": {"model": "tiny", "prompt": "Once", "max_tokens": 2},
+        "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 2},
+    }
+    with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
+        for endpoint, body in bodies.items():
+            line = {"custom_id": "a", "method": "POST", "url": endpoint, "body": body}
+            uploaded = client.files.create(file=("in.jsonl", _jsonl([line])), purpose="batch")
+            batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+            done = _wait(client, batch.id)
+            (answer,) = _lines(client, done.output_file_id)
+            assert answer["response"]["status_code"] == 200, answer
+            assert answer["response"]["body"]["usage"], answer
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("not json", "line 2: "),
+        (json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/rerank", "body": {}}), "line 2: url '/v1/rerank'"),
+        (json.dumps(_chat_line(0)), "line 2: custom_id 'line-0' is used twice"),
+        (json.dumps(_chat_line(5, stream=True)), "line 2: body.stream"),
+        (json.dumps(_chat_line(5, messages="hi")), "line 2: body: Expected `array`"),
+    ],
+)
+def test_a_bad_line_is_refused_by_number(tmp_path: Path, line: str, says: str) -> None:
+    content = json.dumps(_chat_line(0)).encode() + b"\n" + line.encode() + b"\n"
+    with serving("--state-dir", "none") as (_, url), _client(url) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.files.create(file=("in.jsonl", content), purpose="batch")
+        assert says in caught.value.message
+        assert caught.value.body["param"] == "file"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError, match="purpose"):
+            client.files.create(file=("in.jsonl", content), purpose="fine-tune")
+        assert client.models.list().data  # still serving
+
+
+def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
+    with (
+        serving("--state-dir", str(tmp_path), "--api-key", "alice", "--api-key", "bob") as (_, url),
+        _client(url, "alice") as alice,
+        _client(url, "bob") as bob,
+    ):
+        uploaded = alice.files.create(file=("in.jsonl", _jsonl([_chat_line(1)])), purpose="batch")
+        with pytest.raises(openai.NotFoundError):
+            bob.files.retrieve(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = alice.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert bob.batches.list().data == []
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.retrieve(batch.id)
+        assert _wait(alice, batch.id).status == "completed"
+
+
+def test_a_cancelled_batch_keeps_its_answers(tmp_path: Path) -> None:
+    lines = [_chat_line(i, max_tokens=64) for i in range(40)]
+    with serving("--state-dir", str(tmp_path), "--batch-concurrency", "2") as (_, url), _client(url) as client:
+        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        while client.batches.retrieve(batch.id).request_counts.completed < 2:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        assert client.batches.cancel(batch.id).status == "cancelling"
+        done = _wait(client, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at is not None
+        answered = _lines(client, done.output_file_id)
+        never = _lines(client, done.error_file_id)
+        assert 2 <= len(answered) < 40
+        assert {line["error"]["code"] for line in never} == {"batch_cancelled"}
+        assert sorted(line["custom_id"] for line in answered + never) == sorted(f"line-{i}" for i in range(40))
+        with pytest.raises(openai.BadRequestError, match="cannot be cancelled"):
+            client.batches.cancel(_completed(client))
+
+
+def _completed(client: openai.OpenAI) -> str:
+    uploaded = client.files.create(file=("in.jsonl", _jsonl([_chat_line(1)])), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    return str(_wait(client, batch.id).id)
+
+
+def test_a_batch_survives_sigkill_with_every_line_answered_once(tmp_path: Path) -> None:
+    count = 2000
+    lines = [_chat_line(i, max_tokens=2) for i in range(count)]
+    with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
+        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        while client.batches.retrieve(batch.id).request_counts.completed < count // 2:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
+        done = _wait(client, batch.id, within=600)
+        assert done.status == "completed"
+        assert done.request_counts is not None and done.request_counts.completed == count
+        answered = _lines(client, done.output_file_id)
+        assert [line["custom_id"] for line in answered] == [f"line-{i}" for i in range(count)]
+        assert len({line["id"] for line in answered}) == count
+        assert done.error_file_id is None
