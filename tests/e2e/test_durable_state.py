@@ -4,12 +4,15 @@ the openai SDK against real processes."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sqlite3
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from serving import LORA_ADAPTERS, LORA_MODEL
 from test_connections import serving
 
 
@@ -60,3 +63,34 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         db.execute("PRAGMA user_version = 99")
     with pytest.raises(AssertionError, match="written by a newer ortserve"), serving("--state-dir", str(state)):
         pass
+
+
+def test_adapters_loaded_over_http_are_served_after_a_restart(tmp_path: Path) -> None:
+    """SIGKILL after loading two adapters and unloading one: the restarted server serves the
+    one kept (answering as before), not the unloaded one; a kept adapter whose file is gone
+    is logged and the server serves the rest."""
+    state = tmp_path / "state"
+    kept = tmp_path / "alpha.onnx_adapter"
+    gone = tmp_path / "beta.onnx_adapter"
+    shutil.copy(LORA_ADAPTERS["alpha"], kept)
+    shutil.copy(LORA_ADAPTERS["beta"], gone)
+    args = ("--state-dir", str(state), "--model", f"lora={LORA_MODEL}", "--allow-runtime-adapters")
+    with serving(*args) as (process, url), _client(url) as client:
+        for name, path in (("alpha", kept), ("beta", gone), ("gamma", kept)):
+            loaded = httpx.post(
+                f"{url}/v1/load_lora_adapter", json={"lora_name": f"lora:{name}", "lora_path": str(path)}
+            )
+            assert loaded.status_code == 200, loaded.text
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "lora:gamma"}).status_code == 200
+        before = client.completions.create(model="lora:alpha", prompt="The", max_tokens=6, temperature=0)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    gone.unlink()
+    with serving(*args) as (process, url), _client(url) as client:
+        served = {model.id for model in client.models.list().data}
+        assert {"lora:alpha", "lora"} <= served and not {"lora:beta", "lora:gamma"} & served
+        after = client.completions.create(model="lora:alpha", prompt="The", max_tokens=6, temperature=0)
+        assert after.choices[0].text == before.choices[0].text
+        process.terminate()
+        log = process.communicate(timeout=30)[1]
+    assert "lora:beta" in log and "not served again" in log

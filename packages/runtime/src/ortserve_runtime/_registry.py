@@ -649,6 +649,7 @@ class ModelRegistry:
             try:
                 if preloaded is not None:
                     model, grew = await asyncio.wrap_future(preloaded)
+                    await self._follow_adapters(entry, model)
                 else:
                     model, grew = await asyncio.to_thread(self._measured_load, entry)
             except ModelLoadError as exc:
@@ -687,6 +688,16 @@ class ModelRegistry:
         if entry.in_flight == 0:
             self._arm(entry, self.idle_unload)
         return model
+
+    async def _follow_adapters(self, entry: _Entry, model: Any) -> None:
+        """Give a preloaded model the adapters added or removed while it loaded (it was made
+        with the config of the moment its load started)."""
+        if entry.kind != "generative":
+            return
+        for name in set(model.adapters) - set(entry.config.adapters):
+            model.remove_adapter(name)
+        for name in set(entry.config.adapters) - set(model.adapters):
+            await asyncio.to_thread(model.add_adapter, name, entry.config.adapters[name])
 
     async def _make_room(self, entry: _Entry) -> None:
         """Unload least recently used idle models until ``entry`` fits the limits, or
