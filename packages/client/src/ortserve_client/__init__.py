@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._batches import batch_file
     from ._client import AsyncClient
     from ._download import DownloadComplete, DownloadEvent, DownloadProgress, apull, pull
     from ._errors import (
@@ -70,6 +71,7 @@ _WHERE = {
     "Spawned": "._sidecar",
     "StreamError": "._errors",
     "apull": "._download",
+    "batch_file": "._batches",
     "pull": "._download",
 }
 
@@ -118,5 +120,6 @@ __all__ = [
     "Spawned",
     "StreamError",
     "apull",
+    "batch_file",
     "pull",
 ]

@@ -16,6 +16,7 @@ from typing import Any, Literal, Self, TypeVar, Unpack, overload
 import httpx
 import msgspec
 
+from ._batches import Batches, Files
 from ._errors import (
     APIConnectionError,
     OrtServeError,
@@ -112,6 +113,8 @@ class AsyncClient:
         self.models = _Models(self)
         self.audio = _Audio(self)
         self.responses = Responses(self)
+        self.files = Files(self)
+        self.batches = Batches(self)
 
     async def __aenter__(self) -> Self:
         return self

@@ -1,0 +1,52 @@
+"""``AsyncClient.files`` and ``.batches`` against the real server (uvicorn on a loopback
+port): a batch made with :func:`batch_file`, its results read back as Structs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from ortserve_client import AsyncClient, BadRequestError, NotFoundError, batch_file
+from ortserve_client import batch_protocol as bp
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    pytest.importorskip("ortserve_server", reason="the contract test needs the server installed")
+    from ortserve_server import ServerConfig, create_app
+    from serving import TINY_MODEL, running
+
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as url:
+        yield url
+
+
+async def test_a_batch_round_trip(server_url: str) -> None:
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0}
+    lines: list[bp.BatchInputLine | dict[str, object]] = [
+        {"custom_id": f"q{i}", "url": "/v1/completions", "body": {**body, "prompt": f"text {i}"}} for i in range(3)
+    ]
+    chat = {**body, "messages": [{"role": "user", "content": "hi"}]}
+    lines.append(bp.BatchInputLine(custom_id="c", method="POST", url="/v1/chat/completions", body=chat))
+    async with AsyncClient(f"{server_url}/v1") as client:
+        uploaded = await client.files.create(file=batch_file(lines[:3]))
+        assert uploaded.purpose == "batch" and (await client.files.retrieve(uploaded.id)).bytes == uploaded.bytes
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions")
+        while (batch := await client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            await asyncio.sleep(0.05)
+        assert batch.request_counts == bp.BatchRequestCounts(total=3, completed=3, failed=0)
+        assert batch.output_file_id is not None
+        results = await client.files.results(batch.output_file_id)
+        assert [r.custom_id for r in results] == ["q0", "q1", "q2"]
+        direct = await client.completions.create(model="tiny", prompt="text 1", max_tokens=3, temperature=0)
+        assert results[1].response is not None and results[1].response.status_code == 200
+        assert results[1].response.body["choices"][0]["text"] == direct.choices[0].text
+        assert (await client.batches.list(limit=1)).data[0].id == batch.id
+        mixed = await client.files.create(file=("mixed.jsonl", batch_file(lines)))
+        with pytest.raises(BadRequestError, match="request 4 of the file has url '/v1/chat/completions'"):
+            await client.batches.create(input_file_id=mixed.id, endpoint="/v1/completions")
+        assert (await client.files.delete(mixed.id)).deleted
+        with pytest.raises(NotFoundError):
+            await client.files.content(mixed.id)
