@@ -331,3 +331,12 @@ async def test_the_api_key_goes_only_to_a_server_that_proves_it_holds_it(tmp_pat
         await second.stop()
         with pytest.raises(PortInUseError, match="cannot prove"):
             await LocalServer({"tiny": TINY}, port=port, api_key="sk-wrong").start()
+
+
+async def test_a_spawned_servers_state_dir_keeps_a_chain_across_restarts(tmp_path: Path) -> None:
+    state = tmp_path / "app-state"
+    async with LocalServer({"tiny": TINY}, port=0, state_dir=state) as server, server.client() as client:
+        first = await client.responses.create(model="tiny", input="Remember this.", max_output_tokens=3, store=True)
+    assert (state / "ortserve.db").is_file()
+    async with LocalServer({"tiny": TINY}, port=0, state_dir=state) as server, server.client() as client:
+        assert (await client.responses.retrieve(first.id)).id == first.id

@@ -108,6 +108,9 @@ class LocalServer:
     a Jinja chat template file to use instead of their own (``--model-option
     NAME:chat-template=FILE``: a model whose template knows no tools); ``serve_args`` are
     further ``ortserve serve`` flags (``["--idle-unload", "300", "--max-loaded-models", "2"]``).
+    ``state_dir``: where a spawned server keeps stored Responses, adapters, files and batches
+    across restarts (``"none"``: in its memory; ``None``: the server's default, the user's
+    state directory), so that an app keeps its own state apart from other apps' servers.
 
     A spawned server is watched: if it dies on its own, :class:`Exited` is reported at once,
     and with ``restart="on-failure"`` it is started again on the same port after a backoff
@@ -133,8 +136,10 @@ class LocalServer:
         chat_templates: Mapping[str, str | Path] | None = None,
         restart: Literal["no", "on-failure"] = "no",
         max_restarts: int = 5,
+        state_dir: str | Path | None = None,
     ) -> None:
         self.models = dict(models or {})
+        self.state_dir = "none" if state_dir == "none" else state_dir and Path(state_dir).expanduser().resolve()
         self.host = host
         self.port = port
         self.api_key = api_key
@@ -308,6 +313,8 @@ class LocalServer:
         for name, template in self.chat_templates.items():
             args += ["--model-option", f"{name}:chat-template={template}"]
         args += [*(["--lazy"] if self.lazy else []), *self.serve_args]
+        if self.state_dir is not None:
+            args += ["--state-dir", str(self.state_dir)]
         env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         if self.api_key:
             env["ORTSERVE_API_KEY"] = self.api_key  # not in argv, where `ps` would show it
