@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
 
 from ortserve_runtime import ModelLoadError, ModelRegistry
 
-from ._database import Database, write
+from ._database import Connection, Database, write
 
 __all__ = ["AdapterStore"]
 
@@ -23,14 +22,15 @@ class AdapterStore:
         self._db = database
 
     async def add(self, model: str, name: str, path: str) -> None:
-        def add(db: sqlite3.Connection) -> None:
+        def add(db: Connection) -> None:
             with write(db):
-                db.execute("INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?)", (model, name, path, time.time()))
+                db.execute("DELETE FROM adapters WHERE model = ? AND name = ?", (model, name))
+                db.execute("INSERT INTO adapters VALUES (?, ?, ?, ?)", (model, name, path, time.time()))
 
         await self._db.run(add)
 
     async def remove(self, model: str, name: str) -> None:
-        def remove(db: sqlite3.Connection) -> None:
+        def remove(db: Connection) -> None:
             with write(db):
                 db.execute("DELETE FROM adapters WHERE model = ? AND name = ?", (model, name))
 
@@ -41,7 +41,7 @@ class AdapterStore:
         reason: a file gone, a model no longer served). They stay kept, so that a file back
         in place serves again at the next start; unloading one forgets it."""
 
-        def kept(db: sqlite3.Connection) -> list[tuple[str, str, str]]:
+        def kept(db: Connection) -> list[tuple[str, str, str]]:
             return db.execute("SELECT model, name, path FROM adapters ORDER BY created").fetchall()
 
         failed = []

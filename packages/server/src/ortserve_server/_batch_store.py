@@ -8,8 +8,9 @@ answered once or not at all, and a restart runs exactly the lines without an ans
 
 from __future__ import annotations
 
+import os
 import secrets
-import sqlite3
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 import msgspec
 from ortserve_client import batch_protocol as bp
 
-from ._database import Database, write
+from ._database import Connection, Database, write
 
-__all__ = ["OPEN", "BatchStore", "PendingLine", "new_id"]
+__all__ = ["OPEN", "RUNNER", "BatchStore", "PendingLine", "new_id"]
 
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 """The statuses of a batch that is not over: the runner picks these up (again, after a restart)."""
@@ -73,7 +74,7 @@ class BatchStore:
         now = time.time()
         row = (new_id("file-"), owner, purpose, filename, len(content), now, now + self.ttl, content)
 
-        def add(db: sqlite3.Connection) -> bp.FileObject | None:
+        def add(db: Connection) -> bp.FileObject | None:
             with write(db):
                 db.execute("DELETE FROM files WHERE expires <= ?", (now,))
                 held = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
@@ -85,7 +86,7 @@ class BatchStore:
         return await self._db.run(add)
 
     async def file(self, owner: str, file_id: str) -> bp.FileObject | None:
-        def get(db: sqlite3.Connection) -> bp.FileObject | None:
+        def get(db: Connection) -> bp.FileObject | None:
             found = db.execute(
                 f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND owner = ? AND expires > ?",
                 (file_id, owner, time.time()),
@@ -95,7 +96,7 @@ class BatchStore:
         return await self._db.run(get)
 
     async def file_content(self, owner: str, file_id: str) -> bytes | None:
-        def get(db: sqlite3.Connection) -> bytes | None:
+        def get(db: Connection) -> bytes | None:
             found = db.execute(
                 "SELECT content FROM files WHERE id = ? AND owner = ? AND expires > ?", (file_id, owner, time.time())
             ).fetchone()
@@ -104,7 +105,7 @@ class BatchStore:
         return await self._db.run(get)
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
-        def delete(db: sqlite3.Connection) -> bool:
+        def delete(db: Connection) -> bool:
             with write(db):
                 return db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
 
@@ -113,7 +114,7 @@ class BatchStore:
     async def files(self, owner: str, purpose: str | None, limit: int, after: str | None) -> list[bp.FileObject]:
         """The owner's files, newest first; ``after``: those older than that file."""
 
-        def listed(db: sqlite3.Connection) -> list[bp.FileObject]:
+        def listed(db: Connection) -> list[bp.FileObject]:
             query = f"SELECT {_FILE_COLUMNS} FROM files WHERE owner = ? AND expires > ?"
             args: list[object] = [owner, time.time()]
             if purpose is not None:
@@ -135,10 +136,10 @@ class BatchStore:
         """Keep ``batch`` and its lines (custom id, request body), in one transaction."""
         rows = [(batch.id, number, custom_id, body) for number, (custom_id, body) in enumerate(lines, 1)]
 
-        def create(db: sqlite3.Connection) -> None:
+        def create(db: Connection) -> None:
             with write(db):
                 db.execute(
-                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, NULL, NULL)",
                     (batch.id, owner, batch.created_at, batch.status, scope, _encode(batch)),
                 )
                 db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, NULL, NULL)", rows)
@@ -148,7 +149,7 @@ class BatchStore:
     async def batch(self, owner: str | None, batch_id: str) -> bp.Batch | None:
         """The batch (its counts as they are now); ``owner`` ``None``: whoever owns it."""
 
-        def get(db: sqlite3.Connection) -> bp.Batch | None:
+        def get(db: Connection) -> bp.Batch | None:
             query = "SELECT batch FROM batches WHERE id = ?" + ("" if owner is None else " AND owner = ?")
             found = db.execute(query, (batch_id,) if owner is None else (batch_id, owner)).fetchone()
             return None if found is None else _counted(db, _decode_batch(found[0]))
@@ -156,7 +157,7 @@ class BatchStore:
         return await self._db.run(get)
 
     async def batches(self, owner: str, limit: int, after: str | None) -> list[bp.Batch]:
-        def listed(db: sqlite3.Connection) -> list[bp.Batch]:
+        def listed(db: Connection) -> list[bp.Batch]:
             query = "SELECT batch FROM batches WHERE owner = ?"
             args: list[object] = [owner]
             if after is not None:
@@ -170,7 +171,7 @@ class BatchStore:
     async def open_batches(self) -> list[tuple[bp.Batch, str, str | None]]:
         """Batches not over, oldest first, with their owner and prefix-cache scope."""
 
-        def listed(db: sqlite3.Connection) -> list[tuple[bp.Batch, str, str | None]]:
+        def listed(db: Connection) -> list[tuple[bp.Batch, str, str | None]]:
             marks = ", ".join("?" * len(OPEN))
             rows = db.execute(
                 f"SELECT batch, owner, scope FROM batches WHERE status IN ({marks}) ORDER BY created, id", OPEN
@@ -179,11 +180,31 @@ class BatchStore:
 
         return await self._db.run(listed)
 
+    async def claim(self, batch_id: str, runner: str, lease: float) -> bool:
+        """Whether ``runner`` may run the batch for the next ``lease`` seconds (renewed by
+        claiming again): no other runner holds it, its lease ran out, or it was held by a
+        process of this machine that is gone (a server restarted after a crash takes its
+        batches back at once)."""
+
+        def claim(db: Connection) -> bool:
+            now = time.time()
+            with write(db):
+                found = db.execute("SELECT runner, lease FROM batches WHERE id = ?", (batch_id,)).fetchone()
+                if found is None:
+                    return False
+                holder, until = found
+                if holder not in (None, runner) and until is not None and until > now and _alive(holder):
+                    return False
+                db.execute("UPDATE batches SET runner = ?, lease = ? WHERE id = ?", (runner, now + lease, batch_id))
+                return True
+
+        return await self._db.run(claim)
+
     async def update_batch(self, batch: bp.Batch, *, unless: Sequence[str] = ()) -> bool:
         """Store ``batch`` as it is now, unless its stored status is in ``unless`` (a cancel
         that came meanwhile wins over the runner's step); whether it was stored."""
 
-        def update(db: sqlite3.Connection) -> bool:
+        def update(db: Connection) -> bool:
             with write(db):
                 status = db.execute("SELECT status FROM batches WHERE id = ?", (batch.id,)).fetchone()
                 if status is None or status[0] in unless:
@@ -198,7 +219,7 @@ class BatchStore:
     async def pending_lines(self, batch_id: str, limit: int, skip: set[int]) -> list[PendingLine]:
         """Lines without an answer, in order, but those in ``skip`` (running now)."""
 
-        def pending(db: sqlite3.Connection) -> list[PendingLine]:
+        def pending(db: Connection) -> list[PendingLine]:
             rows = db.execute(
                 "SELECT line, custom_id, request FROM batch_lines WHERE batch_id = ? AND status IS NULL ORDER BY line",
                 (batch_id,),
@@ -218,7 +239,7 @@ class BatchStore:
         run); ``False`` when it already had one (it is never answered twice)."""
         encoded = _encode(answer)
 
-        def record(db: sqlite3.Connection) -> bool:
+        def record(db: Connection) -> bool:
             with write(db):
                 return (
                     db.execute(
@@ -234,7 +255,7 @@ class BatchStore:
     async def close_lines(self, batch_id: str, code: str, message: str) -> None:
         """Answer every line without an answer with ``error`` ``code`` (an expired or cancelled batch)."""
 
-        def close(db: sqlite3.Connection) -> None:
+        def close(db: Connection) -> None:
             with write(db):
                 rows = db.execute(
                     "SELECT line, custom_id FROM batch_lines WHERE batch_id = ? AND status IS NULL", (batch_id,)
@@ -265,7 +286,7 @@ class BatchStore:
         and store ``batch`` with their ids and final counts, all in one transaction."""
         now = time.time()
 
-        def finish(db: sqlite3.Connection) -> bp.Batch:
+        def finish(db: Connection) -> bp.Batch:
             with write(db):
                 output: list[bytes] = []
                 errors: list[bytes] = []
@@ -305,10 +326,30 @@ class BatchStore:
         return await self._db.run(finish)
 
 
-def _counted(db: sqlite3.Connection, batch: bp.Batch) -> bp.Batch:
+RUNNER = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+"""This process's name as a batch runner."""
+
+
+def _alive(runner: str) -> bool:
+    """Whether the runner ``runner`` may still be running: always for another machine's
+    (its lease says), else whether its process is there."""
+    host, _, rest = runner.partition(":")
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(rest.partition(":")[0]), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, PermissionError):
+        return True
+    return True
+
+
+def _counted(db: Connection, batch: bp.Batch) -> bp.Batch:
     """``batch`` with its request counts read from its lines."""
     total, completed, failed = db.execute(
-        "SELECT COUNT(*), COALESCE(SUM(status BETWEEN 200 AND 299), 0), COALESCE(SUM(status NOT BETWEEN 200 AND 299), 0)"
+        "SELECT COUNT(*), COUNT(CASE WHEN status BETWEEN 200 AND 299 THEN 1 END),"
+        " COUNT(CASE WHEN status NOT BETWEEN 200 AND 299 THEN 1 END)"
         " FROM batch_lines WHERE batch_id = ?",
         (batch.id,),
     ).fetchone()

@@ -32,7 +32,7 @@ from ortserve_client import batch_protocol as bp
 from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 
-from ._batch_store import OPEN, PendingLine, new_id
+from ._batch_store import OPEN, RUNNER, PendingLine, new_id
 from ._errors import BadRequestError, PayloadTooLargeError, ServerError, exception_handlers
 from ._leases import release_leases
 from ._mapping import CALLER, Caller, caller_of
@@ -56,6 +56,9 @@ _RETRY_CODES = {"preempted", "model_unloaded", "model_crashed", "model_capacity"
 """503 answers that say "send it again": a line that gets one runs again (a preempted one
 any number of times, the others up to ``_RETRIES`` times)."""
 _RETRIES = 20
+LEASE = 15.0
+"""Seconds a runner holds a batch without renewing its claim; replicas sharing the state
+database run each batch in one of them, and take over one whose runner went quiet."""
 _decode_line = msgspec.json.Decoder(bp.BatchInputLine).decode
 
 
@@ -325,19 +328,22 @@ class BatchRunner:
         assert self._wake is not None
         while True:
             self._wake.clear()
+            ran = False
             try:
                 batches = await self._state.batches.open_batches()
                 for batch, owner, scope in batches:
-                    await self._batch(batch, owner, scope)
+                    if await self._state.batches.claim(batch.id, RUNNER, LEASE):
+                        await self._batch(batch, owner, scope)
+                        ran = True
             except asyncio.CancelledError:
                 raise
             except Exception:  # a database that failed us: try again in a while, keep serving
                 logger.exception("running batches failed; trying again in 30 s")
                 await asyncio.sleep(30)
                 continue
-            if not batches:
+            if not ran:  # none open, or all run elsewhere: look again when their lease may end
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 60)
+                    await asyncio.wait_for(self._wake.wait(), LEASE / 2 if batches else 60)
 
     async def _batch(self, batch: bp.Batch, owner: str, scope: str | None) -> None:
         store = self._state.batches
@@ -345,8 +351,10 @@ class BatchRunner:
             batch.status, batch.in_progress_at = "in_progress", int(time.time())
             if not await store.update_batch(batch, unless=("cancelling",)):
                 batch.status = "cancelling"
-        if batch.status == "in_progress":
-            await self._lines(batch, Caller(owner=owner, cache_scope=scope, background=True))
+        if batch.status == "in_progress" and not await self._lines(
+            batch, Caller(owner=owner, cache_scope=scope, background=True)
+        ):
+            return
         current = await store.batch(None, batch.id)
         if current is None or current.status not in OPEN:
             return
@@ -363,23 +371,33 @@ class BatchRunner:
         done = await store.finish(current, owner)
         logger.info("batch %s %s: %s", batch.id, done.status, done.request_counts)
 
-    async def _lines(self, batch: bp.Batch, caller: Caller) -> None:
+    async def _lines(self, batch: bp.Batch, caller: Caller) -> bool:
         """Run the batch's lines without an answer until none is left, or it is cancelled
-        or expires (the lines running then stop, unanswered)."""
+        or expires (the lines running then stop, unanswered); ``False`` when another runner
+        took the batch over."""
         store = self._state.batches
         limit = max(1, self._state.config.batch_concurrency)
         running: dict[int, asyncio.Task[None]] = {}
+        claimed = time.monotonic()
         try:
             while batch.id not in self._cancelled and (batch.expires_at is None or time.time() < batch.expires_at):
+                if time.monotonic() - claimed > LEASE / 3:
+                    if not await store.claim(batch.id, RUNNER, LEASE):
+                        return False  # taken over (this process was too slow to renew): its runner goes on
+                    claimed = time.monotonic()
+                    current = await store.batch(None, batch.id)
+                    if current is None or current.status != "in_progress":
+                        return True  # cancelled through another replica
                 if len(running) < limit:
                     for line in await store.pending_lines(batch.id, limit - len(running), set(running)):
                         running[line.line] = asyncio.create_task(self._line(batch, line, caller))
                 if not running:
-                    return
+                    return True
                 done, _ = await asyncio.wait(running.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # a database failure: the batch waits for the next round
                 running = {number: task for number, task in running.items() if not task.done()}
+            return True
         finally:
             for task in running.values():
                 task.cancel()

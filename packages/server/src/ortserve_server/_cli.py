@@ -250,6 +250,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "'none' keeps it in memory (default: the user's state directory, or ORTSERVE_STATE_DIR)",
     )
     serve.add_argument(
+        "--state-url",
+        default=None,
+        metavar="postgresql://...",
+        help="keep that state in PostgreSQL instead, shared by the replicas given the same URL "
+        "(needs ortserve-server[postgres]); or ORTSERVE_STATE_URL",
+    )
+    serve.add_argument(
         "--batch-concurrency",
         type=int,
         default=8,
@@ -577,6 +584,7 @@ def _serve(args: argparse.Namespace) -> int:
             api_key=tuple(args.api_key) or os.environ.get("ORTSERVE_API_KEY") or None,
             prefix_cache_scope=args.prefix_cache_scope,
             state_dir=_state_dir(args.state_dir),
+            state_url=args.state_url or os.environ.get("ORTSERVE_STATE_URL") or None,
             batch_concurrency=args.batch_concurrency,
             max_file_size=int(args.max_file_mb * 1024 * 1024),
             max_queued=args.max_queued,

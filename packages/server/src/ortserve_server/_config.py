@@ -133,6 +133,11 @@ class ServerConfig:
     ``None`` keeps it in this process's memory.
     ``ortserve serve`` defaults to the user's state directory (``--state-dir none``: memory)."""
 
+    state_url: str | None = None
+    """A PostgreSQL database (``postgresql://user:password@host/db``) to keep that state in
+    instead of ``state_dir``: replicas given the same one share stored responses, files
+    and batches (needs ``ortserve-server[postgres]``)."""
+
     @property
     def api_keys(self) -> tuple[str, ...]:
         """The accepted API keys (none: the API is open)."""

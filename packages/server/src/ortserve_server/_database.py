@@ -1,25 +1,30 @@
-"""The one SQLite database behind ortserve's state (stored Responses, runtime adapters,
-files and batches): a file under ``ServerConfig.state_dir`` that outlives the process, or
-an in-memory database (``state_dir`` ``None``) with the same code paths.
+"""The one database behind ortserve's state (stored Responses, runtime adapters, files and
+batches): a SQLite file under ``ServerConfig.state_dir`` that outlives the process, an
+in-memory SQLite database (``state_dir`` ``None``) with the same code paths, or PostgreSQL
+(``ServerConfig.state_url``), which replicas on several machines share.
 
 Every call runs on one thread of its own, in the order of the calls, so no call blocks
 the event loop on the disk and a write is visible to the next call (a response stored by
-one request is readable by the next one naming it). The file is opened in WAL mode;
-writers take ``BEGIN IMMEDIATE``, so processes sharing a file wait their turn. The schema
-is versioned (``PRAGMA user_version``) and migrated forward step by step; a file of a newer
-version than this code knows is refused rather than misread.
+one request is readable by the next one naming it). The SQLite file is opened in
+WAL mode; writers take ``BEGIN IMMEDIATE``, so processes sharing a file wait their turn.
+The SQL is written to run on both (``?`` placeholders become psycopg's ``%s``; BLOB and REAL
+columns become BYTEA and DOUBLE PRECISION). The schema is versioned (SQLite's ``PRAGMA
+user_version``, a one-row table in PostgreSQL) and migrated forward step by step under a
+lock; a database of a newer version than this code knows is refused rather than misread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import re
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["STATE_FILE", "Database", "write"]
+__all__ = ["STATE_FILE", "Connection", "Database", "write"]
 
 STATE_FILE = "ortserve.db"
 """The SQLite file under ``state_dir``."""
@@ -42,7 +47,7 @@ _MIGRATIONS = [
         content BLOB NOT NULL);
     CREATE INDEX files_by_owner ON files (owner, created);
     CREATE TABLE batches (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL,
-        status TEXT NOT NULL, scope TEXT, batch BLOB NOT NULL);
+        status TEXT NOT NULL, scope TEXT, batch BLOB NOT NULL, runner TEXT, lease REAL);
     CREATE INDEX batches_by_owner ON batches (owner, created);
     CREATE TABLE batch_lines (batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL,
         request BLOB NOT NULL, status INTEGER, answer BLOB, PRIMARY KEY (batch_id, line));
@@ -51,18 +56,39 @@ _MIGRATIONS = [
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
-class Database:
-    """A SQLite connection (file ``path``, or in memory when ``None``) and the thread that
-    makes every call on it."""
+class Cursor(Protocol):
+    @property
+    def rowcount(self) -> int: ...
+    def fetchone(self) -> Any: ...
+    def fetchall(self) -> list[Any]: ...
+    def __iter__(self) -> Iterator[Any]: ...
 
-    def __init__(self, path: Path | None) -> None:
+
+class Connection(Protocol):
+    """What the stores use of a connection: sqlite3's, or :class:`_Postgres`."""
+
+    def execute(self, sql: str, parameters: Sequence[Any] = (), /) -> Cursor: ...
+    def executemany(self, sql: str, parameters: Iterable[Sequence[Any]], /) -> object: ...
+    def close(self) -> None: ...
+
+
+class Database:
+    """A connection (a SQLite file ``path``, in memory when ``None``; or PostgreSQL at
+    ``url``) and the thread that makes every call on it."""
+
+    def __init__(self, path: Path | None = None, *, url: str | None = None) -> None:
         self.path = path
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        # Opened here, used on the worker thread only (check_same_thread would refuse that).
-        self._db = sqlite3.connect(
-            ":memory:" if path is None else path, check_same_thread=False, isolation_level=None, timeout=30
-        )
+        self.url = url
+        self._db: Connection
+        if url is not None:
+            self._db = _Postgres(url)
+        else:
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            # Opened here, used on the worker thread only (check_same_thread would refuse that).
+            self._db = sqlite3.connect(
+                ":memory:" if path is None else path, check_same_thread=False, isolation_level=None, timeout=30
+            )
         try:
             self._migrate()
         except BaseException:
@@ -70,28 +96,44 @@ class Database:
             raise
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ortserve-state")
 
+    @property
+    def where(self) -> str:
+        """The database, for messages (a URL without its password)."""
+        if self.url is not None:
+            return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", self.url)
+        return str(self.path) if self.path is not None else "memory"
+
     def _migrate(self) -> None:
         db = self._db
-        if self.path is not None:
+        if self.url is None and self.path is not None:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash loses no committed write
-        with db:
-            db.execute("BEGIN IMMEDIATE")  # two processes opening one new file: one migrates
-            version = db.execute("PRAGMA user_version").fetchone()[0]
+        with write(db):  # two processes opening one new database: one migrates
+            if isinstance(db, _Postgres):
+                db.execute("SELECT pg_advisory_xact_lock(7227101)")  # CREATE TABLE IF NOT EXISTS races otherwise
+                db.execute("CREATE TABLE IF NOT EXISTS ortserve_schema (version INTEGER NOT NULL)")
+                row = db.execute("SELECT version FROM ortserve_schema").fetchone()
+                version = 0 if row is None else row[0]
+            else:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise ValueError(
-                    f"{self.path} was written by a newer ortserve (state schema {version}); use another state dir"
+                    f"{self.where} was written by a newer ortserve (state schema {version}); use another state dir"
                 )
             for step in _MIGRATIONS[version:]:
                 for statement in filter(str.strip, step.split(";")):
                     db.execute(statement)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if isinstance(db, _Postgres):
+                db.execute("DELETE FROM ortserve_schema")
+                db.execute("INSERT INTO ortserve_schema VALUES (?)", (SCHEMA_VERSION,))
+            else:
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
-    def submit(self, call: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
+    def submit(self, call: Callable[[Connection], T]) -> concurrent.futures.Future[T]:
         """Queue ``call(connection)``; the future is done once it has run (committed)."""
         return self._worker.submit(call, self._db)
 
-    async def run(self, call: Callable[[sqlite3.Connection], T]) -> T:
+    async def run(self, call: Callable[[Connection], T]) -> T:
         """``call(connection)`` on the worker thread, awaited."""
         return await asyncio.wrap_future(self.submit(call))
 
@@ -101,7 +143,44 @@ class Database:
         self._worker.shutdown(wait=True)
 
 
-def write(db: sqlite3.Connection) -> sqlite3.Connection:
-    """Begin a write transaction on ``db`` (use as ``with write(db):``)."""
-    db.execute("BEGIN IMMEDIATE")
-    return db
+@contextlib.contextmanager
+def write(db: Connection) -> Iterator[Connection]:
+    """A write transaction on ``db``: committed at the end of the block, rolled back if it raises."""
+    db.execute("BEGIN" if isinstance(db, _Postgres) else "BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+_TYPES = {"BLOB": "BYTEA", "REAL": "DOUBLE PRECISION"}
+
+
+class _Postgres:
+    """A psycopg connection (autocommit: :func:`write` opens transactions) that takes the
+    stores' SQLite-flavoured SQL."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import psycopg
+        except ImportError as exc:
+            raise ValueError("state_url needs psycopg: install ortserve-server[postgres]") from exc
+        self._connection = psycopg.connect(url, autocommit=True)
+
+    @staticmethod
+    def _sql(sql: str) -> str:
+        sql = sql.replace("?", "%s")
+        return re.sub(r"\b(BLOB|REAL)\b", lambda m: _TYPES[m.group(1)], sql)
+
+    def execute(self, sql: str, parameters: Sequence[Any] = (), /) -> Cursor:
+        return self._connection.execute(self._sql(sql), parameters)
+
+    def executemany(self, sql: str, parameters: Iterable[Sequence[Any]], /) -> object:
+        with self._connection.cursor() as cursor:
+            cursor.executemany(self._sql(sql), parameters)
+        return None
+
+    def close(self) -> None:
+        self._connection.close()

@@ -8,7 +8,6 @@ in-memory database.
 from __future__ import annotations
 
 import concurrent.futures
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import msgspec
 from ortserve_client import responses_protocol as rp
 
-from ._database import Database, write
+from ._database import Connection, Database, write
 
 __all__ = ["ResponseStore", "StoredResponse"]
 
@@ -64,7 +63,7 @@ class ResponseStore:
         row = (response.id, now, now + self.ttl, size, *encoded)
         max_entries, max_bytes = self.max_entries, self.max_bytes
 
-        def put(db: sqlite3.Connection) -> None:
+        def put(db: Connection) -> None:
             with write(db):
                 db.execute("DELETE FROM responses WHERE expires <= ?", (now,))
                 count, held = db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
@@ -75,14 +74,15 @@ class ResponseStore:
                     drop.append((old_id,))
                     count, held = count - 1, held - old_size
                 db.executemany("DELETE FROM responses WHERE id = ?", drop)
-                db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+                db.execute("DELETE FROM responses WHERE id = ?", (row[0],))
+                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
 
         return self._db.submit(put)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         now = self._clock()
 
-        def get(db: sqlite3.Connection) -> StoredResponse | None:
+        def get(db: Connection) -> StoredResponse | None:
             found = db.execute(
                 "SELECT response, items, size, expires FROM responses WHERE id = ? AND expires > ?", (response_id, now)
             ).fetchone()
@@ -95,7 +95,7 @@ class ResponseStore:
     async def delete(self, response_id: str) -> bool:
         now = self._clock()
 
-        def delete(db: sqlite3.Connection) -> bool:
+        def delete(db: Connection) -> bool:
             with write(db):
                 return db.execute("DELETE FROM responses WHERE id = ? AND expires > ?", (response_id, now)).rowcount > 0
 

@@ -57,9 +57,13 @@ class OrtServe:
         self.created = int(time.time())
         state_file = None if config.state_dir is None else Path(config.state_dir) / STATE_FILE
         try:
-            self.database = Database(state_file)
+            self.database = Database(url=config.state_url) if config.state_url is not None else Database(state_file)
         except (OSError, sqlite3.Error) as exc:
             raise ValueError(f"state_dir: cannot keep state in {state_file}: {exc}") from exc
+        except Exception as exc:  # psycopg's errors: a server not there, a wrong password
+            if config.state_url is None:
+                raise
+            raise ValueError(f"state_url: cannot keep state in PostgreSQL: {exc}") from exc
         """Where state is kept: a file under ``state_dir``, or memory."""
         self.responses = ResponseStore(
             self.database, config.responses_store_max, config.responses_store_max_bytes, config.responses_store_ttl
