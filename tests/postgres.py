@@ -42,14 +42,17 @@ def postgres_server() -> Iterator[str]:
     if as_root:
         shutil.chown(folder, "postgres")
     port = _free_port()
-    run = {"check": True, "capture_output": True, "text": True}
+
+    def run(program: str, *args: str | Path) -> None:
+        subprocess.run([*prefix, binaries / program, *args], check=True, capture_output=True, text=True)
+
     try:
-        subprocess.run([*prefix, binaries / "initdb", "-D", data, "-A", "trust", "-U", "postgres"], **run)  # type: ignore[call-overload]
+        run("initdb", "-D", data, "-A", "trust", "-U", "postgres")
         options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off"
-        subprocess.run([*prefix, binaries / "pg_ctl", "-D", data, "-o", options, "-w", "-l", folder / "log", "start"], **run)  # type: ignore[call-overload]
+        run("pg_ctl", "-D", data, "-o", options, "-w", "-l", folder / "log", "start")
         try:
             yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
         finally:
-            subprocess.run([*prefix, binaries / "pg_ctl", "-D", data, "-m", "immediate", "stop"], **run)  # type: ignore[call-overload]
+            run("pg_ctl", "-D", data, "-m", "immediate", "stop")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
