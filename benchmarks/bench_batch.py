@@ -91,12 +91,15 @@ async def run(url: str, lines: int, count: int) -> None:
             + "\n"
             for i in range(lines)
         )
-        uploaded = (await client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("b.jsonl", content)}))
+        uploaded = await client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("b.jsonl", content)})
         batch = (
             await client.post(
                 "/v1/batches",
-                json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions",
-                      "completion_window": "24h"},
+                json={
+                    "input_file_id": uploaded.json()["id"],
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                },
             )
         ).json()
         started = time.perf_counter()

@@ -57,7 +57,9 @@ def test_a_batch_moves_to_the_other_replica_when_its_server_dies(state_url: str)
         _client(first_url) as first,
     ):
         uploaded = first.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
-        batch = first.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = first.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         while (seen := second.batches.retrieve(batch.id)).request_counts.completed < count // 3:  # type: ignore[union-attr]
             assert seen.status in ("validating", "in_progress"), seen
             time.sleep(0.05)
