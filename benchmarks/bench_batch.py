@@ -63,14 +63,16 @@ async def ttft(client: httpx.AsyncClient, i: int) -> float:
     start = time.perf_counter()
     async with client.stream("POST", "/v1/chat/completions", json={**body(10_000 + i, 16), "stream": True}) as response:
         async for line in response.aiter_lines():
-            if line.startswith("data: ") and '"content":"' in line:
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
                 return time.perf_counter() - start
     raise AssertionError("no token came")
 
 
-async def samples(client: httpx.AsyncClient, count: int) -> list[float]:
+async def samples(client: httpx.AsyncClient, count: int, first: int) -> list[float]:
+    """TTFTs of ``count`` prompts numbered from ``first`` (no two phases share a prompt,
+    so none is in the prefix cache)."""
     found = []
-    for i in range(count):
+    for i in range(first, first + count):
         found.append(await ttft(client, i))
         await asyncio.sleep(0.3)
     return found
@@ -83,8 +85,8 @@ def summary(values: list[float]) -> str:
 
 async def run(url: str, lines: int, count: int) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await samples(client, 3)  # warm-up
-        alone = await samples(client, count)
+        await samples(client, 3, 900)  # warm-up
+        alone = await samples(client, count, 1000)
 
         content = "".join(
             json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(i, 64)})
@@ -104,7 +106,7 @@ async def run(url: str, lines: int, count: int) -> None:
         ).json()
         started = time.perf_counter()
         await asyncio.sleep(2)  # the batch fills its rows
-        during = await samples(client, count)
+        during = await samples(client, count, 2000)
         while (state := (await client.get(f"/v1/batches/{batch['id']}")).json())["status"] != "completed":
             await asyncio.sleep(0.5)
         rate = lines / (time.perf_counter() - started)
@@ -121,7 +123,7 @@ async def run(url: str, lines: int, count: int) -> None:
 
         flooding = asyncio.create_task(flood())
         await asyncio.sleep(2)
-        crowded = await samples(client, count)
+        crowded = await samples(client, count, 3000)
         await flooding
 
     print(cpu_features())

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from og_reference import og_greedy
@@ -702,4 +704,42 @@ async def test_background_requests_wait_behind_interactive_ones_and_give_their_r
             outcomes.append("preempted")
     assert sorted(outcomes) == ["length", "preempted"], outcomes
     assert (await queued_line)[2] == "length"  # it waited behind the interactive one, then ran
+    await registry.close()
+
+
+async def test_a_background_prompt_going_in_makes_way_for_an_interactive_one() -> None:
+    """An interactive request that arrives while a background prompt is being prefilled goes
+    in after that prompt's current chunk; the background one is parked (what it prefilled
+    kept in the prefix cache) and resumed, and both give the tokens they give alone."""
+    registry = ModelRegistry(ModelConfig(max_batch_size=3))
+    registry.add("tiny", TINY_MODEL)
+    model: ChatModel = await registry.get("tiny")
+    long_prompt = " ".join(PROMPTS) * 8  # several 128-token chunks
+    background = GenerationOptions(max_tokens=12, temperature=0, background=True)
+    alone = await model.generate(PROMPTS[3], options=GREEDY).collect()
+    line_alone = await model.generate(long_prompt, options=background).collect()
+    await registry.unload("tiny")
+    model = await registry.get("tiny")  # an empty prefix cache
+    engine = model.engine  # type: ignore[attr-defined]
+    # The one interleaving that matters, made certain: the engine holds on after the first
+    # chunk of the background prompt until the interactive request is queued.
+    first_chunk, queued = threading.Event(), threading.Event()
+    prefill_chunk = engine._prefill_chunk
+
+    def held_prefill_chunk(request: Any, chunk: int | None = None) -> Any:
+        logits = prefill_chunk(request, chunk)
+        if request.options.background and not first_chunk.is_set():
+            first_chunk.set()
+            queued.wait(10)
+        return logits
+
+    engine._prefill_chunk = held_prefill_chunk
+    line = asyncio.create_task(model.generate(long_prompt, options=background).collect())
+    await wait_until(first_chunk.is_set)
+    interactive = asyncio.create_task(model.generate(PROMPTS[3], options=GREEDY).collect())
+    await wait_until(lambda: model.queued == 1)
+    queued.set()
+    assert await interactive == alone
+    assert engine.background_yields == 1
+    assert (await line)[:3] == line_alone[:3]
     await registry.close()

@@ -309,6 +309,9 @@ class OrtCpuEngine(OwnerThread):
         self._shrink_arena.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self.steps = 0
         """Decoder runs so far (prefills plus batched decode steps); for tests and metrics."""
+        self.background_yields = 0
+        """Times a background request gave way to an interactive one (its prefill parked, or
+        its row given up); for tests and metrics."""
         self.draft_tokens = 0
         """Draft tokens checked so far (speculative decoding, see :meth:`_speculate`)."""
         self.accepted_draft_tokens = 0
@@ -486,6 +489,8 @@ class OrtCpuEngine(OwnerThread):
         a decode step of the running requests in between, so their streams keep flowing.
         """
         while True:
+            if self._prefilling is not None and self._prefilling.options.background:
+                self._park_background_prefill()
             if self._prefilling is None:
                 with self._cond:
                     waiting = self._inbox[0] if self._inbox and len(self._rows) >= self.max_batch_size else None
@@ -508,7 +513,7 @@ class OrtCpuEngine(OwnerThread):
                 self._reuse_prefix(request)
                 self._prefilling = request
             request = self._prefilling
-            logits = self._prefill_chunk(request)
+            logits = self._prefill_chunk(request, _BACKGROUND_CHUNK if request.options.background else None)
             if logits is None:
                 if self._rows:
                     return  # a long prompt: let the running requests take a step
@@ -517,6 +522,22 @@ class OrtCpuEngine(OwnerThread):
             self._remember(request)  # others may share this prompt's beginning
             self._rows.append(request)
             self._accept(request, logits)
+
+    def _park_background_prefill(self) -> None:
+        """An interactive request waits while a background prompt goes in: the background one
+        goes back to the queue behind it, what it prefilled kept in the prefix cache (its next
+        turn starts from there), so the interactive prompt waits one chunk at most."""
+        request = self._prefilling
+        with self._cond:
+            if request is None or not self._inbox or self._inbox[0].options.background:
+                return
+        if request.prefilled:
+            self._remember(request, request.prefilled)
+        self._prefilling, request.row = None, -1
+        self.background_yields += 1
+        with self._cond:
+            first = next((i for i, queued in enumerate(self._inbox) if queued.options.background), len(self._inbox))
+            self._inbox.insert(first, request)
 
     def _preempt_background(self) -> None:
         """Free a row for an interactive request that waits with every row taken: the
@@ -528,6 +549,7 @@ class OrtCpuEngine(OwnerThread):
         victim = min(victims, key=lambda request: len(request.tokens))
         victim.cancelled = True  # no refill of a reply nobody gets
         self._release(victim)
+        self.background_yields += 1
         victim.deliver(PreemptedError(f"model {self.model_name!r}: gave its batch row to an interactive request"))
 
     def _refill_step(self) -> None:
@@ -992,6 +1014,11 @@ class _DraftModel:
         graph.session.run_with_iobinding(binding)
         logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()[0, -1]
         return logits
+
+
+_BACKGROUND_CHUNK = 128
+"""Prompt tokens a background request prefills per call: an interactive request arriving
+meanwhile waits for one such call, not a whole prompt."""
 
 
 def _weight_bytes(folder: Path) -> int:
