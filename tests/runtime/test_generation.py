@@ -714,7 +714,7 @@ async def test_a_background_prompt_going_in_makes_way_for_an_interactive_one() -
     registry = ModelRegistry(ModelConfig(max_batch_size=3))
     registry.add("tiny", TINY_MODEL)
     model: ChatModel = await registry.get("tiny")
-    long_prompt = " ".join(PROMPTS) * 8  # several 128-token chunks
+    long_prompt = " ".join(PROMPTS) * 8  # several 32-token chunks
     background = GenerationOptions(max_tokens=12, temperature=0, background=True)
     alone = await model.generate(PROMPTS[3], options=GREEDY).collect()
     line_alone = await model.generate(long_prompt, options=background).collect()

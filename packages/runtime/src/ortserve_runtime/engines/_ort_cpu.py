@@ -1016,7 +1016,7 @@ class _DraftModel:
         return logits
 
 
-_BACKGROUND_CHUNK = 128
+_BACKGROUND_CHUNK = 32
 """Prompt tokens a background request prefills per call: an interactive request arriving
 meanwhile waits for one such call, not a whole prompt."""
 
