@@ -7,13 +7,22 @@ from __future__ import annotations
 import io
 import json
 import signal
+import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from test_connections import serving
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """One server (and client) for the tests that need nothing of their own."""
+    with serving("--state-dir", str(tmp_path_factory.mktemp("state"))) as (_, url), _client(url) as client:
+        yield client
 
 
 def _client(url: str, key: str = "unused") -> openai.OpenAI:
@@ -39,6 +48,17 @@ def _chat_line(i: int, **body: Any) -> dict[str, Any]:
     }
 
 
+def _short_line(i: int) -> dict[str, Any]:
+    """A line that costs the engine little (a few prompt tokens, one new token): the tests
+    of many lines are about the batch's bookkeeping, not the model."""
+    return {
+        "custom_id": f"line-{i}",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "tiny", "prompt": f"{i}", "max_tokens": 1, "temperature": 0},
+    }
+
+
 def _wait(client: openai.OpenAI, batch_id: str, within: float = 120) -> Any:
     end = time.monotonic() + within
     while time.monotonic() < end:
@@ -55,55 +75,55 @@ def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
-def test_a_batch_runs_through_the_sdk(tmp_path: Path) -> None:
+def test_a_batch_runs_through_the_sdk(shared: openai.OpenAI) -> None:
     lines = [_chat_line(i) for i in range(6)]
     lines.append(_chat_line(6, model="no-such-model"))
-    with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
-        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
-        assert uploaded.purpose == "batch" and uploaded.bytes == len(_jsonl(lines))
-        assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
-        batch = client.batches.create(
-            input_file_id=uploaded.id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-            metadata={"job": "test"},
-        )
-        assert batch.status == "validating" and batch.metadata == {"job": "test"}
-        done = _wait(client, batch.id)
-        assert done.status == "completed"
-        assert done.request_counts is not None
-        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (7, 6, 1)
-        output = _lines(client, done.output_file_id)
-        errors = _lines(client, done.error_file_id)
-        assert [line["custom_id"] for line in output] == [f"line-{i}" for i in range(6)]
-        direct = client.chat.completions.create(**lines[2]["body"])
-        assert output[2]["response"]["status_code"] == 200
-        assert output[2]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
-        assert errors[0]["custom_id"] == "line-6"
-        assert errors[0]["response"]["status_code"] == 404
-        assert errors[0]["response"]["body"]["error"]["param"] == "model"
-        assert client.batches.list().data[0].id == batch.id
-        listed = client.files.list(purpose="batch_output")
-        assert {f.id for f in listed.data} == {done.output_file_id, done.error_file_id}
-        assert client.files.delete(uploaded.id).deleted is True
-        with pytest.raises(openai.NotFoundError):
-            client.files.retrieve(uploaded.id)
+    client = shared
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(_jsonl(lines))
+    assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
+    batch = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "test"},
+    )
+    assert batch.status == "validating" and batch.metadata == {"job": "test"}
+    done = _wait(client, batch.id)
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (7, 6, 1)
+    output = _lines(client, done.output_file_id)
+    errors = _lines(client, done.error_file_id)
+    assert [line["custom_id"] for line in output] == [f"line-{i}" for i in range(6)]
+    direct = client.chat.completions.create(**lines[2]["body"])
+    assert output[2]["response"]["status_code"] == 200
+    assert output[2]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    assert errors[0]["custom_id"] == "line-6"
+    assert errors[0]["response"]["status_code"] == 404
+    assert errors[0]["response"]["body"]["error"]["param"] == "model"
+    assert batch.id in {b.id for b in client.batches.list().data}
+    listed = {f.id for f in client.files.list(purpose="batch_output").data}
+    assert {done.output_file_id, done.error_file_id} <= listed and uploaded.id not in listed
+    assert client.files.delete(uploaded.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
 
 
-def test_every_endpoint_runs_in_a_batch(tmp_path: Path) -> None:
+def test_every_endpoint_runs_in_a_batch(shared: openai.OpenAI) -> None:
     bodies = {
         "/v1/completions": {"model": "tiny", "prompt": "Once", "max_tokens": 2},
         "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 2},
     }
-    with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
-        for endpoint, body in bodies.items():
-            line = {"custom_id": "a", "method": "POST", "url": endpoint, "body": body}
-            uploaded = client.files.create(file=("in.jsonl", _jsonl([line])), purpose="batch")
-            batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
-            done = _wait(client, batch.id)
-            (answer,) = _lines(client, done.output_file_id)
-            assert answer["response"]["status_code"] == 200, answer
-            assert answer["response"]["body"]["usage"], answer
+    client = shared
+    for endpoint, body in bodies.items():
+        line = {"custom_id": "a", "method": "POST", "url": endpoint, "body": body}
+        uploaded = client.files.create(file=("in.jsonl", _jsonl([line])), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+        done = _wait(client, batch.id)
+        (answer,) = _lines(client, done.output_file_id)
+        assert answer["response"]["status_code"] == 200, answer
+        assert answer["response"]["body"]["usage"], answer
 
 
 @pytest.mark.parametrize(
@@ -116,16 +136,16 @@ def test_every_endpoint_runs_in_a_batch(tmp_path: Path) -> None:
         (json.dumps(_chat_line(5, messages="hi")), "line 2: body: Expected `array`"),
     ],
 )
-def test_a_bad_line_is_refused_by_number(tmp_path: Path, line: str, says: str) -> None:
+def test_a_bad_line_is_refused_by_number(shared: openai.OpenAI, line: str, says: str) -> None:
     content = json.dumps(_chat_line(0)).encode() + b"\n" + line.encode() + b"\n"
-    with serving("--state-dir", "none") as (_, url), _client(url) as client:
-        with pytest.raises(openai.BadRequestError) as caught:
-            client.files.create(file=("in.jsonl", content), purpose="batch")
-        assert says in caught.value.message
-        assert caught.value.body["param"] == "file"  # type: ignore[index]
-        with pytest.raises(openai.BadRequestError, match="purpose"):
-            client.files.create(file=("in.jsonl", content), purpose="fine-tune")
-        assert client.models.list().data  # still serving
+    client = shared
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("in.jsonl", content), purpose="batch")
+    assert says in caught.value.message
+    assert caught.value.body["param"] == "file"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("in.jsonl", content), purpose="fine-tune")
+    assert client.models.list().data  # still serving
 
 
 def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
@@ -148,25 +168,23 @@ def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
         assert _wait(alice, batch.id).status == "completed"
 
 
-def test_a_cancelled_batch_keeps_its_answers(tmp_path: Path) -> None:
-    lines = [_chat_line(i, max_tokens=64) for i in range(40)]
-    with serving("--state-dir", str(tmp_path), "--batch-concurrency", "2") as (_, url), _client(url) as client:
-        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
-        while client.batches.retrieve(batch.id).request_counts.completed < 2:  # type: ignore[union-attr]
-            time.sleep(0.05)
-        assert client.batches.cancel(batch.id).status == "cancelling"
-        done = _wait(client, batch.id)
-        assert done.status == "cancelled" and done.cancelled_at is not None
-        answered = _lines(client, done.output_file_id)
-        never = _lines(client, done.error_file_id)
-        assert 2 <= len(answered) < 40
-        assert {line["error"]["code"] for line in never} == {"batch_cancelled"}
-        assert sorted(line["custom_id"] for line in answered + never) == sorted(f"line-{i}" for i in range(40))
-        with pytest.raises(openai.BadRequestError, match="cannot be cancelled"):
-            client.batches.cancel(_completed(client))
+def test_a_cancelled_batch_keeps_its_answers(shared: openai.OpenAI) -> None:
+    lines = [_chat_line(i, max_tokens=64) for i in range(200)]
+    client = shared
+    uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:  # type: ignore[union-attr]
+        time.sleep(0.05)
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = _wait(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    answered = _lines(client, done.output_file_id)
+    never = _lines(client, done.error_file_id)
+    assert 2 <= len(answered) < 200
+    assert {line["error"]["code"] for line in never} == {"batch_cancelled"}
+    assert sorted(line["custom_id"] for line in answered + never) == sorted(f"line-{i}" for i in range(200))
+    with pytest.raises(openai.BadRequestError, match="cannot be cancelled"):
+        client.batches.cancel(_completed(client))
 
 
 def _completed(client: openai.OpenAI) -> str:
@@ -177,16 +195,17 @@ def _completed(client: openai.OpenAI) -> str:
 
 def test_a_batch_survives_sigkill_with_every_line_answered_once(tmp_path: Path) -> None:
     count = 2000
-    lines = [_chat_line(i, max_tokens=2) for i in range(count)]
+    lines = [_short_line(i) for i in range(count)]
     with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
         uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
         while client.batches.retrieve(batch.id).request_counts.completed < count // 2:  # type: ignore[union-attr]
-            time.sleep(0.05)
+            time.sleep(0.02)
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
+    with sqlite3.connect(tmp_path / "ortserve.db") as db:
+        answered_before = db.execute("SELECT COUNT(*) FROM batch_lines WHERE status IS NOT NULL").fetchone()[0]
+    assert count // 2 <= answered_before < count  # killed halfway
     with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
         done = _wait(client, batch.id, within=600)
         assert done.status == "completed"
@@ -194,4 +213,5 @@ def test_a_batch_survives_sigkill_with_every_line_answered_once(tmp_path: Path) 
         answered = _lines(client, done.output_file_id)
         assert [line["custom_id"] for line in answered] == [f"line-{i}" for i in range(count)]
         assert len({line["id"] for line in answered}) == count
+        assert all(line["response"]["status_code"] == 200 for line in answered)
         assert done.error_file_id is None

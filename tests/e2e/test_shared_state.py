@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from postgres import postgres_server
-from test_batches import _chat_line, _client, _jsonl, _lines, _wait
+from test_batches import _client, _jsonl, _lines, _short_line, _wait
 from test_connections import serving
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,8 @@ def test_a_chain_continues_on_another_replica(state_url: str) -> None:
 
 
 def test_a_batch_moves_to_the_other_replica_when_its_server_dies(state_url: str) -> None:
-    count = 600
-    lines = [_chat_line(i, max_tokens=2) for i in range(count)]
+    count = 1000
+    lines = [_short_line(i) for i in range(count)]
     with (
         serving("--state-url", state_url) as (survivor, second_url),
         _client(second_url) as second,
@@ -57,12 +57,10 @@ def test_a_batch_moves_to_the_other_replica_when_its_server_dies(state_url: str)
         _client(first_url) as first,
     ):
         uploaded = first.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
-        batch = first.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = first.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
         while (seen := second.batches.retrieve(batch.id)).request_counts.completed < count // 3:  # type: ignore[union-attr]
             assert seen.status in ("validating", "in_progress"), seen
-            time.sleep(0.05)
+            time.sleep(0.02)
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=30)
         done = _wait(second, batch.id, within=300)
