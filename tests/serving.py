@@ -30,7 +30,10 @@ def running(app: Any) -> Iterator[str]:
     """Serve ``app`` on 127.0.0.1:<free port>; yields ``http://127.0.0.1:PORT``."""
     import uvicorn  # here, so that model-only tests run without the server installed
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, as ortserve's own listen() does: asyncio turns Nagle off only on
+    # sockets whose protocol reads TCP, and with Nagle on every request on a kept-alive
+    # connection waited 40 ms for the client's delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
