@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from ortserve_client import AsyncClient, BadRequestError, NotFoundError, batch_file
+from ortserve_client import AsyncClient, BadRequestError, NotFoundError, PayloadTooLargeError, batch_file
 from ortserve_client import batch_protocol as bp
 
 pytestmark = pytest.mark.anyio
@@ -50,3 +50,22 @@ async def test_a_batch_round_trip(server_url: str) -> None:
         assert (await client.files.delete(mixed.id)).deleted
         with pytest.raises(NotFoundError):
             await client.files.content(mixed.id)
+
+
+async def test_files_and_batches_are_bounded_in_bytes() -> None:
+    pytest.importorskip("ortserve_server", reason="the contract test needs the server installed")
+    from ortserve_server import ServerConfig, create_app
+    from serving import TINY_MODEL, running
+
+    line = {"custom_id": "a", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x" * 300}}
+    content = batch_file([line])
+    config = ServerConfig(models={"tiny": TINY_MODEL}, files_max_bytes=len(content) * 3 // 2)
+    with running(create_app(config)) as url:
+        async with AsyncClient(f"{url}/v1") as client:
+            first = await client.files.create(file=content)
+            with pytest.raises(PayloadTooLargeError, match="room for files"):
+                await client.files.create(file=content)  # a second file does not fit
+            with pytest.raises(PayloadTooLargeError, match="room for files and batches"):
+                await client.batches.create(input_file_id=first.id, endpoint="/v1/completions")  # nor its lines
+            await client.files.delete(first.id)
+            await client.files.create(file=content)  # room again

@@ -6,6 +6,7 @@ one Ray instance and run in order: spread, affinity, a killed replica, then 2 ->
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from postgres import postgres_server
 
 # Under `uv run`, Ray would start its workers with `uv run` in a copy of the project,
 # which syncs the default environment, without the extra; the workers must use this one.
@@ -38,6 +40,10 @@ STREAM_TOKENS = 900  # the longest the 1024-token sequences allow after the prom
 SYSTEM = "You are a careful assistant who answers in short sentences and never invents facts. " * 3
 
 
+_STATE_URL: list[str] = []
+"""The PostgreSQL the replicas share, where one could be started (see ``root``)."""
+
+
 def _deploy(replicas: int) -> None:
     """Deploy as a serve config file (KubeRay's ``serveConfigV2``) does, and wait until
     ``replicas`` replicas run. Changing only ``num_replicas`` then scales the deployment
@@ -51,6 +57,7 @@ def _deploy(replicas: int) -> None:
         # removed in the 2 -> 1 test still has work under way when it is told to go.
         "max_batch_size": "1",
         "max_sequence_length": "1024",
+        **({"state_url": _STATE_URL[0]} if _STATE_URL else {}),
     }
     replica_options = {
         "name": "OrtServeReplica",
@@ -82,6 +89,15 @@ def _replica_count() -> int:
 
 @pytest.fixture(scope="module")
 def root() -> Iterator[str]:
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(pytest.skip.Exception):  # the replicas share a PostgreSQL where one can be started
+            _STATE_URL.append(stack.enter_context(postgres_server()))
+        yield stack.enter_context(_ray_serve())
+    _STATE_URL.clear()
+
+
+@contextlib.contextmanager
+def _ray_serve() -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -242,15 +258,27 @@ def test_a_chain_of_stored_responses_follows_the_replica_holding_it(client: open
 
 
 def test_killing_a_replica_process_keeps_the_service_answering(client: openai.OpenAI) -> None:
-    victim = _chat(client, [{"role": "user", "content": "who serves me?"}])[0]
+    kept = client.responses.create(model="tiny", input="Remember heliotrope.", max_output_tokens=4, store=True)
+    victim = kept.id.removeprefix("resp_").split("-")[0]  # the replica that stored it
+    conversation = [{"role": "user", "content": "who serves me? " + "again " * 5}]
+    for _ in range(8):  # a conversation of the victim's (it stays there: see the test above)
+        if _chat(client, conversation)[0] == victim:
+            break
+        conversation[0]["content"] += "!"
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#OrtServeReplica#{victim}", namespace="serve")
     pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
     os.kill(pid, signal.SIGKILL)
 
     # Every request gets an answer, the killed replica's own conversation included.
     served = [_chat(client, [{"role": "user", "content": f"still there {i}? who serves me?"}])[0] for i in range(10)]
-    served.append(_chat(client, [{"role": "user", "content": "who serves me?"}])[0])
+    served.append(_chat(client, conversation)[0])
     assert victim not in served
+    if _STATE_URL:  # the replicas share PostgreSQL: the victim's stored response lives on
+        raw = client.responses.with_raw_response.create(
+            model="tiny", input="Which word?", previous_response_id=kept.id, max_output_tokens=4
+        )
+        assert raw.headers[REPLICA_HEADER] != victim
+        assert raw.parse().usage.input_tokens > kept.usage.input_tokens  # type: ignore[union-attr]
 
     # Ray replaces the replica: requests spread over two again, neither the victim.
     deadline = time.monotonic() + 90

@@ -63,9 +63,9 @@ class BatchStore:
     def __init__(self, database: Database, max_bytes: int, ttl: float) -> None:
         self._db = database
         self.max_bytes = max_bytes
-        """Bytes of files kept at most (uploads and results alike)."""
+        """Bytes of files and batch lines kept at most (uploads, lines and results alike)."""
         self.ttl = ttl
-        """Seconds a file is kept after it was made."""
+        """Seconds a file is kept after it was made, and a batch that is over."""
 
     # -- files -------------------------------------------------------------------------------
 
@@ -77,8 +77,8 @@ class BatchStore:
         def add(db: Connection) -> bp.FileObject | None:
             with write(db):
                 db.execute("DELETE FROM files WHERE expires <= ?", (now,))
-                held = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
-                if held + len(content) > self.max_bytes:
+                _forget_old_batches(db, now - self.ttl)
+                if _held_bytes(db) + len(content) > self.max_bytes:
                     return None
                 db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
             return _file((row[0], purpose, filename, len(content), now, row[6]))
@@ -132,19 +132,26 @@ class BatchStore:
 
     async def create_batch(
         self, owner: str, scope: str | None, batch: bp.Batch, lines: list[tuple[str, bytes]]
-    ) -> None:
-        """Keep ``batch`` and its lines (custom id, request body), in one transaction."""
+    ) -> bool:
+        """Keep ``batch`` and its lines (custom id, request body), in one transaction;
+        ``False`` when they would take the files and batches past ``max_bytes``. Batches
+        over for longer than ``ttl`` go first, with their lines."""
         rows = [(batch.id, number, custom_id, body) for number, (custom_id, body) in enumerate(lines, 1)]
+        size = sum(len(body) for _, body in lines)
 
-        def create(db: Connection) -> None:
+        def create(db: Connection) -> bool:
             with write(db):
+                _forget_old_batches(db, time.time() - self.ttl)
+                if _held_bytes(db) + size > self.max_bytes:
+                    return False
                 db.execute(
                     "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, NULL, NULL)",
                     (batch.id, owner, batch.created_at, batch.status, scope, _encode(batch)),
                 )
                 db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, NULL, NULL)", rows)
+            return True
 
-        await self._db.run(create)
+        return await self._db.run(create)
 
     async def batch(self, owner: str | None, batch_id: str) -> bp.Batch | None:
         """The batch (its counts as they are now); ``owner`` ``None``: whoever owns it."""
@@ -343,6 +350,29 @@ def _alive(runner: str) -> bool:
     except (ValueError, PermissionError):
         return True
     return True
+
+
+def _held_bytes(db: Connection) -> int:
+    """Bytes of files and of batches' lines (their requests and answers) kept now."""
+    files = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
+    lines = db.execute(
+        "SELECT COALESCE(SUM(LENGTH(request)), 0) + COALESCE(SUM(LENGTH(answer)), 0) FROM batch_lines"
+    ).fetchone()[0]
+    return int(files) + int(lines)
+
+
+def _forget_old_batches(db: Connection, before: float) -> None:
+    """Drop batches made before ``before`` that are over, with their lines (their output
+    and error files expire as files do)."""
+    marks = ", ".join("?" * len(OPEN))
+    old = [
+        row[0]
+        for row in db.execute(
+            f"SELECT id FROM batches WHERE created < ? AND status NOT IN ({marks})", (before, *OPEN)
+        ).fetchall()
+    ]
+    db.executemany("DELETE FROM batch_lines WHERE batch_id = ?", [(batch_id,) for batch_id in old])
+    db.executemany("DELETE FROM batches WHERE id = ?", [(batch_id,) for batch_id in old])
 
 
 def _counted(db: Connection, batch: bp.Batch) -> bp.Batch:

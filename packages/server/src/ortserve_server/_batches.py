@@ -215,7 +215,10 @@ async def create_batch(
         request_counts=bp.BatchRequestCounts(total=len(lines)),
         metadata=data.metadata,
     )
-    await ortserve.batches.create_batch(caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines])
+    if not await ortserve.batches.create_batch(caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines]):
+        raise PayloadTooLargeError(
+            "the server's room for files and batches is full: delete files or wait for them to expire"
+        )
     ortserve.batch_runner.start()
     return batch
 

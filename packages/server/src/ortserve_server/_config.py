@@ -122,9 +122,11 @@ class ServerConfig:
     max_file_size: int = 100 * 1024 * 1024
     """Largest file ``POST /v1/files`` takes (a batch's JSONL input), in bytes."""
     files_max_bytes: int = 1024 * 1024 * 1024
-    """Bytes of files kept at once (uploads and batch results); an upload past it gets 413."""
+    """Bytes of files and batch lines kept at once (uploads, lines and results); an upload or
+    a batch past it gets 413."""
     files_ttl: float = 30 * 86400.0
-    """Seconds a file is kept after it was made (uploads and batch results)."""
+    """Seconds a file is kept after it was made (uploads and batch results), and a batch
+    after it is over."""
     batch_concurrency: int = 8
     """Lines of a batch run at once at most (behind interactive requests)."""
     state_dir: Path | None = None

@@ -629,8 +629,10 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
 
     ``model`` is ``NAME=PATH`` (several separated by commas); the others are
     ``replicas``, ``replica_cpus``, ``replica_gpus``, ``router`` (``prefix`` or
-    ``default``), ``api_key`` and, for every model, ``provider``, ``engine``, ``threads``
-    (onnxruntime intra-op threads), ``max_batch_size``, ``max_sequence_length``.
+    ``default``), ``api_key``, ``state_url`` (a PostgreSQL database the replicas share:
+    stored responses, files and batches; or ``state_dir``, a folder on a machine they
+    share) and, for every model, ``provider``, ``engine``, ``threads`` (onnxruntime
+    intra-op threads), ``max_batch_size``, ``max_sequence_length``.
     """
     from ortserve_runtime import ModelConfig
 
@@ -656,7 +658,13 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
         max_batch_size=int(values.get("max_batch_size", "32")),
         max_sequence_length=int(values.get("max_sequence_length", "4096")),
     )
-    config = ServerConfig(models=models, model_config=model_config, api_key=values.get("api_key") or None)
+    config = ServerConfig(
+        models=models,
+        model_config=model_config,
+        api_key=values.get("api_key") or None,
+        state_url=values.get("state_url") or None,
+        state_dir=Path(values["state_dir"]) if values.get("state_dir") else None,
+    )
     options = RayOptions(
         replicas=int(values.get("replicas", "2")),
         replica_cpus=float(values.get("replica_cpus", "1")),
@@ -678,4 +686,6 @@ _BUILDER_ARGS = {
     "threads",
     "max_batch_size",
     "max_sequence_length",
+    "state_url",
+    "state_dir",
 }
