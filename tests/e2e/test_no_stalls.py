@@ -23,8 +23,10 @@ from test_connections import serving
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 PHI3V = FIXTURES / "tiny-phi3v"
-GAP = 0.1
-"""The longest /health may take while the work runs (seconds)."""
+GAP = 0.25
+"""The longest /health may take while the work runs (seconds). The stalls these tests were
+written for held the event loop 476 ms to 6.3 s; once fixed, the longest /health was 13 to
+42 ms alone, and up to 121 ms with the suite's other worker busy on the same two cores."""
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +40,47 @@ MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
 APP = "ortserve"
 STREAM_TOKENS = 900  # the longest the 1024-token sequences allow after the prompt
 SYSTEM = "You are a careful assistant who answers in short sentences and never invents facts. " * 3
+
+
+# First in the module: it runs its own Ray before this module's starts (parallel test
+# workers keep a module's tests together, so two Ray instances never share the cores).
+def test_ray_example_holds_a_conversation_on_one_replica_and_serves() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve().parents[2] / "examples" / "ray_serve.py")],
+        env={**os.environ, "PORT": str(port)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 180
+        while not lines or not lines[-1].startswith("ready"):
+            line = process.stdout.readline()
+            assert line, f"the example ended: {lines}"
+            lines.append(line.strip())
+            assert time.monotonic() < deadline, lines
+        turns = [line.split() for line in lines if line.startswith("replica ")]
+        assert len(turns) == 3
+        assert len({turn[1] for turn in turns}) == 1  # one replica for the whole conversation
+        assert int(turns[0][-5]) == 0 and all(int(turn[-5]) > 0 for turn in turns[1:])  # "N from its prefix cache"
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        assert raw.headers["x-ortserve-replica"] and raw.parse().choices[0].message.content is not None
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 _STATE_URL: list[str] = []
