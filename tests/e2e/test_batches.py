@@ -193,19 +193,21 @@ def _completed(client: openai.OpenAI) -> str:
     return str(_wait(client, batch.id).id)
 
 
-def test_a_batch_survives_sigkill_with_every_line_answered_once(tmp_path: Path) -> None:
-    count = 2000
+@pytest.mark.parametrize(("stop", "count"), [(signal.SIGKILL, 2000), (signal.SIGTERM, 500)], ids=["sigkill", "sigterm"])
+def test_a_batch_survives_a_restart_with_every_line_answered_once(
+    tmp_path: Path, stop: signal.Signals, count: int
+) -> None:
     lines = [_short_line(i) for i in range(count)]
     with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
         uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
         while client.batches.retrieve(batch.id).request_counts.completed < count // 2:  # type: ignore[union-attr]
             time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
+        process.send_signal(stop)
         process.wait(timeout=30)
     with sqlite3.connect(tmp_path / "ortserve.db") as db:
         answered_before = db.execute("SELECT COUNT(*) FROM batch_lines WHERE status IS NOT NULL").fetchone()[0]
-    assert count // 2 <= answered_before < count  # killed halfway
+    assert count // 2 <= answered_before < count  # stopped halfway
     with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
         done = _wait(client, batch.id, within=600)
         assert done.status == "completed"
