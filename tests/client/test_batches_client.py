@@ -69,3 +69,20 @@ async def test_files_and_batches_are_bounded_in_bytes() -> None:
                 await client.batches.create(input_file_id=first.id, endpoint="/v1/completions")  # nor its lines
             await client.files.delete(first.id)
             await client.files.create(file=content)  # room again
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"batch_concurrency": 0}, "batch_concurrency"),
+        ({"max_file_size": 0}, "max_file_size"),
+        ({"state_url": "postgresql://nobody@127.0.0.1:1/x", "state_dir": "/tmp/x"}, "give one"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused(settings: dict[str, object], says: str) -> None:
+    pytest.importorskip("ortserve_server", reason="needs the server installed")
+    from ortserve_server import OrtServe, ServerConfig
+    from serving import TINY_MODEL
+
+    with pytest.raises(ValueError, match=says):
+        OrtServe(ServerConfig(models={"tiny": TINY_MODEL}, **settings))  # type: ignore[arg-type]

@@ -379,7 +379,7 @@ class BatchRunner:
         or expires (the lines running then stop, unanswered); ``False`` when another runner
         took the batch over."""
         store = self._state.batches
-        limit = max(1, self._state.config.batch_concurrency)
+        limit = self._state.config.batch_concurrency
         running: dict[int, asyncio.Task[None]] = {}
         claimed = time.monotonic()
         try:

@@ -572,6 +572,7 @@ def _serve(args: argparse.Namespace) -> int:
             chat_template=args.chat_template,
             speculative=_speculative(args.speculative),
         )
+        state_url = args.state_url or os.environ.get("ORTSERVE_STATE_URL") or None
         config = ServerConfig(
             models=dict(resolved),
             model_config=model_config,
@@ -583,8 +584,9 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             api_key=tuple(args.api_key) or os.environ.get("ORTSERVE_API_KEY") or None,
             prefix_cache_scope=args.prefix_cache_scope,
-            state_dir=_state_dir(args.state_dir),
-            state_url=args.state_url or os.environ.get("ORTSERVE_STATE_URL") or None,
+            # With a state URL the default state dir is not used; one given as well is refused.
+            state_dir=_state_dir(args.state_dir) if args.state_dir or not state_url else None,
+            state_url=state_url,
             batch_concurrency=args.batch_concurrency,
             max_file_size=int(args.max_file_mb * 1024 * 1024),
             max_queued=args.max_queued,

@@ -41,6 +41,10 @@ class OrtServe:
             raise ValueError(f"prefix_cache_scope must be 'shared' or 'key', got {config.prefix_cache_scope!r}")
         if config.prefix_cache_scope == "key" and not config.api_keys:
             raise ValueError("prefix_cache_scope 'key' keeps API keys' callers apart: set api_key (one or several)")
+        if config.state_url is not None and config.state_dir is not None:
+            raise ValueError("state_dir and state_url name two places for the same state: give one")
+        if config.batch_concurrency < 1 or config.max_file_size < 1:
+            raise ValueError("batch_concurrency and max_file_size must be at least 1")
         self.registry = ModelRegistry(
             config.model_config,
             idle_unload=config.idle_unload,
