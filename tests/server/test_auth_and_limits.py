@@ -46,6 +46,9 @@ def test_openai_sdk_with_key(keyed: str) -> None:
 
 
 def test_full_queue_gets_503_with_retry_after() -> None:
+    """One request generating and one queued fill the model: the next is refused with
+    503 and Retry-After. Two clients keep sending long requests back to back, so the
+    model stays full even when a machine under load runs them out of step."""
     config = ServerConfig(
         models={"tiny": TINY_MODEL},
         max_queued=1,
@@ -57,24 +60,36 @@ def test_full_queue_gets_503_with_retry_after() -> None:
         assert model_ready.status_code == 200
         model = app.state.ortserve.registry.loaded("tiny")
         long_body = {"model": "tiny", "prompt": "a b c", "max_tokens": 900, "min_tokens": 900}
-        background = [
-            threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=long_body, timeout=120))
-            for _ in range(2)
-        ]
-        for thread in background:
+        stop = threading.Event()
+        statuses: list[int] = []
+
+        def keep_sending() -> None:
+            while not stop.is_set():
+                statuses.append(httpx.post(f"{url}/v1/completions", json=long_body, timeout=120).status_code)
+
+        senders = [threading.Thread(target=keep_sending) for _ in range(2)]
+        for thread in senders:
             thread.start()
-        deadline = time.monotonic() + 10
-        while (model.active, model.queued) != (1, 1) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert (model.active, model.queued) == (1, 1)
-        refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
-        assert refused.status_code == 503
+        try:
+            refused, depth_seen = None, False
+            deadline = time.monotonic() + 30
+            while (refused is None or not depth_seen) and time.monotonic() < deadline:
+                if refused is None and (model.active, model.queued) == (1, 1):
+                    probe = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+                    refused = probe if probe.status_code == 503 else None
+                depth_seen = depth_seen or 'ortserve_queue_depth{model="tiny"} 1.0' in httpx.get(f"{url}/metrics").text
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            for thread in senders:
+                thread.join()
+        assert refused is not None, "the model never refused a request while full"
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "server_overloaded"
-        metrics = httpx.get(f"{url}/metrics").text
-        assert 'ortserve_queue_depth{model="tiny"} 1.0' in metrics
-        for thread in background:
-            thread.join()
+        assert depth_seen
+        # A sender can itself be refused when the probe took the queue's place between
+        # two of its requests; what matters is that theirs were served.
+        assert 200 in statuses and set(statuses) <= {200, 503}
 
 
 def test_max_tokens_limit() -> None:
