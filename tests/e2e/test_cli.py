@@ -169,6 +169,17 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--speculative", "draft:"], "speculative must be ngram, draft:FOLDER or off"),
         (["--prefix-cache-mb", "-5"], "prefix_cache_mb must be a size in MiB"),
         (["--model-option", "tiny:prefix-cache-mb=lots"], "prefix-cache-mb must be a size in MiB"),
+        (["--kv-cache-dtype", "bf16"], "--kv-cache-dtype: invalid choice: 'bf16'"),
+        (["--model-option", "tiny:kv-cache-dtype=fp8"], "unknown kv_cache_dtype 'fp8'; choose one of auto, fp16, int8"),
+        (
+            [
+                "--model",
+                f"whisper={TINY_MODEL.parent / 'tiny-whisper'}",
+                "--model-option",
+                "whisper:kv-cache-dtype=int8",
+            ],
+            "model 'whisper' is a speech model; it has no chat",
+        ),
         (
             ["--model", f"whisper={TINY_MODEL.parent / 'tiny-whisper'}", "--model-option", "whisper:speculative=ngram"],
             "model 'whisper' is a speech model; it has no chat",
@@ -186,6 +197,53 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
 )
 def test_bad_engine_and_provider_settings_are_named(args: list[str], words: str) -> None:
     assert words in serve_and_fail("--model", f"tiny={TINY_MODEL}", *args)
+
+
+def test_a_smaller_key_value_cache_serves_and_reports_its_bytes(tmp_path: Path) -> None:
+    """``--kv-cache-dtype int8`` for every model, fp16 for one: both answer through the
+    openai SDK, and /metrics shows the prefix cache holding a quarter / half of ``auto``'s
+    bytes for the same prompt (the tiny model's graph is fp32)."""
+    process, ready = start_server(
+        "--model",
+        f"small={TINY_MODEL}",
+        "--model",
+        f"half={TINY_MODEL}",
+        "--model",
+        f"full={TINY_MODEL}",
+        "--kv-cache-dtype",
+        "int8",
+        "--model-option",
+        "half:kv-cache-dtype=fp16",
+        "--model-option",
+        "full:kv-cache-dtype=auto",
+        "--prefix-cache-tokens",
+        "4096",
+        env={"ORTSERVE_CACHE": str(tmp_path)},
+    )
+    try:
+        url = f"http://127.0.0.1:{ready['port']}"
+        prompt = "Tell me everything about the history of lighthouses and their keepers. " * 4
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            for model in ("small", "half", "full"):
+                reply = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=4, temperature=0
+                )
+                assert reply.usage is not None and reply.usage.completion_tokens == 4
+        held = {}
+        for _ in range(100):  # kept when the engine is idle (see the prefix cache's refill)
+            metrics = httpx.get(f"{url}/metrics").text
+            held = {
+                line.split('model="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("ortserve_prefix_cache_bytes{")
+            }
+            if len(held) == 3 and all(held.values()):
+                break
+            time.sleep(0.05)
+        assert held["full"] > 0 and held["half"] * 2 == held["full"] == held["small"] * 4
+        assert len(list(tmp_path.glob("kv-scales/*.npz"))) == 1  # the int8 model's scales, measured at its load
+    finally:
+        stop(process)
 
 
 def test_a_model_that_cannot_load_fails_alone_and_a_hybrid_one_serves_on_og() -> None:

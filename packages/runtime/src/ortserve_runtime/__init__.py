@@ -14,7 +14,7 @@ if _missing:
         '"ortserve-runtime[cpu]", "[cuda]", "[directml]" or "[openvino]"'
     )
 
-from ._config import EmbeddingConfig, EngineName, ModelConfig, RerankConfig
+from ._config import EmbeddingConfig, EngineName, KvCacheDtype, ModelConfig, RerankConfig
 from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
 from ._errors import (
     AdapterNotFoundError,
@@ -90,6 +90,7 @@ __all__ = [
     "Grammar",
     "ImageInput",
     "InvalidRequestError",
+    "KvCacheDtype",
     "Message",
     "ModelCapacityError",
     "ModelConfig",

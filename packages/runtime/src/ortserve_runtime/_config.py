@@ -8,10 +8,12 @@ from typing import Literal, get_args
 
 from ._providers import Provider, check_provider
 
-__all__ = ["EmbeddingConfig", "EngineName", "ModelConfig", "RerankConfig"]
+__all__ = ["EmbeddingConfig", "EngineName", "KvCacheDtype", "ModelConfig", "RerankConfig"]
 
 EngineName = Literal["auto", "ort-cpu", "og-engine", "og-generator"]
 ENGINES: tuple[EngineName, ...] = get_args(EngineName)
+KvCacheDtype = Literal["auto", "fp16", "int8"]
+KV_CACHE_DTYPES: tuple[KvCacheDtype, ...] = get_args(KvCacheDtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,14 @@ class ModelConfig:
     prefix_cache_mb: float | None = None
     """The prefix cache's budget in MiB of key/values instead of tokens (a token's bytes
     depend on the model: 46 KB on SmolLM2-135M at fp32); ``None``: ``prefix_cache_tokens``."""
+    kv_cache_dtype: KvCacheDtype = "auto"
+    """ort-cpu: how the key/value cache (the running rows and the prefix cache) stores keys
+    and values. ``auto``: the graph's own type (exact). ``fp16``: half the bytes of an fp32
+    graph's. ``int8``: a quarter, each layer's keys and values scaled per channel with
+    scales measured once by running a calibration text through the model (kept under
+    ``$ORTSERVE_CACHE/kv-scales``). Attention still computes in the graph's type; the
+    logprob drift measured on SmolLM2 is in the README. Rounding happens as a row is
+    written, so a request's output does not depend on a prefix-cache hit or its batch."""
     prefix_cache_min_tokens: int = 32
     """Shortest common prefix worth reusing."""
     multimodal_concurrency: int = 4
@@ -170,6 +180,10 @@ class ModelConfig:
             )
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.speculative not in (None, "ngram") and self.draft_folder in (None, Path()):
             raise ValueError(f"unknown speculative method {self.speculative!r}; choose ngram or draft:FOLDER")
         if self.max_batch_size < 1:

@@ -278,6 +278,13 @@ def _check_ort_cpu_settings(path: Path, config: ModelConfig, choice: str) -> Non
             "(--model-option NAME:prefix-cache-mb=MIB)",
             path=path,
         )
+    if config.kv_cache_dtype != "auto":
+        raise ModelLoadError(
+            f"{path}: kv_cache_dtype={config.kv_cache_dtype} (--kv-cache-dtype) applies to the ort-cpu engine's "
+            f"key/value cache, and this model runs on {choice}, which keeps its own; set it per model for ort-cpu "
+            "models (--model-option NAME:kv-cache-dtype=fp16)",
+            path=path,
+        )
     if config.prefill_int8:
         raise ModelLoadError(
             f"{path}: prefill_int8 (--prefill-int8 on) applies to the ort-cpu engine only, and this model runs on "

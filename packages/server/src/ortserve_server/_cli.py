@@ -98,6 +98,7 @@ _MODEL_KEYS = (
     "max-sequence-length",
     "prefix-cache-tokens",
     "prefix-cache-mb",
+    "kv-cache-dtype",
     "prefill-int8",
     "chat-template",
     "tools-in-system-prompt",
@@ -124,6 +125,8 @@ def _model_configs(
             provider_options["device_id"] = str(_integer(key, value))
         elif key in ("provider", "engine"):
             change[key] = value
+        elif key == "kv-cache-dtype":
+            change["kv_cache_dtype"] = value  # ModelConfig names the choices
         elif key == "prefill-int8":
             change["prefill_int8"] = _prefill_int8(value)
         elif key == "chat-template":
@@ -339,6 +342,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "depends on the model; 0: off)",
     )
     serve.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp16", "int8"],
+        default="auto",
+        help="ort-cpu: how the key/value cache stores keys and values: auto (the model's own type, exact), "
+        "fp16 (half an fp32 model's bytes) or int8 (a quarter; per-channel scales measured once per model); "
+        "both move logprobs a little (see the README)",
+    )
+    serve.add_argument(
         "--prefill-int8",
         choices=["auto", "on", "off"],
         default="off",
@@ -512,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _ls()
 
 
-_CHAT_KEYS = ("chat-template", "tools-in-system-prompt", "speculative", "prefix-cache-mb")
+_CHAT_KEYS = ("chat-template", "tools-in-system-prompt", "speculative", "prefix-cache-mb", "kv-cache-dtype")
 
 
 def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[str, Path]) -> None:
@@ -568,6 +579,7 @@ def _serve(args: argparse.Namespace) -> int:
             intra_op_threads=args.threads,
             prefix_cache_tokens=args.prefix_cache_tokens,
             prefix_cache_mb=args.prefix_cache_mb,
+            kv_cache_dtype=args.kv_cache_dtype,
             prefill_int8=_prefill_int8(args.prefill_int8),
             chat_template=args.chat_template,
             speculative=_speculative(args.speculative),

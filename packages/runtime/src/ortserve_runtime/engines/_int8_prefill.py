@@ -38,7 +38,15 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-__all__ = ["cpu_has_vnni", "has_int4_matrices", "int8_cache", "int8_prefill_folder", "int8_prefill_graph"]
+__all__ = [
+    "cpu_has_vnni",
+    "has_int4_matrices",
+    "int8_cache",
+    "int8_prefill_folder",
+    "int8_prefill_graph",
+    "model_cache_key",
+    "ortserve_cache",
+]
 
 KEEP_INT4 = ("down_proj", "lm_head")
 """Matrices left on the int4 kernel (matched in the node's name, the genai builder's
@@ -61,10 +69,15 @@ SOURCE_FILE = "source.txt"
 """The model file a copy was made from (a newer copy of the same file replaces it)."""
 
 
+def ortserve_cache(name: str) -> Path:
+    """``$ORTSERVE_CACHE/name`` (``~/.cache/ortserve`` when unset, as for the client's
+    files): where what is derived from a model once is kept for its next loads."""
+    return Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / name
+
+
 def int8_cache() -> Path:
-    """Where int8 copies are kept: ``$ORTSERVE_CACHE/int8-prefill`` (``~/.cache/ortserve``
-    when unset, as for the client's files)."""
-    return Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / "int8-prefill"
+    """Where int8 copies are kept: ``$ORTSERVE_CACHE/int8-prefill``."""
+    return ortserve_cache("int8-prefill")
 
 
 def cpu_has_vnni() -> bool:
@@ -190,7 +203,7 @@ def int8_prefill_folder(model_path: Path, graph_model: onnx.ModelProto, cache: P
     unless an earlier load left it, removing copies made of an earlier state of the same
     model file. ``None`` where there is nothing to convert. Raises ``OSError`` where
     ``cache`` cannot be written."""
-    target = cache / _cache_key(model_path, graph_model)
+    target = cache / model_cache_key(model_path, graph_model, f"{FORMAT} {KEEP_INT4}")
     if (target / "model.onnx").is_file():  # written last: the copy is whole
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -231,10 +244,12 @@ def _external_locations(model: onnx.ModelProto) -> set[str]:
     }
 
 
-def _cache_key(model_path: Path, graph_model: onnx.ModelProto) -> str:
-    """The model folder's name and a digest of the graph, its weight files' sizes and
-    modification times, and the conversion (:data:`FORMAT`, :data:`KEEP_INT4`)."""
-    digest = hashlib.sha256(f"{FORMAT} {KEEP_INT4}".encode())
+def model_cache_key(model_path: Path, graph_model: onnx.ModelProto, derivation: str) -> str:
+    """A name for what was derived from the model at ``model_path`` (graph ``graph_model``)
+    as ``derivation`` says: the model folder's name and a digest of ``derivation``, the
+    graph, and its weight files' sizes and modification times (a changed model or a
+    changed derivation gets a new name)."""
+    digest = hashlib.sha256(derivation.encode())
     digest.update(graph_model.SerializeToString())
     for location in sorted(_external_locations(graph_model)):
         stat = (model_path.parent / location).stat()

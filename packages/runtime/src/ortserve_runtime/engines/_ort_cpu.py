@@ -49,6 +49,7 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 import onnxruntime as ort
+from tokenizers import Tokenizer
 
 from .._config import ModelConfig
 from .._errors import EngineError, ModelLoadError, PreemptedError
@@ -58,13 +59,14 @@ from ..chat._drafts import MAX_DRAFT_TOKENS
 from ..chat._request import FinishReason, Request
 from ._base import EngineCapabilities
 from ._int8_prefill import cpu_has_vnni, has_int4_matrices, int8_cache, int8_prefill_folder
+from ._kv_storage import CALIBRATION_TEXT, KvScales, load_or_measure_scales, scales_from_cache, store_kv_as
 from ._prefix_cache import PrefixCache, Rows
 
 __all__ = ["NotDrivableError", "OrtCpuEngine"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 
 
 class NotDrivableError(ModelLoadError):
@@ -76,6 +78,7 @@ class _DecoderGraph:
     """The decoder ONNX graph and the names genai_config.json gives its inputs/outputs."""
 
     def __init__(self, folder: Path, genai: dict[str, Any], config: ModelConfig) -> None:
+        self.config = config
         decoder = genai["model"]["decoder"]
         self.layers = int(decoder["num_hidden_layers"])
         self.kv_heads = int(decoder.get("num_key_value_heads", decoder["num_attention_heads"]))
@@ -118,13 +121,14 @@ class _DecoderGraph:
         self.layer_shapes = self._layer_shapes(graph_model.graph)
         """Per layer, its key/values' (heads, head size): Gemma 4's global layers have
         larger heads than its sliding ones; genai_config.json gives one size for all."""
+        if config.kv_cache_dtype != "auto":
+            self._store_kv_as(config.kv_cache_dtype, graph_model, folder / "tokenizer.json")
         self.int8_source = onnx.ModelProto()
         """The graph as read, for :meth:`open_int8_prefill` (the session below edits its copy)."""
         self.int8_source.CopyFrom(graph_model)
         self.rope_window = _longrope_window(graph_model.graph, self.attention_mask, model_path)
         """LongRoPE's original window: a call whose attention mask is wider uses the long
         rotary factors, otherwise the short ones; ``None`` for other models."""
-        self.config = config
         try:
             self.session, self.last_only = _open_session(
                 model_path, graph_model, self._options(), self.logits, last_only=config.last_position_logits
@@ -192,6 +196,73 @@ class _DecoderGraph:
             # new key/values into a new tensor each call; the engine's rows are written in place.
             return f"its attention runs as {attention or 'no attention operator'}, not GroupQueryAttention alone"
         return None
+
+    def _store_kv_as(self, kv_cache_dtype: str, graph_model: onnx.ModelProto, tokenizer: Path) -> None:
+        """Edit ``graph_model`` to keep its key/value cache as ``kv_cache_dtype`` (see
+        _kv_storage), measuring int8 scales where no earlier load kept them."""
+        inputs = {i.name: i for i in graph_model.graph.input}
+        native = inputs[self.cache_names[0][0]].type.tensor_type.elem_type
+        quantized = [
+            node.name
+            for node in graph_model.graph.node
+            if node.op_type == "GroupQueryAttention" and any(a.name.endswith("_quant_type") for a in node.attribute)
+        ]
+        if quantized or native not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+            raise ModelLoadError(
+                f"{self.model_path}: kv_cache_dtype={kv_cache_dtype} (--kv-cache-dtype) needs a graph whose "
+                f"key/value cache is fp32 or fp16, and this one keeps {onnx.helper.tensor_dtype_to_string(native)}"
+                f"{' already quantized' if quantized else ''}; use auto for this model",
+                path=self.model_path,
+            )
+        if kv_cache_dtype == "fp16":
+            if native == onnx.TensorProto.FLOAT:  # an fp16 graph keeps fp16 already
+                store_kv_as(graph_model, self.cache_names, onnx.TensorProto.FLOAT16)
+            return
+        scales = load_or_measure_scales(
+            self.model_path, graph_model, lambda: self._measure_kv_scales(graph_model, tokenizer)
+        )
+        store_kv_as(graph_model, self.cache_names, onnx.TensorProto.INT8, scales)
+
+    def _measure_kv_scales(self, graph_model: onnx.ModelProto, tokenizer: Path) -> KvScales:
+        """int8 scales from the keys and values the unchanged graph writes for the
+        calibration text (a session of its own, closed here)."""
+        logger.info("%s: measuring int8 key/value scales (once per model)", self.model_path)
+        unchanged = onnx.ModelProto()
+        unchanged.CopyFrom(graph_model)
+        session = _session_from_graph(self.model_path, unchanged, self._options())
+        inputs = {i.name: i for i in session.get_inputs()}
+        ids_dtype = np.int32 if inputs[self.input_ids].type == "tensor(int32)" else np.int64
+        mask_dtype = np.int32 if inputs[self.attention_mask].type == "tensor(int32)" else np.int64
+        cache_dtype = _DTYPES[inputs[self.cache_names[0][0]].type]
+        ids = Tokenizer.from_file(str(tokenizer)).encode(CALIBRATION_TEXT).ids
+        count = len(ids)
+        cache = []
+        for layer, (heads, head_size) in enumerate(self.layer_shapes):
+            length = max(count, self.window_size if layer in self.window_layers else 0)
+            shape = (1, heads, length, head_size)
+            cache.append((np.zeros(shape, cache_dtype), np.zeros(shape, cache_dtype)))
+        binding = session.io_binding()
+        binding.bind_cpu_input(self.input_ids, np.asarray([ids], dtype=ids_dtype))
+        binding.bind_cpu_input(self.attention_mask, np.ones((1, count), dtype=mask_dtype))
+        if self.position_ids in inputs:
+            binding.bind_cpu_input(self.position_ids, np.arange(count, dtype=ids_dtype)[None, :])
+        self.bind_cache(binding, cache, slice(0, 1))
+        binding.bind_output(self.logits)
+        session.run_with_iobinding(binding)
+        interleaved = any(
+            attribute.name in ("rotary_interleaved", "interleaved") and attribute.i == 1
+            for node in graph_model.graph.node
+            if node.op_type in ("GroupQueryAttention", "RotaryEmbedding")
+            for attribute in node.attribute
+        )
+        return [
+            scales_from_cache(
+                keys[:, :, :count].astype(np.float32),
+                values[:, :, :count].astype(np.float32),
+                interleaved=interleaved,
+            )
+            for keys, values in cache
+        ]
 
     def _options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
