@@ -242,6 +242,12 @@ def test_a_smaller_key_value_cache_serves_and_reports_its_bytes(tmp_path: Path) 
             time.sleep(0.05)
         assert held["full"] > 0 and held["half"] * 2 == held["full"] == held["small"] * 4
         assert len(list(tmp_path.glob("kv-scales/*.npz"))) == 1  # the int8 model's scales, measured at its load
+        cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert {name: cards[name]["kv_cache_dtype"] for name in held} == {
+            "small": "int8",
+            "half": "float16",
+            "full": "float32",
+        }
     finally:
         stop(process)
 

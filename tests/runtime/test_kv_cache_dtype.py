@@ -160,6 +160,13 @@ async def test_settings_that_cannot_apply_are_refused_by_name(tmp_path: Path) ->
     with pytest.raises(ModelLoadError, match=r"kv_cache_dtype=int8 \(--kv-cache-dtype\).*og-generator"):
         await registry.get("og")
     await registry.close()
+    # On auto, a model ort-cpu cannot drive would run on og, where the setting goes unread:
+    # it is refused, with the reason.
+    registry = ModelRegistry(ModelConfig(kv_cache_dtype="fp16"))
+    registry.add("hybrid", FIXTURES / "tiny-lfm2")
+    with pytest.raises(ModelLoadError, match="not a decoder the ort-cpu engine can drive"):
+        await registry.get("hybrid")
+    await registry.close()
     # A graph whose cache is int8 already (written by the engine's own edit) cannot be
     # stored otherwise; the model fails alone, the others load.
     quantized = tmp_path / "tiny-int8-cache"

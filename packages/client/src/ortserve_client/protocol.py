@@ -702,6 +702,9 @@ class Model(_Response):
     prefill_int8: bool | None = None
     """A loaded ``ort-cpu`` model: whether prompts prefill through its int8 copy
     (``--prefill-int8``); ``None`` for other engines."""
+    kv_cache_dtype: str | None = None
+    """A loaded ``ort-cpu`` model: what its key/value cache stores, ``float32``, ``float16``
+    or ``int8`` (``--kv-cache-dtype``); ``None`` for other engines."""
     reproducible: bool | None = None
     """A loaded generative model: whether the same request (greedy, or sampled with a
     ``seed``) gets the same tokens and logprobs whatever the server's prefix cache holds and

@@ -68,6 +68,10 @@ class ModelStatus:
     """A loaded ort-cpu model: whether prompts prefill through its int8 copy
     (``ModelConfig.prefill_int8``; with ``None``, where the CPU and model allow); ``None``
     for other engines and unloaded models."""
+    kv_cache_dtype: str | None = None
+    """A loaded ort-cpu model: what its key/value cache stores (``float32``, ``float16`` or
+    ``int8``: the graph's own type, or ``ModelConfig.kv_cache_dtype``'s); ``None`` for other
+    engines and unloaded models."""
     reproducible: bool | None = None
     """A loaded generative model: whether its engine promises the same tokens for the same
     request whatever else it runs or holds (:attr:`EngineCapabilities.reproducible`);
@@ -209,7 +213,7 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         try:
             engine = OrtCpuEngine(name, folder, config, folder.max_sequence_length(config), adapters)
         except NotDrivableError as exc:
-            if config.engine != "auto" or config.prefill_int8:
+            if config.engine != "auto" or _asks_for_ort_cpu(config):
                 raise
             refusal = str(exc)
             choice, reason = "og-generator", f"auto: {refusal}; og-generator runs it"
@@ -266,6 +270,12 @@ def _checked_og(check: Callable[[], None], refusal: str | None, path: Path) -> N
         if refusal is None:
             raise
         raise ModelLoadError(f"no engine runs it: {refusal}; {exc}", path=path) from exc
+
+
+def _asks_for_ort_cpu(config: ModelConfig) -> bool:
+    """Whether ``config`` sets what only the ort-cpu engine reads (``auto`` then does not
+    fall back to og for a model ort-cpu cannot drive: the setting would go unread)."""
+    return bool(config.prefill_int8) or config.prefix_cache_mb is not None or config.kv_cache_dtype != "auto"
 
 
 def _check_ort_cpu_settings(path: Path, config: ModelConfig, choice: str) -> None:
@@ -492,6 +502,7 @@ class ModelRegistry:
             engine=engine.name if engine is not None else None,
             engine_reason=getattr(entry.model, "engine_reason", None) if engine is not None else None,
             prefill_int8=_prefill_int8(engine),
+            kv_cache_dtype=getattr(engine, "kv_cache_dtype", None),
             reproducible=engine.capabilities.reproducible if engine is not None else None,
             input_modalities=("text", *sorted(entry.model.modalities)) if isinstance(entry.model, ChatModel) else None,
             tool_format=entry.model.tool_format if isinstance(entry.model, ChatModel) else None,

@@ -933,6 +933,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         engine=status.engine,
         engine_reason=status.engine_reason,
         prefill_int8=status.prefill_int8,
+        kv_cache_dtype=status.kv_cache_dtype,
         reproducible=status.reproducible,
         input_modalities=None if status.input_modalities is None else list(status.input_modalities),
         tool_format=status.tool_format,

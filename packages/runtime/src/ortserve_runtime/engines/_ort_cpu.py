@@ -362,6 +362,8 @@ class OrtCpuEngine(OwnerThread):
         self._refilling: _Refill | None = None
         """The refill going into row 0 now."""
         self.prefill_chunk = config.prefill_chunk_tokens
+        self.kv_cache_dtype = np.dtype(graph.cache_dtype).name
+        """What the key/value cache stores (``ModelConfig.kv_cache_dtype``, or the graph's type)."""
         token_bytes = 2 * sum(h * size for h, size in graph.layer_shapes) * np.dtype(graph.cache_dtype).itemsize
         self._token_bytes = token_bytes
         budget = config.prefix_cache_tokens
