@@ -712,6 +712,7 @@ async def test_transcriptions_upload_multipart(client: AsyncClient, tmp_path: Pa
     assert text == "hello"
 
 
+@pytest.mark.timing
 def test_import_is_light() -> None:
     code = (
         "import sys, time; t = time.perf_counter(); import ortserve_client; t = time.perf_counter() - t; "

@@ -379,6 +379,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "engine": "og-engine",
                 "engine_reason": None,
                 "prefill_int8": None,
+                "kv_cache_dtype": None,
                 "reproducible": None,
                 "input_modalities": None,
                 "tool_format": None,

@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 TINY_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
 resource = pytest.importorskip("resource")  # RLIMIT_NOFILE: POSIX only
 

@@ -21,6 +21,8 @@ import pytest
 from PIL import Image
 from test_connections import serving
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 PHI3V = FIXTURES / "tiny-phi3v"
 GAP = 0.25

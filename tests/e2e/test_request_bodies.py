@@ -15,6 +15,8 @@ import httpx
 import pytest
 from test_connections import serving
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 CHAT = "/v1/chat/completions"
 
 

@@ -14,7 +14,7 @@ from audio import TINY_WHISPER, tone_wav
 from ortserve_runtime import InvalidRequestError, ModelConfig, ModelRegistry, SpeechModel, detect_model_kind
 from serving import rss_growth
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.timing]
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from ortserve_client import AsyncClient, BadRequestError
 from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, rss_growth, running
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:

@@ -21,6 +21,8 @@ from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, running
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 HUGE = "word " * 3_000_000  # 15 MB
 
 

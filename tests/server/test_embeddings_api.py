@@ -19,6 +19,8 @@ from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import minilm_folder
 from serving import TINY_MODEL, running
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures/embeddings/reference.json").read_text("utf-8"))
 
 

@@ -16,6 +16,8 @@ from images import TINY_PHI3V, image_bytes, image_part
 from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, running
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 ROUNDS = 6
 
 

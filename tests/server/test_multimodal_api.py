@@ -20,6 +20,8 @@ from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, running
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+
 MAX_IMAGES = 3
 
 
