@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import http.client
 import os
 import shutil
 import socket
@@ -63,14 +64,22 @@ def rss_of(pid: int) -> tuple[int, int]:
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], started: float) -> float:
+    """Seconds from ``started`` to the first /health 200, asked every 5 ms with a bare
+    http.client request: a new httpx client per try costs milliseconds of CPU, which on 2
+    cores the starting server then lacks (measured: 1.8 s to ready instead of 1.0)."""
+    host, port = url.removeprefix("http://").split(":")
     while True:
         if process.poll() is not None:
             raise SystemExit(f"the server exited with {process.returncode}")
+        connection = http.client.HTTPConnection(host, int(port), timeout=1)
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
                 return time.perf_counter() - started
-        except httpx.HTTPError:
+        except OSError:
             pass
+        finally:
+            connection.close()
         time.sleep(0.005)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -284,3 +286,11 @@ async def test_a_preload_is_taken_over_by_the_first_load(tmp_path: Path) -> None
         await registry.close()
     assert registry.status_of("never").state == "unloaded"
     assert untaken.result()[0].engine.closing
+
+
+def test_a_text_models_server_imports_no_image_or_audio_library() -> None:
+    """Pillow and libsndfile load with the first image or audio (ortserve serve's start-up
+    is bound by what the runtime imports before its models start loading)."""
+    code = "import sys, ortserve_runtime; print(sorted({'PIL', 'soundfile'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -20,12 +20,14 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
-import soundfile
 from tokenizers import Tokenizer
+
+if TYPE_CHECKING:
+    import soundfile
 
 from ._config import ModelConfig
 from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
@@ -389,6 +391,8 @@ def _probe(audio: bytes, max_seconds: float) -> float | None:
     read it (onnxruntime-genai's decoder then has the last word on whether it is audio).
     A sample rate outside what speech is recorded at, or audio longer than ``max_seconds``,
     is refused before anything is decoded."""
+    import soundfile  # on first use: a server without speech models starts without it
+
     try:
         with soundfile.SoundFile(io.BytesIO(audio)) as file:
             rate, frames = int(file.samplerate), int(file.frames)
@@ -417,6 +421,8 @@ def _windows(audio: bytes) -> Iterator[bytes]:
     by linear interpolation in float32. What libsndfile cannot read, or audio with no
     frames, goes to onnxruntime-genai whole: its decoder says what is wrong with it.
     """
+    import soundfile  # on first use: a server without speech models starts without it
+
     try:
         file = soundfile.SoundFile(io.BytesIO(audio))
     except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError):
@@ -468,6 +474,8 @@ def _upsample(samples: npt.NDArray[np.float32], rate: int, to: int) -> npt.NDArr
 
 
 def _wav(samples: npt.NDArray[np.float32], rate: int) -> bytes:
+    import soundfile  # on first use: a server without speech models starts without it
+
     buffer = io.BytesIO()
     soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()

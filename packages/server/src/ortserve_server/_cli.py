@@ -556,8 +556,7 @@ def _state_dir(given: str | None) -> Path | None:
 def _serve(args: argparse.Namespace) -> int:
     from ortserve_runtime import ModelConfig, ModelLoadError
 
-    from ._config import ServerConfig
-    from ._state import OrtServe
+    from ._config import ServerConfig, model_registry, preload
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     models = dict(args.model) if args.model else demo_models()
@@ -617,12 +616,16 @@ def _serve(args: argparse.Namespace) -> int:
             lenient=args.lenient,
             max_body_memory=int(args.max_body_memory_mb * 1024 * 1024),
         )
-        state = OrtServe(config)
-        # The models load on a thread of their own while Litestar and uvicorn import below
-        # (onnxruntime builds sessions without the GIL): start-up is the longer of the two,
-        # not their sum.
-        state.preload()
+        # The models load on a thread of their own while Litestar, uvicorn and the server's
+        # state import below (onnxruntime builds sessions without the GIL): start-up is the
+        # longer of the two, not their sum.
+        registry = model_registry(config)
+        preload(config, registry)
         import uvicorn
+
+        from ._state import OrtServe
+
+        state = OrtServe(config, registry)
 
         from ._app import create_app
         from ._serving import ConnectionLimits, GuardedH11Protocol, default_max_connections, listen, raise_fd_limit

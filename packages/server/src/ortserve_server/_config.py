@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ortserve_runtime import ModelConfig
+from ortserve_runtime import ModelConfig, ModelRegistry
 
-__all__ = ["ServerConfig"]
+__all__ = ["ServerConfig", "check_server_config", "model_registry", "preload"]
 
 
 @dataclass(slots=True)
@@ -145,3 +146,43 @@ class ServerConfig:
         """The accepted API keys (none: the API is open)."""
         keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
         return tuple(k for k in keys if k)
+
+
+def check_server_config(config: ServerConfig) -> None:
+    """Refuse settings that contradict each other or cannot work: a ``ValueError`` naming them."""
+    unknown = sorted(set(config.model_configs) - set(config.models))
+    if unknown:
+        raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
+    if re.fullmatch(r"[a-z0-9]*", config.response_id_tag) is None:  # the tag ray.response_owner reads
+        raise ValueError(f"response_id_tag must be lower-case letters and digits, got {config.response_id_tag!r}")
+    if config.prefix_cache_scope not in ("shared", "key"):
+        raise ValueError(f"prefix_cache_scope must be 'shared' or 'key', got {config.prefix_cache_scope!r}")
+    if config.prefix_cache_scope == "key" and not config.api_keys:
+        raise ValueError("prefix_cache_scope 'key' keeps API keys' callers apart: set api_key (one or several)")
+    if config.state_url is not None and config.state_dir is not None:
+        raise ValueError("state_dir and state_url name two places for the same state: give one")
+    if config.batch_concurrency < 1 or config.max_file_size < 1:
+        raise ValueError("batch_concurrency and max_file_size must be at least 1")
+
+
+def model_registry(config: ServerConfig) -> ModelRegistry:
+    """The registry of ``config``'s models, nothing loaded yet (``config`` checked first)."""
+    check_server_config(config)
+    registry = ModelRegistry(
+        config.model_config,
+        idle_unload=config.idle_unload,
+        max_loaded=config.max_loaded_models,
+        memory_budget=config.memory_budget,
+        unload_grace=config.unload_grace,
+    )
+    for name, path in config.models.items():
+        registry.add(name, path, config.model_configs.get(name))
+    return registry
+
+
+def preload(config: ServerConfig, registry: ModelRegistry) -> None:
+    """Start loading what startup will load, before any event loop runs (see
+    :meth:`ModelRegistry.preload`). Not with a memory budget: loads there make room one by
+    one, measured."""
+    if config.load_on_startup and config.memory_budget is None:
+        registry.preload(registry.names()[: config.max_loaded_models])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,7 +16,7 @@ from ortserve_runtime import ModelCapacityError, ModelLoadError, ModelRegistry
 from ._adapter_store import AdapterStore
 from ._batch_store import BatchStore
 from ._body_budget import BodyBudget
-from ._config import ServerConfig
+from ._config import ServerConfig, check_server_config, model_registry
 from ._database import STATE_FILE, Database
 from ._metrics import Metrics
 from ._response_store import ResponseStore
@@ -30,30 +29,12 @@ logger = logging.getLogger("ortserve.server")
 class OrtServe:
     """The state our routes share: configuration, model registry and metrics."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, registry: ModelRegistry | None = None) -> None:
+        """``registry``: :func:`model_registry`'s for ``config``, made earlier (``ortserve
+        serve`` starts loading models before this module imports); made here otherwise."""
         self.config = config
-        unknown = sorted(set(config.model_configs) - set(config.models))
-        if unknown:
-            raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
-        if re.fullmatch(r"[a-z0-9]*", config.response_id_tag) is None:  # the tag ray.response_owner reads
-            raise ValueError(f"response_id_tag must be lower-case letters and digits, got {config.response_id_tag!r}")
-        if config.prefix_cache_scope not in ("shared", "key"):
-            raise ValueError(f"prefix_cache_scope must be 'shared' or 'key', got {config.prefix_cache_scope!r}")
-        if config.prefix_cache_scope == "key" and not config.api_keys:
-            raise ValueError("prefix_cache_scope 'key' keeps API keys' callers apart: set api_key (one or several)")
-        if config.state_url is not None and config.state_dir is not None:
-            raise ValueError("state_dir and state_url name two places for the same state: give one")
-        if config.batch_concurrency < 1 or config.max_file_size < 1:
-            raise ValueError("batch_concurrency and max_file_size must be at least 1")
-        self.registry = ModelRegistry(
-            config.model_config,
-            idle_unload=config.idle_unload,
-            max_loaded=config.max_loaded_models,
-            memory_budget=config.memory_budget,
-            unload_grace=config.unload_grace,
-        )
-        for name, path in config.models.items():
-            self.registry.add(name, path, config.model_configs.get(name))
+        check_server_config(config)
+        self.registry = registry if registry is not None else model_registry(config)
         self.metrics = Metrics()
         self.body_budget = BodyBudget(config.max_body_memory, config.max_body_size)
         """The request bodies held at once, charged by every API route."""
@@ -117,13 +98,6 @@ class OrtServe:
         finally:
             self._cut_waiters.discard(waiter)
             waiter.cancel()
-
-    def preload(self) -> None:
-        """Start loading what :meth:`startup` will load, before any event loop runs (see
-        :meth:`ModelRegistry.preload`). Not with a memory budget: loads there make room
-        one by one, measured."""
-        if self.config.load_on_startup and self.config.memory_budget is None:
-            self.registry.preload(self.registry.names()[: self.config.max_loaded_models])
 
     async def startup(self) -> None:
         if self.config.runtime_adapters:

@@ -18,8 +18,6 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import PIL.Image
-
 __all__ = ["PROBE_SIZES", "ImageTokenRule", "calibrate", "image_size", "probe_images"]
 
 ImageTokenRule = Callable[[int, int], int]
@@ -31,6 +29,8 @@ PROBE_SIZES = ((64, 32), (40, 120), (333, 201), (1000, 10), (450, 700))
 
 def probe_images() -> list[bytes]:
     """One small PNG per :data:`PROBE_SIZES`."""
+    import PIL.Image  # on first use (multimodal models only), as in _media
+
     images = []
     for width, height in PROBE_SIZES:
         out = io.BytesIO()
@@ -41,6 +41,8 @@ def probe_images() -> list[bytes]:
 
 def image_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from an image's header, or ``None`` when Pillow cannot tell."""
+    import PIL.Image
+
     try:
         with PIL.Image.open(io.BytesIO(data)) as image:
             return image.size

@@ -1313,7 +1313,8 @@ def _session_from_graph(model_path: Path, graph_model: onnx.ModelProto, options:
         for entry in tensor.external_data
         if entry.key == "location"
     ]
-    files = {entry.value: (model_path.parent / entry.value).resolve() for entry in entries}
+    # Resolved once per file, not per tensor (516 tensors on SmolLM2: 40 ms of a 0.5 s load).
+    files = {location: (model_path.parent / location).resolve() for location in {entry.value for entry in entries}}
     folders = {file.parent for file in files.values()}
     if len(folders) == 1:
         for entry in entries:
