@@ -19,18 +19,15 @@ import msgspec
 from ortserve_client import batch_protocol as bp
 
 from ._database import Connection, Database, write
+from ._ids import new_id
 
-__all__ = ["OPEN", "RUNNER", "BatchStore", "PendingLine", "new_id"]
+__all__ = ["OPEN", "RUNNER", "BatchStore", "PendingLine"]
 
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 """The statuses of a batch that is not over: the runner picks these up (again, after a restart)."""
 
 _decode_batch = msgspec.json.Decoder(bp.Batch).decode
 _encode = msgspec.json.encode
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
 
 
 @dataclass(frozen=True, slots=True)

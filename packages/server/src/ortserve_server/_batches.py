@@ -32,8 +32,9 @@ from ortserve_client import batch_protocol as bp
 from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 
-from ._batch_store import OPEN, RUNNER, PendingLine, new_id
-from ._errors import BadRequestError, PayloadTooLargeError, ServerError, exception_handlers
+from ._batch_store import OPEN, RUNNER, PendingLine
+from ._errors import BadRequestError, NotFoundError, PayloadTooLargeError, exception_handlers
+from ._ids import new_id
 from ._leases import release_leases
 from ._mapping import CALLER, Caller, caller_of
 from ._openapi import GET_ERRORS, POST_ERRORS, error_responses
@@ -60,11 +61,6 @@ LEASE = 15.0
 """Seconds a runner holds a batch without renewing its claim; replicas sharing the state
 database run each batch in one of them, and take over one whose runner went quiet."""
 _decode_line = msgspec.json.Decoder(bp.BatchInputLine).decode
-
-
-class NotFoundError(ServerError):
-    status_code = 404
-    type = "invalid_request_error"
 
 
 # -- files -----------------------------------------------------------------------------------

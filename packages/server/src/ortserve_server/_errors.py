@@ -50,6 +50,7 @@ __all__ = [
     "ClientDisconnectedError",
     "ForbiddenError",
     "ModelNotFoundHTTPError",
+    "NotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
     "ServerError",
@@ -112,9 +113,14 @@ class UnsupportedMediaTypeError(ServerError):
     code = "unsupported_media_type"
 
 
-class ModelNotFoundHTTPError(ServerError):
+class NotFoundError(ServerError):
+    """A 404 for something the request names (a file, a batch, a stored response, a model)."""
+
     status_code = 404
     type = "invalid_request_error"
+
+
+class ModelNotFoundHTTPError(NotFoundError):
     code = "model_not_found"
 
 

@@ -11,7 +11,6 @@ import binascii
 import json
 import logging
 import urllib.parse
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -55,7 +54,6 @@ __all__ = [
     "completion_prompts",
     "decode_base64",
     "model_adapters",
-    "new_id",
     "plan_chat",
     "plan_completion",
     "require_embedding_model",
@@ -75,10 +73,6 @@ T = TypeVar("T")
 D = TypeVar("D")
 KeepAlive = float | str | msgspec.UnsetType | None
 """A request's ``keep_alive`` as sent."""
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def _given(value: Any) -> bool:

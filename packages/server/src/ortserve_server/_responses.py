@@ -49,7 +49,8 @@ from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ChatModel, InvalidRequestError, ToolCall
 
-from ._errors import BadRequestError, ServerError, UnsupportedParameterError
+from ._errors import BadRequestError, NotFoundError, ServerError, UnsupportedParameterError
+from ._ids import new_id
 from ._mapping import require_model
 from ._openapi import GET_ERRORS, error_responses, generation_docs
 from ._routes import _Generation, _stream_response, _while_connected, error_detail, start_chat
@@ -62,18 +63,12 @@ _METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 """OpenAI's bounds on ``metadata`` (which a stored response keeps)."""
 
 
-class ResponseNotFoundError(ServerError):
-    status_code = 404
-    type = "invalid_request_error"
+class ResponseNotFoundError(NotFoundError):
     code = "response_not_found"
 
 
 class PreviousResponseNotFoundError(BadRequestError):
     code = "previous_response_not_found"  # OpenAI's code for it
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # -- request checks and mapping -------------------------------------------------------------
@@ -318,7 +313,7 @@ class _Output:
         out = []
         item = self._reasoning
         if item is None:
-            item = self._reasoning = rp.ReasoningItem(id=_new_id("rs"), status="in_progress")
+            item = self._reasoning = rp.ReasoningItem(id=new_id("rs_"), status="in_progress")
             self.items.append(item)
             out.append(self.event(rp.OutputItemAddedEvent, output_index=len(self.items) - 1, item=item))
         where = {"item_id": item.id, "output_index": self.items.index(item)}
@@ -361,7 +356,7 @@ class _Output:
         out = self.close_reasoning()
         message = self._message
         if message is None:
-            message = self._message = rp.OutputMessage(id=_new_id("msg"), content=[], status="in_progress")
+            message = self._message = rp.OutputMessage(id=new_id("msg_"), content=[], status="in_progress")
             self.items.append(message)
             index = len(self.items) - 1
             out.append(self.event(rp.OutputItemAddedEvent, output_index=index, item=message))
@@ -398,7 +393,7 @@ class _Output:
     def call(self, call: ToolCall) -> list[bytes]:
         out = self.close_reasoning() + self.close_message()
         item = rp.FunctionCallItem(
-            id=_new_id("fc"),
+            id=new_id("fc_"),
             call_id="call_" + uuid.uuid4().hex[:24],
             name=call.name,
             arguments="",
@@ -470,7 +465,7 @@ class _Exchange:
         self.state = state
         self.items = items
         tag = state.config.response_id_tag  # a Ray replica's id: see ortserve_server.ray
-        self.id = f"resp_{tag}-{uuid.uuid4().hex}" if tag else _new_id("resp")
+        self.id = f"resp_{tag}-{uuid.uuid4().hex}" if tag else new_id("resp_")
         self.created = int(time.time())
         self.saving: concurrent.futures.Future[None] | None = None
         """The store's write of the finished response, where it goes to a file."""

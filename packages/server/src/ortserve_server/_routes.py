@@ -51,6 +51,7 @@ from ._errors import (
     ShuttingDownError,
     unavailable_detail,
 )
+from ._ids import new_id
 from ._mapping import (
     CALLER,
     Caller,
@@ -62,7 +63,6 @@ from ._mapping import (
     completion_prompts,
     decode_base64,
     model_adapters,
-    new_id,
     plan_chat,
     plan_completion,
     require_embedding_model,
@@ -496,7 +496,7 @@ async def chat_completions(
     model = await require_model(ortserve, data.model, data.keep_alive)
     run = await start_chat(ortserve, model, data, f"{ortserve.config.path}/chat/completions", request)
     n = run.choices_per_prompt
-    response_id, created = new_id("chatcmpl"), int(time.time())
+    response_id, created = new_id("chatcmpl-"), int(time.time())
     call_ids: dict[tuple[int, int], str] = {}
 
     def call_id(choice: int, number: int) -> str:
@@ -617,7 +617,7 @@ async def _transcribe_chat(
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
     reason = "length" if isinstance(max_tokens, int) and result.tokens >= max_tokens else "stop"
     usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=result.tokens, total_tokens=result.tokens)
-    response_id, created = new_id("chatcmpl"), int(time.time())
+    response_id, created = new_id("chatcmpl-"), int(time.time())
     if data.stream is not True:
         message = p.ChatCompletionMessage(role="assistant", content=result.text)
         choice = p.ChatCompletionChoice(index=0, message=message, finish_reason=reason)
@@ -657,7 +657,7 @@ async def completions(
     run.plan = plan
     run.prompt_tokens //= n  # each prompt counts once, however many choices it has
     run.choices_per_prompt = n
-    response_id, created = new_id("cmpl"), int(time.time())
+    response_id, created = new_id("cmpl-"), int(time.time())
 
     def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:
         return _sse(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
@@ -738,7 +738,7 @@ async def _rerank(
     ]
     tokens = result.prompt_tokens
     usage = p.RerankUsage(prompt_tokens=tokens, total_tokens=tokens)
-    return Response(p.RerankResponse(id=new_id("rerank"), model=data.model, usage=usage, results=results))
+    return Response(p.RerankResponse(id=new_id("rerank-"), model=data.model, usage=usage, results=results))
 
 
 async def _score_pairs(
