@@ -100,6 +100,9 @@ def _deploy(replicas: int) -> None:
         # removed in the 2 -> 1 test still has work under way when it is told to go.
         "max_batch_size": "1",
         "max_sequence_length": "1024",
+        # The memory settings reach each replica's models (the card below says so).
+        "kv_cache_dtype": "fp16",
+        "prefix_cache_mb": "64",
         **({"state_url": _STATE_URL[0]} if _STATE_URL else {}),
     }
     replica_options = {
@@ -210,6 +213,8 @@ def test_bad_requests_get_openai_errors_through_ray(client: openai.OpenAI, root:
     huge = httpx.post(f"{root}/v1/chat/completions", content=b"x" * (16 * 1024 * 1024 + 1), timeout=60)
     assert huge.status_code == 413 and "body" in huge.json()["error"]["message"]
     assert _chat(client, [{"role": "user", "content": "still fine?"}])[1].choices  # and it keeps serving
+    card = httpx.get(f"{root}/v1/models/tiny").json()
+    assert card["kv_cache_dtype"] == "float16"
 
 
 def _chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 4) -> tuple[str, Any]:

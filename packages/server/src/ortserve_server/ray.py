@@ -632,7 +632,8 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     ``default``), ``api_key``, ``state_url`` (a PostgreSQL database the replicas share:
     stored responses, files and batches; or ``state_dir``, a folder on a machine they
     share) and, for every model, ``provider``, ``engine``, ``threads`` (onnxruntime
-    intra-op threads), ``max_batch_size``, ``max_sequence_length``.
+    intra-op threads), ``max_batch_size``, ``max_sequence_length``, ``prefix_cache_mb``
+    and ``kv_cache_dtype`` (``auto``, ``fp16`` or ``int8``: see ``ortserve serve --help``).
     """
     from ortserve_runtime import ModelConfig
 
@@ -657,6 +658,8 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
         intra_op_threads=int(values["threads"]) if "threads" in values else None,
         max_batch_size=int(values.get("max_batch_size", "32")),
         max_sequence_length=int(values.get("max_sequence_length", "4096")),
+        prefix_cache_mb=float(values["prefix_cache_mb"]) if "prefix_cache_mb" in values else None,
+        kv_cache_dtype=values.get("kv_cache_dtype", "auto"),  # type: ignore[arg-type]  # ModelConfig validates it
     )
     config = ServerConfig(
         models=models,
@@ -686,6 +689,8 @@ _BUILDER_ARGS = {
     "threads",
     "max_batch_size",
     "max_sequence_length",
+    "prefix_cache_mb",
+    "kv_cache_dtype",
     "state_url",
     "state_dir",
 }
