@@ -248,6 +248,14 @@ def test_a_smaller_key_value_cache_serves_and_reports_its_bytes(tmp_path: Path) 
             "half": "float16",
             "full": "float32",
         }
+        table = subprocess.run(
+            [sys.executable, "-m", "ortserve_server", "ps", "--url", f"{url}/v1"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        rows = {line.split()[0]: line for line in table.splitlines()[1:]}
+        assert "(int8)" in rows["small"] and "(float16)" in rows["half"] and "(" not in rows["full"].split("ort-cpu")[1]
     finally:
         stop(process)
 

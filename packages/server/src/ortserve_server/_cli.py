@@ -811,7 +811,8 @@ def _ps(args: argparse.Namespace) -> int:
                 m.status or "-",
                 (m.engine or "-") + (" (int8 prefill)" if m.prefill_int8 else ""),
                 _human_bytes(m.resident_bytes),
-                _human_bytes(m.kv_cache_bytes),
+                _human_bytes(m.kv_cache_bytes)
+                + (f" ({m.kv_cache_dtype})" if m.kv_cache_dtype not in (None, "float32") else ""),
                 str(m.in_flight if m.in_flight is not None else "-"),
                 _ago(now, m.last_used),
                 _until(now, m.expires_at, m.status),
