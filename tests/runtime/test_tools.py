@@ -141,7 +141,60 @@ def test_forced_grammar_names_marker_tokens_by_id() -> None:
     assert grammar is not None and grammar.kind == "lark"
     assert str(grammar.source).startswith('start: tool\ntool: <[7]> "\\n" call "\\n" <[8]>')
     assert forced_tool_grammar("hermes", tools, name="missing") is None
-    assert forced_tool_grammar("mistral", tools) is None
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Lyon"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("format", ["hermes", "phi4", "mistral", "llama3"])
+@pytest.mark.parametrize("name", ["get_weather", None])
+async def test_a_forced_call_in_each_format_parses_back_as_that_call(format: str, name: str | None) -> None:
+    """What the grammar lets a model write (the tiny random model, sampled with several
+    seeds) is one call of the named tool (or one of the tools), in the layout the format's
+    parser reads, with arguments valid for its schema."""
+    from ortserve_runtime import GenerationOptions, ModelConfig, ModelRegistry
+
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu"))
+    registry.add("tiny", TINY_MODEL)
+    model = await registry.get("tiny")
+    try:
+        grammar = forced_tool_grammar(format, WEATHER, name, model.tokenizer.token_to_id)  # type: ignore[arg-type]
+        assert grammar is not None
+        for seed in range(4):
+            options = GenerationOptions(max_tokens=120, temperature=1.0, seed=seed, grammar=grammar)
+            text, _, finish, _ = await model.generate("Call a tool.", options=options).collect()
+            assert finish == "stop", text  # the grammar ended the output, not the length
+            parser = ToolCallParser(format)  # type: ignore[arg-type]
+            content, calls = parser.feed(text)
+            rest, more = parser.finish()
+            calls = calls + more
+            assert (content + rest).strip() == "" and len(calls) == 1, text
+            call = calls[0]
+            arguments = json.loads(call.arguments)
+            if name is not None or call.name == "get_weather":
+                assert call.name == "get_weather"
+                assert arguments["city"] in ("Paris", "Lyon") and 1 <= arguments["days"] <= 7
+            else:
+                assert call.name == "get_time" and arguments == {}
+    finally:
+        await registry.close()
 
 
 def test_tools_as_text_for_a_template_without_tools() -> None:

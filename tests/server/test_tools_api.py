@@ -4,6 +4,7 @@ forced call is well-formed only because the output is constrained."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -300,3 +301,62 @@ def test_undeclared_keys_are_never_generated(tiny_client: openai.OpenAI) -> None
             assert set(parsed) <= {"a", "note"} and set(parsed.get("note") or {}) == set(), parsed
             complete += 1
     assert complete >= 6  # most replies end well-formed within max_tokens
+
+
+# A chat template per format: each renders the conversation (and the tools, which the
+# format check reads from the template) as its family's templates do, minimally.
+FORMAT_TEMPLATES = {
+    "llama3": "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}"
+    "{% endfor %}{% if tools %}Respond with a JSON call; tool results come back as ipython.{% endif %}"
+    "<|start_header_id|>assistant<|end_header_id|>",
+    "mistral": "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}{# calls: [TOOL_CALLS] #}",
+    "phi4": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if tools %}<|tool|>{{ tools | tojson }}<|/tool|>{# calls: <|tool_call|> #}{% endif %}<|assistant|>",
+}
+
+
+@pytest.fixture(scope="module")
+def formats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from ortserve_runtime import ModelConfig
+    from ortserve_server import ServerConfig, create_app
+    from serving import TINY_MODEL, running
+
+    folder = tmp_path_factory.mktemp("templates")
+    configs = {}
+    for format, source in FORMAT_TEMPLATES.items():
+        (folder / f"{format}.jinja").write_text(source)
+        configs[format] = ModelConfig(chat_template=folder / f"{format}.jinja")
+    config = ServerConfig(models=dict.fromkeys(FORMAT_TEMPLATES, TINY_MODEL), model_configs=configs)
+    with running(create_app(config)) as url:
+        yield url
+
+
+@pytest.mark.parametrize("format", list(FORMAT_TEMPLATES))
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_in_llama3_mistral_and_phi4_formats(formats_url: str, format: str, stream: bool) -> None:
+    """tool_choice required or named on a model of each other format: one valid call, as
+    on Hermes models (before, a 400 said forcing was Hermes-only)."""
+    with openai.OpenAI(base_url=f"{formats_url}/v1", api_key="x", max_retries=0) as client:
+        assert client.models.retrieve(format).model_extra["tool_format"] == format  # type: ignore[index]
+        for tool_choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            kwargs: dict[str, Any] = {
+                "model": format,
+                "messages": ASK,
+                "tools": TOOLS,
+                "tool_choice": tool_choice,
+                "max_tokens": 200,
+                "temperature": 1.0,
+                "seed": 5,
+            }
+            if stream:
+                content, calls, finish = reassemble(list(client.chat.completions.create(stream=True, **kwargs)))
+                named = [(c["name"], c["arguments"]) for c in calls]
+            else:
+                choice = client.chat.completions.create(**kwargs).choices[0]
+                content, finish = choice.message.content or "", choice.finish_reason
+                named = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+            assert (content, finish, len(named)) == ("", "tool_calls", 1), (format, tool_choice, named)
+            if isinstance(tool_choice, dict):
+                assert named[0][0] == "add"
+            jsonschema.validate(json.loads(named[0][1]), PARAMS[named[0][0]])

@@ -512,11 +512,7 @@ def _tool_plan(
     # A response format given with a forced call shapes later text turns; this turn is the
     # call (as OpenAI does). The format was checked above all the same.
     grammar = forced_tool_grammar(model.tool_format, definitions, name, model.tokenizer.token_to_id)
-    if grammar is None:
-        raise BadRequestError(
-            f"forcing tool calls is not supported for {model.tool_format}-format models; use tool_choice auto",
-            param="tool_choice",
-        )
+    assert grammar is not None  # the named tool is among them (checked above)
     _check_grammar_size(grammar, "tools", config)
     # "required" with one tool forces that one: a call cut before its name still names it.
     only = tools[0].function.name if len(tools) == 1 else ""

@@ -267,40 +267,50 @@ def forced_tool_grammar(
     or_answer: Mapping[str, Any] | None = None,
 ) -> Grammar | None:
     """A grammar that admits exactly one well-formed call (to ``name``, or to any tool)
-    whose arguments validate against the tool's parameters schema; ``None`` if this format
-    has no such grammar here. ``token_id`` finds markers that are single (added) tokens:
+    whose arguments validate against the tool's parameters schema, laid out as ``format``
+    writes calls; ``None`` when no tool is ``name``. ``token_id`` finds markers that are single (added) tokens:
     the grammar must name those by id, as no string of bytes produces them. ``or_answer``:
     a JSON schema the output may match instead of calling (``tool_choice`` auto with a
     response format: the model calls a tool or answers in the format). Objects admit only
     their declared properties unless a schema says otherwise (:func:`closed_schema`)."""
-    if format != "hermes":
-        return None
+    markers = _FORMATS[format]
     options = []
     for tool in tools:
         function = tool.get("function", {})
         if name is not None and function.get("name") != name:
             continue
         parameters = closed_schema(function.get("parameters") or {"type": "object"})
+        key = markers.arguments_key
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": function.get("name")}, "arguments": parameters},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": function.get("name")}, key: parameters},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
         )
     if not options:
         return None
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if markers.many:  # a JSON list of calls between the markers: here a list of one
+        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-    markers = _FORMATS[format]
 
     def literal(text: str) -> str:
         token = token_id(text)
         return f"<[{token}]>" if token is not None else json.dumps(text)
 
-    start, end = literal(markers.start), literal(markers.end or "")
-    rules = f'tool: {start} "\\n" call "\\n" {end}\ncall: %json {json.dumps(schema)}'
+    # Each as its parser reads it and its chat templates write it: Hermes' call on lines of
+    # its own between tags, Phi-4's list between tags, Mistral's list after [TOOL_CALLS],
+    # Llama 3's bare object (what its templates ask of custom tools; <|python_tag|> is
+    # for its built-in ones).
+    layout = {
+        "hermes": f'{literal(markers.start)} "\\n" call "\\n" {literal(markers.end or "")}',
+        "phi4": f"{literal(markers.start)} call {literal(markers.end or '')}",
+        "mistral": f"{literal(markers.start)} call",
+        "llama3": "call",
+    }[format]
+    rules = f"tool: {layout}\ncall: %json {json.dumps(schema)}"
     if or_answer is None:
         return Grammar("lark", f"start: tool\n{rules}")
     answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
