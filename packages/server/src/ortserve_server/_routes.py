@@ -803,7 +803,7 @@ async def score(
     tokens = result.prompt_tokens
     return Response(
         p.ScoreResponse(
-            id=new_id("score"),
+            id=new_id("score-"),
             created=int(time.time()),
             model=data.model,
             data=[p.ScoreData(index=i, score=float(value)) for i, value in enumerate(result.scores)],
