@@ -360,3 +360,34 @@ def test_forced_calls_in_llama3_mistral_and_phi4_formats(formats_url: str, forma
             if isinstance(tool_choice, dict):
                 assert named[0][0] == "add"
             jsonschema.validate(json.loads(named[0][1]), PARAMS[named[0][0]])
+
+
+@pytest.mark.parametrize("format", list(FORMAT_TEMPLATES))
+def test_anthropic_forced_tool_use_in_llama3_mistral_and_phi4_formats(formats_url: str, format: str) -> None:
+    """The same through the anthropic SDK: tool_choice ``tool`` (named) and ``any``, whole
+    and streamed, each a ``tool_use`` block whose input fits the schema."""
+    import anthropic
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+    }
+    tools: list[Any] = [{"name": "pick", "description": "Pick", "input_schema": schema}]
+    ask: list[Any] = [{"role": "user", "content": "pick something"}]
+    with anthropic.Anthropic(base_url=formats_url, api_key="x", max_retries=0) as client:
+        for choice in ({"type": "tool", "name": "pick"}, {"type": "any"}):
+            whole = client.messages.create(model=format, max_tokens=100, messages=ask, tools=tools, tool_choice=choice)  # type: ignore[arg-type]
+            with client.messages.stream(
+                model=format,
+                max_tokens=100,
+                messages=ask,
+                tools=tools,
+                tool_choice=choice,  # type: ignore[arg-type]
+            ) as stream:
+                streamed = stream.get_final_message()
+            for message in (whole, streamed):
+                assert message.stop_reason == "tool_use", (format, message)
+                uses = [block for block in message.content if block.type == "tool_use"]
+                assert len(uses) == 1 and uses[0].name == "pick"
+                jsonschema.validate(uses[0].input, schema)
