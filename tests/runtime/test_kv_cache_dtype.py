@@ -160,6 +160,11 @@ async def test_settings_that_cannot_apply_are_refused_by_name(tmp_path: Path) ->
     with pytest.raises(ModelLoadError, match=r"kv_cache_dtype=int8 \(--kv-cache-dtype\).*og-generator"):
         await registry.get("og")
     await registry.close()
+    # Set for a model that keeps no key/value cache: refused when added.
+    embeddings = ModelRegistry()
+    with pytest.raises(ValueError, match="rerank model: kv_cache_dtype applies to generative models only"):
+        embeddings.add("rerank", FIXTURES / "tiny-cross-encoder", ModelConfig(kv_cache_dtype="int8"))
+    await embeddings.close()
     # On auto, a model ort-cpu cannot drive would run on og, where the setting goes unread:
     # it is refused, with the reason.
     registry = ModelRegistry(ModelConfig(kv_cache_dtype="fp16"))

@@ -463,6 +463,12 @@ class ModelRegistry:
             raise ValueError(f"model {name!r} is a {kind} model: LoRA adapters apply to generative models only")
         if config is not None and kind != "generative" and config.prefill_int8:
             raise ValueError(f"model {name!r} is a {kind} model: prefill_int8 applies to generative models only")
+        if config is not None and kind != "generative":
+            # Set for this model rather than inherited from the registry's config (which
+            # covers every kind): a key/value cache setting on a model that keeps none.
+            for field in ("kv_cache_dtype", "prefix_cache_mb"):
+                if getattr(config, field) != getattr(self.config, field):
+                    raise ValueError(f"model {name!r} is a {kind} model: {field} applies to generative models only")
         self._entries[name] = _Entry(name, folder, kind, config or self.config)
         return kind
 

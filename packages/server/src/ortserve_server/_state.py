@@ -33,8 +33,11 @@ class OrtServe:
         """``registry``: :func:`model_registry`'s for ``config``, made earlier (``ortserve
         serve`` starts loading models before this module imports); made here otherwise."""
         self.config = config
-        check_server_config(config)
-        self.registry = registry if registry is not None else model_registry(config)
+        if registry is None:
+            registry = model_registry(config)  # checks config first
+        else:
+            check_server_config(config)
+        self.registry = registry
         self.metrics = Metrics()
         self.body_budget = BodyBudget(config.max_body_memory, config.max_body_size)
         """The request bodies held at once, charged by every API route."""

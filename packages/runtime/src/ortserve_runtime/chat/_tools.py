@@ -268,8 +268,9 @@ def forced_tool_grammar(
 ) -> Grammar | None:
     """A grammar that admits exactly one well-formed call (to ``name``, or to any tool)
     whose arguments validate against the tool's parameters schema, laid out as ``format``
-    writes calls; ``None`` when no tool is ``name``. ``token_id`` finds markers that are single (added) tokens:
-    the grammar must name those by id, as no string of bytes produces them. ``or_answer``:
+    writes calls; ``None`` when no tool is ``name``. ``token_id`` finds markers that are
+    single (added) tokens: the grammar must name those by id, as no string of bytes
+    produces them. ``or_answer``:
     a JSON schema the output may match instead of calling (``tool_choice`` auto with a
     response format: the model calls a tool or answers in the format). Objects admit only
     their declared properties unless a schema says otherwise (:func:`closed_schema`)."""

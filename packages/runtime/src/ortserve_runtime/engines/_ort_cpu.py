@@ -137,8 +137,7 @@ class _DecoderGraph:
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.has_position_ids = self.position_ids in inputs
-        self.ids_dtype = np.int32 if inputs[self.input_ids].type == "tensor(int32)" else np.int64
-        self.mask_dtype = np.int32 if inputs[self.attention_mask].type == "tensor(int32)" else np.int64
+        self.ids_dtype, self.mask_dtype = self._index_dtypes(inputs)
         cache_type = inputs[self.cache_names[0][0]].type
         if cache_type not in _DTYPES:
             raise ModelLoadError(
@@ -232,8 +231,7 @@ class _DecoderGraph:
         # Logits of the last position only: every position's cost 1 s of the 1.4 s run on SmolLM2.
         session, last_only = _open_session(self.model_path, unchanged, self._options(), self.logits, last_only=True)
         inputs = {i.name: i for i in session.get_inputs()}
-        ids_dtype = np.int32 if inputs[self.input_ids].type == "tensor(int32)" else np.int64
-        mask_dtype = np.int32 if inputs[self.attention_mask].type == "tensor(int32)" else np.int64
+        ids_dtype, mask_dtype = self._index_dtypes(inputs)
         cache_dtype = _DTYPES[inputs[self.cache_names[0][0]].type]
         ids = Tokenizer.from_file(str(tokenizer)).encode(CALIBRATION_TEXT).ids
         count = len(ids)
@@ -266,6 +264,14 @@ class _DecoderGraph:
             )
             for keys, values in cache
         ]
+
+    def _index_dtypes(self, inputs: Mapping[str, Any]) -> tuple[Any, Any]:
+        """The integer types of a session's token ids and attention mask (int32 or int64)."""
+
+        def integer(name: str) -> Any:
+            return np.int32 if inputs[name].type == "tensor(int32)" else np.int64
+
+        return integer(self.input_ids), integer(self.attention_mask)
 
     def _options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
