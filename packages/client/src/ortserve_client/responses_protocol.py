@@ -40,6 +40,23 @@ __all__ = [
     "InputMessage",
     "InputText",
     "InputTokensDetails",
+    "McpApprovalFilter",
+    "McpApprovalRequestItem",
+    "McpApprovalResponseItem",
+    "McpCallArgumentsDeltaEvent",
+    "McpCallArgumentsDoneEvent",
+    "McpCallCompletedEvent",
+    "McpCallFailedEvent",
+    "McpCallInProgressEvent",
+    "McpCallItem",
+    "McpListToolsCompletedEvent",
+    "McpListToolsFailedEvent",
+    "McpListToolsInProgressEvent",
+    "McpListToolsItem",
+    "McpListToolsTool",
+    "McpTool",
+    "McpToolCallError",
+    "McpToolFilter",
     "OutputItem",
     "OutputItemAddedEvent",
     "OutputItemDoneEvent",
@@ -74,7 +91,10 @@ __all__ = [
     "TextFormatJSONObject",
     "TextFormatJSONSchema",
     "TextFormatText",
+    "Tool",
+    "ToolChoice",
     "ToolChoiceFunction",
+    "ToolChoiceMcp",
     "input_items",
 ]
 
@@ -185,7 +205,79 @@ class ReasoningItem(_Response, tag_field="type", tag="reasoning"):
         return "".join(part.text for part in self.content) or "\n\n".join(part.text for part in self.summary)
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+class McpListToolsTool(_Response):
+    """A tool an MCP server listed."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    annotations: dict[str, Any] | None = None
+
+
+class McpListToolsItem(_Response, tag_field="type", tag="mcp_list_tools"):
+    """The tools of the MCP server ``server_label``, as the server listed them (a follow-up
+    that hands it back, or continues from a stored response, is not listed again)."""
+
+    id: str
+    server_label: str
+    tools: list[McpListToolsTool]
+    error: str | None = None
+
+
+class McpToolCallError(_Response):
+    """Why an ``mcp_call`` has no output: ``type`` ``mcp_protocol_error`` (``code``: MCP's
+    JSON-RPC code; -32001 a timeout), ``http_error`` (``code``: the HTTP status), or
+    ``mcp_tool_execution_error`` (the tool said it failed: ``content`` is what it said)."""
+
+    type: Literal["mcp_protocol_error", "http_error", "mcp_tool_execution_error"]
+    code: int | UnsetType = UNSET
+    message: str | UnsetType = UNSET
+    content: list[dict[str, Any]] | UnsetType = UNSET
+
+
+class McpCallItem(_Response, tag_field="type", tag="mcp_call"):
+    """A tool call the server made on an MCP server: its ``output``, or its ``error``."""
+
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None = None
+    error: McpToolCallError | None = None
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] | UnsetType = UNSET
+    approval_request_id: str | None = None
+
+
+class McpApprovalRequestItem(_Response, tag_field="type", tag="mcp_approval_request"):
+    """A call the model wants to make that needs the user's approval first: answer with an
+    :class:`McpApprovalResponseItem` (and ``previous_response_id``, or this item handed back)."""
+
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+
+
+class McpApprovalResponseItem(_Request, tag_field="type", tag="mcp_approval_response"):
+    """The user's answer to ``approval_request_id``: approved, the call is made and the
+    model goes on with its result; refused, the model is told so."""
+
+    approval_request_id: str
+    approve: bool
+    id: str | UnsetType | None = UNSET
+    reason: str | UnsetType | None = UNSET
+
+
+InputItem = (
+    InputMessage
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | ReasoningItem
+    | McpListToolsItem
+    | McpCallItem
+    | McpApprovalRequestItem
+    | McpApprovalResponseItem
+)
 
 _input_item_list = list[InputItem]
 
@@ -213,6 +305,50 @@ class ToolChoiceFunction(_Response, tag_field="type", tag="function"):
     """``tool_choice: {"type": "function", "name": ...}``: call this function."""
 
     name: str
+
+
+class McpToolFilter(_Response):
+    """Tools of an MCP server picked by name or by the server's read-only hint."""
+
+    tool_names: list[str] | None = None
+    read_only: bool | None = None
+
+
+class McpApprovalFilter(_Response):
+    """``require_approval`` by tool: those ``never`` names need none; all others do."""
+
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
+
+
+class McpTool(_Response, tag_field="type", tag="mcp"):
+    """The tools of an MCP server, called by the server itself. ``server_label`` names a
+    server the operator configured (``--mcp-server``); ``server_url`` (with ``headers``)
+    names one only where the operator allows it (``--allow-mcp-url``)."""
+
+    server_label: str
+    server_url: str | None = None
+    allowed_tools: list[str] | McpToolFilter | None = None
+    require_approval: Literal["always", "never"] | McpApprovalFilter | None = None
+    """``None``: ``"always"``, as OpenAI."""
+    headers: dict[str, str] | None = None
+    authorization: str | None = None
+    """Sent as ``Authorization: Bearer <authorization>`` (a ``server_url`` server only)."""
+    server_description: str | None = None
+
+
+Tool = FunctionTool | McpTool
+
+
+class ToolChoiceMcp(_Response, tag_field="type", tag="mcp"):
+    """``tool_choice: {"type": "mcp", "server_label": ..., "name": ...}``: call a tool of
+    that server (the tool ``name``, else any of its tools)."""
+
+    server_label: str
+    name: str | None = None
+
+
+ToolChoice = Literal["none", "auto", "required"] | ToolChoiceFunction | ToolChoiceMcp
 
 
 class TextFormatText(_Response, tag_field="type", tag="text"):
@@ -269,8 +405,8 @@ class ResponseCreateRequest(_Request):
     from ``cached_tokens`` or timing what the other sent."""
     instructions: str | UnsetType | None = UNSET
     """A system message put first; not carried over to a follow-up (as OpenAI does)."""
-    tools: list[FunctionTool] | UnsetType | None = UNSET
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | UnsetType | None = UNSET
+    tools: list[Tool] | UnsetType | None = UNSET
+    tool_choice: ToolChoice | UnsetType | None = UNSET
     parallel_tool_calls: bool | UnsetType | None = UNSET
     text: TextConfig | UnsetType | None = UNSET
     max_output_tokens: int | UnsetType | None = UNSET
@@ -282,12 +418,15 @@ class ResponseCreateRequest(_Request):
     previous_response_id: str | UnsetType | None = UNSET
     metadata: dict[str, str] | UnsetType | None = UNSET
     user: str | UnsetType | None = UNSET
+    max_tool_calls: int | UnsetType | None = UNSET
+    """MCP calls this response may make (at most the server's ``mcp_max_tool_calls``,
+    which also applies when this is absent); then the model answers without tools.
+    Function calls are the client's to make, so they do not count."""
     # Fields ortserve refuses unless they ask for nothing (so that they are not ignored):
     background: bool | UnsetType | None = UNSET
     include: list[str] | UnsetType | None = UNSET
     truncation: str | UnsetType | None = UNSET
     top_logprobs: int | UnsetType | None = UNSET
-    max_tool_calls: int | UnsetType | None = UNSET
     conversation: Any = UNSET
     prompt: Any = UNSET
 
@@ -304,7 +443,7 @@ class OutputMessage(_Response, tag_field="type", tag="message"):
     role: Literal["assistant"] = "assistant"
 
 
-OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem | McpListToolsItem | McpCallItem | McpApprovalRequestItem
 
 
 class InputTokensDetails(_Response):
@@ -358,8 +497,9 @@ class Response(_Response):
     store: bool = False
     temperature: float | None = None
     text: TextConfig = msgspec.field(default_factory=TextConfig)
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
-    tools: list[FunctionTool] = msgspec.field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    tools: list[Tool] = msgspec.field(default_factory=list)
+    max_tool_calls: int | None = None
     top_p: float | None = None
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
@@ -501,6 +641,43 @@ class ReasoningSummaryTextDoneEvent(_Event, tag="response.reasoning_summary_text
     text: str
 
 
+class _McpItemEvent(_Event):
+    item_id: str
+    output_index: int
+
+
+class McpListToolsInProgressEvent(_McpItemEvent, tag="response.mcp_list_tools.in_progress"):
+    pass
+
+
+class McpListToolsCompletedEvent(_McpItemEvent, tag="response.mcp_list_tools.completed"):
+    pass
+
+
+class McpListToolsFailedEvent(_McpItemEvent, tag="response.mcp_list_tools.failed"):
+    pass
+
+
+class McpCallInProgressEvent(_McpItemEvent, tag="response.mcp_call.in_progress"):
+    pass
+
+
+class McpCallCompletedEvent(_McpItemEvent, tag="response.mcp_call.completed"):
+    pass
+
+
+class McpCallFailedEvent(_McpItemEvent, tag="response.mcp_call.failed"):
+    pass
+
+
+class McpCallArgumentsDeltaEvent(_McpItemEvent, tag="response.mcp_call_arguments.delta"):
+    delta: str
+
+
+class McpCallArgumentsDoneEvent(_McpItemEvent, tag="response.mcp_call_arguments.done"):
+    arguments: str
+
+
 class ErrorEvent(_Event, tag="error"):
     """A failure after the stream started (the HTTP status was 200 by then)."""
 
@@ -529,5 +706,13 @@ ResponseStreamEvent = (
     | ReasoningSummaryPartDoneEvent
     | ReasoningSummaryTextDeltaEvent
     | ReasoningSummaryTextDoneEvent
+    | McpListToolsInProgressEvent
+    | McpListToolsCompletedEvent
+    | McpListToolsFailedEvent
+    | McpCallInProgressEvent
+    | McpCallCompletedEvent
+    | McpCallFailedEvent
+    | McpCallArgumentsDeltaEvent
+    | McpCallArgumentsDoneEvent
     | ErrorEvent
 )

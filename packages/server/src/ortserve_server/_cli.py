@@ -22,6 +22,7 @@ from ._demo import demo_models
 if TYPE_CHECKING:
     from ortserve_runtime import ModelConfig
 
+    from ._config import McpServer
     from ._state import OrtServe
 
 __all__ = ["main"]
@@ -384,6 +385,36 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     serve.add_argument(
+        "--mcp-server",
+        action="append",
+        default=[],
+        metavar="LABEL=URL|LABEL=stdio:COMMAND",
+        help="an MCP server whose tools requests may use by LABEL (Responses 'mcp' tools, Messages "
+        "'mcp_servers'): a streamable-HTTP URL, or stdio: and a command to start; repeatable",
+    )
+    serve.add_argument(
+        "--mcp-header",
+        action="append",
+        default=[],
+        metavar="LABEL=NAME:ENV_VAR",
+        help="send header NAME to MCP server LABEL, its value read from environment variable ENV_VAR "
+        "(secrets stay off the command line); repeatable",
+    )
+    serve.add_argument(
+        "--allow-mcp-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="let requests name MCP servers by URL under this prefix (default: configured labels only); repeatable",
+    )
+    serve.add_argument(
+        "--mcp-call-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest MCP tool call; the model reads a timeout error after it (default: 60)",
+    )
+    serve.add_argument(
         "--allow-image-host",
         action="append",
         default=[],
@@ -542,6 +573,29 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it has no chat")
 
 
+def _mcp_servers(specs: list[str], header_specs: list[str]) -> tuple[McpServer, ...]:
+    """``--mcp-server`` and ``--mcp-header`` values as servers (``ValueError`` naming a bad one)."""
+    from ._config import McpServer, parse_mcp_server
+
+    headers: dict[str, dict[str, str]] = {}
+    for spec in header_specs:
+        label, _, rest = spec.partition("=")
+        name, _, variable = rest.partition(":")
+        if not label or not name or not variable:
+            raise ValueError(f"--mcp-header {spec!r}: expected LABEL=NAME:ENV_VAR")
+        if variable not in os.environ:
+            raise ValueError(f"--mcp-header {spec!r}: environment variable {variable} is not set")
+        headers.setdefault(label, {})[name] = os.environ[variable]
+    servers = tuple(parse_mcp_server(spec) for spec in specs)
+    unknown = sorted(set(headers) - {server.label for server in servers})
+    if unknown:
+        raise ValueError(f"--mcp-header names {unknown[0]!r}, which no --mcp-server has")
+    for server in servers:
+        if server.label in headers and server.url is None:
+            raise ValueError(f"--mcp-header {server.label!r}: a stdio server takes no headers")
+    return tuple(McpServer(s.label, url=s.url, command=s.command, headers=headers.get(s.label, {})) for s in servers)
+
+
 def _state_dir(given: str | None) -> Path | None:
     """``--state-dir``: a folder, ``none`` (memory), or by default ``ORTSERVE_STATE_DIR``,
     else the user's state directory."""
@@ -602,6 +656,9 @@ def _serve(args: argparse.Namespace) -> int:
             max_file_size=int(args.max_file_mb * 1024 * 1024),
             max_queued=args.max_queued,
             image_url_hosts=tuple(args.allow_image_host),
+            mcp_servers=_mcp_servers(args.mcp_server, args.mcp_header),
+            mcp_allowed_urls=tuple(args.allow_mcp_url),
+            mcp_call_timeout=args.mcp_call_timeout,
             allowed_hosts=tuple(args.allow_host),
             allowed_origins=tuple(args.allow_origin),
             cors_origins=tuple(args.cors_origin),

@@ -3,13 +3,100 @@
 from __future__ import annotations
 
 import re
+import shlex
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from ortserve_runtime import ModelConfig, ModelRegistry
 
-__all__ = ["ServerConfig", "check_server_config", "model_registry", "preload"]
+__all__ = [
+    "McpServer",
+    "ServerConfig",
+    "check_server_config",
+    "model_registry",
+    "parse_mcp_server",
+    "preload",
+    "url_allowed",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class McpServer:
+    """An MCP server the operator configured: by ``url`` (streamable HTTP, with
+    ``headers``) or by ``command`` (a process spoken to over stdio)."""
+
+    label: str
+    url: str | None = None
+    command: tuple[str, ...] = ()
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.label or not self.label.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"MCP server label {self.label!r}: use letters, digits, '-' and '_'")
+        if (self.url is None) == (not self.command):
+            raise ValueError(f"MCP server {self.label!r}: give a url or a command, not both")
+        if self.url is not None:
+            _check_url(self.url, f"MCP server {self.label!r}")
+
+
+def parse_mcp_server(spec: str, headers: dict[str, str] | None = None) -> McpServer:
+    """``LABEL=URL`` or ``LABEL=stdio:COMMAND ARGS...`` (the command split as a shell would)."""
+    label, sep, target = spec.partition("=")
+    if not sep or not target:
+        raise ValueError(f"--mcp-server {spec!r}: expected LABEL=URL or LABEL=stdio:COMMAND ARGS")
+    if target.startswith("stdio:"):
+        command = tuple(shlex.split(target.removeprefix("stdio:")))
+        if not command:
+            raise ValueError(f"--mcp-server {spec!r}: stdio: needs a command")
+        return McpServer(label, command=command, headers=headers or {})
+    return McpServer(label, url=target, headers=headers or {})
+
+
+def _check_url(url: str, what: str) -> urllib.parse.SplitResult:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what}: {url!r} is not an http(s) URL")
+    return parts
+
+
+def url_allowed(url: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``url`` is one of ``allowed`` or under one (same scheme, host and port, and a
+    path below the prefix's: ``https://a.example/mcp`` allows ``.../mcp`` and ``.../mcp/x``,
+    not ``https://a.example.evil`` or ``.../mcpx``)."""
+    try:
+        asked = urllib.parse.urlsplit(url)
+    except ValueError:
+        return False
+    if asked.username or asked.password:
+        return False
+    for prefix in allowed:
+        given = urllib.parse.urlsplit(prefix)
+        if (asked.scheme, asked.netloc.lower()) != (given.scheme, given.netloc.lower()):
+            continue
+        root = given.path.rstrip("/")
+        if asked.path.rstrip("/") == root or asked.path.startswith(root + "/"):
+            return True
+    return False
+
+
+def _check_mcp_config(config: ServerConfig) -> None:
+    """Refuse MCP settings that cannot work (a ``ValueError`` naming them)."""
+    labels = [server.label for server in config.mcp_servers]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ValueError(f"mcp_servers: the label {twice[0]!r} is given twice")
+    for prefix in config.mcp_allowed_urls:
+        _check_url(prefix, "mcp_allowed_urls")
+    for name in ("mcp_call_timeout", "mcp_start_timeout", "mcp_max_output_bytes", "mcp_max_tool_calls"):
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be positive")
+    if config.mcp_servers or config.mcp_allowed_urls:
+        try:
+            import mcp  # noqa: F401
+        except ImportError:
+            raise ValueError("MCP servers need the MCP SDK: pip install 'ortserve-server[mcp]'") from None
 
 
 @dataclass(slots=True)
@@ -141,6 +228,24 @@ class ServerConfig:
     instead of ``state_dir``: replicas given the same one share stored responses, files
     and batches (needs ``ortserve-server[postgres]``)."""
 
+    mcp_servers: tuple[McpServer, ...] = ()
+    """MCP servers whose tools the model may call through the server (the Responses API's
+    ``mcp`` tools, the Messages API's ``mcp_servers``), named by their labels."""
+    mcp_allowed_urls: tuple[str, ...] = ()
+    """URL prefixes of MCP servers a request may name itself (``server_url``, ``url``);
+    empty: only configured labels. The server connects to them from its own network."""
+    mcp_call_timeout: float = 60.0
+    """Seconds an MCP tool call may take; after it, the model reads a timeout error."""
+    mcp_start_timeout: float = 30.0
+    """Seconds to connect to an MCP server and list its tools (then the request gets 424)."""
+    mcp_list_ttl: float = 300.0
+    """Seconds a configured server's tool list is kept before it is listed again."""
+    mcp_max_output_bytes: int = 64 * 1024
+    """A tool result longer than this reaches the model cut, with a note saying so."""
+    mcp_max_tool_calls: int = 16
+    """MCP calls one response may make when it does not set ``max_tool_calls`` (at most
+    this when it does); then the model must answer without tools."""
+
     @property
     def api_keys(self) -> tuple[str, ...]:
         """The accepted API keys (none: the API is open)."""
@@ -163,6 +268,7 @@ def check_server_config(config: ServerConfig) -> None:
         raise ValueError("state_dir and state_url name two places for the same state: give one")
     if config.batch_concurrency < 1 or config.max_file_size < 1:
         raise ValueError("batch_concurrency and max_file_size must be at least 1")
+    _check_mcp_config(config)
 
 
 def model_registry(config: ServerConfig) -> ModelRegistry:

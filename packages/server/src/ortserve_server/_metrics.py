@@ -68,6 +68,27 @@ class Metrics:
         self.active = Gauge(
             "ortserve_active_requests", "Requests the model is working on", ["model"], registry=self.registry
         )
+        # MCP tools the server calls (``server``: a configured label, or "(request url)").
+        self.mcp_calls = Counter(
+            "ortserve_mcp_calls",
+            "MCP tool calls, by outcome (ok, tool_error, error, cancelled)",
+            ["server", "tool", "outcome"],
+            registry=self.registry,
+        )
+        self.mcp_call_seconds = Histogram(
+            "ortserve_mcp_call_seconds",
+            "Time an MCP tool call took",
+            ["server"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0),
+            registry=self.registry,
+        )
+        self.mcp_list_seconds = Histogram(
+            "ortserve_mcp_list_seconds",
+            "Time listing an MCP server's tools took (cached lists are not counted)",
+            ["server"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0),
+            registry=self.registry,
+        )
 
     def watch_prefix_caches(self, caches: Callable[[], Iterable[tuple[str, Any]]]) -> None:
         """Report the prefix caches (and running rows) of the engines ``caches()`` names

@@ -38,7 +38,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -52,6 +52,8 @@ from ortserve_runtime import ChatModel, InvalidRequestError, ToolCall
 from ._errors import BadRequestError, NotFoundError, ServerError, UnsupportedParameterError
 from ._ids import new_id
 from ._mapping import require_model
+from ._mcp import McpTool as McpToolSpec
+from ._mcp import McpToolError, McpTools
 from ._openapi import GET_ERRORS, error_responses, generation_docs
 from ._routes import _Generation, _stream_response, _while_connected, error_detail, start_chat
 from ._state import OrtServe
@@ -89,7 +91,6 @@ def _check(data: rp.ResponseCreateRequest, state: OrtServe, model: ChatModel) ->
         "include": bool(data.include),
         "truncation": data.truncation not in (msgspec.UNSET, None, "disabled"),
         "top_logprobs": data.top_logprobs not in (msgspec.UNSET, None, 0),
-        "max_tool_calls": data.max_tool_calls not in (msgspec.UNSET, None),
         "conversation": data.conversation not in (msgspec.UNSET, None),
         "prompt": data.prompt not in (msgspec.UNSET, None),
     }
@@ -172,14 +173,28 @@ def _messages(instructions: str | None, items: list[tuple[str, rp.InputItem]]) -
         if isinstance(item, rp.ReasoningItem):
             thought = "\n\n".join(filter(None, (thought, item.text)))
             continue
-        if isinstance(item, rp.FunctionCallItem):
-            call = p.ToolCall(id=item.call_id, function=p.FunctionCall(name=item.name, arguments=item.arguments))
-            last = messages[-1] if messages else None
-            if isinstance(last, p.AssistantMessage):
+        if isinstance(item, rp.McpListToolsItem) or (isinstance(item, rp.McpApprovalResponseItem) and item.approve):
+            continue  # tools reach the template as tools; an approved call's result follows as its mcp_call
+        if isinstance(item, rp.FunctionCallItem | rp.McpApprovalRequestItem | rp.McpCallItem):
+            call = _call_of(item)
+            if call is not None:
+                last = messages[-1] if messages else None
+                if not isinstance(last, p.AssistantMessage):
+                    last = p.AssistantMessage(content=None, tool_calls=[])
+                    messages.append(last)
+                    origins.append(where)
                 last.tool_calls = [*(last.tool_calls or []), call]
                 thought = _add_thought(last, thought)
+            if not isinstance(item, rp.McpCallItem):
                 continue
-            message = p.AssistantMessage(content=None, tool_calls=[call])
+            # An MCP call carries its result: after the call the model wrote (the next call
+            # is a new turn), or after the approval request the call was made on.
+            message = p.ToolMessage(content=_mcp_result(item), tool_call_id=item.approval_request_id or item.id)
+        elif isinstance(item, rp.McpApprovalResponseItem):  # refused
+            reason = f": {item.reason}" if isinstance(item.reason, str) and item.reason else ""
+            message = p.ToolMessage(
+                content=f"The user did not approve this call{reason}", tool_call_id=item.approval_request_id
+            )
         elif isinstance(item, rp.FunctionCallOutputItem):
             output = _text_parts(item.output, where)
             text = output if isinstance(output, str) else "".join(part.text for part in output)
@@ -199,6 +214,30 @@ def _messages(instructions: str | None, items: list[tuple[str, rp.InputItem]]) -
     return messages, origins
 
 
+def _call_of(item: rp.FunctionCallItem | rp.McpApprovalRequestItem | rp.McpCallItem) -> p.ToolCall | None:
+    """The call an item says the model wrote (a function call, an MCP call the server made
+    on its own, or one waiting for approval), as chat completions carry it; ``None`` for
+    an MCP call made on approval (the approval request was the call)."""
+    if isinstance(item, rp.FunctionCallItem):
+        call_id, name, arguments = item.call_id, item.name, item.arguments
+    elif isinstance(item, rp.McpCallItem) and item.approval_request_id is not None:
+        return None
+    else:
+        call_id, name, arguments = item.id, item.name, item.arguments
+    return p.ToolCall(id=call_id, function=p.FunctionCall(name=name, arguments=arguments))
+
+
+def _mcp_result(item: rp.McpCallItem) -> str:
+    """What the model reads of an MCP call: its output, or its error."""
+    error = item.error
+    if error is None:
+        return item.output or ""
+    if error.type == "mcp_tool_execution_error":
+        content = error.content if isinstance(error.content, list) else []
+        return "Error: " + "\n".join(str(block.get("text", "")) for block in content)
+    return f"Error ({error.type} {error.code}): {error.message}"
+
+
 def _add_thought(message: p.AssistantMessage, thought: str) -> str:
     """Puts a reasoning item's text on the assistant message it preceded (as chat
     completions take an earlier turn's ``reasoning_content``); returns what is left."""
@@ -208,23 +247,39 @@ def _add_thought(message: p.AssistantMessage, thought: str) -> str:
     return ""
 
 
-def _chat_request(data: rp.ResponseCreateRequest, messages: list[p.ChatMessage]) -> p.ChatCompletionRequest:
-    tools = (
-        msgspec.UNSET
-        if not data.tools
-        else [
-            p.Tool(
-                function=p.FunctionDefinition(
-                    name=tool.name,
-                    description=msgspec.UNSET if tool.description is None else tool.description,
-                    parameters=msgspec.UNSET if tool.parameters is None else tool.parameters,
-                    strict=tool.strict,
-                )
+def _chat_tools(data: rp.ResponseCreateRequest, mcp: McpTools) -> list[p.Tool]:
+    """The functions the model may call: the request's function tools, then its MCP
+    servers' tools (their input schemas as parameters)."""
+    tools = [
+        p.Tool(
+            function=p.FunctionDefinition(
+                name=tool.name,
+                description=msgspec.UNSET if tool.description is None else tool.description,
+                parameters=msgspec.UNSET if tool.parameters is None else tool.parameters,
+                strict=tool.strict,
             )
-            for tool in data.tools
-        ]
-    )
-    choice = data.tool_choice
+        )
+        for tool in data.tools or []
+        if isinstance(tool, rp.FunctionTool)
+    ]
+    for use in mcp.uses.values():
+        for tool in use.tools.values():
+            description = msgspec.UNSET if tool.description is None else tool.description
+            definition = p.FunctionDefinition(name=tool.name, description=description, parameters=tool.input_schema)
+            tools.append(p.Tool(function=definition))
+    return tools
+
+
+def _chat_request(
+    data: rp.ResponseCreateRequest,
+    messages: list[p.ChatMessage],
+    tools: list[p.Tool],
+    choice: Any,
+    spent: int = 0,
+) -> p.ChatCompletionRequest:
+    """The chat request of one model turn: ``tools`` and ``choice`` (``tool_choice``) are
+    the turn's (:class:`_Loop` narrows them as MCP calls are spent); ``spent``: the tokens
+    earlier turns wrote, which ``max_output_tokens`` counts too."""
     tool_choice = (
         p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name))
         if isinstance(choice, rp.ToolChoiceFunction)
@@ -240,11 +295,13 @@ def _chat_request(data: rp.ResponseCreateRequest, messages: list[p.ChatMessage])
     return p.ChatCompletionRequest(
         model=data.model,
         messages=messages,
-        tools=tools,
+        tools=tools or msgspec.UNSET,
         tool_choice=tool_choice,
         parallel_tool_calls=data.parallel_tool_calls,
         response_format=response_format,
-        max_completion_tokens=data.max_output_tokens,
+        max_completion_tokens=(
+            data.max_output_tokens - spent if isinstance(data.max_output_tokens, int) else data.max_output_tokens
+        ),
         temperature=data.temperature,
         top_p=data.top_p,
         # _check let it through only for a reasoning model; the template reads it.
@@ -292,7 +349,12 @@ class _Output:
     step as the stream events OpenAI sends (the whole answer runs through it too, so both
     forms have the same items). ``sequence_number`` counts every event of the stream."""
 
-    def __init__(self, summarize: bool = False) -> None:
+    def __init__(self, summarize: bool = False, mcp: McpTools | None = None) -> None:
+        self.mcp = mcp
+        """The request's MCP servers: a call to one of their tools is an ``mcp_call`` (or an
+        ``mcp_approval_request``), not a ``function_call`` for the client."""
+        self.calling: list[rp.McpCallItem] = []
+        """MCP calls the model wrote in the turn under way, for :class:`_Loop` to make."""
         self.items: list[rp.OutputItem] = []
         self.sequence = 0
         self._message: rp.OutputMessage | None = None
@@ -392,6 +454,15 @@ class _Output:
 
     def call(self, call: ToolCall) -> list[bytes]:
         out = self.close_reasoning() + self.close_message()
+        label = self.mcp.owner(call.name) if self.mcp is not None else None
+        if label is not None:
+            assert self.mcp is not None
+            if self.mcp.needs_approval(label, call.name):
+                request = rp.McpApprovalRequestItem(
+                    id=new_id("mcpr_"), server_label=label, name=call.name, arguments=call.arguments
+                )
+                return out + self.added(request) + self.done(request)
+            return out + self.mcp_call(label, call.name, call.arguments)
         item = rp.FunctionCallItem(
             id=new_id("fc_"),
             call_id="call_" + uuid.uuid4().hex[:24],
@@ -417,6 +488,46 @@ class _Output:
         )
         out.append(self.event(rp.OutputItemDoneEvent, output_index=index, item=item))
         return out
+
+    def added(self, item: rp.OutputItem) -> list[bytes]:
+        self.items.append(item)
+        return [self.event(rp.OutputItemAddedEvent, output_index=len(self.items) - 1, item=item)]
+
+    def done(self, item: rp.OutputItem) -> list[bytes]:
+        return [self.event(rp.OutputItemDoneEvent, output_index=self.items.index(item), item=item)]
+
+    def listed(self, item: rp.McpListToolsItem) -> list[bytes]:
+        where = {"item_id": item.id, "output_index": len(self.items)}
+        out = self.added(item)
+        out.append(self.event(rp.McpListToolsInProgressEvent, **where))
+        out.append(self.event(rp.McpListToolsCompletedEvent, **where))
+        return out + self.done(item)
+
+    def mcp_call(self, label: str, name: str, arguments: str, approval: str | None = None) -> list[bytes]:
+        """An MCP call opens (added, in progress, its arguments); :meth:`mcp_result` closes it."""
+        item = rp.McpCallItem(
+            id=new_id("mcp_"),
+            server_label=label,
+            name=name,
+            arguments="",
+            status="in_progress",
+            approval_request_id=approval,
+        )
+        where = {"item_id": item.id, "output_index": len(self.items)}
+        out = self.added(item)
+        out.append(self.event(rp.McpCallInProgressEvent, **where))
+        out.append(self.event(rp.McpCallArgumentsDeltaEvent, delta=arguments, **where))
+        item.arguments = arguments
+        out.append(self.event(rp.McpCallArgumentsDoneEvent, arguments=arguments, **where))
+        self.calling.append(item)
+        return out
+
+    def mcp_result(self, item: rp.McpCallItem) -> list[bytes]:
+        failed = item.error is not None
+        item.status = "failed" if failed else "completed"
+        where = {"item_id": item.id, "output_index": self.items.index(item)}
+        kind = rp.McpCallFailedEvent if failed else rp.McpCallCompletedEvent
+        return [self.event(kind, **where), *self.done(item)]
 
     def finish(self, reason: str) -> list[bytes]:
         """The end: an answer with neither text nor calls is one empty message (so that
@@ -490,7 +601,12 @@ class _Exchange:
             store=data.store is True,
             temperature=data.temperature if isinstance(data.temperature, float | int) else 1.0,
             text=data.text if isinstance(data.text, rp.TextConfig) else rp.TextConfig(),
-            tool_choice=data.tool_choice if isinstance(data.tool_choice, str | rp.ToolChoiceFunction) else "auto",
+            tool_choice=(
+                data.tool_choice
+                if isinstance(data.tool_choice, str | rp.ToolChoiceFunction | rp.ToolChoiceMcp)
+                else "auto"
+            ),
+            max_tool_calls=data.max_tool_calls if isinstance(data.max_tool_calls, int) else None,
             tools=list(data.tools) if isinstance(data.tools, list) else [],
             top_p=data.top_p if isinstance(data.top_p, float | int) else 1.0,
             usage=usage,
@@ -533,52 +649,330 @@ async def create_response(
         history = [("previous_response_id", item) for item in previous.items]
     new = _input(data)
     items = [*history, *((f"input[{i}]", item) for i, item in enumerate(new))]
-    instructions = data.instructions if isinstance(data.instructions, str) else None
-    messages, origins = _messages(instructions, items)
-    with _named_as_responses(origins):
-        run = await start_chat(
-            ortserve, model, _chat_request(data, messages), f"{ortserve.config.path}/responses", request
-        )
-    exchange = _Exchange(data, ortserve, [item for _, item in items])
-    output = _Output(summarize=isinstance(data.reasoning, rp.Reasoning) and data.reasoning.summary is not None)
+    mcp = McpTools(ortserve.mcp)
+    try:
+        listings = await _list_mcp_tools(data, mcp, items)
+        approved = _approved_calls(items, len(history), mcp)
+        exchange = _Exchange(data, ortserve, [item for _, item in items])
+        summarize = isinstance(data.reasoning, rp.Reasoning) and data.reasoning.summary is not None
+        loop = _Loop(ortserve, model, data, request, items, exchange, _Output(summarize, mcp), mcp)
+        loop.check_tool_choice()
+        await loop.start(listings, approved)
+    except BaseException:
+        await mcp.close()
+        raise
     if data.stream is True:
-        return _stream_response(_events(run, exchange, output))
-    texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
-    output.feed(run.reasonings[0], texts[0], calls[0], finish[0])
-    response = exchange.finished(output.items, finish[0], usage, run.reasoning_tokens[0])
+        return _stream_response(loop.stream())
+    try:
+        await _while_connected(request, ortserve, loop.drain())
+    finally:
+        await mcp.close()
+    response = exchange.finished(loop.output.items, loop.reason, loop.usage, loop.reasoning_tokens)
     if exchange.saving is not None:  # on disk before the client learns its id (a streamed one: as it is sent)
         await asyncio.wrap_future(exchange.saving)
     return Response(response)
 
 
-def _events(run: _Generation, exchange: _Exchange, output: _Output) -> Any:
-    reason = ["stop"]
+async def _list_mcp_tools(
+    data: rp.ResponseCreateRequest, mcp: McpTools, items: list[tuple[str, rp.InputItem]]
+) -> list[rp.McpListToolsItem]:
+    """Connects the request's ``mcp`` tools' servers (refusing what the operator did not
+    allow) and lists their tools; a server the conversation listed already (an
+    ``mcp_list_tools`` item handed back or stored) is not listed again, as OpenAI does.
+    Returns the new listings, the response's first output items."""
+    known = {item.server_label: item for _, item in items if isinstance(item, rp.McpListToolsItem) and not item.error}
+    listings = []
+    for number, tool in enumerate(data.tools or []):
+        if not isinstance(tool, rp.McpTool):
+            continue
+        param = f"tools[{number}]"
+        headers = dict(tool.headers or {})
+        if tool.authorization:
+            headers["Authorization"] = f"Bearer {tool.authorization}"
+        if headers and tool.server_label in mcp.hub.servers:
+            raise BadRequestError(
+                f"MCP server {tool.server_label!r} is configured on this server, with the operator's headers; "
+                "a request may not set its headers or authorization",
+                param=f"{param}.headers",
+            )
+        chosen = tool.allowed_tools
+        names = chosen if isinstance(chosen, list) else chosen.tool_names if chosen is not None else None
+        read_only = chosen.read_only if isinstance(chosen, rp.McpToolFilter) else None
+        before = known.get(tool.server_label)
+        listed = (
+            None
+            if before is None
+            else [McpToolSpec(t.name, t.input_schema, t.description, t.annotations) for t in before.tools]
+        )
 
-    def events(_: int, text: str, calls: list[ToolCall], finish: str | None) -> list[bytes]:
-        if finish is not None:
-            reason[0] = finish
-        return output.feed(run.event_reasoning, text, calls, finish)
+        def picked(tool: McpToolSpec, names: list[str] | None = names, read_only: bool | None = read_only) -> bool:
+            return (names is None or tool.name in names) and (read_only is None or tool.read_only == read_only)
 
-    def completed(usage: p.CompletionUsage) -> bytes:
-        response = exchange.finished(output.items, reason[0], usage, run.reasoning_tokens[0])
-        kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
-        return output.event(kind, response=response)
+        given = await mcp.add(
+            tool.server_label,
+            param,
+            url=tool.server_url,
+            headers=headers,
+            allowed=picked,
+            approval=msgspec.to_builtins(tool.require_approval) if tool.require_approval is not None else "always",
+            listed=listed,
+        )
+        if before is None:
+            listings.append(
+                rp.McpListToolsItem(
+                    id=new_id("mcpl_"),
+                    server_label=tool.server_label,
+                    tools=[rp.McpListToolsTool(t.name, t.input_schema, t.description, t.annotations) for t in given],
+                )
+            )
+    return listings
 
-    def error(exc: Exception) -> bytes:
+
+def _approved_calls(
+    items: list[tuple[str, rp.InputItem]], first_new: int, mcp: McpTools
+) -> list[rp.McpApprovalRequestItem]:
+    """The calls the request's ``mcp_approval_response`` items approve (to be made before
+    the model goes on); an answer to no request, or to one answered already, is a 400."""
+    requests = {item.id: item for _, item in items if isinstance(item, rp.McpApprovalRequestItem)}
+    answered = {
+        item.approval_request_id for _, item in items[:first_new] if isinstance(item, rp.McpApprovalResponseItem)
+    }
+    answered |= {
+        item.approval_request_id for _, item in items if isinstance(item, rp.McpCallItem) and item.approval_request_id
+    }
+    approved = []
+    for where, item in items[first_new:]:
+        if not isinstance(item, rp.McpApprovalResponseItem):
+            continue
+        asked = requests.get(item.approval_request_id)
+        param = f"{where}.approval_request_id"
+        if asked is None:
+            raise BadRequestError(
+                f"no mcp_approval_request {item.approval_request_id!r} in this conversation "
+                "(hand it back in input, or continue with previous_response_id)",
+                param=param,
+            )
+        if item.approval_request_id in answered:
+            raise BadRequestError(
+                f"mcp_approval_request {item.approval_request_id!r} was answered already", param=param
+            )
+        answered.add(item.approval_request_id)
+        if item.approve:
+            if asked.server_label not in mcp.uses:
+                raise BadRequestError(
+                    f"the approved call is to MCP server {asked.server_label!r}, which is not among this request's "
+                    "tools (give its mcp tool again)",
+                    param=param,
+                )
+            approved.append(asked)
+    return approved
+
+
+class _Loop:
+    """One response's turns. The model writes; the server makes the MCP calls it wrote
+    and puts their results into the next turn's prompt; until the model answers, calls a
+    function (the client's to make), writes a call that waits for approval, or is cut by
+    ``max_output_tokens``. After ``max_tool_calls`` MCP calls, the next turn is told to
+    answer without tools (``tool_choice`` ``none``); a forced ``tool_choice`` holds on
+    every turn until then, so the loop always ends."""
+
+    def __init__(
+        self,
+        state: OrtServe,
+        model: ChatModel,
+        data: rp.ResponseCreateRequest,
+        request: Request[Any, Any, Any],
+        items: list[tuple[str, rp.InputItem]],
+        exchange: _Exchange,
+        output: _Output,
+        mcp: McpTools,
+    ) -> None:
+        self.state, self.model, self.data, self.request = state, model, data, request
+        self.items = items
+        self.exchange = exchange
+        self.output = output
+        self.mcp = mcp
+        limit = state.config.mcp_max_tool_calls
+        self.budget = min(data.max_tool_calls, limit) if isinstance(data.max_tool_calls, int) else limit
+        self.made = 0
+        self.tools = _chat_tools(data, mcp)
+        self.reason = "stop"
+        self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        self.reasoning_tokens = 0
+        self.failed = False
+
+    def check_tool_choice(self) -> None:
+        choice = self.data.tool_choice
+        if isinstance(self.data.max_tool_calls, int) and self.data.max_tool_calls < 0:
+            raise BadRequestError("max_tool_calls must be 0 or more", param="max_tool_calls")
+        if not isinstance(choice, rp.ToolChoiceMcp):
+            return
+        use = self.mcp.uses.get(choice.server_label)
+        if use is None:
+            raise BadRequestError(
+                f"tool_choice names MCP server {choice.server_label!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        if choice.name is not None and choice.name not in use.tools:
+            raise BadRequestError(
+                f"tool_choice names {choice.name!r}, which MCP server {choice.server_label!r} does not offer",
+                param="tool_choice",
+            )
+        if choice.name is None and not use.tools:
+            raise BadRequestError(f"MCP server {choice.server_label!r} offers no tools", param="tool_choice")
+
+    def _turn_tools(self) -> tuple[list[p.Tool], Any]:
+        choice = self.data.tool_choice
+        if self.mcp.uses and self.made >= self.budget:
+            return self.tools, "none"  # the same tools in the prompt, so its cached prefix holds
+        if isinstance(choice, rp.ToolChoiceMcp):
+            if choice.name is not None:
+                return self.tools, p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name))
+            names = set(self.mcp.uses[choice.server_label].tools)
+            return [tool for tool in self.tools if tool.function.name in names], "required"
+        return self.tools, choice
+
+    async def _turn(self) -> _Generation:
+        turn = [*self.items, *(("output", _as_input(item)) for item in self.output.items)]
+        messages, origins = _messages(self.instructions, turn)
+        tools, choice = self._turn_tools()
+        with _named_as_responses(origins):
+            return await start_chat(
+                self.state,
+                self.model,
+                _chat_request(self.data, messages, tools, choice, self.usage.completion_tokens),
+                f"{self.state.config.path}/responses",
+                self.request,
+            )
+
+    @property
+    def instructions(self) -> str | None:
+        return self.data.instructions if isinstance(self.data.instructions, str) else None
+
+    async def start(self, listings: list[rp.McpListToolsItem], approved: list[rp.McpApprovalRequestItem]) -> None:
+        """Starts the first turn (before any byte is sent, so that its refusals are HTTP
+        errors), unless approved calls must be made first (their results are its prompt)."""
+        self.listings, self.approved = listings, approved
+        self.first = None if approved else await self._turn()
+
+    def _count(self, usage: p.CompletionUsage, run: _Generation) -> None:
+        """Usage sums every turn's."""
+        total = self.usage
+        total.prompt_tokens += usage.prompt_tokens
+        total.completion_tokens += usage.completion_tokens
+        total.total_tokens += usage.total_tokens
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        if cached:
+            details = total.prompt_tokens_details or p.PromptTokensDetails(cached_tokens=0)
+            details.cached_tokens += cached
+            total.prompt_tokens_details = details
+        self.reasoning_tokens += run.reasoning_tokens[0]
+
+    async def _make_calls(self) -> AsyncIterator[bytes]:
+        """Makes the MCP calls of the last turn (in order), each result an event."""
+        out = self.output
+        calling, out.calling = out.calling, []
+        for item in calling:
+            if self.made >= self.budget:
+                item.error = rp.McpToolCallError(
+                    type="mcp_protocol_error",
+                    code=-32000,
+                    message=f"not called: this response made its {self.budget} MCP calls (max_tool_calls)",
+                )
+            else:
+                self.made += 1
+                try:
+                    result = await self.mcp.call(item.server_label, item.name, item.arguments)
+                except McpToolError as exc:
+                    item.error = rp.McpToolCallError(type=exc.kind, code=exc.code, message=exc.message)  # type: ignore[arg-type]
+                else:
+                    if result.is_error:
+                        item.error = rp.McpToolCallError(type="mcp_tool_execution_error", content=result.content)
+                    else:
+                        item.output = result.text
+            for chunk in out.mcp_result(item):
+                yield chunk
+
+    async def run(self, stream: bool) -> AsyncIterator[bytes]:
+        """Every turn's events (whole answers run through it too, their events unsent)."""
+        out = self.output
+        for listing in self.listings:
+            for chunk in out.listed(listing):
+                yield chunk
+        for asked in self.approved:
+            for chunk in out.mcp_call(asked.server_label, asked.name, asked.arguments, approval=asked.id):
+                yield chunk
+        run = self.first
+        while True:
+            if run is not None:
+                start = len(out.items)
+                if stream:
+                    async for chunk in run.sse(*self._callbacks(run), error_event=self._error, closing=b""):
+                        yield chunk
+                    if self.failed:
+                        return
+                else:
+                    texts, calls, finish, usage = await run.collect()
+                    self.reason = finish[0]
+                    self._count(usage, run)
+                    for chunk in out.feed(run.reasonings[0], texts[0], calls[0], finish[0]):
+                        yield chunk
+                turn = out.items[start:]
+            else:
+                turn = []
+            if not out.calling:
+                return
+            async for chunk in self._make_calls():
+                yield chunk
+            waits = any(isinstance(item, rp.FunctionCallItem | rp.McpApprovalRequestItem) for item in turn)
+            limit = self.data.max_output_tokens
+            if isinstance(limit, int) and self.usage.completion_tokens >= limit:
+                self.reason = "length"  # max_output_tokens bounds the whole response
+            if waits or self.reason == "length":
+                return
+            run = await self._turn()
+
+    def _callbacks(self, run: _Generation) -> tuple[Any, Any]:
+        def events(_: int, text: str, calls: list[ToolCall], finish: str | None) -> list[bytes]:
+            if finish is not None:
+                self.reason = finish
+            return self.output.feed(run.event_reasoning, text, calls, finish)
+
+        def counted(usage: p.CompletionUsage) -> bytes:
+            self._count(usage, run)
+            return b""
+
+        return events, counted
+
+    def _error(self, exc: Exception) -> bytes:
+        self.failed = True
         detail = error_detail(exc)
-        return output.event(rp.ErrorEvent, message=detail.message, code=detail.code or detail.type, param=detail.param)
+        return self.output.event(
+            rp.ErrorEvent, message=detail.message, code=detail.code or detail.type, param=detail.param
+        )
 
-    opening = exchange.response([], "in_progress")
-    return run.sse(
-        events,
-        completed,
-        [
-            output.event(rp.ResponseCreatedEvent, response=opening),
-            output.event(rp.ResponseInProgressEvent, response=opening),
-        ],
-        error_event=error,
-        closing=b"",
-    )
+    async def drain(self) -> None:
+        async for _ in self.run(stream=False):
+            pass
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        out, exchange = self.output, self.exchange
+        try:
+            opening = exchange.response([], "in_progress")
+            yield out.event(rp.ResponseCreatedEvent, response=opening)
+            yield out.event(rp.ResponseInProgressEvent, response=opening)
+            try:
+                async for chunk in self.run(stream=True):
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001  # a later turn that could not start: in-band, as sse says errors
+                yield self._error(exc)
+            if self.failed:
+                return
+            response = exchange.finished(out.items, self.reason, self.usage, self.reasoning_tokens)
+            kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
+            yield out.event(kind, response=response)
+        finally:
+            await self.mcp.close()
 
 
 @get(

@@ -18,6 +18,7 @@ from ._batch_store import BatchStore
 from ._body_budget import BodyBudget
 from ._config import ServerConfig, check_server_config, model_registry
 from ._database import STATE_FILE, Database
+from ._mcp import McpHub
 from ._metrics import Metrics
 from ._response_store import ResponseStore
 
@@ -57,6 +58,8 @@ class OrtServe:
             self.database, config.responses_store_max, config.responses_store_max_bytes, config.responses_store_ttl
         )
         """Responses kept for ``previous_response_id`` (``/v1/responses`` with ``store: true``)."""
+        self.mcp = McpHub(config, self.metrics)
+        """The MCP servers the operator configured, connected on first use."""
         self.adapters = AdapterStore(self.database)
         """LoRA adapters loaded over HTTP, served again after a restart."""
         self.batches = BatchStore(self.database, config.files_max_bytes, config.files_ttl)
@@ -130,6 +133,7 @@ class OrtServe:
 
     async def shutdown(self) -> None:
         await self.batch_runner.stop()  # lines without an answer run again at the next start
+        await self.mcp.close()  # stdio servers' processes end with the app
         await self.registry.close()
         await asyncio.to_thread(self.database.close)  # queued writes land before the process ends
 

@@ -1,0 +1,57 @@
+"""A real MCP server (the official SDK's MCPServer, once FastMCP) for the MCP tests:
+``python mcp_tools_server.py stdio [MARKER]`` or ``python mcp_tools_server.py http PORT``.
+
+Its tools: ``add`` answers; ``fail`` raises a tool error; ``nap`` writes ``MARKER.started``,
+sleeps 3 s, then writes ``MARKER.finished`` (a cancelled call never finishes); ``big``
+returns 200,000 characters; ``lookup`` is read-only (annotated so). The tiny test model
+writes random arguments, so the tools the tests force take none, or check what they get."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
+
+server = MCPServer("ortserve-test-tools")
+
+
+@server.tool(description="Add two integers")
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@server.tool(description="Always fails")
+def fail() -> str:
+    raise ToolError("failed on purpose")
+
+
+@server.tool(description="Sleep, then answer")
+async def nap() -> str:
+    marker = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "stdio" else None
+    if marker:
+        Path(marker + ".started").write_text("started")
+    await asyncio.sleep(3)
+    if marker:
+        Path(marker + ".finished").write_text("finished")
+    return "slept"
+
+
+@server.tool(description="A long answer")
+def big() -> str:
+    return "x" * 200_000
+
+
+@server.tool(description="Look a word up", annotations=ToolAnnotations(readOnlyHint=True))
+def lookup() -> str:
+    return "ortserve: a word"
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "stdio":
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))

@@ -1,0 +1,374 @@
+"""MCP tools the server calls itself, through the openai SDK's Responses API, against real
+MCP servers (the official SDK's MCPServer) started by the tests: one over stdio, one over
+streamable HTTP, and one that never answers.
+
+The tiny model is random: it calls a tool when ``tool_choice`` forces it, with random
+arguments (``add`` checks them by its answer), and answers with random text otherwise."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from ortserve_server import ServerConfig, create_app
+from ortserve_server._config import McpServer
+from serving import TINY_MODEL, running
+
+TOOLS_SERVER = Path(__file__).resolve().parent.parent / "mcp_tools_server.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def http_mcp() -> Iterator[str]:
+    """The tools server over streamable HTTP, in a process of its own; yields its URL."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(TOOLS_SERVER), "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise RuntimeError("the MCP test server did not start") from None
+            time.sleep(0.1)
+    try:
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mcp") / "nap"
+
+
+@pytest.fixture(scope="module")
+def url(http_mcp: str, marker: Path) -> Iterator[str]:
+    config = ServerConfig(
+        models={"tiny": TINY_MODEL},
+        mcp_servers=(
+            McpServer("tools", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker))),
+            McpServer("web", url=http_mcp),
+            McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
+        ),
+        mcp_allowed_urls=(http_mcp,),
+        mcp_start_timeout=3.0,
+        mcp_call_timeout=2.0,
+        mcp_max_output_bytes=500,  # the tiny model's context is 1024 tokens
+    )
+    with running(create_app(config)) as base:
+        yield base
+
+
+def _mcp(label: str, **fields: Any) -> dict[str, Any]:
+    return {"type": "mcp", "server_label": label, "server_url": "https://unused.example/mcp", **fields}
+
+
+def _forced(label: str, name: str) -> dict[str, Any]:
+    return {"type": "mcp", "server_label": label, "name": name}
+
+
+def _types(response: Any) -> list[str]:
+    return [item.type for item in response.output]
+
+
+def _check_sums(calls: list[Any]) -> None:
+    """Each ``add`` call's output is the sum of the arguments the model wrote: the MCP
+    server really ran with them."""
+    for call in calls:
+        arguments = json.loads(call.arguments)
+        assert call.error is None, call.error
+        assert int(call.output) == arguments["a"] + arguments["b"]
+
+
+@pytest.mark.parametrize("label", ["tools", "web"], ids=["stdio", "http"])
+def test_a_forced_call_loop_runs_the_tool_and_feeds_the_result_back(client: openai.OpenAI, label: str) -> None:
+    response = client.responses.create(
+        model="tiny",
+        input=f"Add two numbers ({label}, {time.time()})",
+        tools=[_mcp(label, require_approval="never", allowed_tools=["add"])],
+        tool_choice=_forced(label, "add"),  # type: ignore[arg-type]  # the SDK's union lacks this form
+        max_tool_calls=2,
+        max_output_tokens=200,
+    )
+    assert _types(response) == ["mcp_list_tools", "mcp_call", "mcp_call", "message"]
+    listing = response.output[0]
+    assert listing.server_label == label and [tool.name for tool in listing.tools] == ["add"]
+    calls = response.output[1:3]
+    assert all(call.server_label == label and call.name == "add" for call in calls)
+    _check_sums(calls)
+    assert response.status in ("completed", "incomplete") and response.max_tool_calls == 2
+    usage = response.usage
+    assert usage is not None
+    # Three turns, each prompt the last one grown by a call and its result: the later two
+    # are served from the prefix cache (at least the first turn's prompt each time).
+    assert usage.input_tokens_details.cached_tokens > 0
+    assert usage.output_tokens > 0
+
+
+def test_streamed_loop_sends_the_mcp_events_in_order(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model="tiny",
+            input=f"Add, streamed ({time.time()})",
+            tools=[_mcp("tools", require_approval="never", allowed_tools=["add"])],
+            tool_choice=_forced("tools", "add"),  # type: ignore[arg-type]
+            max_tool_calls=1,
+            max_output_tokens=200,
+            stream=True,
+        )
+    )
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:6] == [
+        "response.output_item.added",
+        "response.mcp_list_tools.in_progress",
+        "response.mcp_list_tools.completed",
+        "response.output_item.done",
+    ]
+    assert kinds[6:12] == [
+        "response.output_item.added",
+        "response.mcp_call.in_progress",
+        "response.mcp_call_arguments.delta",
+        "response.mcp_call_arguments.done",
+        "response.mcp_call.completed",
+        "response.output_item.done",
+    ]
+    # The random model's answer may run to max_output_tokens: then the response is incomplete.
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response
+    assert _types(final) == ["mcp_list_tools", "mcp_call", "message"]
+    _check_sums([final.output[1]])
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["mcp_list_tools", "mcp_call", "message"]
+    assert done[1].output == final.output[1].output
+    assert final.usage.output_tokens <= 200
+
+
+def test_approval_round_trip_with_previous_response_id(client: openai.OpenAI) -> None:
+    tools = [_mcp("tools", allowed_tools=["add"])]  # require_approval: "always" by default
+    first = client.responses.create(
+        model="tiny",
+        input=f"Add ({time.time()})",
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice=_forced("tools", "add"),  # type: ignore[arg-type]
+        max_output_tokens=200,
+        store=True,
+    )
+    assert _types(first) == ["mcp_list_tools", "mcp_approval_request"]
+    asked = first.output[1]
+    assert asked.name == "add" and asked.server_label == "tools"
+    second = client.responses.create(
+        model="tiny",
+        previous_response_id=first.id,
+        input=[{"type": "mcp_approval_response", "approval_request_id": asked.id, "approve": True}],
+        tools=tools,  # type: ignore[arg-type]
+        max_output_tokens=200,
+        store=True,
+    )
+    # Listed before: not again. The approved call is made first, then the model goes on.
+    assert _types(second)[:1] == ["mcp_call"] and "mcp_list_tools" not in _types(second)
+    call = second.output[0]
+    assert call.approval_request_id == asked.id and call.arguments == asked.arguments
+    _check_sums([call])
+    # The same request again is an answer to a request answered already.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model="tiny",
+            previous_response_id=second.id,
+            input=[{"type": "mcp_approval_response", "approval_request_id": asked.id, "approve": True}],
+            tools=tools,  # type: ignore[arg-type]
+        )
+    assert caught.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
+
+
+def test_a_refused_approval_makes_no_call_and_works_without_storing(client: openai.OpenAI) -> None:
+    tools = [_mcp("web", allowed_tools=["add"])]
+    first = client.responses.create(
+        model="tiny",
+        input="Add",
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice=_forced("web", "add"),  # type: ignore[arg-type]
+        max_output_tokens=200,
+    )
+    asked = first.output[-1]
+    assert asked.type == "mcp_approval_request"
+    handed_back = [item.model_dump(exclude_none=True) for item in first.output]
+    second = client.responses.create(
+        model="tiny",
+        input=[
+            {"role": "user", "content": "Add"},
+            *handed_back,
+            {"type": "mcp_approval_response", "approval_request_id": asked.id, "approve": False, "reason": "no"},
+        ],
+        tools=tools,  # type: ignore[arg-type]
+        max_output_tokens=200,
+    )
+    assert _types(second) == ["message"]
+
+
+def test_tool_errors_reach_the_model_and_the_loop_goes_on(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model="tiny",
+        input="Fail",
+        tools=[_mcp("tools", require_approval="never", allowed_tools=["fail"])],
+        tool_choice=_forced("tools", "fail"),  # type: ignore[arg-type]
+        max_tool_calls=1,
+        max_output_tokens=200,
+    )
+    assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
+    call = response.output[1]
+    assert call.output is None and call.error is not None
+    assert call.error.type == "mcp_tool_execution_error"
+    assert "failed on purpose" in json.dumps(call.error.content)
+
+
+def test_a_call_past_the_timeout_is_an_error_the_model_reads(client: openai.OpenAI) -> None:
+    started = time.monotonic()
+    response = client.responses.create(
+        model="tiny",
+        input="Nap",
+        tools=[_mcp("web", require_approval="never", allowed_tools=["nap"])],  # naps 3 s; the timeout is 2
+        tool_choice=_forced("web", "nap"),  # type: ignore[arg-type]
+        max_tool_calls=1,
+        max_output_tokens=200,
+    )
+    assert time.monotonic() - started < 10
+    call = response.output[1]
+    assert call.type == "mcp_call" and call.output is None
+    assert call.error.type == "mcp_protocol_error" and call.error.code == -32001
+    assert response.output[-1].type == "message"
+
+
+def test_a_long_result_is_cut_with_a_note(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model="tiny",
+        input="Big",
+        tools=[_mcp("tools", require_approval="never", allowed_tools=["big"])],
+        tool_choice=_forced("tools", "big"),  # type: ignore[arg-type]
+        max_tool_calls=1,
+        max_output_tokens=200,
+    )
+    output = response.output[1].output
+    assert output.startswith("x" * 500) and output.endswith(f"[output cut: {200_000 - 500} more bytes]")
+
+
+def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.responses.create(model="tiny", input="Hi", tools=[_mcp("hang")], max_output_tokens=4)  # type: ignore[list-item]
+    assert caught.value.status_code == 424
+    assert "'hang' did not answer within 3 s" in caught.value.message
+    assert time.monotonic() - started < 10
+    assert client.responses.create(model="tiny", input="Hi", max_output_tokens=4).status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize(
+    ("tool", "param", "says"),
+    [
+        (
+            {"type": "mcp", "server_label": "nowhere"},
+            "tools[0]",
+            "no MCP server is configured with the label 'nowhere'",
+        ),
+        (
+            {"type": "mcp", "server_label": "other", "server_url": "http://127.0.0.1:1/mcp"},
+            "tools[0]",
+            "is not allowed on this server",
+        ),
+        (
+            {"type": "mcp", "server_label": "tools", "headers": {"X-Key": "k"}},
+            "tools[0].headers",
+            "may not set its headers",
+        ),
+    ],
+    ids=["unknown-label", "url-not-allowed", "headers-on-configured"],
+)
+def test_refusals_name_the_tool(client: openai.OpenAI, tool: dict[str, Any], param: str, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="Hi", tools=[tool])  # type: ignore[list-item]
+    assert caught.value.body["param"] == param  # type: ignore[index]
+    assert says in caught.value.message
+
+
+def test_an_allowed_url_is_used_for_that_request(client: openai.OpenAI, http_mcp: str) -> None:
+    response = client.responses.create(
+        model="tiny",
+        input="Look up",
+        tools=[{"type": "mcp", "server_label": "mine", "server_url": http_mcp, "require_approval": "never"}],
+        tool_choice=_forced("mine", "lookup"),  # type: ignore[arg-type]
+        max_tool_calls=1,
+        max_output_tokens=200,
+    )
+    assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
+    assert response.output[1].output.endswith(": a word")
+
+
+def test_read_only_tools_need_no_approval_by_filter(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model="tiny",
+        input="Look up",
+        tools=[_mcp("tools", allowed_tools={"read_only": True}, require_approval={"never": {"read_only": True}})],
+        tool_choice="required",
+        max_tool_calls=1,
+        max_output_tokens=200,
+    )
+    assert [tool.name for tool in response.output[0].tools] == ["lookup"]
+    assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
+
+
+def test_cancelling_the_request_stops_the_running_call(url: str, marker: Path) -> None:
+    body = {
+        "model": "tiny",
+        "input": "Nap",
+        "stream": True,
+        "tools": [_mcp("tools", require_approval="never", allowed_tools=["nap"])],
+        "tool_choice": _forced("tools", "nap"),
+        "max_tool_calls": 1,
+    }
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/responses", json=body) as stream:
+        for line in stream.iter_lines():
+            if "response.mcp_call.in_progress" in line:
+                break
+        deadline = time.monotonic() + 10
+        while not Path(str(marker) + ".started").exists():
+            assert time.monotonic() < deadline, "the tool never started"
+            time.sleep(0.05)
+    time.sleep(4)  # the nap would have ended by now
+    assert not Path(str(marker) + ".finished").exists()
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'ortserve_mcp_calls_total{outcome="cancelled",server="tools",tool="nap"} 1.0' in metrics
+
+
+def test_metrics_count_calls_by_configured_server_and_tool(client: openai.OpenAI, url: str) -> None:
+    client.responses.create(
+        model="tiny",
+        input="Add",
+        tools=[_mcp("web", require_approval="never", allowed_tools=["add"])],
+        tool_choice=_forced("web", "add"),  # type: ignore[arg-type]
+        max_tool_calls=1,
+        max_output_tokens=200,
+    )
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'ortserve_mcp_calls_total{outcome="ok",server="web",tool="add"}' in metrics
+    assert 'ortserve_mcp_list_seconds_count{server="web"}' in metrics
