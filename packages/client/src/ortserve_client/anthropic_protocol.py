@@ -32,6 +32,12 @@ __all__ = [
     "CountTokensResponse",
     "ImageBlockParam",
     "InputJSONDelta",
+    "McpServerDefinition",
+    "McpToolConfiguration",
+    "McpToolResultBlock",
+    "McpToolResultBlockParam",
+    "McpToolUseBlock",
+    "McpToolUseBlockParam",
     "Message",
     "MessageDelta",
     "MessageDeltaEvent",
@@ -124,6 +130,23 @@ class RedactedThinkingBlockParam(_Request, tag_field="type", tag="redacted_think
     data: str
 
 
+class McpToolUseBlockParam(_Request, tag_field="type", tag="mcp_tool_use"):
+    """An MCP call the server made in an earlier turn (handed back in an assistant message)."""
+
+    id: str
+    name: str
+    server_name: str
+    input: dict[str, Any]
+
+
+class McpToolResultBlockParam(_Request, tag_field="type", tag="mcp_tool_result"):
+    """The result of the MCP call ``tool_use_id`` (handed back in an assistant message)."""
+
+    tool_use_id: str
+    content: str | list[TextBlockParam] | UnsetType = UNSET
+    is_error: bool | UnsetType = UNSET
+
+
 ContentBlockParam = (
     TextBlockParam
     | ImageBlockParam
@@ -131,6 +154,8 @@ ContentBlockParam = (
     | ToolResultBlockParam
     | ThinkingBlockParam
     | RedactedThinkingBlockParam
+    | McpToolUseBlockParam
+    | McpToolResultBlockParam
 )
 
 
@@ -199,6 +224,27 @@ class CountTokensRequest(_Request):
     disabled."""
 
 
+class McpToolConfiguration(_Request):
+    """Which tools of an MCP server the model may call (all, unless ``allowed_tools``
+    names some; none when ``enabled`` is false)."""
+
+    enabled: bool | UnsetType | None = UNSET
+    allowed_tools: list[str] | UnsetType | None = UNSET
+
+
+class McpServerDefinition(_Request):
+    """An ``mcp_servers`` entry (Anthropic's MCP connector): the server calls its tools.
+    A ``name`` the operator configured (``--mcp-server``) uses that server, whatever
+    ``url`` says; any other ``url`` must be allowed by ``--allow-mcp-url``."""
+
+    type: Literal["url"]
+    name: str
+    url: str
+    authorization_token: str | UnsetType | None = UNSET
+    """Sent as ``Authorization: Bearer <token>`` (a server named by URL only)."""
+    tool_configuration: McpToolConfiguration | UnsetType | None = UNSET
+
+
 class MessagesRequest(CountTokensRequest, kw_only=True):
     """``POST /v1/messages``."""
 
@@ -218,6 +264,9 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stream: bool | UnsetType = UNSET
     metadata: dict[str, Any] | UnsetType = UNSET
     """Accepted (``user_id``) and not used."""
+    mcp_servers: list[McpServerDefinition] | UnsetType = UNSET
+    """MCP servers whose tools the server calls for the model (``mcp_tool_use`` and
+    ``mcp_tool_result`` blocks in the answer), in a loop until the model answers."""
 
 
 class CountTokensResponse(_Response):
@@ -252,7 +301,25 @@ class ThinkingBlock(_Response, tag_field="type", tag="thinking"):
     signature: str = ""
 
 
-ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
+class McpToolUseBlock(_Response, tag_field="type", tag="mcp_tool_use"):
+    """A call the model made to a tool of the MCP server ``server_name``; the server made it."""
+
+    id: str
+    name: str
+    server_name: str
+    input: dict[str, Any]
+
+
+class McpToolResultBlock(_Response, tag_field="type", tag="mcp_tool_result"):
+    """What the MCP call ``tool_use_id`` gave (``is_error``: the tool failed, timed out or
+    could not be reached; the model read the same)."""
+
+    tool_use_id: str
+    is_error: bool
+    content: list[TextBlock]
+
+
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock | McpToolUseBlock | McpToolResultBlock
 
 
 class MessageUsage(_Response):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from ._mapping import (
     require_model,
     template_kwargs,
 )
+from ._mcp import McpToolError, McpTools
 from ._openapi import POST_ERRORS, also_sends, with_error_responses
 from ._routes import _Generation, _stream_response, _while_connected, fetching_while_connected
 from ._state import OrtServe
@@ -199,21 +200,42 @@ def _assistant(mapped: _Mapped, message: a.MessageParam, path: str) -> None:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[p.ToolCall] = []
+
+    def turn() -> None:
+        # Thinking goes to the template as chat completions pass it; the template decides
+        # what of it the model sees (Qwen3's: only the thinking of the turn in progress).
+        thought = "\n\n".join(thoughts) if thoughts else msgspec.UNSET
+        content = "".join(texts)
+        mapped.add(
+            p.AssistantMessage(content=content, tool_calls=calls or msgspec.UNSET, reasoning_content=thought), path
+        )
+        texts.clear()
+        thoughts.clear()
+        calls.clear()
+
     for number, block in enumerate(message.content):
         if isinstance(block, a.TextBlockParam):
             texts.append(block.text)
         elif isinstance(block, a.ThinkingBlockParam):
             thoughts.append(block.thinking)
-        elif isinstance(block, a.ToolUseBlockParam):
+        elif isinstance(block, a.ToolUseBlockParam | a.McpToolUseBlockParam):
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(p.ToolCall(id=block.id, function=p.FunctionCall(name=block.name, arguments=arguments)))
+        elif isinstance(block, a.McpToolResultBlockParam):
+            # The server made the call within the turn: the model read its result and went on.
+            if texts or thoughts or calls:
+                turn()
+            given = block.content
+            content: str | list[a.TextBlockParam | a.ImageBlockParam] | msgspec.UnsetType = (
+                given if isinstance(given, str | msgspec.UnsetType) else list(given)
+            )
+            result = a.ToolResultBlockParam(tool_use_id=block.tool_use_id, content=content, is_error=block.is_error)
+            where = f"{path}.content.{number}"
+            mapped.add(_tool_result(result, where), where)
         elif not isinstance(block, a.RedactedThinkingBlockParam):  # redacted: unreadable, dropped
             raise BadRequestError("an assistant message cannot hold an image block", param=f"{path}.content.{number}")
-    # Thinking goes to the template as chat completions pass it; the template decides
-    # what of it the model sees (Qwen3's: only the thinking of the turn in progress).
-    thought = "\n\n".join(thoughts) if thoughts else msgspec.UNSET
-    assistant = p.AssistantMessage(content="".join(texts), tool_calls=calls or msgspec.UNSET, reasoning_content=thought)
-    mapped.add(assistant, path)
+    if texts or thoughts or calls or not message.content:
+        turn()
 
 
 def _tool_choice(choice: a.ToolChoice | msgspec.UnsetType) -> tuple[Any, bool | msgspec.UnsetType]:
@@ -247,8 +269,9 @@ def _thinking(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) 
     return {"enable_thinking": kind != "disabled"}
 
 
-def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) -> _Mapped:
-    """The chat completion an Anthropic request means (refusing what it cannot mean)."""
+def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: McpTools | None = None) -> _Mapped:
+    """The chat completion an Anthropic request means (refusing what it cannot mean);
+    ``mcp``: the request's MCP servers, whose tools follow the request's own."""
     template_variables = _thinking(data, model)
     choice, parallel = _tool_choice(data.tool_choice)
     tools: list[p.Tool] | msgspec.UnsetType = msgspec.UNSET
@@ -257,6 +280,8 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) -> _M
             p.Tool(function=p.FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema))
             for t in data.tools
         ]
+    if mcp is not None and mcp.uses:
+        tools = [*(tools or []), *mcp.chat_tools()]
     request = p.ChatCompletionRequest(
         model=data.model,
         messages=[],
@@ -302,19 +327,60 @@ async def _prepare(
     mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
     try:
         mapped = _map(data, model)
-        plan = plan_chat(mapped.request, model, state.config, caller_of(request))
+    except (ServerError, InvalidRequestError) as exc:
+        exc.param = mapped.param(exc.param)
+        raise
+    plan, prompt = await _plan(mapped, mapped.request, data, state, model, request)
+    return model, plan, prompt
+
+
+async def _plan(
+    mapped: _Mapped,
+    chat: p.ChatCompletionRequest,
+    data: a.MessagesRequest | a.CountTokensRequest,
+    state: OrtServe,
+    model: ChatModel,
+    request: Request[Any, Any, Any],
+) -> tuple[GenerationPlan, Prompt]:
+    """The plan and prompt of ``chat`` (``mapped``'s request, or a later turn of it)."""
+    try:
+        plan = plan_chat(chat, model, state.config, caller_of(request))
         if isinstance(data, a.MessagesRequest):  # counting tokens queues nothing
             check_room(state, model, plan.n, "n", "generations")  # before the prompt is prepared
-        messages = await chat_messages(
-            mapped.request.messages, state.config, model, fetching_while_connected(request, state)
-        )
+        messages = await chat_messages(chat.messages, state.config, model, fetching_while_connected(request, state))
         prompt = await model.aprepare_chat(
-            messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(mapped.request)
+            messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(chat)
         )
     except (ServerError, InvalidRequestError) as exc:
         exc.param = mapped.param(exc.param)
         raise
-    return model, plan, prompt
+    return plan, prompt
+
+
+async def _add_mcp_servers(data: a.MessagesRequest, mcp: McpTools) -> None:
+    """Connects the request's ``mcp_servers`` and lists their tools (refusing what the
+    operator did not allow: a name that is not configured needs an allowed ``url``)."""
+    for number, server in enumerate(data.mcp_servers or []):
+        param = f"mcp_servers.{number}"
+        configured = server.name in mcp.hub.servers
+        token = server.authorization_token if isinstance(server.authorization_token, str) else None
+        if token and configured:
+            raise BadRequestError(
+                f"MCP server {server.name!r} is configured on this server, with the operator's credentials; "
+                "a request may not send its own authorization_token",
+                param=f"{param}.authorization_token",
+            )
+        config = server.tool_configuration if isinstance(server.tool_configuration, a.McpToolConfiguration) else None
+        enabled = config is None or config.enabled is not False
+        names = config.allowed_tools if config is not None and isinstance(config.allowed_tools, list) else None
+        await mcp.add(
+            server.name,
+            param,
+            url=None if configured else server.url,
+            headers={"Authorization": f"Bearer {token}"} if token else None,
+            allowed=lambda tool, names=names, enabled=enabled: enabled and (names is None or tool.name in names),  # type: ignore[misc]
+            approval="never",  # Anthropic's connector has no approvals: the operator chose the servers
+        )
 
 
 # -- routes --------------------------------------------------------------------------------
@@ -355,40 +421,69 @@ def _usage(usage: p.CompletionUsage) -> a.MessageUsage:
 
 
 class _Blocks:
-    """Turns a streamed generation's thinking, text and tool calls into content block
-    events; the thinking block (first, since the think block starts the output) closes
-    when the answer or a call begins."""
+    """The content blocks of a message, and the stream events that say them: thinking,
+    text and tool calls as the generation writes them (the thinking block, first since
+    the think block starts the output, closes when the answer or a call begins), and MCP
+    calls and their results as the server makes them."""
 
     def __init__(self) -> None:
         self.index = 0
         self.open: str | None = None
         """The kind of the block open now (``thinking`` or ``text``), if any."""
+        self.content: list[a.ContentBlock] = []
+        self.calling: list[tuple[a.McpToolUseBlock, str]] = []
+        """The MCP calls written so far, with their arguments as the model wrote them."""
 
     def thinking(self, text: str) -> list[bytes]:
-        return self._delta("thinking", a.ThinkingBlock(thinking=""), a.ThinkingDelta(thinking=text))
+        out = self._open("thinking", a.ThinkingBlock(thinking=""))
+        block = self.content[-1]
+        assert isinstance(block, a.ThinkingBlock)
+        block.thinking += text
+        return [*out, _event(a.ContentBlockDeltaEvent(index=self.index, delta=a.ThinkingDelta(thinking=text)))]
 
     def text(self, text: str) -> list[bytes]:
-        return self._delta("text", a.TextBlock(text=""), a.TextDelta(text=text))
+        out = self._open("text", a.TextBlock(text=""))
+        block = self.content[-1]
+        assert isinstance(block, a.TextBlock)
+        block.text += text
+        return [*out, _event(a.ContentBlockDeltaEvent(index=self.index, delta=a.TextDelta(text=text)))]
 
-    def _delta(self, kind: str, empty: a.ContentBlock, delta: a.TextDelta | a.ThinkingDelta) -> list[bytes]:
-        out = []
-        if self.open != kind:
-            out += self.close()
-            out.append(_event(a.ContentBlockStartEvent(index=self.index, content_block=empty)))
-            self.open = kind
-        out.append(_event(a.ContentBlockDeltaEvent(index=self.index, delta=delta)))
+    def _open(self, kind: str, empty: a.ContentBlock) -> list[bytes]:
+        if self.open == kind:
+            return []
+        out = self.close()
+        out.append(_event(a.ContentBlockStartEvent(index=self.index, content_block=empty)))
+        self.content.append(empty)
+        self.open = kind
         return out
 
     def tool(self, call: ToolCall) -> list[bytes]:
         block = _tool_use(call)
         opening = a.ToolUseBlock(id=block.id, name=block.name, input={})  # Anthropic's order: input follows
-        delta = a.InputJSONDelta(partial_json=call.arguments)
+        return self._call(block, opening, call.arguments)
+
+    def mcp_use(self, call: ToolCall, label: str) -> list[bytes]:
+        plain = _tool_use(call)
+        block = a.McpToolUseBlock(id="mcp" + plain.id, name=plain.name, server_name=label, input=plain.input)
+        self.calling.append((block, call.arguments))
+        return self._call(
+            block, a.McpToolUseBlock(id=block.id, name=block.name, server_name=label, input={}), call.arguments
+        )
+
+    def _call(self, block: a.ContentBlock, opening: a.ContentBlock, arguments: str) -> list[bytes]:
+        out = self.close()
+        self.content.append(block)
         return [
-            *self.close(),
+            *out,
             _event(a.ContentBlockStartEvent(index=self.index, content_block=opening)),
-            _event(a.ContentBlockDeltaEvent(index=self.index, delta=delta)),
+            _event(a.ContentBlockDeltaEvent(index=self.index, delta=a.InputJSONDelta(partial_json=arguments))),
             *self._stop(),
         ]
+
+    def mcp_result(self, block: a.McpToolResultBlock) -> list[bytes]:
+        out = self.close()
+        self.content.append(block)
+        return [*out, _event(a.ContentBlockStartEvent(index=self.index, content_block=block)), *self._stop()]
 
     def close(self) -> list[bytes]:
         if self.open is None:
@@ -413,69 +508,217 @@ class _Blocks:
 async def create_message(
     data: JSONBody[a.MessagesRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
-    model, plan, prompt = await _prepare(data, ortserve, request)
-    tools = plan.tools
-    streams = await plan.astart(ortserve, model, [prompt])
-    parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
-    parallel = getattr(data.tool_choice, "disable_parallel_tool_use", None) is not True
-    run = _Generation(ortserve, f"{ortserve.config.path}/messages", model, streams, parsers, parallel, tools.forced)
-    run.plan = plan
-    run.split_reasoning(prompt)
-    message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    if data.stream is not True:
-        texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
-        content: list[a.ContentBlock] = [a.ThinkingBlock(thinking=run.reasonings[0])] if run.reasonings[0] else []
-        content += [a.TextBlock(text=texts[0])] if texts[0] else []
-        content += [_tool_use(call) for call in calls[0]]
-        stop_reason, stop_sequence = _stop_reason(finish[0], run.stop_sequences[0])
-        message = a.Message(
-            id=message_id,
-            model=data.model,
-            content=content,
-            stop_reason=stop_reason,  # type: ignore[arg-type]  # one of the four, by _stop_reason
-            stop_sequence=stop_sequence,
-            usage=_usage(usage),
+    mcp = McpTools(ortserve.mcp)
+    try:
+        model = await require_model(ortserve, data.model, data.keep_alive)
+        await _add_mcp_servers(data, mcp)
+        loop = _MessageLoop(data, ortserve, request, model, mcp)
+        await loop.start()  # the first turn's refusals are HTTP errors
+    except BaseException:
+        await mcp.close()
+        raise
+    if data.stream is True:
+        return _stream_response(loop.stream())
+    try:
+        await _while_connected(request, ortserve, loop.drain())
+    finally:
+        await mcp.close()
+    stop_reason, stop_sequence = loop.stop()
+    message = a.Message(
+        id=loop.id,
+        model=data.model,
+        content=loop.blocks.content,
+        stop_reason=stop_reason,  # type: ignore[arg-type]  # one of the four, by _stop_reason
+        stop_sequence=stop_sequence,
+        usage=_usage(loop.usage),
+    )
+    return Response(message)
+
+
+class _MessageLoop:
+    """One message's turns. Without MCP servers, one turn. With them, the server makes
+    the MCP calls the model writes (``mcp_tool_use`` and ``mcp_tool_result`` blocks) and
+    puts their results into the next turn's prompt, until the model answers, calls one of
+    the request's own tools (the client's to make), or reaches ``max_tokens`` (which
+    bounds all turns together). After the server's ``mcp_max_tool_calls`` calls the model
+    must answer without tools; a forced ``tool_choice`` holds on every turn until then."""
+
+    def __init__(
+        self,
+        data: a.MessagesRequest,
+        state: OrtServe,
+        request: Request[Any, Any, Any],
+        model: ChatModel,
+        mcp: McpTools,
+    ) -> None:
+        self.data, self.state, self.request, self.model, self.mcp = data, state, request, model, mcp
+        self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.blocks = _Blocks()
+        self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        self.reason = "stop"
+        self.stop_sequence: str | None = None
+        self.failed = False
+        self.first_prompt = 0
+        self.mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
+        self.turns: list[p.ChatMessage] = []
+        """The messages of the turns so far (the calls written and their results)."""
+
+    async def start(self) -> None:
+        try:
+            self.mapped = _map(self.data, self.model, self.mcp)
+        except (ServerError, InvalidRequestError) as exc:
+            exc.param = self.mapped.param(exc.param)
+            raise
+        self.run = await self._turn()
+
+    async def _turn(self) -> _Generation:
+        data, mapped = self.data, self.mapped
+        chat = msgspec.structs.replace(
+            mapped.request,
+            messages=[*mapped.request.messages, *self.turns],
+            max_tokens=data.max_tokens - self.usage.completion_tokens,
         )
-        return Response(message)
+        if self.mcp.uses and self.mcp.spent:
+            chat = msgspec.structs.replace(chat, tool_choice="none")  # same tools: the cached prompt holds
+        plan, prompt = await _plan(mapped, chat, data, self.state, self.model, self.request)
+        tools = plan.tools
+        streams = await plan.astart(self.state, self.model, [prompt])
+        parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
+        parallel = getattr(data.tool_choice, "disable_parallel_tool_use", None) is not True
+        endpoint = f"{self.state.config.path}/messages"
+        run = _Generation(self.state, endpoint, self.model, streams, parsers, parallel, tools.forced)
+        run.plan = plan
+        run.split_reasoning(prompt)
+        self.first_prompt = self.first_prompt or len(prompt)
+        return run
 
-    blocks = _Blocks()
-    reasons: list[str] = []
+    def _count(self, usage: p.CompletionUsage, run: _Generation) -> None:
+        total = self.usage
+        total.prompt_tokens += usage.prompt_tokens
+        total.completion_tokens += usage.completion_tokens
+        total.total_tokens += usage.total_tokens
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        details = total.prompt_tokens_details or p.PromptTokensDetails(cached_tokens=0)
+        details.cached_tokens += cached
+        total.prompt_tokens_details = details
+        self.stop_sequence = run.stop_sequences[0]
 
-    def events(_: int, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
-        out = blocks.thinking(run.event_reasoning) if run.event_reasoning else []
+    def stop(self) -> tuple[str, str | None]:
+        return _stop_reason(self.reason, self.stop_sequence)
+
+    def _feed(
+        self, run: _Generation, thought: str, text: str, calls: list[ToolCall], reason: str | None
+    ) -> list[bytes]:
+        blocks = self.blocks
+        out = blocks.thinking(thought) if thought else []
         out += blocks.text(text) if text else []
         for call in calls:
-            out += blocks.tool(call)
+            label = self.mcp.owner(call.name)
+            out += blocks.tool(call) if label is None else blocks.mcp_use(call, label)
         if reason is not None:
-            reasons.append(reason)
+            self.reason = reason
             out += blocks.close()
         return out
 
-    def ending(usage: p.CompletionUsage) -> bytes:
-        stop_reason, stop_sequence = _stop_reason(reasons[-1] if reasons else "stop", run.stop_sequences[0])
-        counts = _usage(usage)
-        delta = a.MessageDeltaEvent(
-            delta=a.MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
-            usage=a.MessageDeltaUsage(
-                output_tokens=counts.output_tokens,
-                input_tokens=counts.input_tokens,
-                cache_read_input_tokens=counts.cache_read_input_tokens,
-            ),
-        )
-        return _event(delta) + _event(a.MessageStopEvent())
+    async def run_turns(self, stream: bool) -> AsyncIterator[bytes]:
+        run = self.run
+        while True:
+            start = len(self.blocks.content)
+            calls_before = len(self.blocks.calling)
+            if stream:
+                async for chunk in run.sse(*self._callbacks(run), error_event=self._error, closing=b""):
+                    yield chunk
+                if self.failed:
+                    return
+            else:
+                texts, calls, finish, usage = await run.collect()
+                self._count(usage, run)
+                self._feed(run, run.reasonings[0], texts[0], calls[0], finish[0])
+            turn = self.blocks.content[start:]
+            calling = self.blocks.calling[calls_before:]
+            if not calling:
+                return
+            # The turn as the model wrote it, then the results the server got.
+            thought = "".join(b.thinking for b in turn if isinstance(b, a.ThinkingBlock))
+            text = "".join(b.text for b in turn if isinstance(b, a.TextBlock))
+            written = [
+                p.ToolCall(
+                    id=b.id, function=p.FunctionCall(name=b.name, arguments=json.dumps(b.input, ensure_ascii=False))
+                )
+                for b in turn
+                if isinstance(b, a.ToolUseBlock | a.McpToolUseBlock)
+            ]
+            self.turns.append(
+                p.AssistantMessage(content=text, tool_calls=written, reasoning_content=thought or msgspec.UNSET)
+            )
+            for use, arguments in calling:
+                try:
+                    result = await self.mcp.call(use.server_name, use.name, arguments)
+                    answer, failed = result.text, result.is_error
+                except McpToolError as exc:
+                    answer, failed = f"Error ({exc.kind} {exc.code}): {exc.message}", True
+                self.turns.append(p.ToolMessage(content=f"Error: {answer}" if failed else answer, tool_call_id=use.id))
+                for chunk in self.blocks.mcp_result(a.McpToolResultBlock(use.id, failed, [a.TextBlock(text=answer)])):
+                    yield chunk
+            if any(isinstance(b, a.ToolUseBlock) for b in turn):
+                return  # calls of the client's own tools: stop_reason tool_use
+            if self.reason == "length" or self.usage.completion_tokens >= self.data.max_tokens:
+                self.reason = "length"  # max_tokens bounds all turns together
+                return
+            self.run = run = await self._turn()
 
-    # The prompt's cached part is known only at the end: message_start counts it all as
-    # input, and message_delta's cumulative counts correct that.
-    started = a.Message(
-        id=message_id,
-        model=data.model,
-        content=[],
-        stop_reason=None,
-        stop_sequence=None,
-        usage=a.MessageUsage(input_tokens=len(prompt), output_tokens=0),
-    )
-    opening = [_event(a.MessageStartEvent(message=started)), _event(a.PingEvent())]
-    return _stream_response(run.sse(events, ending, opening, error_event=_error_event, closing=b""))
+    def _callbacks(self, run: _Generation) -> tuple[Any, Any]:
+        def events(_: int, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
+            return self._feed(run, run.event_reasoning, text, calls, reason)
+
+        def counted(usage: p.CompletionUsage) -> bytes:
+            self._count(usage, run)
+            return b""
+
+        return events, counted
+
+    def _error(self, exc: Exception) -> bytes:
+        self.failed = True
+        return _error_event(exc)
+
+    async def drain(self) -> None:
+        async for _ in self.run_turns(stream=False):
+            pass
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        try:
+            # The prompt's cached part is known only at the end: message_start counts it all
+            # as input, and message_delta's cumulative counts correct that.
+            started = a.Message(
+                id=self.id,
+                model=self.data.model,
+                content=[],
+                stop_reason=None,
+                stop_sequence=None,
+                usage=a.MessageUsage(input_tokens=self.first_prompt, output_tokens=0),
+            )
+            yield _event(a.MessageStartEvent(message=started))
+            yield _event(a.PingEvent())
+            try:
+                async for chunk in self.run_turns(stream=True):
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001  # a later turn that could not start: in-band
+                yield self._error(exc)
+            if self.failed:
+                return
+            stop_reason, stop_sequence = self.stop()
+            counts = _usage(self.usage)
+            delta = a.MessageDeltaEvent(
+                delta=a.MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
+                usage=a.MessageDeltaUsage(
+                    output_tokens=counts.output_tokens,
+                    input_tokens=counts.input_tokens,
+                    cache_read_input_tokens=counts.cache_read_input_tokens,
+                ),
+            )
+            yield _event(delta) + _event(a.MessageStopEvent())
+        finally:
+            await self.mcp.close()
 
 
 @post(

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
+from ortserve_client import protocol as p
 
 from ._config import url_allowed
 from ._errors import BadRequestError, ServerError
@@ -260,8 +262,11 @@ class McpTools:
     """The MCP servers one request uses, for as long as it runs (then :meth:`close`):
     their tools as the model sees them, and the calls it makes."""
 
-    def __init__(self, hub: McpHub) -> None:
+    def __init__(self, hub: McpHub, budget: int | None = None) -> None:
         self.hub = hub
+        self.budget = hub.config.mcp_max_tool_calls if budget is None else min(budget, hub.config.mcp_max_tool_calls)
+        """Calls this request may make (``max_tool_calls``, at most the server's bound)."""
+        self.made = 0
         self.uses: dict[str, _Use] = {}
         self.by_tool: dict[str, str] = {}
         """Tool name -> the label of the server that has it."""
@@ -333,6 +338,20 @@ class McpTools:
         self.uses[label] = use
         return tools
 
+    def chat_tools(self) -> list[p.Tool]:
+        """The servers' tools as chat tools (their input schemas as parameters)."""
+        return [
+            p.Tool(
+                function=p.FunctionDefinition(
+                    name=tool.name,
+                    description=msgspec.UNSET if tool.description is None else tool.description,
+                    parameters=tool.input_schema,
+                )
+            )
+            for use in self.uses.values()
+            for tool in use.tools.values()
+        ]
+
     def metric_label(self, label: str) -> str:
         """Metrics carry configured labels only (a request's own names are unbounded)."""
         return label if label in self.hub.servers else "(request url)"
@@ -340,9 +359,17 @@ class McpTools:
     def owner(self, tool: str) -> str | None:
         return self.by_tool.get(tool)
 
+    @property
+    def spent(self) -> bool:
+        """Whether the request made all the calls it may (the model must answer now)."""
+        return self.made >= self.budget
+
     async def call(self, label: str, name: str, arguments: str) -> _Result:
         """Calls a tool; raises :class:`McpToolError` when there is no result (then the
-        model reads the error)."""
+        model reads the error), or when the request's calls are spent."""
+        if self.spent:
+            raise McpToolError("mcp_protocol_error", -32000, f"not called: the {self.budget} calls allowed are made")
+        self.made += 1
         hub = self.hub
         use = self.uses[label]
         tool_label = name if use.link_label is not None else "(request url)"

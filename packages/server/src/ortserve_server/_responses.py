@@ -262,11 +262,7 @@ def _chat_tools(data: rp.ResponseCreateRequest, mcp: McpTools) -> list[p.Tool]:
         for tool in data.tools or []
         if isinstance(tool, rp.FunctionTool)
     ]
-    for use in mcp.uses.values():
-        for tool in use.tools.values():
-            description = msgspec.UNSET if tool.description is None else tool.description
-            definition = p.FunctionDefinition(name=tool.name, description=description, parameters=tool.input_schema)
-            tools.append(p.Tool(function=definition))
+    tools += mcp.chat_tools()
     return tools
 
 
@@ -649,7 +645,7 @@ async def create_response(
         history = [("previous_response_id", item) for item in previous.items]
     new = _input(data)
     items = [*history, *((f"input[{i}]", item) for i, item in enumerate(new))]
-    mcp = McpTools(ortserve.mcp)
+    mcp = McpTools(ortserve.mcp, data.max_tool_calls if isinstance(data.max_tool_calls, int) else None)
     try:
         listings = await _list_mcp_tools(data, mcp, items)
         approved = _approved_calls(items, len(history), mcp)
@@ -792,9 +788,6 @@ class _Loop:
         self.exchange = exchange
         self.output = output
         self.mcp = mcp
-        limit = state.config.mcp_max_tool_calls
-        self.budget = min(data.max_tool_calls, limit) if isinstance(data.max_tool_calls, int) else limit
-        self.made = 0
         self.tools = _chat_tools(data, mcp)
         self.reason = "stop"
         self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
@@ -823,7 +816,7 @@ class _Loop:
 
     def _turn_tools(self) -> tuple[list[p.Tool], Any]:
         choice = self.data.tool_choice
-        if self.mcp.uses and self.made >= self.budget:
+        if self.mcp.uses and self.mcp.spent:
             return self.tools, "none"  # the same tools in the prompt, so its cached prefix holds
         if isinstance(choice, rp.ToolChoiceMcp):
             if choice.name is not None:
@@ -873,23 +866,15 @@ class _Loop:
         out = self.output
         calling, out.calling = out.calling, []
         for item in calling:
-            if self.made >= self.budget:
-                item.error = rp.McpToolCallError(
-                    type="mcp_protocol_error",
-                    code=-32000,
-                    message=f"not called: this response made its {self.budget} MCP calls (max_tool_calls)",
-                )
+            try:
+                result = await self.mcp.call(item.server_label, item.name, item.arguments)
+            except McpToolError as exc:
+                item.error = rp.McpToolCallError(type=exc.kind, code=exc.code, message=exc.message)  # type: ignore[arg-type]
             else:
-                self.made += 1
-                try:
-                    result = await self.mcp.call(item.server_label, item.name, item.arguments)
-                except McpToolError as exc:
-                    item.error = rp.McpToolCallError(type=exc.kind, code=exc.code, message=exc.message)  # type: ignore[arg-type]
+                if result.is_error:
+                    item.error = rp.McpToolCallError(type="mcp_tool_execution_error", content=result.content)
                 else:
-                    if result.is_error:
-                        item.error = rp.McpToolCallError(type="mcp_tool_execution_error", content=result.content)
-                    else:
-                        item.output = result.text
+                    item.output = result.text
             for chunk in out.mcp_result(item):
                 yield chunk
 
