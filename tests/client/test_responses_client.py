@@ -110,3 +110,53 @@ async def test_bad_items_fail_before_sending() -> None:
     async with AsyncClient("http://test/v1", transport=httpx.MockTransport(lambda _: httpx.Response(500))) as client:
         with pytest.raises(TypeError, match=r"input items.*\$\[0\]\.content"):
             await client.responses.create(model="m", input=[{"role": "user", "content": 3}])
+
+
+@pytest.fixture(scope="module")
+def mcp_server_url() -> Iterator[str]:
+    """The tiny model with the tests' MCP server (over stdio) configured as ``tools``."""
+    pytest.importorskip("mcp", reason="the MCP test needs the server's mcp extra")
+    import sys
+    from pathlib import Path
+
+    from ortserve_server import ServerConfig, create_app
+    from ortserve_server._config import McpServer
+    from serving import TINY_MODEL, running
+
+    script = Path(__file__).resolve().parent.parent / "mcp_tools_server.py"
+    tools = McpServer("tools", command=(sys.executable, str(script), "stdio"))
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, mcp_servers=(tools,)))) as url:
+        yield url
+
+
+async def test_mcp_items_and_events_are_typed(mcp_server_url: str) -> None:
+    tools = [rp.McpTool(server_label="tools", allowed_tools=["add"])]  # approval: "always"
+    async with AsyncClient(f"{mcp_server_url}/v1") as client:
+        first = await client.responses.create(
+            model="tiny",
+            input="Add",
+            tools=tools,
+            tool_choice=rp.ToolChoiceMcp(server_label="tools", name="add"),
+            store=True,
+        )
+        listing, asked = first.output
+        assert isinstance(listing, rp.McpListToolsItem) and [t.name for t in listing.tools] == ["add"]
+        assert isinstance(asked, rp.McpApprovalRequestItem) and asked.name == "add"
+        stream = await client.responses.create(
+            model="tiny",
+            input=[rp.McpApprovalResponseItem(approval_request_id=asked.id, approve=True)],
+            previous_response_id=first.id,
+            tools=tools,
+            max_output_tokens=4,
+            stream=True,
+        )
+        events = [event async for event in stream]
+    kinds = [type(event) for event in events]
+    assert rp.McpCallInProgressEvent in kinds and rp.McpCallArgumentsDoneEvent in kinds
+    assert rp.McpCallCompletedEvent in kinds
+    final = events[-1]
+    assert isinstance(final, rp.ResponseCompletedEvent | rp.ResponseIncompleteEvent)
+    call = final.response.output[0]
+    assert isinstance(call, rp.McpCallItem) and call.approval_request_id == asked.id
+    arguments = json.loads(call.arguments)
+    assert call.output is not None and int(call.output) == arguments["a"] + arguments["b"]

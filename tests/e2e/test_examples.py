@@ -136,3 +136,25 @@ def test_agent_frameworks_example_runs_each_framework(tmp_path: Path) -> None:
     assert any(line.startswith("langchain structured: city=") for line in lines), lines
     assert any(line.startswith("openai-agents: ") for line in lines), lines
     assert any(line.startswith("pydantic-ai: ") for line in lines), lines
+
+
+def test_mcp_tools_example_calls_its_own_mcp_server() -> None:
+    """The sidecar starts the example's MCP server over stdio and calls its tool: the
+    printed output is the sum of the printed arguments (the server really ran)."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "mcp_tools.py")],
+        env={**os.environ, "PORT": str(free_port())},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "listed calc: add"
+    call = lines[1]
+    assert call.startswith("called add(")
+    numbers, result = call.removeprefix("called add(").split(") -> ")
+    a, b = (int(n) for n in numbers.split(", "))
+    assert int(result) == a + b
+    assert lines[2].startswith("answer:")

@@ -1,5 +1,5 @@
-"""MCP tools the server calls itself, through the openai SDK's Responses API, against real
-MCP servers (the official SDK's MCPServer) started by the tests: one over stdio, one over
+"""MCP tools the server calls itself, through the openai SDK's Responses API and the
+anthropic SDK's MCP connector (``mcp_servers``), against real MCP servers (the official SDK's MCPServer) started by the tests: one over stdio, one over
 streamable HTTP, and one that never answers.
 
 The tiny model is random: it calls a tool when ``tool_choice`` forces it, with random
@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -74,6 +75,7 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
         mcp_start_timeout=3.0,
         mcp_call_timeout=2.0,
         mcp_max_output_bytes=500,  # the tiny model's context is 1024 tokens
+        mcp_max_tool_calls=2,  # a forced call holds until then (Anthropic has no max_tool_calls)
     )
     with running(create_app(config)) as base:
         yield base
@@ -108,7 +110,7 @@ def test_a_forced_call_loop_runs_the_tool_and_feeds_the_result_back(client: open
         tools=[_mcp(label, require_approval="never", allowed_tools=["add"])],
         tool_choice=_forced(label, "add"),  # type: ignore[arg-type]  # the SDK's union lacks this form
         max_tool_calls=2,
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     assert _types(response) == ["mcp_list_tools", "mcp_call", "mcp_call", "message"]
     listing = response.output[0]
@@ -133,7 +135,7 @@ def test_streamed_loop_sends_the_mcp_events_in_order(client: openai.OpenAI) -> N
             tools=[_mcp("tools", require_approval="never", allowed_tools=["add"])],
             tool_choice=_forced("tools", "add"),  # type: ignore[arg-type]
             max_tool_calls=1,
-            max_output_tokens=200,
+            max_output_tokens=400,
             stream=True,
         )
     )
@@ -162,7 +164,7 @@ def test_streamed_loop_sends_the_mcp_events_in_order(client: openai.OpenAI) -> N
     done = [event.item for event in events if event.type == "response.output_item.done"]
     assert [item.type for item in done] == ["mcp_list_tools", "mcp_call", "message"]
     assert done[1].output == final.output[1].output
-    assert final.usage.output_tokens <= 200
+    assert final.usage.output_tokens <= 400
 
 
 def test_approval_round_trip_with_previous_response_id(client: openai.OpenAI) -> None:
@@ -172,7 +174,7 @@ def test_approval_round_trip_with_previous_response_id(client: openai.OpenAI) ->
         input=f"Add ({time.time()})",
         tools=tools,  # type: ignore[arg-type]
         tool_choice=_forced("tools", "add"),  # type: ignore[arg-type]
-        max_output_tokens=200,
+        max_output_tokens=400,
         store=True,
     )
     assert _types(first) == ["mcp_list_tools", "mcp_approval_request"]
@@ -183,7 +185,7 @@ def test_approval_round_trip_with_previous_response_id(client: openai.OpenAI) ->
         previous_response_id=first.id,
         input=[{"type": "mcp_approval_response", "approval_request_id": asked.id, "approve": True}],
         tools=tools,  # type: ignore[arg-type]
-        max_output_tokens=200,
+        max_output_tokens=400,
         store=True,
     )
     # Listed before: not again. The approved call is made first, then the model goes on.
@@ -209,7 +211,7 @@ def test_a_refused_approval_makes_no_call_and_works_without_storing(client: open
         input="Add",
         tools=tools,  # type: ignore[arg-type]
         tool_choice=_forced("web", "add"),  # type: ignore[arg-type]
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     asked = first.output[-1]
     assert asked.type == "mcp_approval_request"
@@ -222,7 +224,7 @@ def test_a_refused_approval_makes_no_call_and_works_without_storing(client: open
             {"type": "mcp_approval_response", "approval_request_id": asked.id, "approve": False, "reason": "no"},
         ],
         tools=tools,  # type: ignore[arg-type]
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     assert _types(second) == ["message"]
 
@@ -234,7 +236,7 @@ def test_tool_errors_reach_the_model_and_the_loop_goes_on(client: openai.OpenAI)
         tools=[_mcp("tools", require_approval="never", allowed_tools=["fail"])],
         tool_choice=_forced("tools", "fail"),  # type: ignore[arg-type]
         max_tool_calls=1,
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
     call = response.output[1]
@@ -251,7 +253,7 @@ def test_a_call_past_the_timeout_is_an_error_the_model_reads(client: openai.Open
         tools=[_mcp("web", require_approval="never", allowed_tools=["nap"])],  # naps 3 s; the timeout is 2
         tool_choice=_forced("web", "nap"),  # type: ignore[arg-type]
         max_tool_calls=1,
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     assert time.monotonic() - started < 10
     call = response.output[1]
@@ -267,7 +269,7 @@ def test_a_long_result_is_cut_with_a_note(client: openai.OpenAI) -> None:
         tools=[_mcp("tools", require_approval="never", allowed_tools=["big"])],
         tool_choice=_forced("tools", "big"),  # type: ignore[arg-type]
         max_tool_calls=1,
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     output = response.output[1].output
     assert output.startswith("x" * 500) and output.endswith(f"[output cut: {200_000 - 500} more bytes]")
@@ -318,7 +320,7 @@ def test_an_allowed_url_is_used_for_that_request(client: openai.OpenAI, http_mcp
         tools=[{"type": "mcp", "server_label": "mine", "server_url": http_mcp, "require_approval": "never"}],
         tool_choice=_forced("mine", "lookup"),  # type: ignore[arg-type]
         max_tool_calls=1,
-        max_output_tokens=200,
+        max_output_tokens=200,  # the five tools fill most of the context
     )
     assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
     assert response.output[1].output.endswith(": a word")
@@ -331,7 +333,7 @@ def test_read_only_tools_need_no_approval_by_filter(client: openai.OpenAI) -> No
         tools=[_mcp("tools", allowed_tools={"read_only": True}, require_approval={"never": {"read_only": True}})],
         tool_choice="required",
         max_tool_calls=1,
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     assert [tool.name for tool in response.output[0].tools] == ["lookup"]
     assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
@@ -347,9 +349,12 @@ def test_cancelling_the_request_stops_the_running_call(url: str, marker: Path) -
         "max_tool_calls": 1,
     }
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/responses", json=body) as stream:
+        seen = []
         for line in stream.iter_lines():
+            seen.append(line)
             if "response.mcp_call.in_progress" in line:
                 break
+        assert "response.mcp_call.in_progress" in seen[-1], seen
         deadline = time.monotonic() + 10
         while not Path(str(marker) + ".started").exists():
             assert time.monotonic() < deadline, "the tool never started"
@@ -367,8 +372,149 @@ def test_metrics_count_calls_by_configured_server_and_tool(client: openai.OpenAI
         tools=[_mcp("web", require_approval="never", allowed_tools=["add"])],
         tool_choice=_forced("web", "add"),  # type: ignore[arg-type]
         max_tool_calls=1,
-        max_output_tokens=200,
+        max_output_tokens=400,
     )
     metrics = httpx.get(f"{url}/metrics").text
     assert 'ortserve_mcp_calls_total{outcome="ok",server="web",tool="add"}' in metrics
     assert 'ortserve_mcp_list_seconds_count{server="web"}' in metrics
+
+
+# -- Anthropic's MCP connector ----------------------------------------------------------------
+
+BETA = ["mcp-client-2025-04-04"]
+
+
+@pytest.fixture
+def claude(url: str) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as c:
+        yield c
+
+
+def _server(name: str, url: str = "https://unused.example/mcp", **fields: Any) -> dict[str, Any]:
+    return {"type": "url", "name": name, "url": url, **fields}
+
+
+def _check_pairs(content: list[Any], label: str) -> None:
+    """mcp_tool_use / mcp_tool_result pairs: each result is the sum of its call's input."""
+    uses = [block for block in content if block.type == "mcp_tool_use"]
+    results = [block for block in content if block.type == "mcp_tool_result"]
+    assert uses and len(uses) == len(results)
+    for use, result in zip(uses, results, strict=True):
+        assert use.server_name == label and use.name == "add" and result.tool_use_id == use.id
+        assert result.is_error is False
+        assert int(result.content[0].text) == use.input["a"] + use.input["b"]
+
+
+@pytest.mark.parametrize("label", ["tools", "web"], ids=["stdio", "http"])
+def test_anthropic_mcp_servers_loop_until_the_calls_are_spent(claude: anthropic.Anthropic, label: str) -> None:
+    message = claude.beta.messages.create(
+        model="tiny",
+        max_tokens=400,
+        messages=[{"role": "user", "content": f"Add ({label}, {time.time()})"}],
+        mcp_servers=[_server(label, tool_configuration={"allowed_tools": ["add"]})],
+        tool_choice={"type": "tool", "name": "add"},
+        betas=BETA,
+    )
+    kinds = [block.type for block in message.content]
+    assert kinds[:4] == ["mcp_tool_use", "mcp_tool_result", "mcp_tool_use", "mcp_tool_result"]
+    assert set(kinds[4:]) <= {"text"}  # then the answer, without tools (mcp_max_tool_calls is 2)
+    _check_pairs(message.content, label)
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.cache_read_input_tokens and message.usage.cache_read_input_tokens > 0
+    assert message.usage.output_tokens <= 400
+
+
+def test_anthropic_streamed_loop_gives_the_same_blocks(claude: anthropic.Anthropic) -> None:
+    with claude.beta.messages.stream(
+        model="tiny",
+        max_tokens=400,
+        messages=[{"role": "user", "content": f"Add, streamed ({time.time()})"}],
+        mcp_servers=[_server("tools", tool_configuration={"allowed_tools": ["add"]})],
+        tool_choice={"type": "tool", "name": "add"},
+        betas=BETA,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [event.type for event in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    starts = [event.content_block.type for event in events if event.type == "content_block_start"]
+    assert starts[:4] == ["mcp_tool_use", "mcp_tool_result", "mcp_tool_use", "mcp_tool_result"]
+    indexes = [event.index for event in events if event.type == "content_block_start"]
+    assert indexes == list(range(len(indexes)))
+    _check_pairs(final.content, "tools")
+    # A follow-up hands the whole turn back, MCP blocks and all: it reads as the calls and
+    # results the model saw.
+    follow_up = claude.beta.messages.create(
+        model="tiny",
+        max_tokens=8,
+        messages=[
+            {"role": "user", "content": "Add, streamed"},
+            {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in final.content]},
+            {"role": "user", "content": "Thanks"},
+        ],
+        betas=BETA,
+    )
+    assert follow_up.content is not None
+
+
+def test_anthropic_tool_errors_are_results_marked_as_errors(claude: anthropic.Anthropic) -> None:
+    message = claude.beta.messages.create(
+        model="tiny",
+        max_tokens=400,
+        messages=[{"role": "user", "content": "Fail"}],
+        mcp_servers=[_server("web", tool_configuration={"allowed_tools": ["fail"]})],
+        tool_choice={"type": "tool", "name": "fail"},
+        betas=BETA,
+    )
+    results = [block for block in message.content if block.type == "mcp_tool_result"]
+    assert results and all(result.is_error for result in results)
+    assert "failed on purpose" in results[0].content[0].text
+
+
+def test_anthropic_an_allowed_url_by_a_new_name(claude: anthropic.Anthropic, http_mcp: str) -> None:
+    message = claude.beta.messages.create(
+        model="tiny",
+        max_tokens=400,
+        messages=[{"role": "user", "content": "Look up"}],
+        mcp_servers=[_server("mine", http_mcp, tool_configuration={"allowed_tools": ["lookup"]})],
+        tool_choice={"type": "any"},
+        betas=BETA,
+    )
+    results = [block for block in message.content if block.type == "mcp_tool_result"]
+    assert results and results[0].content[0].text == "ortserve: a word"
+
+
+@pytest.mark.parametrize(
+    ("server", "says"),
+    [
+        (
+            _server("other", "http://127.0.0.1:1/mcp"),
+            "mcp_servers.0: MCP server URL 'http://127.0.0.1:1/mcp' is not allowed",
+        ),
+        (
+            _server("tools", authorization_token="t"),
+            "mcp_servers.0.authorization_token: MCP server 'tools' is configured",
+        ),
+    ],
+    ids=["url-not-allowed", "token-on-configured"],
+)
+def test_anthropic_refusals_name_the_server(claude: anthropic.Anthropic, server: dict[str, Any], says: str) -> None:
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.beta.messages.create(
+            model="tiny", max_tokens=8, messages=[{"role": "user", "content": "Hi"}], mcp_servers=[server], betas=BETA
+        )
+    assert caught.value.body["type"] == "error"  # type: ignore[index]
+    assert caught.value.body["error"]["message"].startswith(says)  # type: ignore[index]
+
+
+def test_anthropic_a_server_that_never_answers_is_a_424(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        claude.beta.messages.create(
+            model="tiny",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "Hi"}],
+            mcp_servers=[_server("hang")],
+            betas=BETA,
+        )
+    assert caught.value.status_code == 424
+    assert "'hang' did not answer" in caught.value.body["error"]["message"]  # type: ignore[index]

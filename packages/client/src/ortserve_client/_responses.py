@@ -26,8 +26,8 @@ class ResponseCreateParams(TypedDict, total=False):
     instructions: str | None
     keep_alive: float | str | None
     cache_salt: str | None
-    tools: Sequence[rp.FunctionTool | JSONObject] | None
-    tool_choice: Literal["none", "auto", "required"] | rp.ToolChoiceFunction | JSONObject | None
+    tools: Sequence[rp.FunctionTool | rp.McpTool | JSONObject] | None
+    tool_choice: Literal["none", "auto", "required"] | rp.ToolChoiceFunction | rp.ToolChoiceMcp | JSONObject | None
     parallel_tool_calls: bool | None
     text: rp.TextConfig | JSONObject | None
     max_output_tokens: int | None

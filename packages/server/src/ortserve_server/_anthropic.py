@@ -581,6 +581,8 @@ class _MessageLoop:
         if self.mcp.uses and self.mcp.spent:
             chat = msgspec.structs.replace(chat, tool_choice="none")  # same tools: the cached prompt holds
         plan, prompt = await _plan(mapped, chat, data, self.state, self.model, self.request)
+        if self.turns:
+            plan = plan.fitted(self.model, prompt)
         tools = plan.tools
         streams = await plan.astart(self.state, self.model, [prompt])
         parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import json
 import logging
 import urllib.parse
@@ -641,6 +642,19 @@ class GenerationPlan:
             return [model.generate(prompt, options=o) for prompt in prompts for o in self.options]
         except InvalidRequestError as exc:
             raise self.named(exc) from exc
+
+    def fitted(self, model: ChatModel, prompt: Prompt) -> GenerationPlan:
+        """This plan with ``max_tokens`` cut to what ``model``'s context leaves after
+        ``prompt``: for a tool loop's later turns, whose prompts grew with calls and
+        results the caller did not size ``max_tokens`` for."""
+        room = model.max_sequence_length - len(prompt)
+        if room < 1:
+            return self  # the prompt alone does not fit: the model's refusal says so
+        options = [
+            o if o.max_tokens is None or o.max_tokens <= room else dataclasses.replace(o, max_tokens=room)
+            for o in self.options
+        ]
+        return dataclasses.replace(self, options=options)
 
     def named(self, exc: InvalidRequestError) -> InvalidRequestError:
         """``exc`` naming the request's field (``grammar`` -> ``response_format``...)."""

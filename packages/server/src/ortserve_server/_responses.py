@@ -836,6 +836,7 @@ class _Loop:
                 _chat_request(self.data, messages, tools, choice, self.usage.completion_tokens),
                 f"{self.state.config.path}/responses",
                 self.request,
+                fit=bool(self.output.items),
             )
 
     @property

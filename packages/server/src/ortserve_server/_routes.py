@@ -423,9 +423,11 @@ async def start_chat(
     data: p.ChatCompletionRequest,
     endpoint: str,
     request: Request[Any, Any, Any] | None = None,
+    fit: bool = False,
 ) -> _Generation:
     """A chat request checked, its prompt prepared and its generations started: what every
-    API family that speaks in messages (chat completions, Responses) runs the same way."""
+    API family that speaks in messages (chat completions, Responses) runs the same way.
+    ``fit``: cut ``max_tokens`` to the room the prompt leaves (a tool loop's later turn)."""
     plan = plan_chat(data, model, ortserve.config, caller_of(request))
     tools = plan.tools
     check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
@@ -434,6 +436,8 @@ async def start_chat(
         tools=tools.definitions,
         template_kwargs=template_kwargs(data),
     )
+    if fit:
+        plan = plan.fitted(model, prompt)
     streams = await plan.astart(ortserve, model, [prompt])
     parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
     run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
