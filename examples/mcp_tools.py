@@ -39,16 +39,16 @@ async def main() -> None:
     command = shlex.join([sys.executable, __file__, "serve-mcp"])
     # The operator names the servers requests may use; a request cannot add its own.
     serve_args = ["--mcp-server", f"calc=stdio:{command}"]
-    async with LocalServer({"tiny": MODEL_DIR}, port=PORT, serve_args=serve_args) as server:
-        async with server.client() as client:
-            response = await client.responses.create(
-                model="tiny",
-                input="What is 2 + 3? Use the calculator.",
-                tools=[rp.McpTool(server_label="calc", require_approval="never")],
-                tool_choice=rp.ToolChoiceMcp(server_label="calc", name="add"),
-                max_tool_calls=1,
-                max_output_tokens=64,
-            )
+    local = LocalServer({"tiny": MODEL_DIR}, port=PORT, serve_args=serve_args)
+    async with local as server, server.client() as client:
+        response = await client.responses.create(
+            model="tiny",
+            input="What is 2 + 3? Use the calculator.",
+            tools=[rp.McpTool(server_label="calc", require_approval="never")],
+            tool_choice=rp.ToolChoiceMcp(server_label="calc", name="add"),
+            max_tool_calls=1,
+            max_output_tokens=64,
+        )
     for item in response.output:
         if isinstance(item, rp.McpListToolsItem):
             print(f"listed {item.server_label}: {', '.join(tool.name for tool in item.tools)}")

@@ -3,7 +3,8 @@
 
 Its tools: ``add`` answers; ``fail`` raises a tool error; ``nap`` writes ``MARKER.started``,
 sleeps 3 s, then writes ``MARKER.finished`` (a cancelled call never finishes); ``big``
-returns 200,000 characters; ``lookup`` is read-only (annotated so). The tiny test model
+returns 200,000 characters; ``lookup`` is read-only (annotated so); ``whoami`` returns the
+Authorization header the call came with. The tiny test model
 writes random arguments, so the tools the tests force take none, or check what they get."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
 
@@ -48,6 +49,14 @@ def big() -> str:
 @server.tool(description="Look a word up", annotations=ToolAnnotations(readOnlyHint=True))
 def lookup() -> str:
     return "ortserve: a word"
+
+
+@server.tool(description="Who is asking")
+def whoami(ctx: Context) -> str:
+    """The Authorization header the call came with (over HTTP), else "none"."""
+    request = getattr(ctx.request_context, "request", None)
+    headers = getattr(request, "headers", None) or {}
+    return str(headers.get("authorization", "none"))
 
 
 if __name__ == "__main__":

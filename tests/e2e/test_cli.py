@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -170,6 +171,15 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--prefix-cache-mb", "-5"], "prefix_cache_mb must be a size in MiB"),
         (["--model-option", "tiny:prefix-cache-mb=lots"], "prefix-cache-mb must be a size in MiB"),
         (["--kv-cache-dtype", "bf16"], "--kv-cache-dtype: invalid choice: 'bf16'"),
+        (["--mcp-server", "nolabel"], "expected LABEL=URL or LABEL=stdio:COMMAND ARGS"),
+        (["--mcp-server", "x=ftp://h/mcp"], "is not an http(s) URL"),
+        (["--mcp-server", "a=stdio:x", "--mcp-server", "a=stdio:y"], "the label 'a' is given twice"),
+        (
+            ["--mcp-server", "x=http://127.0.0.1:1/mcp", "--mcp-header", "x=Authorization:ORTSERVE_TEST_UNSET"],
+            "environment variable ORTSERVE_TEST_UNSET is not set",
+        ),
+        (["--mcp-header", "y=A:HOME"], "--mcp-header names 'y', which no --mcp-server has"),
+        (["--allow-mcp-url", "not a url"], "mcp_allowed_urls: 'not a url' is not an http(s) URL"),
         (["--model-option", "tiny:kv-cache-dtype=fp8"], "unknown kv_cache_dtype 'fp8'; choose one of auto, fp16, int8"),
         (
             [
@@ -484,3 +494,51 @@ def test_a_chat_template_file_replaces_the_models_own(tmp_path: Path) -> None:
             assert text == "user: add 1 and 2\nassistant:"
     finally:
         stop(process)
+
+
+def test_mcp_servers_from_the_command_line_with_a_header_from_the_environment() -> None:
+    """--mcp-server over stdio and over HTTP; --mcp-header reads its value from the
+    environment, and the HTTP server sees it on the call."""
+    script = Path(__file__).resolve().parents[1] / "mcp_tools_server.py"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    web = subprocess.Popen([sys.executable, str(script), "http", str(port)], stderr=subprocess.DEVNULL)
+    process = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the MCP server did not start"
+                time.sleep(0.1)
+        process, ready = start_server(
+            "--model",
+            f"tiny={TINY_MODEL}",
+            "--mcp-server",
+            f"tools=stdio:{sys.executable} {script} stdio",
+            "--mcp-server",
+            f"web=http://127.0.0.1:{port}/mcp",
+            "--mcp-header",
+            "web=Authorization:TEST_MCP_TOKEN",
+            env={"TEST_MCP_TOKEN": "Bearer sesame"},
+        )
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{ready['port']}/v1", api_key="x", max_retries=0) as client:
+            for label, tool, expected in [("web", "whoami", "Bearer sesame"), ("tools", "whoami", "none")]:
+                response = client.responses.create(
+                    model="tiny",
+                    input="Who?",
+                    tools=[{"type": "mcp", "server_label": label, "require_approval": "never"}],
+                    tool_choice={"type": "mcp", "server_label": label, "name": tool},  # type: ignore[arg-type, misc]
+                    max_tool_calls=1,
+                    max_output_tokens=4,
+                )
+                call = response.output[1]
+                assert call.type == "mcp_call" and call.output == expected, call
+    finally:
+        if process is not None:
+            stop(process)
+        web.terminate()
+        web.wait(timeout=10)
