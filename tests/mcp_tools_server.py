@@ -12,16 +12,22 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Annotated
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
+from pydantic import Field
 
 server = MCPServer("ortserve-test-tools")
 
 
+Small = Annotated[int, Field(ge=-999, le=999)]
+"""Bounded, so that the random model's forced calls stay short (the grammar keeps bounds)."""
+
+
 @server.tool(description="Add two integers")
-def add(a: int, b: int) -> int:
+def add(a: Small, b: Small) -> int:
     return a + b
 
 

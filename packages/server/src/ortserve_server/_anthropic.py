@@ -540,8 +540,8 @@ class _MessageLoop:
     the MCP calls the model writes (``mcp_tool_use`` and ``mcp_tool_result`` blocks) and
     puts their results into the next turn's prompt, until the model answers, calls one of
     the request's own tools (the client's to make), or reaches ``max_tokens`` (which
-    bounds all turns together). After the server's ``mcp_max_tool_calls`` calls the model
-    must answer without tools; a forced ``tool_choice`` holds on every turn until then."""
+    bounds all turns together). A forced ``tool_choice`` holds for the first turn only;
+    after the server's ``mcp_max_tool_calls`` calls the model must answer without tools."""
 
     def __init__(
         self,
@@ -580,6 +580,8 @@ class _MessageLoop:
         )
         if self.mcp.uses and self.mcp.spent:
             chat = msgspec.structs.replace(chat, tool_choice="none")  # same tools: the cached prompt holds
+        elif self.turns and chat.tool_choice not in (msgspec.UNSET, "auto", "none"):
+            chat = msgspec.structs.replace(chat, tool_choice="auto")  # forced for the first turn only
         plan, prompt = await _plan(mapped, chat, data, self.state, self.model, self.request)
         if self.turns:
             plan = plan.fitted(self.model, prompt)

@@ -352,6 +352,8 @@ class _Output:
         self.calling: list[rp.McpCallItem] = []
         """MCP calls the model wrote in the turn under way, for :class:`_Loop` to make."""
         self.items: list[rp.OutputItem] = []
+        self.turn_start = 0
+        """Where the items of the model turn under way begin."""
         self.sequence = 0
         self._message: rp.OutputMessage | None = None
         self._reasoning: rp.ReasoningItem | None = None
@@ -526,12 +528,12 @@ class _Output:
         return [self.event(kind, **where), *self.done(item)]
 
     def finish(self, reason: str) -> list[bytes]:
-        """The end: an answer with neither text nor calls is one empty message (so that
-        ``output_text`` is ``""``, not missing), after any reasoning (which ``max_tokens``
-        may have cut short: then it is incomplete)."""
+        """The end of a turn: an answer with neither text nor calls is one empty message
+        (so that ``output_text`` is ``""``, not missing), after any reasoning (which
+        ``max_tokens`` may have cut short: then it is incomplete)."""
         status = "incomplete" if reason == "length" else "completed"
         out = self.close_reasoning(status)
-        if all(isinstance(item, rp.ReasoningItem) for item in self.items):
+        if all(isinstance(item, rp.ReasoningItem) for item in self.items[self.turn_start :]):
             out += self.text("")
         return out + self.close_message(status)
 
@@ -768,9 +770,9 @@ class _Loop:
     """One response's turns. The model writes; the server makes the MCP calls it wrote
     and puts their results into the next turn's prompt; until the model answers, calls a
     function (the client's to make), writes a call that waits for approval, or is cut by
-    ``max_output_tokens``. After ``max_tool_calls`` MCP calls, the next turn is told to
-    answer without tools (``tool_choice`` ``none``); a forced ``tool_choice`` holds on
-    every turn until then, so the loop always ends."""
+    ``max_output_tokens``. A forced ``tool_choice`` holds for the first turn only; after
+    ``max_tool_calls`` MCP calls, the next turn must answer without tools (``tool_choice``
+    ``none``), so the loop always ends."""
 
     def __init__(
         self,
@@ -789,6 +791,8 @@ class _Loop:
         self.output = output
         self.mcp = mcp
         self.tools = _chat_tools(data, mcp)
+        self.later = False
+        """Whether the first turn was started (later turns are not forced)."""
         self.reason = "stop"
         self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
         self.reasoning_tokens = 0
@@ -815,20 +819,28 @@ class _Loop:
             raise BadRequestError(f"MCP server {choice.server_label!r} offers no tools", param="tool_choice")
 
     def _turn_tools(self) -> tuple[list[p.Tool], Any]:
+        """The turn's tools and ``tool_choice``: a forced choice holds for the first turn
+        only (then ``auto``, so that the model can answer with what the calls gave); after
+        the last call allowed, ``none``. The tools stay the same, so that each turn's
+        prompt starts with the last one's (its cached prefix)."""
         choice = self.data.tool_choice
-        if self.mcp.uses and self.mcp.spent:
-            return self.tools, "none"  # the same tools in the prompt, so its cached prefix holds
+        tools = self.tools
         if isinstance(choice, rp.ToolChoiceMcp):
-            if choice.name is not None:
-                return self.tools, p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name))
             names = set(self.mcp.uses[choice.server_label].tools)
-            return [tool for tool in self.tools if tool.function.name in names], "required"
-        return self.tools, choice
+            if choice.name is None:  # any tool of that server: the others are left out
+                tools = [tool for tool in tools if tool.function.name in names]
+            choice = p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name)) if choice.name else "required"
+        if self.mcp.uses and self.mcp.spent:
+            return tools, "none"
+        if self.later and choice not in (msgspec.UNSET, None, "auto", "none"):
+            return tools, "auto"
+        return tools, choice
 
     async def _turn(self) -> _Generation:
         turn = [*self.items, *(("output", _as_input(item)) for item in self.output.items)]
         messages, origins = _messages(self.instructions, turn)
         tools, choice = self._turn_tools()
+        self.later = True
         with _named_as_responses(origins):
             return await start_chat(
                 self.state,
@@ -836,7 +848,7 @@ class _Loop:
                 _chat_request(self.data, messages, tools, choice, self.usage.completion_tokens),
                 f"{self.state.config.path}/responses",
                 self.request,
-                fit=bool(self.output.items),
+                fit=self.later,
             )
 
     @property
@@ -891,7 +903,7 @@ class _Loop:
         run = self.first
         while True:
             if run is not None:
-                start = len(out.items)
+                start = out.turn_start = len(out.items)
                 if stream:
                     async for chunk in run.sse(*self._callbacks(run), error_event=self._error, closing=b""):
                         yield chunk
