@@ -70,6 +70,7 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
             McpServer("tools", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker))),
             McpServer("web", url=http_mcp),
             McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
+            McpServer("gone", command=("/nonexistent/mcp-server",)),
         ),
         mcp_allowed_urls=(http_mcp,),
         mcp_start_timeout=3.0,
@@ -310,6 +311,14 @@ def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(clien
     assert client.responses.create(model="tiny", input="Hi", max_output_tokens=4).status in ("completed", "incomplete")
 
 
+def test_a_server_that_cannot_start_is_a_424_saying_why(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.responses.create(model="tiny", input="Hi", tools=[_mcp("gone")])  # type: ignore[list-item]
+    assert caught.value.status_code == 424
+    assert "MCP server 'gone' cannot be reached: " in caught.value.message
+    assert "/nonexistent/mcp-server" in caught.value.message
+
+
 @pytest.mark.parametrize(
     ("tool", "param", "says"),
     [
@@ -342,13 +351,23 @@ def test_an_allowed_url_is_used_for_that_request(client: openai.OpenAI, http_mcp
     response = client.responses.create(
         model="tiny",
         input="Look up",
-        tools=[{"type": "mcp", "server_label": "mine", "server_url": http_mcp, "require_approval": "never"}],
+        tools=[
+            {
+                "type": "mcp",
+                "server_label": "mine",
+                "server_url": http_mcp,
+                "require_approval": "never",
+                "authorization": "secret-token",
+            }
+        ],
         tool_choice=_forced("mine", "lookup"),  # type: ignore[arg-type]
         max_tool_calls=1,
         max_output_tokens=200,  # the five tools fill most of the context
     )
     assert _types(response) == ["mcp_list_tools", "mcp_call", "message"]
     assert response.output[1].output.endswith(": a word")
+    # The caller's credentials are not echoed (nor kept with a stored response).
+    assert response.tools[0].authorization is None and "secret-token" not in response.model_dump_json()
 
 
 def test_read_only_tools_need_no_approval_by_filter(client: openai.OpenAI) -> None:

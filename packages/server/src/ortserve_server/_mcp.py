@@ -118,7 +118,7 @@ class _Link:
             raise McpUnavailableError(
                 f"MCP server {self.name!r} did not answer within {self._start_timeout:g} s"
             ) from None
-        except McpUnavailableError:
+        except BaseException:  # unreachable, or the request was cancelled while waiting
             await self.close()
             raise
 

@@ -565,6 +565,14 @@ def _as_input(item: rp.OutputItem) -> rp.InputItem:
     return item
 
 
+def _without_secrets(tool: rp.Tool) -> rp.Tool:
+    """A tool as the response echoes (and the store keeps) it: an MCP tool's headers and
+    authorization are the caller's secrets, so they are left out."""
+    if isinstance(tool, rp.McpTool) and (tool.headers or tool.authorization):
+        return msgspec.structs.replace(tool, headers=None, authorization=None)
+    return tool
+
+
 class _Exchange:
     """One ``POST /v1/responses``: the echo of the request in the response object, and
     the response kept in the store when it asks for that."""
@@ -605,7 +613,7 @@ class _Exchange:
                 else "auto"
             ),
             max_tool_calls=data.max_tool_calls if isinstance(data.max_tool_calls, int) else None,
-            tools=list(data.tools) if isinstance(data.tools, list) else [],
+            tools=[_without_secrets(tool) for tool in data.tools or []],
             top_p=data.top_p if isinstance(data.top_p, float | int) else 1.0,
             usage=usage,
             user=data.user if isinstance(data.user, str) else None,
@@ -823,13 +831,15 @@ class _Loop:
         only (then ``auto``, so that the model can answer with what the calls gave); after
         the last call allowed, ``none``. The tools stay the same, so that each turn's
         prompt starts with the last one's (its cached prefix)."""
-        choice = self.data.tool_choice
+        choice: Any = self.data.tool_choice
         tools = self.tools
         if isinstance(choice, rp.ToolChoiceMcp):
             names = set(self.mcp.uses[choice.server_label].tools)
             if choice.name is None:  # any tool of that server: the others are left out
                 tools = [tool for tool in tools if tool.function.name in names]
-            choice = p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name)) if choice.name else "required"
+            choice = (
+                p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name)) if choice.name else "required"
+            )
         if self.mcp.uses and self.mcp.spent:
             return tools, "none"
         if self.later and choice not in (msgspec.UNSET, None, "auto", "none"):
