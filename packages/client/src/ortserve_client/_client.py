@@ -8,7 +8,7 @@ import math
 import os
 import random
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, Unpack, overload
@@ -49,6 +49,8 @@ from .protocol import (
     RerankResponse,
     ScoreRequest,
     ScoreResponse,
+    SpeechFormat,
+    SpeechRequest,
     TokenizeRequest,
     TokenizeResponse,
     Transcription,
@@ -486,9 +488,57 @@ class _Transcriptions:
         return msgspec.json.decode(response.content, type=Transcription)
 
 
+class _Speech:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @staticmethod
+    def _request(
+        model: str, input: str, voice: str | None, response_format: SpeechFormat, speed: float
+    ) -> SpeechRequest:
+        request = SpeechRequest(model=model, input=input, response_format=response_format, speed=speed)
+        if voice is not None:
+            request.voice = voice
+        return request
+
+    async def create(
+        self,
+        *,
+        model: str,
+        input: str,
+        voice: str | None = None,
+        response_format: SpeechFormat = "mp3",
+        speed: float = 1.0,
+    ) -> bytes:
+        """``POST /audio/speech``: the whole audio file (``voice``: one of the model's
+        ``voices``; absent, its first)."""
+        body = self._request(model, input, voice, response_format, speed)
+        response = await self._client._response("POST", f"{self._client.base_url}/audio/speech", body, stream=False)
+        return response.content
+
+    async def stream(
+        self,
+        *,
+        model: str,
+        input: str,
+        voice: str | None = None,
+        response_format: SpeechFormat = "mp3",
+        speed: float = 1.0,
+    ) -> AsyncIterator[bytes]:
+        """The audio file's bytes as the server sends them (a sentence at a time)."""
+        body = self._request(model, input, voice, response_format, speed)
+        response = await self._client._response("POST", f"{self._client.base_url}/audio/speech", body, stream=True)
+        try:
+            async for chunk in response.aiter_bytes():
+                yield chunk
+        finally:
+            await response.aclose()
+
+
 class _Audio:
     def __init__(self, client: AsyncClient) -> None:
         self.transcriptions = _Transcriptions(client)
+        self.speech = _Speech(client)
 
 
 class _Models:

@@ -83,6 +83,12 @@ __all__ = [
     "ScoreData",
     "ScoreRequest",
     "ScoreResponse",
+    "SpeechAudioDeltaEvent",
+    "SpeechAudioDoneEvent",
+    "SpeechFormat",
+    "SpeechRequest",
+    "SpeechStreamEvent",
+    "SpeechUsage",
     "StreamOptions",
     "SystemMessage",
     "TextContentPart",
@@ -689,7 +695,7 @@ class Model(_Response):
     object: Literal["model"] = "model"
     # ortserve's extensions (OpenAI's SDKs keep unknown fields as attributes):
     kind: str | None = None
-    """``generative``, ``embedding``, ``rerank`` or ``speech``."""
+    """``generative``, ``embedding``, ``rerank``, ``speech`` (to text) or ``voice`` (text to speech)."""
     status: str | None = None
     """``unloaded``, ``loading``, ``ready``, ``unloading`` or ``error``."""
     provider: str | None = None
@@ -747,6 +753,8 @@ class Model(_Response):
     ``resident_bytes``: pages become resident as tokens are cached."""
     expires_at: int | None = None
     """When the idle model will be unloaded (Unix time; ``None``: not scheduled)."""
+    voices: list[str] | None = None
+    """A voice model's voices (``voice`` of ``/v1/audio/speech``)."""
 
 
 class ModelLoadRequest(_Request):
@@ -874,6 +882,48 @@ class TranscriptionVerbose(_Response):
     duration: float | None
     segments: list[TranscriptionSegment]
     task: Literal["transcribe"] = "transcribe"
+
+
+SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+"""OpenAI's formats; ``aac`` is refused by name (no encoder here)."""
+
+
+class SpeechRequest(_Request):
+    """``POST /v1/audio/speech``: ``input`` spoken by ``voice`` of a voice model."""
+
+    model: str
+    input: str
+    voice: str | dict[str, Any] | UnsetType | None = UNSET
+    """A voice of the model (``/v1/models`` lists them as ``voices``); absent: its first."""
+    response_format: SpeechFormat = "mp3"
+    speed: float = 1.0
+    """0.25 to 4.0."""
+    instructions: str | UnsetType | None = UNSET
+    """Refused: no voice here follows instructions."""
+    stream_format: Literal["audio", "sse"] = "audio"
+    """``audio``: the file's bytes, sent as sentences are spoken; ``sse``:
+    ``speech.audio.delta`` events with base64 chunks, then ``speech.audio.done``."""
+
+
+class SpeechUsage(_Response):
+    """``input_tokens``: the phonemes spoken; ``output_tokens``: the voice's audio frames
+    (one per 256 samples)."""
+
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class SpeechAudioDeltaEvent(_Response, tag_field="type", tag="speech.audio.delta"):
+    audio: str
+    """Base64 of the next bytes of the audio file."""
+
+
+class SpeechAudioDoneEvent(_Response, tag_field="type", tag="speech.audio.done"):
+    usage: SpeechUsage
+
+
+SpeechStreamEvent = SpeechAudioDeltaEvent | SpeechAudioDoneEvent
 
 
 class ErrorDetail(_Response):

@@ -41,6 +41,7 @@ from ._registry import (
 )
 from ._rerank import RerankModel, RerankResult
 from ._speech import Segment, SpeechModel, Transcription
+from ._voice import SpeechChunk, VoiceModel
 from .chat import (
     AudioInput,
     ChatModel,
@@ -113,6 +114,7 @@ __all__ = [
     "RerankModel",
     "RerankResult",
     "Segment",
+    "SpeechChunk",
     "SpeechModel",
     "TokenLogprob",
     "ToolCall",
@@ -121,6 +123,7 @@ __all__ = [
     "TopLogprob",
     "Transcription",
     "Usage",
+    "VoiceModel",
     "detect_model_kind",
     "detect_tool_format",
     "forced_tool_grammar",

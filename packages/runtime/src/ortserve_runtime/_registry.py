@@ -25,6 +25,7 @@ from ._folder import GenaiFolder, check_og_runs, load_og_model
 from ._rerank import RerankModel
 from ._speech import SpeechModel
 from ._threads import OwnerThread
+from ._voice import VoiceModel, find_voice_files
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
 from .engines import Engine, NotDrivableError, OgEngine, OgGeneratorEngine, OrtCpuEngine
 from .engines._adapters import check_adapters
@@ -43,9 +44,9 @@ __all__ = [
     "pick_engine",
 ]
 
-ModelKind = Literal["generative", "embedding", "rerank", "speech"]
+ModelKind = Literal["generative", "embedding", "rerank", "speech", "voice"]
 ModelState = Literal["unloaded", "loading", "ready", "unloading", "error"]
-Model = ChatModel | EmbeddingModel | RerankModel | SpeechModel
+Model = ChatModel | EmbeddingModel | RerankModel | SpeechModel | VoiceModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,9 @@ class ModelStatus:
     """A loaded generative model: whether its engine promises the same tokens for the same
     request whatever else it runs or holds (:attr:`EngineCapabilities.reproducible`);
     ``None`` for other kinds and unloaded models."""
+    voices: tuple[str, ...] | None = None
+    """A loaded voice model: the voices a request may pick; ``None`` for other kinds and
+    unloaded models."""
     input_modalities: tuple[str, ...] | None = None
     """A loaded generative model: what its prompts may hold (``text``, and ``image`` and
     ``audio`` where its folder takes them); ``None`` for other kinds and unloaded models."""
@@ -131,10 +135,12 @@ def detect_model_kind(folder: Path) -> ModelKind:
     has_onnx = (folder / "model.onnx").exists() or (folder / "onnx" / "model.onnx").exists()
     if has_onnx and ((folder / "tokenizer.json").exists() or (folder / "tokenizer.model").exists()):
         return "rerank" if _is_sequence_classifier(folder) else "embedding"
+    if find_voice_files(folder) is not None:
+        return "voice"
     raise ModelLoadError(
-        f"{folder} is not a model folder: expected genai_config.json (generative or speech model) "
-        "or an ONNX encoder with tokenizer.json (embedding model; a *ForSequenceClassification "
-        "config.json makes it a rerank model)",
+        f"{folder} is not a model folder: expected genai_config.json (generative or speech model), "
+        "an ONNX encoder with tokenizer.json (embedding model; a *ForSequenceClassification "
+        "config.json makes it a rerank model) or a Piper voice (x.onnx with x.onnx.json)",
         path=folder,
     )
 
@@ -511,6 +517,7 @@ class ModelRegistry:
             kv_cache_dtype=getattr(engine, "kv_cache_dtype", None),
             reproducible=engine.capabilities.reproducible if engine is not None else None,
             input_modalities=("text", *sorted(entry.model.modalities)) if isinstance(entry.model, ChatModel) else None,
+            voices=tuple(entry.model.voices) if isinstance(entry.model, VoiceModel) else None,
             tool_format=entry.model.tool_format if isinstance(entry.model, ChatModel) else None,
             tools_in_system_prompt=entry.model.tools_in_system_prompt if isinstance(entry.model, ChatModel) else None,
             speculative=entry.config.speculative if isinstance(entry.model, ChatModel) else None,
@@ -825,6 +832,7 @@ class ModelRegistry:
             "embedding": EmbeddingModel,
             "rerank": RerankModel,
             "speech": SpeechModel,
+            "voice": VoiceModel,
         }
         return factories[kind]
 

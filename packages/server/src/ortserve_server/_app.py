@@ -32,6 +32,7 @@ from ._openapi import RequestLimits
 from ._responses import responses_route_handlers
 from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler, rerank_alias_handlers
 from ._security import SiteGuard, make_body_guard
+from ._speech_out import speech_route_handlers
 from ._state import OrtServe
 
 __all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespan", "wsgi_app"]
@@ -78,7 +79,12 @@ def _routers(state: OrtServe) -> list[Router]:
         )
 
     routers = [
-        api_router(config.path, [*api_route_handlers, *responses_route_handlers], _guards(config), exception_handlers),
+        api_router(
+            config.path,
+            [*api_route_handlers, *responses_route_handlers, *speech_route_handlers],
+            _guards(config),
+            exception_handlers,
+        ),
         # Files and batches: uploads may be larger than a request.
         api_router(
             config.path,

@@ -174,6 +174,7 @@ async def _loaded(state: OrtServe, name: str, kind: ModelKind, keep_alive: KeepA
             "embedding": "/v1/embeddings",
             "rerank": "/v1/rerank or /v1/score",
             "speech": "/v1/audio/transcriptions",
+            "voice": "/v1/audio/speech",
         }[actual]
         raise BadRequestError(f"model {name!r} is a {actual} model; use {use}", param="model")
     return await hold_model(registry, name, seconds)

@@ -940,6 +940,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         kv_cache_dtype=status.kv_cache_dtype,
         reproducible=status.reproducible,
         input_modalities=None if status.input_modalities is None else list(status.input_modalities),
+        voices=None if status.voices is None else list(status.voices),
         tool_format=status.tool_format,
         tools_in_system_prompt=status.tools_in_system_prompt,
         speculative=status.speculative,

@@ -1,0 +1,255 @@
+"""``POST /v1/audio/speech``: text to speech with a voice model, as OpenAI defines it.
+
+The audio is encoded as the voice speaks it, a sentence at a time: whole, the file is sent
+once complete; with ``stream_format: "audio"`` its bytes leave as each sentence is encoded
+(a WAV then declares an unknown length, as OpenAI's streamed WAV does; FLAC's and MP3's
+headers keep what they said at the start); with ``"sse"`` the same bytes travel as base64
+``speech.audio.delta`` events, then ``speech.audio.done`` with the usage.
+
+Formats are what libsndfile encodes: ``wav`` (16-bit), ``flac``, ``mp3``, ``opus`` (in
+Ogg, at 24 kHz, a rate Opus takes) and ``pcm`` (raw 16-bit little-endian mono at 24 kHz,
+OpenAI's contract for it); ``aac`` is refused by name. Streamed, FLAC is sent when
+complete (its header holds the length, which readers trust) and an MP3 without the Info
+frame LAME fills in at the end. Resampling (to 24 kHz) is
+band-limited, by FFT, per sentence. Encoding runs in a worker thread, never on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+from litestar import Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
+from litestar.response import Stream
+from ortserve_client import protocol as p
+from ortserve_runtime import InvalidRequestError, VoiceModel
+
+from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
+from ._mapping import _loaded
+from ._openapi import POST_ERRORS, also_sends, with_error_responses
+from ._routes import _stream_response
+from ._state import OrtServe
+
+__all__ = ["speech_route_handlers"]
+
+_MEDIA_TYPES = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+}
+_SOUNDFILE = {"mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS"), "flac": ("FLAC", "PCM_16")}
+_RESAMPLED = {"pcm": 24_000, "opus": 24_000}
+"""Formats sent at a fixed rate (OpenAI's pcm is 24 kHz; Opus takes 8, 12, 16, 24, 48 kHz)."""
+_HOP = 256
+"""Samples per frame of Piper's VITS voices: ``output_tokens`` counts frames."""
+
+
+def _resample(samples: npt.NDArray[np.float32], rate: int, to: int) -> npt.NDArray[np.float32]:
+    if rate == to or not len(samples):
+        return samples
+    count = round(len(samples) * to / rate)
+    spectrum = np.fft.rfft(samples)
+    return (np.fft.irfft(spectrum, n=count) * (count / len(samples))).astype(np.float32)
+
+
+def _pcm16(samples: npt.NDArray[np.float32]) -> bytes:
+    return (np.clip(samples, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+
+def _wav_header(rate: int, data_bytes: int | None) -> bytes:
+    """A 16-bit mono WAV header; ``None``: a length not known yet (0xFFFFFFFF sizes)."""
+    size = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
+    data = 0xFFFFFFFF if data_bytes is None else data_bytes
+    return (
+        b"RIFF"
+        + struct.pack("<I", size)
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", data)
+    )
+
+
+_MP3_KBPS = {
+    3: (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320),  # MPEG-1
+    2: (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),  # MPEG-2
+    0: (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),  # MPEG-2.5
+}
+_MP3_RATES = {3: (44100, 48000, 32000), 2: (22050, 24000, 16000), 0: (11025, 12000, 8000)}
+
+
+def _mp3_frame_length(data: bytes) -> int | None:
+    """The length of the Layer III frame ``data`` starts with (``None``: not all there yet)."""
+    if len(data) < 4 or data[0] != 0xFF or data[1] & 0xE0 != 0xE0:
+        return None if len(data) < 4 else 0
+    version = (data[1] >> 3) & 3
+    kbps = _MP3_KBPS.get(version, _MP3_KBPS[2])[data[2] >> 4]
+    rate = _MP3_RATES.get(version, _MP3_RATES[2])[min((data[2] >> 2) & 3, 2)]
+    padding = (data[2] >> 1) & 1
+    length = (144 if version == 3 else 72) * kbps * 1000 // rate + padding
+    return length if len(data) >= length else None
+
+
+class _Encoder:
+    """An audio file in ``fmt``, written a sentence at a time: :meth:`feed` returns the
+    bytes ready to send, :meth:`close` the rest (streamed), or :meth:`whole` the file."""
+
+    def __init__(self, fmt: str, rate: int) -> None:
+        self.fmt = fmt
+        self.source_rate = rate
+        self.rate = _RESAMPLED.get(fmt, rate)
+        self.buffer = io.BytesIO()
+        self.sent = 0
+        self.pcm: list[bytes] = []
+        self.file: Any = None
+        if fmt in _SOUNDFILE:
+            import soundfile
+
+            container, subtype = _SOUNDFILE[fmt]
+            # MP3 at a constant bitrate: a streamed one lacks the Info frame (see
+            # _new_bytes), and readers then reckon its length from the first frame's rate.
+            self.file = soundfile.SoundFile(
+                self.buffer,
+                "w",
+                samplerate=self.rate,
+                channels=1,
+                format=container,
+                subtype=subtype,
+                compression_level=0.5 if fmt == "mp3" else None,  # soundfile sets the mode only with a level
+                bitrate_mode="CONSTANT" if fmt == "mp3" else None,
+            )
+
+    def feed(self, samples: npt.NDArray[np.float32]) -> bytes:
+        samples = _resample(samples, self.source_rate, self.rate)
+        if self.file is None:  # wav, pcm
+            data = _pcm16(samples)
+            self.pcm.append(data)
+            if self.fmt == "wav" and len(self.pcm) == 1:
+                return _wav_header(self.rate, None) + data
+            return data
+        self.file.write(samples)
+        return self._new_bytes()
+
+    def _new_bytes(self) -> bytes:
+        if self.fmt == "flac":
+            return b""  # sent whole at the end: its header holds the length, which readers trust
+        data = self.buffer.getvalue()
+        if self.sent == 0 and self.fmt == "mp3":
+            # LAME's first frame is a placeholder that the end fills with the Info tag (the
+            # frame count); sent early it would stay empty, and readers would trust it. A
+            # streamed MP3 goes without it: readers count its frames.
+            skip = _mp3_frame_length(data)
+            if skip is None:
+                return b""  # not all of the first frame yet
+            self.sent = skip
+        new = data[self.sent :]
+        self.sent += len(new)
+        return new
+
+    def close(self) -> bytes:
+        """The last bytes of a streamed file (an MP3's header, filled in at the end, is not
+        sent again); a FLAC file whole."""
+        if self.file is None:
+            return b""
+        self.file.close()
+        if self.fmt == "flac":
+            return self.buffer.getvalue()
+        return self._new_bytes()
+
+    def whole(self) -> bytes:
+        """The complete file (its header with the final length)."""
+        if self.file is None:
+            data = b"".join(self.pcm)
+            return (_wav_header(self.rate, len(data)) + data) if self.fmt == "wav" else data
+        self.file.close()
+        return self.buffer.getvalue()
+
+
+def _check(data: p.SpeechRequest, model: VoiceModel) -> str | None:
+    """Refuse what cannot be honoured, naming the field; the voice asked for."""
+    if isinstance(data.instructions, str) and data.instructions:
+        raise UnsupportedParameterError(
+            "'instructions' is not supported: the voices here do not follow instructions", param="instructions"
+        )
+    if data.response_format == "aac":
+        raise UnsupportedParameterError(
+            "response_format 'aac' cannot be encoded by this server (libsndfile has no AAC encoder); "
+            "use mp3, opus, flac, wav or pcm",
+            param="response_format",
+        )
+    voice = data.voice
+    if isinstance(voice, dict):  # OpenAI's custom voice object: {"id": "voice_..."}
+        voice = voice.get("id") if isinstance(voice.get("id"), str) else None
+        if voice is None:
+            raise BadRequestError('voice must be a voice name or {"id": name}', param="voice")
+    voice = voice if isinstance(voice, str) else None
+    model.check(data.input, voice, data.speed)
+    return voice
+
+
+@post(
+    "/audio/speech",
+    status_code=200,
+    summary="Speak text (voice models)",
+    responses=with_error_responses(bytes, "The audio file", *POST_ERRORS),
+    operation_class=also_sends(
+        "text/event-stream", "with stream_format sse: speech.audio.delta and speech.audio.done events"
+    ),
+)
+async def create_speech(
+    data: JSONBody[p.SpeechRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[Any]:
+    model: VoiceModel = await _loaded(ortserve, data.model, "voice")
+    if model.queued >= ortserve.config.max_queued:
+        raise OverloadedError(
+            f"model {data.model!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
+        )
+    try:
+        voice = _check(data, model)
+        chunks = model.synthesize(data.input, voice=voice, speed=data.speed)
+        first = await anext(chunks)  # the phonemizer's refusals are HTTP errors
+    except InvalidRequestError as exc:
+        raise BadRequestError(str(exc), param=exc.param) from exc
+    encoder = _Encoder(data.response_format, model.sample_rate)
+    endpoint = f"{ortserve.config.path}/audio/speech"
+    usage = [first.phonemes, len(first.samples) // _HOP]
+
+    async def encoded() -> AsyncIterator[bytes]:
+        try:
+            yield await asyncio.to_thread(encoder.feed, first.samples)
+            async for chunk in chunks:
+                usage[0] += chunk.phonemes
+                usage[1] += len(chunk.samples) // _HOP
+                yield await asyncio.to_thread(encoder.feed, chunk.samples)
+            yield await asyncio.to_thread(encoder.close)
+            ortserve.metrics.count_request(endpoint, data.model, 200)
+        finally:
+            await chunks.aclose()
+
+    if data.stream_format == "sse":
+
+        async def events() -> AsyncIterator[bytes]:
+            async for piece in encoded():
+                if piece:
+                    delta = p.SpeechAudioDeltaEvent(audio=base64.b64encode(piece).decode())
+                    yield b"data: " + msgspec.json.encode(delta) + b"\n\n"
+            done = p.SpeechAudioDoneEvent(usage=p.SpeechUsage(usage[0], usage[1], usage[0] + usage[1]))
+            yield b"data: " + msgspec.json.encode(done) + b"\n\n"
+
+        return _stream_response(events())
+    # As OpenAI, the audio goes out as it is made (chunked), whatever the format.
+    return Stream(encoded(), media_type=_MEDIA_TYPES[data.response_format])
+
+
+speech_route_handlers = [create_speech]

@@ -1,0 +1,103 @@
+"""Piper voices on onnxruntime against piper-tts's own synthesis, on a real voice."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ortserve_runtime import InvalidRequestError, ModelConfig, ModelRegistry, VoiceModel
+from voices import JOE, TEXT, quiet_voice
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def joe() -> VoiceModel:
+    return VoiceModel("joe", JOE, ModelConfig())
+
+
+async def _speak(model: VoiceModel, text: str, **options: object) -> list[np.ndarray]:
+    return [chunk.samples async for chunk in model.synthesize(text, **options)]  # type: ignore[arg-type]
+
+
+async def test_the_same_samples_as_piper_at_the_same_settings(joe: VoiceModel) -> None:
+    from piper import PiperVoice, SynthesisConfig
+
+    ours = await _speak(joe, TEXT, noise_scale=0.0, noise_w=0.0)
+    reference = PiperVoice.load(next(JOE.glob("*.onnx")))
+    settings = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, normalize_audio=False)
+    theirs = [chunk.audio_float_array for chunk in reference.synthesize(TEXT, settings)]
+    assert len(ours) == len(theirs) == 5  # a chunk per sentence
+    for mine, piper in zip(ours, theirs, strict=True):
+        assert mine.shape == piper.shape
+        np.testing.assert_allclose(mine, piper, atol=1e-5)
+    # At a slower speed the same sentences last longer (length_scale / speed).
+    slower = await _speak(joe, "One sentence.", noise_scale=0.0, noise_w=0.0, speed=0.5)
+    normal = await _speak(joe, "One sentence.", noise_scale=0.0, noise_w=0.0)
+    assert 1.6 < len(slower[0]) / len(normal[0]) < 2.2  # durations round up to whole frames
+
+
+async def test_noise_varies_the_audio_unless_switched_off(joe: VoiceModel, tmp_path: Path) -> None:
+    first, second = await _speak(joe, "Same words."), await _speak(joe, "Same words.")
+    assert first[0].shape != second[0].shape or not np.array_equal(first[0], second[0])
+    quiet = VoiceModel("quiet", quiet_voice(tmp_path / "quiet"), ModelConfig())
+    try:
+        a, b = await _speak(quiet, "Same words."), await _speak(quiet, "Same words.")
+        assert np.array_equal(a[0], b[0])
+    finally:
+        await quiet.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "options", "param"),
+    [
+        ("   ", {}, "input"),
+        ("x" * 4097, {}, "input"),
+        ("Hi.", {"voice": "alloy"}, "voice"),
+        ("Hi.", {"speed": 4.5}, "speed"),
+        ("Hi.", {"speed": 0.1}, "speed"),
+    ],
+)
+async def test_bad_input_names_the_field(joe: VoiceModel, text: str, options: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        await _speak(joe, text, **options)
+    assert caught.value.param == param
+    if param == "voice":
+        assert "joe" in str(caught.value)
+
+
+async def test_a_short_request_is_not_stuck_behind_a_long_one(joe: VoiceModel) -> None:
+    """Requests take turns a sentence each: one sentence asked after twelve is done first."""
+    done: list[str] = []
+
+    async def speak(name: str, text: str) -> None:
+        await _speak(joe, text)
+        done.append(name)
+
+    long = asyncio.create_task(speak("long", " ".join(["This sentence is one of many."] * 12)))
+    await asyncio.sleep(0.05)
+    await speak("short", "Short.")
+    await long
+    assert done == ["short", "long"]
+
+
+async def test_a_listener_that_leaves_drops_the_rest(joe: VoiceModel) -> None:
+    stream = joe.synthesize(" ".join(["This sentence is one of many."] * 40))
+    await anext(stream)
+    await stream.aclose()
+    for _ in range(100):  # the worker finishes the sentence under way, then drops the rest
+        if joe.active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert joe.active == 0 and joe.queued == 0
+
+
+async def test_the_registry_recognises_a_voice_folder() -> None:
+    registry = ModelRegistry(ModelConfig())
+    registry.add("joe", JOE)
+    assert registry.kind("joe") == "voice"
+    model = await registry.load("joe")
+    assert isinstance(model, VoiceModel) and registry.status_of("joe").voices == ("joe",)
+    await registry.close()
