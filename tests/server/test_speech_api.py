@@ -82,7 +82,7 @@ def test_sse_events_carry_the_same_file_and_the_usage(client: openai.OpenAI, url
     data = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
     whole = client.audio.speech.create(model="joe", input=TEXT, voice="joe", response_format="wav").content
     assert data == whole
-    samples, rate = soundfile.read(io.BytesIO(data))
+    samples, _ = soundfile.read(io.BytesIO(data))
     assert usage["output_tokens"] * 256 == len(samples)  # frames of 256 samples
 
 
