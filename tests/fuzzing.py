@@ -25,11 +25,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 from serving import TINY_MODEL
+from voices import JOE
 
 # The names the fuzz server serves, plus one it does not: a generated ``model`` is drawn from
 # these, since a random string is a 404 before any of the interesting work happens.
 CHAT_MODEL, SPEECH_MODEL, EMBEDDING_MODEL, RERANK_MODEL, UNKNOWN_MODEL = "tiny", "whisper", "minilm", "ce", "nope"
-MODEL_NAMES = [CHAT_MODEL, SPEECH_MODEL, EMBEDDING_MODEL, RERANK_MODEL, UNKNOWN_MODEL]
+VOICE_MODEL = "voice"
+MODEL_NAMES = [CHAT_MODEL, SPEECH_MODEL, EMBEDDING_MODEL, RERANK_MODEL, VOICE_MODEL, UNKNOWN_MODEL]
 CROSS_ENCODER = Path(__file__).resolve().parent / "fixtures" / "tiny-cross-encoder"
 
 # Small bounds so that no generated request is expensive: a fuzzed max_tokens of 10**9 is a 400,
@@ -46,6 +48,7 @@ def fuzz_config(embedding_folder: Path) -> ServerConfig:
             SPEECH_MODEL: TINY_WHISPER,
             EMBEDDING_MODEL: embedding_folder,
             RERANK_MODEL: CROSS_ENCODER,
+            VOICE_MODEL: JOE,
         },
         max_tokens_limit=MAX_TOKENS,
         max_n=MAX_N,
@@ -120,6 +123,7 @@ _MODEL_FOR = {
     "MessagesRequest": CHAT_MODEL,
     "CountTokensRequest": CHAT_MODEL,
     "ResponseCreateRequest": CHAT_MODEL,
+    "SpeechRequest": VOICE_MODEL,
 }
 _MODEL_FOR_PATH = {
     "/v1/chat/completions": CHAT_MODEL,
@@ -130,6 +134,7 @@ _MODEL_FOR_PATH = {
     "/v1/rerank": RERANK_MODEL,
     "/v1/score": RERANK_MODEL,
     "/v1/audio/transcriptions": SPEECH_MODEL,
+    "/v1/audio/speech": VOICE_MODEL,
     "/v1/messages": CHAT_MODEL,
     "/v1/messages/count_tokens": CHAT_MODEL,
     "/v1/responses": CHAT_MODEL,
@@ -205,6 +210,7 @@ OPERATIONS = [
     ("POST", "/v1/rerank"),
     ("POST", "/v1/score"),
     ("POST", "/v1/audio/transcriptions"),
+    ("POST", "/v1/audio/speech"),
     ("POST", "/v1/tokenize"),
     ("POST", "/v1/detokenize"),
     ("POST", "/v1/responses"),

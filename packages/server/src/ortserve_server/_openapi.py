@@ -14,7 +14,15 @@ from typing import Any
 
 from litestar._openapi.schema_generation.plugins.struct import StructSchemaPlugin
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Reference, Schema
+from litestar.openapi.spec import (
+    OpenAPIFormat,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    Operation,
+    Reference,
+    Schema,
+)
 from litestar.plugins import OpenAPISchemaPlugin
 from litestar.typing import FieldDefinition
 from ortserve_client import protocol as p
@@ -28,6 +36,7 @@ __all__ = [
     "also_sends",
     "error_responses",
     "generation_docs",
+    "sends_files",
     "with_error_responses",
 ]
 
@@ -80,6 +89,24 @@ def also_sends(media_type: str, description: str) -> type[Operation]:
                 ok.content[media_type] = OpenAPIMediaType(schema=text)
 
     return TwoMediaTypes
+
+
+def sends_files(media_types: tuple[str, ...], events: str) -> type[Operation]:
+    """An Operation class whose 200 is a file in one of ``media_types`` (binary), or
+    server-sent ``events`` (text/event-stream)."""
+
+    @dataclass
+    class Files(Operation):
+        def __post_init__(self) -> None:
+            ok = (self.responses or {}).get("200")
+            if isinstance(ok, OpenAPIResponse):
+                binary = Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY)
+                ok.content = {media_type: OpenAPIMediaType(schema=binary) for media_type in media_types}
+                ok.content["text/event-stream"] = OpenAPIMediaType(
+                    schema=Schema(type=OpenAPIType.STRING, description=events)
+                )
+
+    return Files
 
 
 def generation_docs(body: type[Any], description: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from ortserve_runtime import InvalidRequestError, VoiceModel
 
 from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from ._mapping import _loaded
-from ._openapi import POST_ERRORS, also_sends, with_error_responses
+from ._openapi import POST_ERRORS, sends_files, with_error_responses
 from ._routes import _stream_response
 from ._state import OrtServe
 
@@ -202,9 +202,10 @@ def _check(data: p.SpeechRequest, model: VoiceModel) -> str | None:
     "/audio/speech",
     status_code=200,
     summary="Speak text (voice models)",
-    responses=with_error_responses(bytes, "The audio file", *POST_ERRORS),
-    operation_class=also_sends(
-        "text/event-stream", "with stream_format sse: speech.audio.delta and speech.audio.done events"
+    responses=with_error_responses(bytes, "The audio file, in response_format", *POST_ERRORS),
+    operation_class=sends_files(
+        tuple(_MEDIA_TYPES.values()),
+        "with stream_format sse: `data: <event JSON>` lines, speech.audio.delta events then speech.audio.done",
     ),
 )
 async def create_speech(
