@@ -5,8 +5,12 @@ messages, flat function tools -> chat tools, ``text.format`` -> ``response_forma
 ``max_output_tokens`` -> ``max_completion_tokens``) and runs through exactly what chat
 completions run (:func:`start_chat`: the checks, the template, forced-call grammars, the
 tool-call parser, the queue limits); errors that name a chat field are renamed to the
-Responses field they came from. What comes back is turned into output items, whole or as
-the typed stream events.
+Responses field they came from (:mod:`._responses_input`). What comes back is turned into
+output items, whole or as the typed stream events (:mod:`._responses_output`).
+
+With ``mcp`` tools a response is a loop of model turns (:class:`_Loop`): the server makes
+the MCP calls the model writes (:mod:`._mcp`) and feeds the results into the next turn,
+until an answer, a function call for the client, an approval request, or a limit.
 
 Decisions, where OpenAI leaves room:
 
@@ -34,11 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -47,20 +49,21 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
-from ortserve_runtime import ChatModel, InvalidRequestError, ToolCall
+from ortserve_runtime import ChatModel, ToolCall
 
-from ._errors import BadRequestError, NotFoundError, ServerError, UnsupportedParameterError
+from ._errors import BadRequestError, NotFoundError, UnsupportedParameterError
 from ._ids import new_id
 from ._mapping import require_model
 from ._mcp import McpTool as McpToolSpec
 from ._mcp import McpToolError, McpTools
 from ._openapi import GET_ERRORS, error_responses, generation_docs
+from ._responses_input import _chat_request, _chat_tools, _input, _messages, _named_as_responses
+from ._responses_output import _as_input, _Output, _usage
 from ._routes import _Generation, _stream_response, _while_connected, error_detail, start_chat
 from ._state import OrtServe
 
 __all__ = ["PreviousResponseNotFoundError", "ResponseNotFoundError", "responses_route_handlers"]
 
-_encode = msgspec.json.Encoder().encode
 _METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 """OpenAI's bounds on ``metadata`` (which a stored response keeps)."""
 
@@ -108,461 +111,6 @@ def _check(data: rp.ResponseCreateRequest, state: OrtServe, model: ChatModel) ->
             f"and values of at most {_METADATA_VALUE_CHARS}",
             param="metadata",
         )
-
-
-_AT_PATH = re.compile(r" - at `\$\[(\d+)\](.*)`$")
-
-
-def _input(data: rp.ResponseCreateRequest) -> list[rp.InputItem]:
-    if isinstance(data.input, str):
-        return [rp.InputMessage(role="user", content=data.input)]
-    try:
-        return rp.input_items(data.input)
-    except msgspec.ValidationError as exc:
-        where = _AT_PATH.search(str(exc))
-        param = f"input[{where.group(1)}]{where.group(2)}" if where else "input"
-        raise BadRequestError(f"{_AT_PATH.sub('', str(exc))} (field {param!r})", param=param) from exc
-
-
-def _text_parts(content: str | list[rp.InputContent], where: str) -> str | list[p.TextContentPart]:
-    """Content that may hold text only (system, developer, assistant, tool results)."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for number, part in enumerate(content):
-        if isinstance(part, rp.InputImage | rp.InputAudioPart):
-            what = "images" if isinstance(part, rp.InputImage) else "audio"
-            raise BadRequestError(f"only user messages may hold {what}", param=f"{where}.content[{number}]")
-        parts.append(p.TextContentPart(text=part.text))
-    return parts
-
-
-def _user_parts(content: str | list[rp.InputContent], where: str) -> str | list[p.ContentPart]:
-    if isinstance(content, str):
-        return content
-    parts: list[p.ContentPart] = []
-    for number, part in enumerate(content):
-        if isinstance(part, rp.InputAudioPart):
-            parts.append(p.InputAudioContentPart(input_audio=part.input_audio))
-        elif not isinstance(part, rp.InputImage):
-            parts.append(p.TextContentPart(text=part.text))
-        elif not isinstance(part.image_url, str):
-            # file_id names OpenAI's Files API, which this server does not have.
-            raise BadRequestError(
-                "an input_image needs image_url (a data: URL); file_id is not supported",
-                param=f"{where}.content[{number}].image_url",
-            )
-        else:
-            parts.append(p.ImageContentPart(image_url=p.ImageURL(url=part.image_url, detail=part.detail)))
-    return parts
-
-
-def _messages(instructions: str | None, items: list[tuple[str, rp.InputItem]]) -> tuple[list[p.ChatMessage], list[str]]:
-    """Chat messages for the model's template, and per message the request field it came
-    from (``instructions``, ``input[2]``, ``previous_response_id``). Consecutive function
-    calls, and calls right after assistant text, make one assistant message with
-    ``tool_calls``, which is how the model wrote them."""
-    messages: list[p.ChatMessage] = []
-    origins: list[str] = []
-    if instructions:
-        messages.append(p.SystemMessage(content=instructions))
-        origins.append("instructions")
-    thought = ""  # a reasoning item's text, for the assistant message it came before
-    for where, item in items:
-        message: p.ChatMessage
-        if isinstance(item, rp.ReasoningItem):
-            thought = "\n\n".join(filter(None, (thought, item.text)))
-            continue
-        if isinstance(item, rp.McpListToolsItem) or (isinstance(item, rp.McpApprovalResponseItem) and item.approve):
-            continue  # tools reach the template as tools; an approved call's result follows as its mcp_call
-        if isinstance(item, rp.FunctionCallItem | rp.McpApprovalRequestItem | rp.McpCallItem):
-            call = _call_of(item)
-            if call is not None:
-                last = messages[-1] if messages else None
-                if not isinstance(last, p.AssistantMessage):
-                    last = p.AssistantMessage(content=None, tool_calls=[])
-                    messages.append(last)
-                    origins.append(where)
-                last.tool_calls = [*(last.tool_calls or []), call]
-                thought = _add_thought(last, thought)
-            if not isinstance(item, rp.McpCallItem):
-                continue
-            # An MCP call carries its result: after the call the model wrote (the next call
-            # is a new turn), or after the approval request the call was made on.
-            message = p.ToolMessage(content=_mcp_result(item), tool_call_id=item.approval_request_id or item.id)
-        elif isinstance(item, rp.McpApprovalResponseItem):  # refused
-            reason = f": {item.reason}" if isinstance(item.reason, str) and item.reason else ""
-            message = p.ToolMessage(
-                content=f"The user did not approve this call{reason}", tool_call_id=item.approval_request_id
-            )
-        elif isinstance(item, rp.FunctionCallOutputItem):
-            output = _text_parts(item.output, where)
-            text = output if isinstance(output, str) else "".join(part.text for part in output)
-            message = p.ToolMessage(content=text, tool_call_id=item.call_id)
-        elif item.role == "user":
-            message = p.UserMessage(content=_user_parts(item.content, where))
-        elif item.role == "assistant":
-            message = p.AssistantMessage(content=_text_parts(item.content, where))
-        elif item.role == "system":
-            message = p.SystemMessage(content=_text_parts(item.content, where))
-        else:
-            message = p.DeveloperMessage(content=_text_parts(item.content, where))
-        # Thinking with no assistant turn right after it belongs to none: dropped.
-        thought = _add_thought(message, thought) if isinstance(message, p.AssistantMessage) else ""
-        messages.append(message)
-        origins.append(where)
-    return messages, origins
-
-
-def _call_of(item: rp.FunctionCallItem | rp.McpApprovalRequestItem | rp.McpCallItem) -> p.ToolCall | None:
-    """The call an item says the model wrote (a function call, an MCP call the server made
-    on its own, or one waiting for approval), as chat completions carry it; ``None`` for
-    an MCP call made on approval (the approval request was the call)."""
-    if isinstance(item, rp.FunctionCallItem):
-        call_id, name, arguments = item.call_id, item.name, item.arguments
-    elif isinstance(item, rp.McpCallItem) and item.approval_request_id is not None:
-        return None
-    else:
-        call_id, name, arguments = item.id, item.name, item.arguments
-    return p.ToolCall(id=call_id, function=p.FunctionCall(name=name, arguments=arguments))
-
-
-def _mcp_result(item: rp.McpCallItem) -> str:
-    """What the model reads of an MCP call: its output, or its error."""
-    error = item.error
-    if error is None:
-        return item.output or ""
-    if error.type == "mcp_tool_execution_error":
-        content = error.content if isinstance(error.content, list) else []
-        return "Error: " + "\n".join(str(block.get("text", "")) for block in content)
-    return f"Error ({error.type} {error.code}): {error.message}"
-
-
-def _add_thought(message: p.AssistantMessage, thought: str) -> str:
-    """Puts a reasoning item's text on the assistant message it preceded (as chat
-    completions take an earlier turn's ``reasoning_content``); returns what is left."""
-    if thought:
-        given = message.reasoning_content if isinstance(message.reasoning_content, str) else ""
-        message.reasoning_content = "\n\n".join(filter(None, (given, thought)))
-    return ""
-
-
-def _chat_tools(data: rp.ResponseCreateRequest, mcp: McpTools) -> list[p.Tool]:
-    """The functions the model may call: the request's function tools, then its MCP
-    servers' tools (their input schemas as parameters)."""
-    tools = [
-        p.Tool(
-            function=p.FunctionDefinition(
-                name=tool.name,
-                description=msgspec.UNSET if tool.description is None else tool.description,
-                parameters=msgspec.UNSET if tool.parameters is None else tool.parameters,
-                strict=tool.strict,
-            )
-        )
-        for tool in data.tools or []
-        if isinstance(tool, rp.FunctionTool)
-    ]
-    tools += mcp.chat_tools()
-    return tools
-
-
-def _chat_request(
-    data: rp.ResponseCreateRequest,
-    messages: list[p.ChatMessage],
-    tools: list[p.Tool],
-    choice: Any,
-    spent: int = 0,
-) -> p.ChatCompletionRequest:
-    """The chat request of one model turn: ``tools`` and ``choice`` (``tool_choice``) are
-    the turn's (:class:`_Loop` narrows them as MCP calls are spent); ``spent``: the tokens
-    earlier turns wrote, which ``max_output_tokens`` counts too."""
-    tool_choice = (
-        p.NamedToolChoice(function=p.NamedToolChoiceFunction(name=choice.name))
-        if isinstance(choice, rp.ToolChoiceFunction)
-        else choice
-    )
-    fmt = data.text.format if isinstance(data.text, rp.TextConfig) else None
-    response_format: p.ResponseFormat | msgspec.UnsetType = msgspec.UNSET
-    if isinstance(fmt, rp.TextFormatJSONObject):
-        response_format = p.ResponseFormatJSONObject()
-    elif isinstance(fmt, rp.TextFormatJSONSchema):
-        schema = p.JSONSchema(name=fmt.name, schema=fmt.schema, strict=fmt.strict)
-        response_format = p.ResponseFormatJSONSchema(json_schema=schema)
-    return p.ChatCompletionRequest(
-        model=data.model,
-        messages=messages,
-        tools=tools or msgspec.UNSET,
-        tool_choice=tool_choice,
-        parallel_tool_calls=data.parallel_tool_calls,
-        response_format=response_format,
-        max_completion_tokens=(
-            data.max_output_tokens - spent if isinstance(data.max_output_tokens, int) else data.max_output_tokens
-        ),
-        temperature=data.temperature,
-        top_p=data.top_p,
-        # _check let it through only for a reasoning model; the template reads it.
-        reasoning_effort=data.reasoning.effort if isinstance(data.reasoning, rp.Reasoning) else msgspec.UNSET,
-        cache_salt=data.cache_salt,
-    )
-
-
-_FIELDS = {
-    "messages": "input",
-    "response_format": "text.format",
-    "max_tokens": "max_output_tokens",
-    "max_completion_tokens": "max_output_tokens",
-}
-"""Chat fields the chat path's errors name -> the Responses fields they came from."""
-_MESSAGE_PATH = re.compile(r"^messages\[(\d+)\](.*)$")
-
-
-def _rename(param: str | None, origins: list[str]) -> str | None:
-    if param is None:
-        return None
-    found = _MESSAGE_PATH.match(param)
-    if found and int(found.group(1)) < len(origins):
-        # A chat part's image_url.url is an input_image's image_url (detail: its detail).
-        rest = found.group(2).replace(".image_url.url", ".image_url").replace(".image_url.detail", ".detail")
-        return origins[int(found.group(1))] + rest
-    return _FIELDS.get(param, param)
-
-
-@contextlib.contextmanager
-def _named_as_responses(origins: list[str]) -> Iterator[None]:
-    """Errors of the chat path, naming the Responses fields instead of the chat ones."""
-    try:
-        yield
-    except (ServerError, InvalidRequestError) as exc:
-        exc.param = _rename(exc.param, origins)
-        raise
-
-
-# -- output ---------------------------------------------------------------------------------
-
-
-class _Output:
-    """Builds the output items from the generation's text, calls and finish, and says each
-    step as the stream events OpenAI sends (the whole answer runs through it too, so both
-    forms have the same items). ``sequence_number`` counts every event of the stream."""
-
-    def __init__(self, summarize: bool = False, mcp: McpTools | None = None) -> None:
-        self.mcp = mcp
-        """The request's MCP servers: a call to one of their tools is an ``mcp_call`` (or an
-        ``mcp_approval_request``), not a ``function_call`` for the client."""
-        self.calling: list[rp.McpCallItem] = []
-        """MCP calls the model wrote in the turn under way, for :class:`_Loop` to make."""
-        self.items: list[rp.OutputItem] = []
-        self.turn_start = 0
-        """Where the items of the model turn under way begin."""
-        self.sequence = 0
-        self._message: rp.OutputMessage | None = None
-        self._reasoning: rp.ReasoningItem | None = None
-        self.summarize = summarize
-        """Whether the reasoning item's ``summary`` carries the thinking too (asked for
-        with ``reasoning.summary``; there is nothing shorter to give)."""
-
-    def event(self, kind: type[Any], **fields: Any) -> bytes:
-        event = kind(sequence_number=self.sequence, **fields)
-        self.sequence += 1
-        tag: str = kind.__struct_config__.tag
-        return b"event: " + tag.encode() + b"\ndata: " + _encode(event) + b"\n\n"
-
-    def reasoning(self, text: str) -> list[bytes]:
-        """Thinking: the reasoning item opens at its first piece (it comes first: the
-        think block starts the output) and closes when the answer or a call begins."""
-        out = []
-        item = self._reasoning
-        if item is None:
-            item = self._reasoning = rp.ReasoningItem(id=new_id("rs_"), status="in_progress")
-            self.items.append(item)
-            out.append(self.event(rp.OutputItemAddedEvent, output_index=len(self.items) - 1, item=item))
-        where = {"item_id": item.id, "output_index": self.items.index(item)}
-        if not item.content:  # the parts open at once, as OpenAI's stream opens them
-            item.content.append(rp.ReasoningText(text=""))
-            out.append(self.event(rp.ContentPartAddedEvent, content_index=0, part=rp.ReasoningText(text=""), **where))
-            if self.summarize:
-                item.summary.append(rp.SummaryText(text=""))
-                summary = rp.SummaryText(text="")
-                out.append(self.event(rp.ReasoningSummaryPartAddedEvent, summary_index=0, part=summary, **where))
-        if text:
-            item.content[0].text += text
-            out.append(self.event(rp.ReasoningTextDeltaEvent, content_index=0, delta=text, **where))
-            if self.summarize:
-                item.summary[0].text += text
-                out.append(self.event(rp.ReasoningSummaryTextDeltaEvent, summary_index=0, delta=text, **where))
-        return out
-
-    def close_reasoning(self, status: str = "completed") -> list[bytes]:
-        item = self._reasoning
-        if item is None:
-            return []
-        self._reasoning = None
-        item.status = status  # type: ignore[assignment]  # one of the three, by the callers
-        index = self.items.index(item)
-        part = item.content[0]
-        where = {"item_id": item.id, "output_index": index}
-        out = [
-            self.event(rp.ReasoningTextDoneEvent, content_index=0, text=part.text, **where),
-            self.event(rp.ContentPartDoneEvent, content_index=0, part=part, **where),
-        ]
-        if self.summarize:
-            summary = item.summary[0]
-            out.append(self.event(rp.ReasoningSummaryTextDoneEvent, summary_index=0, text=summary.text, **where))
-            out.append(self.event(rp.ReasoningSummaryPartDoneEvent, summary_index=0, part=summary, **where))
-        out.append(self.event(rp.OutputItemDoneEvent, output_index=index, item=item))
-        return out
-
-    def text(self, text: str) -> list[bytes]:
-        out = self.close_reasoning()
-        message = self._message
-        if message is None:
-            message = self._message = rp.OutputMessage(id=new_id("msg_"), content=[], status="in_progress")
-            self.items.append(message)
-            index = len(self.items) - 1
-            out.append(self.event(rp.OutputItemAddedEvent, output_index=index, item=message))
-            message.content.append(rp.OutputText(text=""))
-            out.append(
-                self.event(
-                    rp.ContentPartAddedEvent,
-                    item_id=message.id,
-                    output_index=index,
-                    content_index=0,
-                    part=rp.OutputText(text=""),
-                )
-            )
-        if text:
-            message.content[0].text += text
-            where = {"item_id": message.id, "output_index": len(self.items) - 1, "content_index": 0}
-            out.append(self.event(rp.OutputTextDeltaEvent, delta=text, **where))
-        return out
-
-    def close_message(self, status: str = "completed") -> list[bytes]:
-        message = self._message
-        if message is None:
-            return []
-        self._message = None
-        message.status = status  # type: ignore[assignment]  # one of the three, by the callers
-        part = message.content[0]
-        where = {"item_id": message.id, "output_index": self.items.index(message), "content_index": 0}
-        return [
-            self.event(rp.OutputTextDoneEvent, text=part.text, **where),
-            self.event(rp.ContentPartDoneEvent, part=part, **where),
-            self.event(rp.OutputItemDoneEvent, output_index=where["output_index"], item=message),
-        ]
-
-    def call(self, call: ToolCall) -> list[bytes]:
-        out = self.close_reasoning() + self.close_message()
-        label = self.mcp.owner(call.name) if self.mcp is not None else None
-        if label is not None:
-            assert self.mcp is not None
-            if self.mcp.needs_approval(label, call.name):
-                request = rp.McpApprovalRequestItem(
-                    id=new_id("mcpr_"), server_label=label, name=call.name, arguments=call.arguments
-                )
-                return out + self.added(request) + self.done(request)
-            return out + self.mcp_call(label, call.name, call.arguments)
-        item = rp.FunctionCallItem(
-            id=new_id("fc_"),
-            call_id="call_" + uuid.uuid4().hex[:24],
-            name=call.name,
-            arguments="",
-            status="in_progress",
-        )
-        self.items.append(item)
-        index = len(self.items) - 1
-        out.append(self.event(rp.OutputItemAddedEvent, output_index=index, item=item))
-        out.append(
-            self.event(rp.FunctionCallArgumentsDeltaEvent, item_id=item.id, output_index=index, delta=call.arguments)
-        )
-        item.arguments, item.status = call.arguments, "completed"
-        out.append(
-            self.event(
-                rp.FunctionCallArgumentsDoneEvent,
-                item_id=item.id,
-                output_index=index,
-                arguments=call.arguments,
-                name=call.name,
-            )
-        )
-        out.append(self.event(rp.OutputItemDoneEvent, output_index=index, item=item))
-        return out
-
-    def added(self, item: rp.OutputItem) -> list[bytes]:
-        self.items.append(item)
-        return [self.event(rp.OutputItemAddedEvent, output_index=len(self.items) - 1, item=item)]
-
-    def done(self, item: rp.OutputItem) -> list[bytes]:
-        return [self.event(rp.OutputItemDoneEvent, output_index=self.items.index(item), item=item)]
-
-    def listed(self, item: rp.McpListToolsItem) -> list[bytes]:
-        where = {"item_id": item.id, "output_index": len(self.items)}
-        out = self.added(item)
-        out.append(self.event(rp.McpListToolsInProgressEvent, **where))
-        out.append(self.event(rp.McpListToolsCompletedEvent, **where))
-        return out + self.done(item)
-
-    def mcp_call(self, label: str, name: str, arguments: str, approval: str | None = None) -> list[bytes]:
-        """An MCP call opens (added, in progress, its arguments); :meth:`mcp_result` closes it."""
-        item = rp.McpCallItem(
-            id=new_id("mcp_"),
-            server_label=label,
-            name=name,
-            arguments="",
-            status="in_progress",
-            approval_request_id=approval,
-        )
-        where = {"item_id": item.id, "output_index": len(self.items)}
-        out = self.added(item)
-        out.append(self.event(rp.McpCallInProgressEvent, **where))
-        out.append(self.event(rp.McpCallArgumentsDeltaEvent, delta=arguments, **where))
-        item.arguments = arguments
-        out.append(self.event(rp.McpCallArgumentsDoneEvent, arguments=arguments, **where))
-        self.calling.append(item)
-        return out
-
-    def mcp_result(self, item: rp.McpCallItem) -> list[bytes]:
-        failed = item.error is not None
-        item.status = "failed" if failed else "completed"
-        where = {"item_id": item.id, "output_index": self.items.index(item)}
-        kind = rp.McpCallFailedEvent if failed else rp.McpCallCompletedEvent
-        return [self.event(kind, **where), *self.done(item)]
-
-    def finish(self, reason: str) -> list[bytes]:
-        """The end of a turn: an answer with neither text nor calls is one empty message
-        (so that ``output_text`` is ``""``, not missing), after any reasoning (which
-        ``max_tokens`` may have cut short: then it is incomplete)."""
-        status = "incomplete" if reason == "length" else "completed"
-        out = self.close_reasoning(status)
-        if all(isinstance(item, rp.ReasoningItem) for item in self.items[self.turn_start :]):
-            out += self.text("")
-        return out + self.close_message(status)
-
-    def feed(self, reasoning: str, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
-        out = self.reasoning(reasoning) if reasoning else []
-        out += self.text(text) if text else []
-        for call in calls:
-            out += self.call(call)
-        if reason is not None:
-            out += self.finish(reason)
-        return out
-
-
-def _usage(usage: p.CompletionUsage, reasoning_tokens: int) -> rp.ResponseUsage:
-    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return rp.ResponseUsage(
-        input_tokens=usage.prompt_tokens,
-        output_tokens=usage.completion_tokens,
-        total_tokens=usage.total_tokens,
-        input_tokens_details=rp.InputTokensDetails(cached_tokens=cached),
-        output_tokens_details=rp.OutputTokensDetails(reasoning_tokens=reasoning_tokens),
-    )
-
-
-def _as_input(item: rp.OutputItem) -> rp.InputItem:
-    """An output item as the input item a follow-up hands back."""
-    if isinstance(item, rp.OutputMessage):
-        return rp.InputMessage(role="assistant", content=list(item.content), id=item.id)
-    return item
 
 
 def _without_secrets(tool: rp.Tool) -> rp.Tool:
