@@ -564,3 +564,22 @@ def test_anthropic_a_server_that_never_answers_is_a_424(claude: anthropic.Anthro
         )
     assert caught.value.status_code == 424
     assert "'hang' did not answer" in caught.value.body["error"]["message"]  # type: ignore[index]
+
+
+def test_the_server_description_reaches_the_prompt(client: openai.OpenAI) -> None:
+    """OpenAI's ``server_description`` leads the server's tool descriptions in the prompt."""
+
+    def prompt_tokens(**fields: Any) -> int:
+        response = client.responses.create(
+            model="tiny",
+            input="Hi",
+            tools=[_mcp("tools", require_approval="never", allowed_tools=["add"], **fields)],
+            tool_choice="none",
+            max_output_tokens=1,
+        )
+        assert response.usage is not None
+        return response.usage.input_tokens
+
+    plain = prompt_tokens()
+    described = prompt_tokens(server_description="A calculator for small sums, used by the accounting team")
+    assert described > plain + 5

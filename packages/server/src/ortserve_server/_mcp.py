@@ -256,6 +256,9 @@ class _Use:
     tools: dict[str, McpTool]
     approval: Any
     link: _Link | None = None
+    description: str | None = None
+    """What the request says the server is for (OpenAI's ``server_description``): it
+    leads each of the server's tool descriptions, where the model reads it."""
 
 
 class McpTools:
@@ -287,6 +290,7 @@ class McpTools:
         allowed: Callable[[McpTool], bool] | None = None,
         approval: Any = "never",
         listed: list[McpTool] | None = None,
+        description: str | None = None,
     ) -> list[McpTool]:
         """Adds the server ``label`` (configured, or at ``url`` when the operator allows
         it; ``param`` names the request's field in refusals); returns its tools, those ``allowed``
@@ -308,7 +312,7 @@ class McpTools:
                     "the operator allows with --allow-mcp-url, or a configured server's label",
                     param=param,
                 )
-        use = _Use(label, label if configured else None, {}, approval)
+        use = _Use(label, label if configured else None, {}, approval, description=description)
         if listed is None:
             started = time.perf_counter()
             if configured:
@@ -340,12 +344,15 @@ class McpTools:
 
     def chat_tools(self) -> list[p.Tool]:
         """The servers' tools as chat tools (their input schemas as parameters)."""
+
+        def described(use: _Use, tool: McpTool) -> str | msgspec.UnsetType:
+            parts = [part for part in (use.description, tool.description) if part]
+            return " ".join(parts) if parts else msgspec.UNSET
+
         return [
             p.Tool(
                 function=p.FunctionDefinition(
-                    name=tool.name,
-                    description=msgspec.UNSET if tool.description is None else tool.description,
-                    parameters=tool.input_schema,
+                    name=tool.name, description=described(use, tool), parameters=tool.input_schema
                 )
             )
             for use in self.uses.values()

@@ -270,6 +270,7 @@ async def _list_mcp_tools(
             allowed=picked,
             approval=msgspec.to_builtins(tool.require_approval) if tool.require_approval is not None else "always",
             listed=listed,
+            description=tool.server_description,
         )
         if before is None:
             listings.append(
