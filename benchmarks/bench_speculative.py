@@ -17,7 +17,7 @@ chat template, greedy.
 
 Speed is decode tokens per second of the stream (first token to last, so prefill, the same
 either way, does not dilute it); each row is the median of --rounds runs, plain and
-speculative alternating. "same" says whether the tokens equal the plain run's (see README:
+speculative alternating. "same" says whether the tokens equal the plain run's (see docs/guides/speculative.md:
 a draft's positions round as a prompt's do; on int4 graphs whose MatMulNBits quantise
 activations to int8 that flips near-ties). The raw library's rows run og.Generator on the
 same prompts, without and with onnxruntime-genai's own n-gram speculation.

@@ -4,7 +4,7 @@ its own documented custom-base-URL path, against an ortserve sidecar.
     uv run python examples/agent_frameworks.py
 
 Serves `ORTSERVE_EXAMPLE_MODEL` (default: the tiny random test model, whose words are
-gibberish but whose calls and JSON are well-formed); on SmolLM2-135M int4 (see the README)
+gibberish but whose calls and JSON are well-formed); on SmolLM2-135M int4 (see docs/guides/agent-frameworks.md)
 the tool calls and structured answers are sensible. `ORTSERVE_EXAMPLE_CHAT_TEMPLATE`
 replaces the model's own chat template (`--chat-template`), as for a model whose template
 has no tools; without it such a model gets its tools in the system prompt.

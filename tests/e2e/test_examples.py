@@ -109,7 +109,7 @@ def test_media_example_asks_about_an_image_and_subtitles_audio() -> None:
 
 
 def test_agent_frameworks_example_runs_each_framework(tmp_path: Path) -> None:
-    """The README's agent framework snippets, on the tiny model given a template without
+    """The agent framework snippets of docs/guides/agent-frameworks.md, on the tiny model given a template without
     tools (as SmolLM2's): tools go into the system prompt, calls and answers parse."""
     import shutil
 

@@ -105,7 +105,7 @@ async def test_bytes_per_token_and_the_budget_follow_the_dtype() -> None:
 
 async def test_logprobs_stay_near_the_models_own() -> None:
     """Greedy on the tiny model: each step's chosen-token logprob, while the tokens agree,
-    near ``auto``'s (random weights; SmolLM2's figures are in the README)."""
+    near ``auto``'s (random weights; SmolLM2's figures are in docs/performance.md)."""
     results = {}
     prompt = CORPUS[:600]
     for dtype in ("auto", "fp16", "int8"):

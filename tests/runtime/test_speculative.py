@@ -4,7 +4,7 @@ never which tokens.
 The reference is the same request on a model that does not speculate. Tokens are compared
 exactly and logprobs to 1e-4: a draft's positions are computed in one call, as a prompt's
 are, which rounds differently from a one-token step (on these fp32 graphs by at most 3e-5 in a
-logprob; see README for int4 graphs). Each test also checks that drafts were accepted, so that
+logprob; see docs/guides/speculative.md for int4 graphs). Each test also checks that drafts were accepted, so that
 it could fail. ``ORTSERVE_SMOLLM2_FP32`` (``mk_smollm2.py``'s ``ort-fp32``) runs the
 prompt-lookup test on real weights too.
 """

@@ -2,7 +2,7 @@
 onnxruntime-genai's tokenizer and transformers' (the real Phi-3 tokenizer, from the
 tiny-phi3v fixture, over the tiny Qwen2's graph: only the tokens are looked at here).
 
-What ortserve follows, and why (the README's "Tokenization" section):
+What ortserve follows, and why ("Tokenization" in docs/guides/accelerators.md):
 - the folder's ``tokenizer.json`` as written, with its normalizer or pre-tokenizer: it is
   what the model's publisher converted the SentencePiece model to, and what transformers'
   fast tokenizers (and so vLLM) read. On Phi-3's layout (a ``Prepend("▁")`` normalizer)

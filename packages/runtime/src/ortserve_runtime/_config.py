@@ -84,7 +84,7 @@ class ModelConfig:
     max_batch_size: int = 32
     """Requests decoded together in one step (og-generator: generators stepped in turn);
     more wait in a queue. 32 from the measured curve (benchmarks/bench_concurrency.py, see
-    README): with 8, the ninth request waits for whole generations (16 concurrent: TTFT p95
+    docs/performance.md): with 8, the ninth request waits for whole generations (16 concurrent: TTFT p95
     22 s against 1.6 s with 32), while rows only cost memory when they hold tokens. og-engine batches what og schedules: 4 in its static batches
     on the CPU (measured: og's ``engine.static_batching.max_batch_size`` is reported but
     does not raise it), the folder's ``engine.dynamic_batching`` with paged attention."""
@@ -99,7 +99,7 @@ class ModelConfig:
     """ort-cpu: prefill prompts of 64 tokens or more through an int8 copy of an int4 model's
     matrices (onnxruntime's u8s8 GEMM; the MLP's down projection and the LM head stay
     int4), converted at the model's first load and kept under ``$ORTSERVE_CACHE/int8-prefill``;
-    decode stays on the folder's int4 graph. Measured (see README): prefill 1.4-1.6x faster,
+    decode stays on the folder's int4 graph. Measured (see docs/performance.md): prefill 1.4-1.6x faster,
     about 0.5 GB more memory on the 0.5B-shaped model, and greedy replies that drift from
     og's as far as any change of rounding does; activations are scaled per call, so a
     prompt's rows also depend on the chunk they are in and on a prefix-cache hit (the
@@ -122,7 +122,7 @@ class ModelConfig:
     graph's. ``int8``: a quarter, each layer's keys and values scaled per channel with
     scales measured once by running a calibration text through the model (kept under
     ``$ORTSERVE_CACHE/kv-scales``). Attention still computes in the graph's type; the
-    logprob drift measured on SmolLM2 is in the README. Rounding happens as a row is
+    logprob drift measured on SmolLM2 is in docs/performance.md. Rounding happens as a row is
     written, so a request's output does not depend on a prefix-cache hit or its batch."""
     prefix_cache_min_tokens: int = 32
     """Shortest common prefix worth reusing."""

@@ -348,7 +348,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="ort-cpu: how the key/value cache stores keys and values: auto (the model's own type, exact), "
         "fp16 (half an fp32 model's bytes) or int8 (a quarter; per-channel scales measured once per model); "
-        "both move logprobs a little (see the README)",
+        "both move logprobs a little (see docs/performance.md)",
     )
     serve.add_argument(
         "--prefill-int8",

@@ -31,7 +31,7 @@ __all__ = ["Drafter", "PromptLookup"]
 
 MAX_DRAFT_TOKENS = 8
 """The most tokens a draft holds: a call of 9 positions costs 2.2x a one-token step on
-SmolLM2-135M int4 and 2.6x on the 0.5B-shaped model (measured, see README), so longer
+SmolLM2-135M int4 and 2.6x on the 0.5B-shaped model (measured, see docs/performance.md), so longer
 drafts only pay when nearly all of them are accepted."""
 
 

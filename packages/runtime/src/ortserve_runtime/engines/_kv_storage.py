@@ -4,7 +4,7 @@ onnxruntime's GroupQueryAttention types its cache (``T_CACHE``) apart from its
 activations (``T``): an fp32 graph can keep fp16 or int8 keys and values, rounding each
 one as it is written into the cache and widening it as attention reads it. The graph's
 cache inputs and outputs change type; nothing else in it does, and the engine's rows are
-still written in place. Measured on SmolLM2-135M (the README's table): fp16 halves the
+still written in place. Measured on SmolLM2-135M (docs/performance.md): fp16 halves the
 cache and int8 quarters it, and both move logprobs a little.
 
 int8 needs a scale per layer, key/value and channel (``PER_CHANNEL``: one per kv head and

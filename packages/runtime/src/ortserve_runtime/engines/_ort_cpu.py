@@ -2,7 +2,7 @@
 CPU provider.
 
 Why not ``og.Engine`` or a batched ``og.Generator`` on the CPU (measured with
-onnxruntime-genai 0.18, see README): the static Engine batches at most 4 requests and a
+onnxruntime-genai 0.18, see docs/performance.md): the static Engine batches at most 4 requests and a
 new request waits for the whole batch; a batched Generator takes every prompt at once and
 its left padding gives wrong results for the padded rows of GQA models. So the decoder ONNX
 graph the genai builder writes is driven directly with onnxruntime:
@@ -889,7 +889,7 @@ class OrtCpuEngine(OwnerThread):
         them (grammar, penalties, stop strings, seeds), each from logits given the draft
         before it; the first token that differs from the draft ends the run in its place.
         Its rows are computed as a prompt's are, which round differently from a one-token
-        step's: greedy tokens agree but for near-ties (see README).
+        step's: greedy tokens agree but for near-ties (see docs/performance.md).
         """
         drafter = request.drafter
         assert drafter is not None
