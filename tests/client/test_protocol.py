@@ -395,6 +395,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "resident_bytes": None,
                 "kv_cache_bytes": None,
                 "expires_at": None,
+                "voices": None,
             }
         ],
     }
