@@ -22,18 +22,23 @@ from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.plugins import InitPlugin
 from litestar.types import ExceptionHandlersMap, Guard
 
-from ._anthropic import anthropic_exception_handlers, anthropic_route_handlers
+from ._auth import make_auth_guard
 from ._batches import batch_route_handlers
 from ._config import ServerConfig
-from ._control import control_route_handlers
 from ._errors import METRICS_OPT, exception_handlers
 from ._leases import mark_admin_callers, release_leases
 from ._openapi import RequestLimits
-from ._responses import responses_route_handlers
-from ._routes import api_route_handlers, health_handler, make_auth_guard, metrics_handler, rerank_alias_handlers
 from ._security import SiteGuard, make_body_guard
-from ._speech_out import speech_route_handlers
 from ._state import OrtServe
+from .api import (
+    anthropic_exception_handlers,
+    anthropic_route_handlers,
+    control_route_handlers,
+    health_handler,
+    metrics_handler,
+    openai_route_handlers,
+    rerank_alias_handlers,
+)
 
 __all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespan", "wsgi_app"]
 
@@ -81,7 +86,7 @@ def _routers(state: OrtServe) -> list[Router]:
     routers = [
         api_router(
             config.path,
-            [*api_route_handlers, *responses_route_handlers, *speech_route_handlers],
+            openai_route_handlers,
             _guards(config),
             exception_handlers,
         ),

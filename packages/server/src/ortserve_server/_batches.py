@@ -470,8 +470,7 @@ class BatchRunner:
 def _line_app(state: OrtServe) -> Litestar:
     """The API routes batch lines run through: no guards (the batch's owner was checked when
     it was created, and the runner says who it is), the routes' own checks and errors."""
-    from ._responses import responses_route_handlers
-    from ._routes import api_route_handlers
+    from .api import api_route_handlers, responses_route_handlers
 
     router = Router(
         path="/v1",

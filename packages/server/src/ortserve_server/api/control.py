@@ -24,12 +24,12 @@ from litestar.params import JSONBody
 from ortserve_client import protocol as p
 from ortserve_runtime import AdapterNotFoundError, ModelLoadError
 
-from ._errors import BadRequestError, ForbiddenError, ModelNotFoundHTTPError
-from ._leases import parse_keep_alive
-from ._mapping import model_adapters, split_adapter
-from ._openapi import POST_ERRORS, error_responses
-from ._routes import model_card
-from ._state import OrtServe
+from .._errors import BadRequestError, ForbiddenError, ModelNotFoundHTTPError
+from .._leases import parse_keep_alive
+from .._mapping import model_adapters, split_adapter
+from .._openapi import POST_ERRORS, error_responses
+from .._state import OrtServe
+from .models import model_card
 
 logger = logging.getLogger("ortserve.server")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -3,7 +3,7 @@
 A thin adapter over the chat completions path: a request becomes the OpenAI-shaped
 :class:`~ortserve_client.protocol.ChatCompletionRequest` it means, so that it is checked,
 planned (tools through the chat template, forced calls through the same grammar) and run
-exactly as a chat completion is (the request side: :mod:`._anthropic_request`); the output
+exactly as a chat completion is (the request side: :mod:`.anthropic_request`); the output
 goes back as Anthropic content blocks. With ``mcp_servers`` a message is a loop of model
 turns in which the server makes the MCP calls the model writes (:class:`_MessageLoop`). Errors
 on these routes have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``,
@@ -25,19 +25,19 @@ from ortserve_client import anthropic_protocol as a
 from ortserve_client import protocol as p
 from ortserve_runtime import ChatModel, InvalidRequestError, ToolCall, ToolCallParser
 
-from ._anthropic_request import _add_mcp_servers, _map, _Mapped, _plan, _prepare
-from ._errors import (
+from .._errors import (
     ServerError,
     reshaped_exception_handlers,
     unavailable_detail,
 )
-from ._mapping import (
+from .._generation import _Generation, _stream_response, _while_connected
+from .._mapping import (
     require_model,
 )
-from ._mcp import McpToolError, McpTools
-from ._openapi import POST_ERRORS, also_sends, with_error_responses
-from ._routes import _Generation, _stream_response, _while_connected
-from ._state import OrtServe
+from .._mcp import McpToolError, McpTools
+from .._openapi import POST_ERRORS, also_sends, with_error_responses
+from .._state import OrtServe
+from .anthropic_request import _add_mcp_servers, _map, _Mapped, _plan, _prepare
 
 __all__ = ["anthropic_exception_handlers", "anthropic_route_handlers"]
 

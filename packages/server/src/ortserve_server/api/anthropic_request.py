@@ -16,12 +16,13 @@ from ortserve_client import anthropic_protocol as a
 from ortserve_client import protocol as p
 from ortserve_runtime import ChatModel, InvalidRequestError, Prompt
 
-from ._errors import (
+from .._errors import (
     BadRequestError,
     ServerError,
     UnsupportedParameterError,
 )
-from ._mapping import (
+from .._generation import fetching_while_connected
+from .._mapping import (
     GenerationPlan,
     caller_of,
     chat_messages,
@@ -30,11 +31,10 @@ from ._mapping import (
     require_model,
     template_kwargs,
 )
-from ._mcp import McpTools
-from ._routes import fetching_while_connected
-from ._state import OrtServe
+from .._mcp import McpTools
+from .._state import OrtServe
 
-__all__: list[str] = []
+__all__ = ["_Mapped", "_add_mcp_servers", "_map", "_plan", "_prepare"]
 
 
 _OPENAI_PATH = re.compile(r"messages\[(\d+)\](?:\.content\[(\d+)\])?(.*)")

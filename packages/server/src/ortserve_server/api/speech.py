@@ -33,11 +33,11 @@ from litestar.response import Stream
 from ortserve_client import protocol as p
 from ortserve_runtime import InvalidRequestError, VoiceModel
 
-from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
-from ._mapping import _loaded
-from ._openapi import POST_ERRORS, sends_files, with_error_responses
-from ._routes import _stream_response
-from ._state import OrtServe
+from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError
+from .._generation import _stream_response
+from .._mapping import _loaded
+from .._openapi import POST_ERRORS, sends_files, with_error_responses
+from .._state import OrtServe
 
 __all__ = ["speech_route_handlers"]
 

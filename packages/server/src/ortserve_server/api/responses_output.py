@@ -11,10 +11,10 @@ from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ToolCall
 
-from ._ids import new_id
-from ._mcp import McpTools
+from .._ids import new_id
+from .._mcp import McpTools
 
-__all__: list[str] = []
+__all__ = ["_Output", "_as_input", "_usage"]
 
 _encode = msgspec.json.Encoder().encode
 

@@ -14,10 +14,10 @@ from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 from ortserve_runtime import InvalidRequestError
 
-from ._errors import BadRequestError, ServerError
-from ._mcp import McpTools
+from .._errors import BadRequestError, ServerError
+from .._mcp import McpTools
 
-__all__: list[str] = []
+__all__ = ["_chat_request", "_chat_tools", "_input", "_messages", "_named_as_responses"]
 
 
 _AT_PATH = re.compile(r" - at `\$\[(\d+)\](.*)`$")

@@ -5,11 +5,11 @@ messages, flat function tools -> chat tools, ``text.format`` -> ``response_forma
 ``max_output_tokens`` -> ``max_completion_tokens``) and runs through exactly what chat
 completions run (:func:`start_chat`: the checks, the template, forced-call grammars, the
 tool-call parser, the queue limits); errors that name a chat field are renamed to the
-Responses field they came from (:mod:`._responses_input`). What comes back is turned into
-output items, whole or as the typed stream events (:mod:`._responses_output`).
+Responses field they came from (:mod:`.responses_input`). What comes back is turned into
+output items, whole or as the typed stream events (:mod:`.responses_output`).
 
 With ``mcp`` tools a response is a loop of model turns (:class:`_Loop`): the server makes
-the MCP calls the model writes (:mod:`._mcp`) and feeds the results into the next turn,
+the MCP calls the model writes (:mod:`.._mcp`) and feeds the results into the next turn,
 until an answer, a function call for the client, an approval request, or a limit.
 
 Decisions, where OpenAI leaves room:
@@ -51,16 +51,16 @@ from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ChatModel, ToolCall
 
-from ._errors import BadRequestError, NotFoundError, UnsupportedParameterError
-from ._ids import new_id
-from ._mapping import require_model
-from ._mcp import McpTool as McpToolSpec
-from ._mcp import McpToolError, McpTools
-from ._openapi import GET_ERRORS, error_responses, generation_docs
-from ._responses_input import _chat_request, _chat_tools, _input, _messages, _named_as_responses
-from ._responses_output import _as_input, _Output, _usage
-from ._routes import _Generation, _stream_response, _while_connected, error_detail, start_chat
-from ._state import OrtServe
+from .._errors import BadRequestError, NotFoundError, UnsupportedParameterError
+from .._generation import _Generation, _stream_response, _while_connected, error_detail, start_chat
+from .._ids import new_id
+from .._mapping import require_model
+from .._mcp import McpTool as McpToolSpec
+from .._mcp import McpToolError, McpTools
+from .._openapi import GET_ERRORS, error_responses, generation_docs
+from .._state import OrtServe
+from .responses_input import _chat_request, _chat_tools, _input, _messages, _named_as_responses
+from .responses_output import _as_input, _Output, _usage
 
 __all__ = ["PreviousResponseNotFoundError", "ResponseNotFoundError", "responses_route_handlers"]
 

@@ -1,0 +1,401 @@
+"""What every generation route shares: a run's streams merged and delivered (collected,
+or as server-sent events, with its metrics), the chat request started (:func:`start_chat`),
+and a client that leaves (or a shutdown) stopping the work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request
+from litestar.response import Stream
+from ortserve_client import protocol as p
+from ortserve_runtime import (
+    ChatModel,
+    GenerationEvent,
+    GenerationStream,
+    InvalidRequestError,
+    Prompt,
+    ReasoningParser,
+    TokenLogprob,
+    ToolCall,
+    ToolCallParser,
+)
+
+from ._errors import (
+    ClientDisconnectedError,
+    ServerError,
+    ShuttingDownError,
+    unavailable_detail,
+)
+from ._mapping import (
+    GenerationPlan,
+    caller_of,
+    chat_messages,
+    check_room,
+    plan_chat,
+    template_kwargs,
+)
+from ._state import OrtServe
+
+__all__ = [
+    "_Generation",
+    "_include_usage",
+    "_sse",
+    "_stream_response",
+    "_while_connected",
+    "error_detail",
+    "fetching_while_connected",
+    "start_chat",
+]
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+T = TypeVar("T")
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + _encode(payload) + b"\n\n"
+
+
+async def _while_connected(request: Request[Any, Any, Any], state: OrtServe, work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client disconnects first (a non-streamed generation or
+    transcription stops and frees its slot, as a streamed one does when its stream
+    closes), or if a shutdown cuts work off (then a 503 answers)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    with state.cut_signal() as cut:
+        try:
+            waiting: set[asyncio.Future[Any]] = {task, gone, cut}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        was_cut = cut.done() and not cut.cancelled()
+    if task.cancelled():
+        if was_cut:
+            state.cut_requests += 1
+            raise ShuttingDownError("the server is shutting down; the request was cut off")
+        raise ClientDisconnectedError("the client disconnected before the answer was ready")
+    return task.result()
+
+
+def fetching_while_connected(
+    request: Request[Any, Any, Any] | None, state: OrtServe
+) -> Callable[[Awaitable[None]], Awaitable[None]] | None:
+    """What :func:`chat_messages` runs its remote image fetches through: stopped when the
+    client leaves (``None`` without a request)."""
+    if request is None:
+        return None
+    return lambda work: _while_connected(request, state, work)
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Returns when the server reports the client gone (the body was read already, so
+    ``receive`` has nothing else to say; under WSGI it never returns)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _merge(
+    streams: list[GenerationStream], cut: asyncio.Future[None] | None = None
+) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """Events of several streams as they come, tagged with the stream's index; once
+    ``cut`` resolves, :class:`ShuttingDownError` instead of the next event."""
+    if len(streams) == 1 and cut is None:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: GenerationStream) -> None:
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+            await queue.put((index, None))
+        except BaseException as exc:  # noqa: BLE001  # handed to the consumer below
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+
+    def on_cut(done: asyncio.Future[None]) -> None:
+        if not done.cancelled():
+            queue.put_nowait((-1, ShuttingDownError("the server is shutting down; the generation was cut off")))
+
+    if cut is not None:
+        cut.add_done_callback(on_cut)
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+class _Generation:
+    """The streams of one generation request, with its metrics (time to first token,
+    tokens, outcome) and the two ways to deliver it: collected, or as SSE chunks."""
+
+    def __init__(
+        self,
+        state: OrtServe,
+        endpoint: str,
+        model: ChatModel,
+        streams: list[GenerationStream],
+        tool_parsers: list[ToolCallParser] | None = None,
+        parallel_calls: bool = True,
+        forced_tool: str | None = None,
+    ) -> None:
+        self.state = state
+        self.metrics = state.metrics
+        self.endpoint = endpoint
+        self.model = model
+        self.streams = streams
+        self.tool_parsers = tool_parsers
+        self.parallel_calls = parallel_calls
+        self.forced_tool = forced_tool
+        """The function a forced call calls (``""``: any; ``None``: not forced)."""
+        self.calls_made = [0] * len(streams)
+        self.prompt_tokens = sum(s.prompt_tokens for s in streams)
+        self.choices_per_prompt = 1
+        self.cached = [0] * len(streams)
+        """Per stream, the prompt tokens its engine took from the prefix cache."""
+        self.stop_sequences: list[str | None] = [None] * len(streams)
+        """Per stream, the stop string that ended it (once it ended on one)."""
+        self.start = time.perf_counter()
+        self.first = True
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
+        """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
+        self.event_logprobs: TokenLogprob | None = None
+        """Those of the event that :meth:`sse`'s ``events`` callback is turning into chunks."""
+        self.reasoning_parsers: list[ReasoningParser] | None = None
+        """Per stream, the splitter of a reasoning model's thinking from its answer."""
+        self.event_reasoning = ""
+        """The thinking of the event :meth:`_split` split last (content is the answer only)."""
+        self.reasonings = [""] * len(streams)
+        """Per stream, all its thinking (:meth:`collect`)."""
+        self.drafts = [(0, 0)] * len(streams)
+        """Per stream, its accepted and rejected draft tokens (speculative decoding)."""
+        self.reasoning_tokens = [0] * len(streams)
+        """Per stream, the tokens generated inside its think block (markers included):
+        the Responses API's ``reasoning_tokens``."""
+        self.plan: GenerationPlan | None = None
+        """The plan that started the streams: names the request's field in errors raised
+        mid-generation (a grammar the matcher gave up on: ``response_format``...)."""
+
+    async def _events(self, cut: Any = None) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        """:func:`_merge` of the streams, with a refusal naming the request's field."""
+        try:
+            async for item in _merge(self.streams, cut) if cut is not None else _merge(self.streams):
+                yield item
+        except InvalidRequestError as exc:
+            if self.plan is None:
+                raise
+            raise self.plan.named(exc) from exc
+
+    def split_reasoning(self, prompt: Prompt) -> None:
+        """Split each stream's thinking from its answer when the model reasons and the
+        prompt left thinking on (a template that closed the block leaves only answer)."""
+        if self.model.reasoning is not None and prompt.reasoning is not None:
+            self.reasoning_parsers = [ReasoningParser(self.model.reasoning, prompt.reasoning) for _ in self.streams]
+
+    def _observe(self, event: GenerationEvent) -> None:
+        if self.first and event.token_id is not None:
+            self.first = False
+            self.metrics.time_to_first_token.labels(self.model.name).observe(time.perf_counter() - self.start)
+
+    def _split(self, index: int, event: GenerationEvent) -> tuple[str, list[ToolCall], str | None]:
+        """The event as content, completed tool calls and finish reason (``tool_calls``
+        when the choice called a tool); a reasoning model's thinking goes to
+        :attr:`event_reasoning`, and only the answer after it is parsed for calls."""
+        text, self.event_reasoning = event.text, ""
+        if self.reasoning_parsers is not None:
+            splitter = self.reasoning_parsers[index]
+            # A token is reasoning if the block was open before it (it may close it) or
+            # after it (it opened it); the held-back text does not matter for counting.
+            was_in = splitter.in_reasoning
+            self.event_reasoning, text = splitter.feed(text)
+            if event.token_id is not None and (was_in or splitter.in_reasoning):
+                self.reasoning_tokens[index] += 1
+            if event.finish_reason is not None:
+                thought, answer = splitter.finish()
+                self.event_reasoning, text = self.event_reasoning + thought, text + answer
+        if self.tool_parsers is None:
+            return text, [], event.finish_reason
+        parser = self.tool_parsers[index]
+        text, calls = parser.feed(text)
+        if event.finish_reason is not None:
+            # A call cut short by max_tokens is still a call (arguments as written so far).
+            rest, more = parser.finish(cut_short=event.finish_reason == "length", forced=self.forced_tool)
+            text, calls = text + rest, calls + more
+        if not self.parallel_calls:  # parallel_tool_calls=false: the first call only
+            calls = calls[: max(0, 1 - self.calls_made[index])]
+        self.calls_made[index] += len(calls)
+        if event.finish_reason == "stop" and self.calls_made[index]:
+            return text, calls, "tool_calls"
+        return text, calls, event.finish_reason
+
+    def _record(self, index: int, event: GenerationEvent) -> int:
+        """Completion tokens of a final event (0 before the end); notes its cached tokens."""
+        if event.usage is None:
+            return 0
+        self.cached[index] = event.usage.cached_tokens
+        self.drafts[index] = (event.usage.accepted_prediction_tokens, event.usage.rejected_prediction_tokens)
+        self.stop_sequences[index] = event.stop_sequence
+        return event.usage.completion_tokens
+
+    def _done(self, completion_tokens: int, status: int = 200) -> p.CompletionUsage:
+        name = self.model.name
+        self.metrics.count_request(self.endpoint, name, status)
+        self.metrics.prompt_tokens.labels(name).inc(self.prompt_tokens)
+        self.metrics.completion_tokens.labels(name).inc(completion_tokens)
+        # A prompt counts once however many choices it has: its cached part is what every
+        # choice found cached (the first choice may have put it there for the others).
+        per = self.choices_per_prompt
+        cached = sum(min(self.cached[i : i + per]) for i in range(0, len(self.cached), per))
+        accepted = sum(a for a, _ in self.drafts)
+        rejected = sum(r for _, r in self.drafts)
+        self.metrics.count_drafts(name, accepted, rejected)
+        return p.CompletionUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.prompt_tokens + completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=(
+                p.CompletionTokensDetails(
+                    reasoning_tokens=sum(self.reasoning_tokens),
+                    accepted_prediction_tokens=accepted,
+                    rejected_prediction_tokens=rejected,
+                )
+                if self.reasoning_parsers is not None or accepted or rejected
+                else None
+            ),
+        )
+
+    async def collect(self) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
+        """Every stream to the end: texts, tool calls, finish reasons, usage."""
+        texts = [""] * len(self.streams)
+        calls: list[list[ToolCall]] = [[] for _ in self.streams]
+        finish = ["stop"] * len(self.streams)
+        completion_tokens = 0
+        async for index, event in self._events():
+            self._observe(event)
+            text, made, reason = self._split(index, event)
+            self.reasonings[index] += self.event_reasoning
+            texts[index] += text
+            calls[index] += made
+            completion_tokens += self._record(index, event)
+            if event.logprobs is not None:
+                self.logprobs[index].append(event.logprobs)
+            if reason is not None:
+                finish[index] = reason
+        return texts, calls, finish, self._done(completion_tokens)
+
+    async def sse(
+        self,
+        events: Callable[[int, str, list[ToolCall], str | None], list[bytes]],
+        usage_chunk: Callable[[p.CompletionUsage], bytes] | None,
+        opening: list[bytes] = [],  # noqa: B006  # read only
+        *,
+        error_event: Callable[[Exception], bytes] | None = None,
+        closing: bytes = b"data: [DONE]\n\n",
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: ``opening``, the chunks ``events`` makes of each event (as
+        content, tool calls and finish reason), the usage chunk when asked for, then
+        ``closing`` (``[DONE]``; empty for API families without it). Errors after the headers
+        went out are reported in-band, as OpenAI does, or as ``error_event`` frames them for
+        another API family."""
+        for chunk in opening:
+            yield chunk
+        completion_tokens = 0
+        try:
+            with self.state.cut_signal() as cut:
+                async for index, event in self._events(cut):
+                    self._observe(event)
+                    completion_tokens += self._record(index, event)
+                    self.event_logprobs = event.logprobs
+                    for chunk in events(index, *self._split(index, event)):
+                        yield chunk
+        except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band
+            if isinstance(exc, ShuttingDownError):
+                self.state.cut_requests += 1
+            self._done(completion_tokens, exc.status_code if isinstance(exc, ServerError) else 500)
+            yield (error_event or _openai_error_chunk)(exc)
+        else:
+            usage = self._done(completion_tokens)
+            if usage_chunk is not None:
+                yield usage_chunk(usage)
+        if closing:
+            yield closing
+
+
+def error_detail(exc: Exception) -> p.ErrorDetail:
+    """An error in a stream that has started, as OpenAI's error body describes it (the
+    message of an unexpected error reveals nothing internal)."""
+    if isinstance(exc, ServerError):
+        return p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
+    return unavailable_detail(exc) or p.ErrorDetail(message="the generation failed", type="server_error")
+
+
+def _openai_error_chunk(exc: Exception) -> bytes:
+    return _sse(p.ErrorResponse(error=error_detail(exc)))
+
+
+async def start_chat(
+    ortserve: OrtServe,
+    model: ChatModel,
+    data: p.ChatCompletionRequest,
+    endpoint: str,
+    request: Request[Any, Any, Any] | None = None,
+    fit: bool = False,
+) -> _Generation:
+    """A chat request checked, its prompt prepared and its generations started: what every
+    API family that speaks in messages (chat completions, Responses) runs the same way.
+    ``fit``: cut ``max_tokens`` to the room the prompt leaves (a tool loop's later turn)."""
+    plan = plan_chat(data, model, ortserve.config, caller_of(request))
+    tools = plan.tools
+    check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
+    prompt = await model.aprepare_chat(
+        await chat_messages(data.messages, ortserve.config, model, fetching_while_connected(request, ortserve)),
+        tools=tools.definitions,
+        template_kwargs=template_kwargs(data),
+    )
+    if fit:
+        plan = plan.fitted(model, prompt)
+    streams = await plan.astart(ortserve, model, [prompt])
+    parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
+    run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
+    run.plan = plan
+    run.split_reasoning(prompt)
+    run.prompt_tokens = len(prompt)  # the n choices share one prompt
+    run.choices_per_prompt = plan.n
+    return run
+
+
+def _include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:
+    return isinstance(options, p.StreamOptions) and options.include_usage
+
+
+def _stream_response(chunks: AsyncIterator[bytes]) -> Stream:
+    return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)

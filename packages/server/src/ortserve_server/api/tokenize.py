@@ -1,0 +1,61 @@
+"""``POST /v1/tokenize`` and ``/v1/detokenize``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from litestar import post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
+from ortserve_client import protocol as p
+
+from .._errors import (
+    BadRequestError,
+)
+from .._mapping import (
+    chat_messages,
+    require_model,
+)
+from .._openapi import POST_ERRORS, error_responses
+from .._state import OrtServe
+
+__all__ = ["detokenize", "tokenize"]
+
+
+@post(
+    "/tokenize",
+    status_code=200,
+    summary="Tokenize a prompt or chat messages (extension)",
+    responses=error_responses(*POST_ERRORS),
+)
+async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.TokenizeResponse:
+    model = await require_model(ortserve, data.model)
+    has_prompt = not isinstance(data.prompt, msgspec.UnsetType)
+    has_messages = not isinstance(data.messages, msgspec.UnsetType)
+    if has_prompt == has_messages:
+        raise BadRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
+    if has_messages:
+        assert not isinstance(data.messages, msgspec.UnsetType)
+        messages = await chat_messages(data.messages, ortserve.config, model)
+        tools = [msgspec.to_builtins(tool) for tool in data.tools] if isinstance(data.tools, list) else None
+        prompt = await model.aprepare_chat(
+            messages, tools=tools or None, add_generation_prompt=data.add_generation_prompt
+        )
+        tokens = list(prompt)  # a multimodal prompt counts each image as the features it becomes
+    else:
+        assert isinstance(data.prompt, str)
+        model.check_prompt_size(data.prompt)  # too long to generate from: not worth tokenizing
+        tokens = await asyncio.to_thread(model.encode, data.prompt)
+    return p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_sequence_length)
+
+
+@post(
+    "/detokenize",
+    status_code=200,
+    summary="Turn token ids back into text (extension)",
+    responses=error_responses(*POST_ERRORS),
+)
+async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.DetokenizeResponse:
+    model = await require_model(ortserve, data.model)
+    return p.DetokenizeResponse(prompt=await asyncio.to_thread(model.decode, data.tokens))
