@@ -10,6 +10,10 @@ content parts and ``response_format`` by ``type`` (:data:`ContentPart`,
 :data:`ResponseFormat`). Decode a request with a reusable decoder, for example
 ``msgspec.json.Decoder(ChatCompletionRequest).decode(body)``; a ``msgspec.ValidationError``
 names the offending path (``$.messages[0].role``).
+
+Long on purpose (over 600 lines): one Struct per object of OpenAI's schema, each with its
+documentation, in the one namespace clients import (as ``openai.types`` groups them); the
+Responses, Anthropic and Batch APIs have modules of their own.
 """
 
 from __future__ import annotations

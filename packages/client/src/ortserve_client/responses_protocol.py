@@ -10,6 +10,9 @@ because OpenAI lets a message item leave out its ``"type": "message"`` tag, and 
 needs the tag to pick a Struct. :func:`input_items` turns that list into
 :data:`InputItem` Structs (the server calls it; a ``msgspec.ValidationError`` names the
 offending item).
+
+Long on purpose (over 600 lines): one Struct per item, tool and stream event of the
+Responses API (MCP's included), in the one namespace its users import.
 """
 
 from __future__ import annotations

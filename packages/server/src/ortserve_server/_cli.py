@@ -1,4 +1,8 @@
-"""The ``ortserve`` command: ``serve``, ``pull``, ``ls`` (local models) and ``ps`` (a running server's models)."""
+"""The ``ortserve`` command: ``serve``, ``pull``, ``ls`` (local models) and ``ps`` (a running server's models).
+
+Long on purpose (over 600 lines): most of it is the parser, every flag with its help text
+(the CLI reference is generated from it), and turning flags into the server's config.
+"""
 
 from __future__ import annotations
 
