@@ -37,6 +37,7 @@ from ray.serve.schema import ServeDeploySchema
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
+TOOLS_SERVER = Path(__file__).resolve().parents[1] / "mcp_tools_server.py"
 APP = "ortserve"
 STREAM_TOKENS = 900  # the longest the 1024-token sequences allow after the prompt
 SYSTEM = "You are a careful assistant who answers in short sentences and never invents facts. " * 3
@@ -104,6 +105,8 @@ def _deploy(replicas: int) -> None:
         "kv_cache_dtype": "fp16",
         "prefix_cache_mb": "64",
         **({"state_url": _STATE_URL[0]} if _STATE_URL else {}),
+        # Each replica starts its own stdio MCP server on first use.
+        "mcp_server": f"tools=stdio:{sys.executable} {TOOLS_SERVER} stdio",
     }
     replica_options = {
         "name": "OrtServeReplica",
@@ -268,6 +271,21 @@ def test_a_conversation_stays_on_one_replica_and_reuses_its_prefix(client: opena
     assert len({replica for replica, _ in first + again}) == 1
     # Turn 1 is new; every later turn starts with the one before it, which the replica holds.
     assert all(cached > 0 for _, cached in first[1:] + again), first + again
+
+
+def test_mcp_tools_run_on_the_replicas(client: openai.OpenAI) -> None:
+    """``mcp_server`` reaches every replica: the MCP call is made where the model runs."""
+    for number in range(2):  # the prefix router may send these to either replica
+        response = client.responses.create(
+            model="tiny",
+            input=f"Look a word up ({number}, {time.time()})",
+            tools=[{"type": "mcp", "server_label": "tools", "server_url": "unused", "require_approval": "never"}],
+            tool_choice={"type": "mcp", "server_label": "tools", "name": "lookup"},  # type: ignore[arg-type, misc]
+            max_tool_calls=1,
+            max_output_tokens=16,
+        )
+        call = response.output[1]
+        assert call.type == "mcp_call" and call.output == "ortserve: a word", call
 
 
 def test_response_ids_name_the_replica_that_stores_them() -> None:

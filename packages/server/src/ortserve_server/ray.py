@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ._app import create_app, lifespan
-from ._config import ServerConfig
+from ._config import ServerConfig, parse_mcp_server
 
 try:
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -633,7 +633,10 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     stored responses, files and batches; or ``state_dir``, a folder on a machine they
     share) and, for every model, ``provider``, ``engine``, ``threads`` (onnxruntime
     intra-op threads), ``max_batch_size``, ``max_sequence_length``, ``prefix_cache_mb``
-    and ``kv_cache_dtype`` (``auto``, ``fp16`` or ``int8``: see ``ortserve serve --help``).
+    and ``kv_cache_dtype`` (``auto``, ``fp16`` or ``int8``: see ``ortserve serve --help``);
+    ``mcp_server`` (``LABEL=URL`` or ``LABEL=stdio:COMMAND ARGS``, several separated by
+    ``;``: each replica connects to them, or starts its own stdio processes) and
+    ``allow_mcp_url`` (URL prefixes separated by commas): see ``--mcp-server``.
     """
     from ortserve_runtime import ModelConfig
 
@@ -667,6 +670,8 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
         api_key=values.get("api_key") or None,
         state_url=values.get("state_url") or None,
         state_dir=Path(values["state_dir"]) if values.get("state_dir") else None,
+        mcp_servers=tuple(parse_mcp_server(spec.strip()) for spec in values.get("mcp_server", "").split(";") if spec),
+        mcp_allowed_urls=tuple(url.strip() for url in values.get("allow_mcp_url", "").split(",") if url.strip()),
     )
     options = RayOptions(
         replicas=int(values.get("replicas", "2")),
@@ -693,4 +698,6 @@ _BUILDER_ARGS = {
     "kv_cache_dtype",
     "state_url",
     "state_dir",
+    "mcp_server",
+    "allow_mcp_url",
 }
