@@ -23,7 +23,6 @@ from litestar.plugins import InitPlugin
 from litestar.types import ExceptionHandlersMap, Guard
 
 from ._auth import make_auth_guard
-from ._batches import batch_route_handlers
 from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
 from ._leases import mark_admin_callers, release_leases
@@ -33,6 +32,7 @@ from ._state import OrtServe
 from .api import (
     anthropic_exception_handlers,
     anthropic_route_handlers,
+    batch_route_handlers,
     control_route_handlers,
     health_handler,
     metrics_handler,

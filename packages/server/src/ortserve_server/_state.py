@@ -64,7 +64,7 @@ class OrtServe:
         """LoRA adapters loaded over HTTP, served again after a restart."""
         self.batches = BatchStore(self.database, config.files_max_bytes, config.files_ttl)
         """Files and batches (the Batch API)."""
-        from ._batches import BatchRunner  # it imports the routes, which import this module
+        from ._batch_runner import BatchRunner  # it imports the routes, which import this module
 
         self.batch_runner = BatchRunner(self)
         self.started = False

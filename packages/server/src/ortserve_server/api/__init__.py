@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .anthropic import anthropic_exception_handlers, anthropic_route_handlers
 from .audio import transcriptions
+from .batches import batch_route_handlers
 from .chat import chat_completions
 from .completions import completions
 from .control import control_route_handlers
@@ -21,6 +22,7 @@ __all__ = [
     "anthropic_exception_handlers",
     "anthropic_route_handlers",
     "api_route_handlers",
+    "batch_route_handlers",
     "control_route_handlers",
     "health_handler",
     "metrics_handler",

@@ -1,0 +1,262 @@
+"""The Batch API's routes: ``/v1/files`` and ``/v1/batches`` (the runner that works
+through a batch's lines is ``_batch_runner``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar.datastructures import UploadFile
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, JSONBody, MultipartBody
+from ortserve_client import batch_protocol as bp
+from ortserve_client import protocol as p
+from ortserve_client import responses_protocol as rp
+
+from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
+from .._ids import new_id
+from .._mapping import caller_of
+from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
+from .._state import OrtServe
+
+__all__ = ["batch_route_handlers"]
+
+MAX_LINES = 50_000
+"""Lines a batch's input file may have (OpenAI's bound)."""
+COMPLETION_WINDOW = 24 * 3600.0
+_BODY_TYPES: dict[str, type[Any]] = {
+    "/v1/chat/completions": p.ChatCompletionRequest,
+    "/v1/completions": p.CompletionRequest,
+    "/v1/embeddings": p.EmbeddingRequest,
+    "/v1/responses": rp.ResponseCreateRequest,
+}
+
+
+_decode_line = msgspec.json.Decoder(bp.BatchInputLine).decode
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+@dataclass
+class FileForm:
+    """The multipart form of ``POST /v1/files``."""
+
+    purpose: str
+    file: UploadFile | None = None
+
+
+def check_batch_file(content: bytes) -> list[tuple[str, bytes, str]]:
+    """The lines of a batch input file as (custom id, body, url); a 400 naming the first
+    line that is not a request a batch can run."""
+    lines: list[tuple[str, bytes, str]] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(content.splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"line {number}"
+        try:
+            line = _decode_line(raw)
+        except msgspec.DecodeError as exc:
+            raise BadRequestError(f"{where}: {exc}", param="file") from exc
+        body_type = _BODY_TYPES.get(line.url)
+        if body_type is None:
+            raise BadRequestError(
+                f"{where}: url {line.url!r} is not one a batch runs: {', '.join(bp.BATCH_ENDPOINTS)}", param="file"
+            )
+        if line.custom_id in seen:
+            raise BadRequestError(f"{where}: custom_id {line.custom_id!r} is used twice", param="file")
+        if line.body.get("stream"):
+            raise BadRequestError(f"{where}: body.stream: the lines of a batch do not stream", param="file")
+        try:
+            msgspec.convert(line.body, body_type)
+        except msgspec.ValidationError as exc:
+            raise BadRequestError(f"{where}: body: {exc}", param="file") from exc
+        seen.add(line.custom_id)
+        lines.append((line.custom_id, msgspec.json.encode(line.body), line.url))
+        if len(lines) > MAX_LINES:
+            raise BadRequestError(f"a batch file has at most {MAX_LINES} lines", param="file")
+    if not lines:
+        raise BadRequestError("the file has no lines: a batch file has one JSON request per line", param="file")
+    return lines
+
+
+@post(
+    "/files", status_code=200, summary="Upload a file (purpose batch: JSONL)", responses=error_responses(*POST_ERRORS)
+)
+async def create_file(
+    data: MultipartBody[FileForm], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.FileObject:
+    if data.purpose != "batch":
+        raise BadRequestError(f"purpose {data.purpose!r}: this server keeps files for batches only", param="purpose")
+    if data.file is None:
+        raise BadRequestError("'file' is required: the JSONL file, as a multipart file", param="file")
+    content = await data.file.read()
+    if len(content) > ortserve.config.max_file_size:
+        raise PayloadTooLargeError(f"a file may have at most {ortserve.config.max_file_size} bytes")
+    check_batch_file(content)
+    kept = await ortserve.batches.add_file(caller_of(request).owner, "batch", data.file.filename or "", content)
+    if kept is None:
+        raise PayloadTooLargeError("the server's room for files is full: delete files or wait for them to expire")
+    return kept
+
+
+@get("/files", summary="List files", responses=error_responses(*GET_ERRORS))
+async def list_files(
+    ortserve: NamedDependency[OrtServe],
+    request: Request[Any, Any, Any],
+    purpose: FromQuery[str | None] = None,
+    limit: FromQuery[int] = 10000,
+    after: FromQuery[str | None] = None,
+) -> bp.FileList:
+    found = await ortserve.batches.files(caller_of(request).owner, purpose, max(1, min(limit, 10000)) + 1, after)
+    return bp.FileList(
+        data=found[:limit],
+        has_more=len(found) > limit,
+        first_id=found[0].id if found else None,
+        last_id=found[:limit][-1].id if found else None,
+    )
+
+
+@get("/files/{file_id:str}", summary="Retrieve a file", responses=error_responses(404, *GET_ERRORS))
+async def retrieve_file(
+    file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.FileObject:
+    found = await ortserve.batches.file(caller_of(request).owner, file_id)
+    if found is None:
+        raise _no_file(file_id)
+    return found
+
+
+@get("/files/{file_id:str}/content", summary="A file's content", responses=error_responses(404, *GET_ERRORS))
+async def file_content(
+    file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> Response[bytes]:
+    content = await ortserve.batches.file_content(caller_of(request).owner, file_id)
+    if content is None:
+        raise _no_file(file_id)
+    return Response(content, media_type="application/jsonl")
+
+
+@delete("/files/{file_id:str}", status_code=200, summary="Delete a file", responses=error_responses(404, *GET_ERRORS))
+async def delete_file(
+    file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.FileDeleted:
+    if not await ortserve.batches.delete_file(caller_of(request).owner, file_id):
+        raise _no_file(file_id)
+    return bp.FileDeleted(id=file_id)
+
+
+def _no_file(file_id: str) -> NotFoundError:
+    return NotFoundError(f"no file {file_id!r}", param="file_id")
+
+
+# -- batches ---------------------------------------------------------------------------------
+
+
+@post("/batches", status_code=200, summary="Create a batch", responses=error_responses(404, *POST_ERRORS))
+async def create_batch(
+    data: JSONBody[bp.BatchCreateRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.Batch:
+    caller = caller_of(request)
+    if data.endpoint not in _BODY_TYPES:
+        raise BadRequestError(f"endpoint must be one of {', '.join(bp.BATCH_ENDPOINTS)}", param="endpoint")
+    content = await ortserve.batches.file_content(caller.owner, data.input_file_id)
+    if content is None:
+        raise NotFoundError(f"no file {data.input_file_id!r}", param="input_file_id")
+    lines = check_batch_file(content)
+    for number, (_, _, url) in enumerate(lines, 1):
+        if url != data.endpoint:
+            raise BadRequestError(
+                f"request {number} of the file has url {url!r}, the batch's endpoint is {data.endpoint!r}",
+                param="input_file_id",
+            )
+    now = int(time.time())
+    batch = bp.Batch(
+        id=new_id("batch_"),
+        endpoint=data.endpoint,
+        input_file_id=data.input_file_id,
+        completion_window=data.completion_window,
+        status="validating",
+        created_at=now,
+        expires_at=now + int(COMPLETION_WINDOW),
+        request_counts=bp.BatchRequestCounts(total=len(lines)),
+        metadata=data.metadata,
+    )
+    if not await ortserve.batches.create_batch(caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines]):
+        raise PayloadTooLargeError(
+            "the server's room for files and batches is full: delete files or wait for them to expire"
+        )
+    ortserve.batch_runner.start()
+    return batch
+
+
+@get("/batches", summary="List batches", responses=error_responses(*GET_ERRORS))
+async def list_batches(
+    ortserve: NamedDependency[OrtServe],
+    request: Request[Any, Any, Any],
+    limit: FromQuery[int] = 20,
+    after: FromQuery[str | None] = None,
+) -> bp.BatchList:
+    ortserve.batch_runner.start()
+    limit = max(1, min(limit, 100))
+    found = await ortserve.batches.batches(caller_of(request).owner, limit + 1, after)
+    shown = found[:limit]
+    return bp.BatchList(
+        data=shown,
+        has_more=len(found) > limit,
+        first_id=shown[0].id if shown else None,
+        last_id=shown[-1].id if shown else None,
+    )
+
+
+@get("/batches/{batch_id:str}", summary="Retrieve a batch", responses=error_responses(404, *GET_ERRORS))
+async def retrieve_batch(
+    batch_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.Batch:
+    ortserve.batch_runner.start()  # resumes open batches where no lifespan ran
+    found = await ortserve.batches.batch(caller_of(request).owner, batch_id)
+    if found is None:
+        raise NotFoundError(f"no batch {batch_id!r}", param="batch_id")
+    return found
+
+
+@post(
+    "/batches/{batch_id:str}/cancel",
+    status_code=200,
+    summary="Cancel a batch",
+    description="Lines running stop; the answers so far go to the output and error files.",
+    responses=error_responses(404, *POST_ERRORS),
+)
+async def cancel_batch(
+    batch_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> bp.Batch:
+    found = await ortserve.batches.batch(caller_of(request).owner, batch_id)
+    if found is None:
+        raise NotFoundError(f"no batch {batch_id!r}", param="batch_id")
+    if found.status in ("validating", "in_progress"):
+        found.status, found.cancelling_at = "cancelling", int(time.time())
+        if await ortserve.batches.update_batch(found, unless=("finalizing", "completed", "cancelled", "expired")):
+            ortserve.batch_runner.cancel(batch_id)
+        else:
+            found = await ortserve.batches.batch(None, batch_id) or found
+    elif found.status not in ("cancelling", "cancelled"):
+        raise BadRequestError(f"batch {batch_id!r} is {found.status}: it cannot be cancelled", param="batch_id")
+    ortserve.batch_runner.start()
+    return found
+
+
+batch_route_handlers = [
+    create_file,
+    list_files,
+    retrieve_file,
+    file_content,
+    delete_file,
+    create_batch,
+    list_batches,
+    retrieve_batch,
+    cancel_batch,
+]
