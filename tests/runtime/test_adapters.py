@@ -75,8 +75,10 @@ async def test_ort_cpu_decodes_each_adapters_rows_in_one_call() -> None:
     results = await asyncio.gather(*streams)
     assert [tokens for _, tokens, _, _ in results] == [REFERENCE[adapter] for adapter in order]
     calls = model.engine.steps - before  # type: ignore[attr-defined]
-    # 6 prefills, then 15 steps of 3 calls (one per group); one per row would be 6 a step.
-    assert calls <= 6 + 3 * 16, calls
+    # 6 prefills, then 15 steps of 3 calls (one per group); one per row would be 6 a step
+    # (96 in all). A request prefilled a step after the others (a loaded machine: CI saw
+    # 56) decodes one step out of step with its group: at most one more call each.
+    assert calls <= 6 + 3 * 16 + 6, calls
     await registry.close()
 
 
