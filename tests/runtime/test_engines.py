@@ -228,7 +228,7 @@ async def test_session_options_reach_the_og_engines() -> None:
 def test_a_hand_back_to_a_closed_loop_says_so(batched: bool) -> None:
     """A consumer's loop that is gone must cancel its request (else it decodes on, unread),
     whether the event was handed back alone or with a decode step's others."""
-    from ortserve_runtime._threads import batched_hand_backs, hand_back
+    from ortserve_runtime._contract import batched_hand_backs, hand_back
 
     live, closed = asyncio.new_event_loop(), asyncio.new_event_loop()
     closed.close()

@@ -28,7 +28,7 @@ from ortserve_runtime import (
     ModelLoadError,
     ModelRegistry,
 )
-from ortserve_runtime.chat._drafts import Drafter, PromptLookup
+from ortserve_runtime._drafts import Drafter, PromptLookup
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,7 @@ if _missing:
     )
 
 from ._config import EmbeddingConfig, EngineName, KvCacheDtype, ModelConfig, RerankConfig
-from ._embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling
+from ._contract import Engine, EngineCapabilities
 from ._errors import (
     AdapterNotFoundError,
     ContextLengthError,
@@ -28,20 +28,9 @@ from ._errors import (
     ModelNotFoundError,
     PreemptedError,
 )
+from ._loading import ModelKind, detect_model_kind, load_chat_model, pick_engine
 from ._providers import PROVIDERS, Provider
-from ._registry import (
-    ModelKind,
-    ModelLease,
-    ModelRegistry,
-    ModelState,
-    ModelStatus,
-    detect_model_kind,
-    load_chat_model,
-    pick_engine,
-)
-from ._rerank import RerankModel, RerankResult
-from ._speech import Segment, SpeechModel, Transcription
-from ._voice import SpeechChunk, VoiceModel
+from ._registry import ModelLease, ModelRegistry, ModelState, ModelStatus
 from .chat import (
     AudioInput,
     ChatModel,
@@ -66,7 +55,8 @@ from .chat import (
     detect_tool_format,
     forced_tool_grammar,
 )
-from .engines import Engine, EngineCapabilities
+from .embeddings import EmbeddingInput, EmbeddingModel, EmbeddingResult, Pooling, RerankModel, RerankResult
+from .speech import Segment, SpeechChunk, SpeechModel, Transcription, VoiceModel
 
 __all__ = [
     "PROVIDERS",

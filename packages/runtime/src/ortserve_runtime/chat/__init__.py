@@ -1,13 +1,14 @@
 """The front of generative models: chat template, tools, grammars, validation, prompts."""
 
+from .._contract import FinishReason, GenerationEvent, Request, Usage
 from ._constraints import Grammar
 from ._logprobs import TokenBytes, TokenLogprob, TopLogprob
 from ._media import AudioInput, ImageInput
 from ._model import ChatModel
 from ._multimodal import MULTIMODAL_TYPES, MediaProcessor
 from ._reasoning import ReasoningMarkers, ReasoningParser, ReasoningStart, detect_reasoning
-from ._request import FinishReason, GenerationEvent, GenerationStream, Prompt, Request, Usage
 from ._sampling import GenerationOptions
+from ._stream import GenerationStream, Prompt
 from ._template import ChatTemplate, Message
 from ._tools import ToolCall, ToolCallFormat, ToolCallParser, detect_tool_format, forced_tool_grammar
 

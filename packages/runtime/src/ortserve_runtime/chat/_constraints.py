@@ -20,7 +20,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from .._errors import InvalidRequestError
 from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
 
-__all__ = ["Constraint", "Grammar", "GrammarCompiler", "closed_schema", "og_guidance"]
+__all__ = ["Constraint", "Grammar", "GrammarCompiler", "closed_schema"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,16 @@ class Grammar:
     after_reasoning: tuple[ReasoningMarkers, ReasoningStart] | None = None
     """Set for a reasoning model: the grammar holds for the answer only, after a free
     think block (opened by the model, or already open in the prompt)."""
+
+    def og_guidance(self) -> tuple[str, str]:
+        """This grammar as onnxruntime-genai's guidance (``TurnOptions.set_guidance``) takes
+        it: the same sources, and the same strict whitespace for JSON, as the host matcher.
+        A grammar after reasoning has no such form: the model refuses it on og engines."""
+        if self.kind == "json_schema":
+            schema = closed_schema(self.source if isinstance(self.source, dict) else json.loads(self.source))
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+            return "json_schema", json.dumps(schema)
+        return ("regex" if self.kind == "regex" else "lark_grammar"), str(self.source)
 
 
 class Constraint:
@@ -125,17 +135,6 @@ def closed_schema(schema: Any) -> Any:
     if "properties" in closed and not {"additionalProperties", "patternProperties", "allOf"} & set(closed):
         closed["additionalProperties"] = False
     return closed
-
-
-def og_guidance(grammar: Grammar) -> tuple[str, str]:
-    """``grammar`` as onnxruntime-genai's guidance (``TurnOptions.set_guidance``) takes it:
-    the same sources, and the same strict whitespace for JSON, as the host matcher.
-    A grammar after reasoning has no such form: the model refuses it on og engines."""
-    if grammar.kind == "json_schema":
-        schema = closed_schema(grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source))
-        schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
-        return "json_schema", json.dumps(schema)
-    return ("regex" if grammar.kind == "regex" else "lark_grammar"), str(grammar.source)
 
 
 def _grammar_text(grammar: Grammar) -> str:

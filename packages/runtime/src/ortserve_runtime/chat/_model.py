@@ -15,22 +15,23 @@ from typing import TYPE_CHECKING, Any, Literal
 from tokenizers import Tokenizer
 
 from .._config import ModelConfig
+from .._contract import Request
+from .._drafts import Drafter
 from .._errors import AdapterNotFoundError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
 from ._constraints import Grammar, GrammarCompiler
-from ._drafts import Drafter
 from ._logprobs import TokenBytes
 from ._media import Media, flatten_messages
 from ._multimodal import MediaProcessor
 from ._reasoning import ReasoningMarkers, detect_reasoning, reasoning_start
-from ._request import GenerationStream, Prompt, Request
 from ._sampling import GenerationOptions, Sampler
 from ._stops import StopMatcher
+from ._stream import GenerationStream, Prompt
 from ._template import ChatTemplate, Message
 from ._tools import ToolCallFormat, detect_tool_format, tools_as_text
 
 if TYPE_CHECKING:
-    from ..engines import Engine
+    from .._contract import Engine
 
 __all__ = ["ChatModel"]
 

@@ -17,10 +17,10 @@ from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
 from ._image_tokens import ImageTokenRule, calibrate, image_size, probe_images
 from ._media import AudioInput, ImageInput, Media, Placeholders, normalise_image
-from ._request import Prompt
+from ._stream import Prompt
 
 if TYPE_CHECKING:
-    from ..engines._og_process import OgProcess
+    from .._og_process import OgProcess
 
 __all__ = ["MULTIMODAL_TYPES", "MediaProcessor"]
 

@@ -1,6 +1,6 @@
 """Engines: what runs a generative model's requests (the back; see :class:`Engine`)."""
 
-from ._base import Engine, EngineCapabilities
+from .._contract import Engine, EngineCapabilities
 from ._og_engine import OgEngine
 from ._og_generator import OgGeneratorEngine
 from ._ort_cpu import NotDrivableError, OrtCpuEngine

@@ -28,11 +28,8 @@ import numpy as np
 import onnxruntime_genai as og
 
 from .._config import ModelConfig
+from .._contract import EngineCapabilities, GenerationEvent, OwnerThread, Request
 from .._errors import EngineError, InvalidRequestError, ModelLoadError
-from .._threads import OwnerThread
-from ..chat._constraints import og_guidance
-from ..chat._request import GenerationEvent, Request
-from ._base import EngineCapabilities
 
 __all__ = ["OgEngine"]
 
@@ -185,7 +182,7 @@ class OgEngine(OwnerThread):
             if options.seed is not None and self.capabilities.seeds:
                 turn.set_seed(options.seed)
             if options.grammar is not None:
-                turn.set_guidance(*og_guidance(options.grammar))
+                turn.set_guidance(*options.grammar.og_guidance())
             turn_id = og_request.begin_turn(np.asarray(request.prompt, dtype=np.int32), turn)
         except RuntimeError as exc:  # og refuses what it cannot run (a turn option, a too-long prompt)
             request.deliver(InvalidRequestError(f"onnxruntime-genai refused the request: {exc}"))

@@ -31,12 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from .._config import ModelConfig
+from .._contract import EngineCapabilities, OwnerThread, Request
+from .._drafts import MAX_DRAFT_TOKENS, Drafter
 from .._errors import EngineError, ModelLoadError
-from .._threads import OwnerThread
-from ..chat._drafts import MAX_DRAFT_TOKENS, Drafter
-from ..chat._request import Request
-from ._base import EngineCapabilities
-from ._og_process import OgProcess, RemoteMedia
+from .._og_process import OgProcess, RemoteMedia
 
 __all__ = ["OgGeneratorEngine"]
 

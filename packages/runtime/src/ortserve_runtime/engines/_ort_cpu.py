@@ -52,12 +52,10 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from .._config import ModelConfig
+from .._contract import EngineCapabilities, FinishReason, OwnerThread, Request, batched_hand_backs
+from .._drafts import MAX_DRAFT_TOKENS
 from .._errors import EngineError, ModelLoadError, PreemptedError
 from .._folder import GenaiFolder
-from .._threads import OwnerThread, batched_hand_backs
-from ..chat._drafts import MAX_DRAFT_TOKENS
-from ..chat._request import FinishReason, Request
-from ._base import EngineCapabilities
 from ._int8_prefill import cpu_has_vnni, has_int4_matrices, int8_cache, int8_prefill_folder
 from ._kv_storage import CALIBRATION_TEXT, KvScales, load_or_measure_scales, scales_from_cache, store_kv_as
 from ._prefix_cache import PrefixCache, Rows

@@ -29,11 +29,11 @@ from tokenizers import Tokenizer
 if TYPE_CHECKING:
     import soundfile
 
-from ._config import ModelConfig
-from ._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
-from ._threads import resolve_future
-from .chat._sampling import GenerationOptions, Sampler
-from .engines._og_process import OgProcess
+from .._config import ModelConfig
+from .._contract import resolve_future
+from .._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
+from .._og_process import OgProcess
+from ..chat._sampling import GenerationOptions, Sampler
 
 __all__ = ["Segment", "SpeechModel", "Transcription"]
 

@@ -13,8 +13,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from .._config import ModelConfig
-from .._errors import InvalidRequestError, ModelLoadError
+from ._config import ModelConfig
+from ._errors import InvalidRequestError, ModelLoadError
 from ._og_process import LANES, TOKEN_VARIABLE
 
 __all__: list[str] = []
@@ -36,13 +36,13 @@ class _Child:
     # Each op runs on the lane it was sent on; ops of different lanes run side by side.
 
     def load(self, folder: str, config: ModelConfig, every_core: bool) -> None:
-        from .._folder import load_og_model
+        from ._folder import load_og_model
 
         self.folder, self.config = Path(folder), config
         self.model = load_og_model(self.folder, config, every_core=every_core)
 
     def check_runs(self, speculative: bool) -> None:
-        from .._folder import GenaiFolder, check_og_runs
+        from ._folder import GenaiFolder, check_og_runs
 
         assert self.folder is not None and self.config is not None
         check_og_runs(self.model, GenaiFolder.read(self.folder), self.config.provider, speculative=speculative)

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._config import ModelConfig
-from ._encoder import create_session, read_json
-from ._errors import EngineClosedError, InvalidRequestError, ModelLoadError
+from .._config import ModelConfig
+from .._errors import EngineClosedError, InvalidRequestError, ModelLoadError
+from ..embeddings._encoder import create_session, read_json
 
 __all__ = ["SpeechChunk", "VoiceModel", "find_voice_files"]
 

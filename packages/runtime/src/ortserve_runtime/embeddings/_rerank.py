@@ -22,9 +22,9 @@ import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
-from ._config import ModelConfig
+from .._config import ModelConfig
+from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from ._encoder import BatchedEncoder, Tokens, read_json
-from ._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 
 __all__ = ["RerankModel", "RerankResult"]
 

@@ -31,10 +31,10 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from ._config import ModelConfig
-from ._errors import EngineClosedError, ModelLoadError
-from ._providers import check_session_provider, ort_providers
-from ._threads import resolve_future
+from .._config import ModelConfig
+from .._contract import resolve_future
+from .._errors import EngineClosedError, ModelLoadError
+from .._providers import check_session_provider, ort_providers
 
 __all__ = ["BatchedEncoder", "Tokens", "create_session", "read_json"]
 

@@ -7,7 +7,7 @@ one 3,900-token prompt stopped every route for 0.84 s and eight 25-megapixel ima
 that model's requests with an error rather than the server.
 
 :class:`OgProcess` is the parent's side: it starts
-``ortserve_runtime.engines._og_child`` (see :data:`_BOOTSTRAP`), which connects back over
+``ortserve_runtime._og_child`` (see :data:`_BOOTSTRAP`), which connects back over
 loopback once per *lane* (``step``, ``prefill``, ``media``; each connection opens with a
 token the child got in its environment), so the engine's owner thread, its prefill thread and the chat
 front's media preparation each talk to a thread of their own in the child and go on side
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from .._config import ModelConfig
-from .._errors import EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
+from ._config import ModelConfig
+from ._errors import EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
 
 __all__ = ["LANES", "OgProcess", "RemoteMedia"]
 
@@ -54,11 +54,10 @@ START_TIMEOUT = 120.0
 _BOOTSTRAP = """
 import sys, types
 package = sys.argv[1]
-for name, path in (("ortserve_runtime", package), ("ortserve_runtime.engines", package + "/engines")):
-    module = types.ModuleType(name)
-    module.__path__ = [path]
-    sys.modules[name] = module
-from ortserve_runtime.engines._og_child import main
+module = types.ModuleType("ortserve_runtime")
+module.__path__ = [package]
+sys.modules["ortserve_runtime"] = module
+from ortserve_runtime._og_child import main
 main(sys.argv[2], int(sys.argv[3]))
 """
 """Starts the child without running the packages' ``__init__`` (they import every model
@@ -83,7 +82,7 @@ class OgProcess:
 
     def __init__(self, folder: Path, config: ModelConfig, *, every_core: bool = True) -> None:
         self.folder = folder
-        package = Path(__file__).resolve().parents[1]
+        package = Path(__file__).resolve().parent
         token = secrets.token_hex(16)
         with socket.create_server(("127.0.0.1", 0)) as server:
             server.settimeout(0.2)

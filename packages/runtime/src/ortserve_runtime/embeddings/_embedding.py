@@ -15,9 +15,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from ._config import ModelConfig
+from .._config import ModelConfig
+from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from ._encoder import BatchedEncoder, Tokens, read_json
-from ._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 
 __all__ = ["EmbeddingInput", "EmbeddingModel", "EmbeddingResult", "Pooling"]
 

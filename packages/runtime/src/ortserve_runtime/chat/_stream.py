@@ -1,0 +1,119 @@
+"""The front's side of a generation: a :class:`Prompt` ready to run, and the
+:class:`GenerationStream` its caller reads (the request itself is the engine contract's,
+:class:`~ortserve_runtime._contract.Request`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._contract import Engine, FinishReason, GenerationEvent, Request, Usage, hand_back
+from .._errors import EngineClosedError, InvalidRequestError
+from ._reasoning import ReasoningStart
+
+__all__ = ["GenerationStream", "Prompt"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt ready to run: its token ids and, for multimodal models, the processor's
+    inputs (image and audio features; the ids then hold negative image placeholders)."""
+
+    ids: Sequence[int]
+    media: Any = None
+    reasoning: ReasoningStart | None = None
+    """For a reasoning model's chat: whether the output starts inside a think block
+    (``open``), may open one (``opens``), or has none (``None``: thinking turned off)."""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+
+class GenerationStream:
+    """Async iterator of :class:`GenerationEvent` for one request.
+
+    The request reaches the engine on the first ``__anext__``. Leaving early (``break``,
+    ``aclose()``, or cancelling the consuming task) cancels it in the engine and frees its
+    batch row; :meth:`cancel` ends it with a final ``"cancelled"`` event instead.
+    """
+
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self._engine = engine
+        self._request = request
+        self._queue: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
+        self._started = False
+        self._done = False
+        self.prompt_tokens = len(request.prompt)
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        if not self._started and self._request.cancelled:  # cancelled before it was read
+            self._done = True
+            return self._request.final("cancelled")
+        if not self._started:
+            self._started = True
+            loop = asyncio.get_running_loop()
+            queue = self._queue
+
+            def deliver(item: GenerationEvent | BaseException) -> None:
+                # The consumer's loop gone: nobody wants the rest.
+                hand_back(loop, queue.put_nowait, item, lambda: self._engine.cancel(self._request))
+
+            self._request.deliver = deliver
+            self._engine.submit(self._request)
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self._abandon()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+            constraint = self._request.constraint
+            if constraint is not None and constraint.error is not None:
+                # The matcher gave up (a schema that compiles but cannot be followed, such as
+                # an object that must hold itself): what came out does not match it.
+                raise InvalidRequestError(
+                    f"the output could not be made to follow the grammar: {constraint.error}", param="grammar"
+                )
+        return item
+
+    def cancel(self) -> None:
+        """Stop generating; the stream then ends with a ``"cancelled"`` event."""
+        if not self._started:
+            self._request.cancelled = True  # never submitted: the first read ends it
+        elif not self._done:
+            self._engine.cancel(self._request)
+
+    async def aclose(self) -> None:
+        """Stop consuming; the engine drops the request at its next step."""
+        self._abandon()
+
+    def _abandon(self) -> None:
+        if self._started and not self._done:
+            self._done = True
+            self._engine.cancel(self._request)
+
+    async def collect(self) -> tuple[str, list[int], FinishReason, Usage]:
+        """Run to the end and return text, token ids, finish reason and usage."""
+        text: list[str] = []
+        tokens: list[int] = []
+        async for event in self:
+            text.append(event.text)
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+            if event.finish_reason is not None:
+                assert event.usage is not None
+                return "".join(text), tokens, event.finish_reason, event.usage
+        raise EngineClosedError("the generation ended without a final event")
