@@ -30,7 +30,7 @@ from ortserve_client import (
     RateLimitError,
     ServiceUnavailableError,
     StreamError,
-    _client,
+    _transport,
 )
 from ortserve_client import protocol as p
 
@@ -46,7 +46,7 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     async def sleep(seconds: float) -> None:
         recorded.append(seconds)
 
-    monkeypatch.setattr(_client, "_sleep", sleep)
+    monkeypatch.setattr(_transport, "_sleep", sleep)
     return recorded
 
 
@@ -344,7 +344,7 @@ async def test_retry_after_values(retry_after: str, expected: list[float] | None
 
 def test_backoff_grows_exponentially_with_jitter() -> None:
     for attempt, base in enumerate([0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0]):
-        delays = {_client._backoff(attempt, None) for _ in range(20)}
+        delays = {_transport._backoff(attempt, None) for _ in range(20)}
         assert all(base * 0.75 <= d <= base * 1.25 for d in delays)
         assert len(delays) > 1  # jittered
 

@@ -6,15 +6,13 @@ import builtins
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import urlencode
 
 import msgspec
 
 from . import batch_protocol as bp
-
-if TYPE_CHECKING:
-    from ._client import AsyncClient
+from ._transport import Transport
 
 __all__ = ["Batches", "Files", "batch_file"]
 
@@ -39,8 +37,8 @@ def _query(**params: object) -> str:
 
 
 class Files:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     async def create(
         self,
@@ -56,24 +54,24 @@ class Files:
         else:
             path = Path(file)
             filename, data = path.name, path.read_bytes()
-        url = f"{self._client.base_url}/files"
-        response = await self._client._response(
+        url = f"{self._transport.base_url}/files"
+        response = await self._transport.response(
             "POST", url, None, stream=False, form=({"purpose": purpose}, {"file": (filename, data)})
         )
         return msgspec.json.decode(response.content, type=bp.FileObject)
 
     async def retrieve(self, file_id: str) -> bp.FileObject:
-        return await self._client._send("GET", f"{self._client.base_url}/files/{file_id}", None, bp.FileObject)
+        return await self._transport.send("GET", f"{self._transport.base_url}/files/{file_id}", None, bp.FileObject)
 
     async def list(
         self, *, purpose: str | None = None, limit: int | None = None, after: str | None = None
     ) -> bp.FileList:
-        url = f"{self._client.base_url}/files{_query(purpose=purpose, limit=limit, after=after)}"
-        return await self._client._send("GET", url, None, bp.FileList)
+        url = f"{self._transport.base_url}/files{_query(purpose=purpose, limit=limit, after=after)}"
+        return await self._transport.send("GET", url, None, bp.FileList)
 
     async def content(self, file_id: str) -> bytes:
-        url = f"{self._client.base_url}/files/{file_id}/content"
-        response = await self._client._response("GET", url, None, stream=False)
+        url = f"{self._transport.base_url}/files/{file_id}/content"
+        response = await self._transport.response("GET", url, None, stream=False)
         return response.content
 
     async def results(self, file_id: str) -> builtins.list[bp.BatchOutputLine]:
@@ -81,12 +79,12 @@ class Files:
         return [_decode_line(line) for line in (await self.content(file_id)).splitlines() if line.strip()]
 
     async def delete(self, file_id: str) -> bp.FileDeleted:
-        return await self._client._send("DELETE", f"{self._client.base_url}/files/{file_id}", None, bp.FileDeleted)
+        return await self._transport.send("DELETE", f"{self._transport.base_url}/files/{file_id}", None, bp.FileDeleted)
 
 
 class Batches:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     async def create(
         self,
@@ -102,14 +100,16 @@ class Batches:
             completion_window=completion_window,
             metadata=dict(metadata) if metadata is not None else None,
         )
-        return await self._client._send("POST", f"{self._client.base_url}/batches", body, bp.Batch)
+        return await self._transport.send("POST", f"{self._transport.base_url}/batches", body, bp.Batch)
 
     async def retrieve(self, batch_id: str) -> bp.Batch:
-        return await self._client._send("GET", f"{self._client.base_url}/batches/{batch_id}", None, bp.Batch)
+        return await self._transport.send("GET", f"{self._transport.base_url}/batches/{batch_id}", None, bp.Batch)
 
     async def list(self, *, limit: int | None = None, after: str | None = None) -> bp.BatchList:
-        url = f"{self._client.base_url}/batches{_query(limit=limit, after=after)}"
-        return await self._client._send("GET", url, None, bp.BatchList)
+        url = f"{self._transport.base_url}/batches{_query(limit=limit, after=after)}"
+        return await self._transport.send("GET", url, None, bp.BatchList)
 
     async def cancel(self, batch_id: str) -> bp.Batch:
-        return await self._client._send("POST", f"{self._client.base_url}/batches/{batch_id}/cancel", None, bp.Batch)
+        return await self._transport.send(
+            "POST", f"{self._transport.base_url}/batches/{batch_id}/cancel", None, bp.Batch
+        )

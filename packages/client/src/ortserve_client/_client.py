@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import math
 import os
-import random
 import struct
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -18,14 +15,13 @@ import msgspec
 
 from ._batches import Batches, Files
 from ._errors import (
-    APIConnectionError,
     OrtServeError,
     status_error,
-    translate_transport_errors,
 )
 from ._params import ChatCompletionParams, CompletionParams, EmbeddingParams, MessageParam, PromptParam
 from ._responses import Responses
 from ._streaming import AsyncStream
+from ._transport import Transport, request_struct
 from .protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -60,24 +56,6 @@ from .protocol import (
 __all__ = ["AsyncClient"]
 
 T = TypeVar("T", bound=msgspec.Struct)
-RETRY_STATUSES = frozenset({429, 503})
-"""Statuses worth another try: the server asks the caller to come back later."""
-_NOT_RETRIED = (httpx.ReadTimeout, httpx.WriteTimeout)
-"""Transport errors after which the request may be running already: a retry would repeat it."""
-_encode = msgspec.json.Encoder().encode
-_sleep = asyncio.sleep  # a seam for the tests
-
-
-def _request(struct_type: type[T], fields: Mapping[str, Any]) -> T:
-    """Build a request Struct from keyword arguments (nested values may be Structs or
-    dicts), with a clear ``TypeError`` for unknown or ill-typed ones."""
-    unknown = sorted(set(fields) - set(struct_type.__struct_fields__))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) for {struct_type.__name__}: {', '.join(unknown)}")
-    try:
-        return msgspec.convert({k: v for k, v in fields.items() if v is not msgspec.UNSET}, struct_type)
-    except msgspec.ValidationError as exc:
-        raise TypeError(f"invalid arguments for {struct_type.__name__}: {exc}") from exc
 
 
 class AsyncClient:
@@ -102,21 +80,20 @@ class AsyncClient:
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.max_retries = max_retries
         key = api_key if api_key is not None else os.environ.get("ORTSERVE_API_KEY")
         all_headers = dict(headers or {})
         if key:
             all_headers["authorization"] = f"Bearer {key}"
-        self._http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=all_headers)
-        self.chat = _Chat(self)
-        self.completions = _Completions(self)
-        self.embeddings = _Embeddings(self)
-        self.models = _Models(self)
-        self.audio = _Audio(self)
-        self.responses = Responses(self)
-        self.files = Files(self)
-        self.batches = Batches(self)
+        http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=all_headers)
+        self._transport = Transport(base_url.rstrip("/"), http, max_retries)
+        self.chat = _Chat(self._transport)
+        self.completions = _Completions(self._transport)
+        self.embeddings = _Embeddings(self._transport)
+        self.models = _Models(self._transport)
+        self.audio = _Audio(self._transport)
+        self.responses = Responses(self._transport)
+        self.files = Files(self._transport)
+        self.batches = Batches(self._transport)
 
     async def __aenter__(self) -> Self:
         return self
@@ -128,7 +105,16 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Close the connections (open streams should be closed first)."""
-        await self._http.aclose()
+        await self._transport.http.aclose()
+
+    @property
+    def base_url(self) -> str:
+        """Where the API's paths start (``http://127.0.0.1:8000/v1``)."""
+        return self._transport.base_url
+
+    @property
+    def max_retries(self) -> int:
+        return self._transport.max_retries
 
     @property
     def root_url(self) -> str:
@@ -147,7 +133,7 @@ class AsyncClient:
     ) -> TokenizeResponse:
         """``POST /tokenize`` (extension): the token ids of ``prompt``, or of ``messages``
         formatted by the model's chat template."""
-        body = _request(
+        body = request_struct(
             TokenizeRequest,
             {
                 "model": model,
@@ -156,12 +142,12 @@ class AsyncClient:
                 "add_generation_prompt": add_generation_prompt,
             },
         )
-        return await self._send("POST", f"{self.base_url}/tokenize", body, TokenizeResponse)
+        return await self._transport.send("POST", f"{self.base_url}/tokenize", body, TokenizeResponse)
 
     async def detokenize(self, *, model: str, tokens: Sequence[int]) -> DetokenizeResponse:
         """``POST /detokenize`` (extension): the text of ``tokens``."""
         body = DetokenizeRequest(model=model, tokens=list(tokens))
-        return await self._send("POST", f"{self.base_url}/detokenize", body, DetokenizeResponse)
+        return await self._transport.send("POST", f"{self.base_url}/detokenize", body, DetokenizeResponse)
 
     async def rerank(
         self,
@@ -177,7 +163,7 @@ class AsyncClient:
         ordered by relevance to ``query``, best first; ``top_n`` keeps the best ones (all
         when ``None``); the server sends each document back unless ``return_documents`` is
         false; ``truncate`` (extension) cuts pairs longer than the model takes."""
-        body = _request(
+        body = request_struct(
             RerankRequest,
             {
                 "model": model,
@@ -188,14 +174,14 @@ class AsyncClient:
                 "truncate": msgspec.UNSET if truncate is None else truncate,
             },
         )
-        return await self._send("POST", f"{self.base_url}/rerank", body, RerankResponse)
+        return await self._transport.send("POST", f"{self.base_url}/rerank", body, RerankResponse)
 
     async def score(
         self, *, model: str, text_1: str | Sequence[str], text_2: str | Sequence[str], truncate: bool | None = None
     ) -> ScoreResponse:
         """``POST /score`` (a rerank model; vLLM's API): the score of ``text_1`` with each
         ``text_2`` (one ``text_1``), or of each pair (lists of equal length), in input order."""
-        body = _request(
+        body = request_struct(
             ScoreRequest,
             {
                 "model": model,
@@ -204,13 +190,13 @@ class AsyncClient:
                 "truncate": msgspec.UNSET if truncate is None else truncate,
             },
         )
-        return await self._send("POST", f"{self.base_url}/score", body, ScoreResponse)
+        return await self._transport.send("POST", f"{self.base_url}/score", body, ScoreResponse)
 
     async def health(self) -> Health:
         """``GET /health`` at the server root; a 503 with a health body (models still
         loading) is returned, not raised, and not retried."""
         url = f"{self.root_url}/health"
-        response = await self._response("GET", url, None, stream=False, ok_statuses=frozenset({503}))
+        response = await self._transport.response("GET", url, None, stream=False, ok_statuses=frozenset({503}))
         try:
             return msgspec.json.decode(response.content, type=Health)
         except msgspec.DecodeError as exc:
@@ -218,74 +204,10 @@ class AsyncClient:
                 raise OrtServeError(f"unexpected response from {url}: {exc}") from exc
             raise status_error(response, response.content) from None
 
-    # -- transport -------------------------------------------------------------------------
-
-    async def _send(self, method: str, url: str, body: msgspec.Struct | None, result: type[T]) -> T:
-        response = await self._response(method, url, body, stream=False)
-        try:
-            return msgspec.json.decode(response.content, type=result)
-        except msgspec.DecodeError as exc:
-            raise OrtServeError(f"unexpected response from {url}: {exc}") from exc
-
-    async def _stream(self, url: str, body: msgspec.Struct, chunk: type[T]) -> AsyncStream[T]:
-        response = await self._response("POST", url, body, stream=True)
-        return AsyncStream(response, chunk)
-
-    async def _response(
-        self,
-        method: str,
-        url: str,
-        body: msgspec.Struct | None,
-        *,
-        stream: bool,
-        ok_statuses: frozenset[int] = frozenset(),
-        form: tuple[dict[str, str], dict[str, tuple[str, bytes]]] | None = None,
-    ) -> httpx.Response:
-        """Send with retries; ``form`` (fields, files) sends multipart instead of JSON."""
-        content = _encode(body) if body is not None else None
-        attempt = 0
-        while True:
-            try:
-                with translate_transport_errors(url):
-                    if form is not None:
-                        request = self._http.build_request(method, url, data=form[0], files=form[1])
-                    else:
-                        headers = {"content-type": "application/json"} if content is not None else None
-                        request = self._http.build_request(method, url, content=content, headers=headers)
-                    response = await self._http.send(request, stream=stream)
-            except APIConnectionError as exc:
-                if attempt >= self.max_retries or isinstance(exc.__cause__, _NOT_RETRIED):
-                    raise
-                await _sleep(_backoff(attempt, None))
-                attempt += 1
-                continue
-            if response.is_success or response.status_code in ok_statuses:
-                return response
-            raw = await response.aread()
-            await response.aclose()
-            if response.status_code in RETRY_STATUSES and attempt < self.max_retries:
-                await _sleep(_backoff(attempt, response.headers.get("retry-after")))
-                attempt += 1
-                continue
-            raise status_error(response, raw)
-
-
-def _backoff(attempt: int, retry_after: str | None) -> float:
-    """Seconds to wait: ``Retry-After`` (seconds, at most a minute) when the server sent
-    it, else 0.25 s doubling per attempt up to 8 s, with ±25 % jitter."""
-    if retry_after is not None:
-        try:
-            seconds = float(retry_after)
-        except ValueError:
-            seconds = math.nan  # an HTTP date: fall back to the backoff
-        if math.isfinite(seconds):
-            return min(max(seconds, 0.0), 60.0)
-    return float(min(0.25 * 2**attempt, 8.0) * (0.75 + random.random() / 2))
-
 
 class _ChatCompletions:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     @overload
     async def create(
@@ -328,21 +250,23 @@ class _ChatCompletions:
         """``POST /chat/completions``. ``options`` are the request's other fields
         (``max_tokens``, ``temperature``, ``stop``, ``tools``, ``response_format``, ...).
         With ``stream=True``, an :class:`AsyncStream` of chunks."""
-        body = _request(ChatCompletionRequest, {"model": model, "messages": messages, "stream": stream, **options})
-        url = f"{self._client.base_url}/chat/completions"
+        body = request_struct(
+            ChatCompletionRequest, {"model": model, "messages": messages, "stream": stream, **options}
+        )
+        url = f"{self._transport.base_url}/chat/completions"
         if stream:
-            return await self._client._stream(url, body, ChatCompletionChunk)
-        return await self._client._send("POST", url, body, ChatCompletion)
+            return await self._transport.stream(url, body, ChatCompletionChunk)
+        return await self._transport.send("POST", url, body, ChatCompletion)
 
 
 class _Chat:
-    def __init__(self, client: AsyncClient) -> None:
-        self.completions = _ChatCompletions(client)
+    def __init__(self, transport: Transport) -> None:
+        self.completions = _ChatCompletions(transport)
 
 
 class _Completions:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     @overload
     async def create(
@@ -384,16 +308,16 @@ class _Completions:
     ) -> Completion | AsyncStream[Completion]:
         """``POST /completions`` (legacy): prompt as text, texts, token ids or lists of ids.
         Streamed chunks have the shape of :class:`~ortserve_client.protocol.Completion`."""
-        body = _request(CompletionRequest, {"model": model, "prompt": prompt, "stream": stream, **options})
-        url = f"{self._client.base_url}/completions"
+        body = request_struct(CompletionRequest, {"model": model, "prompt": prompt, "stream": stream, **options})
+        url = f"{self._transport.base_url}/completions"
         if stream:
-            return await self._client._stream(url, body, Completion)
-        return await self._client._send("POST", url, body, Completion)
+            return await self._transport.stream(url, body, Completion)
+        return await self._transport.send("POST", url, body, Completion)
 
 
 class _Embeddings:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     async def create(
         self,
@@ -406,10 +330,12 @@ class _Embeddings:
         """``POST /embeddings``. With ``encoding_format="base64"`` the vectors travel as
         base64 little-endian float32 (a third of the JSON) and are returned decoded, as
         lists of floats."""
-        body = _request(
+        body = request_struct(
             EmbeddingRequest, {"model": model, "input": input, "encoding_format": encoding_format, **options}
         )
-        result = await self._client._send("POST", f"{self._client.base_url}/embeddings", body, CreateEmbeddingResponse)
+        result = await self._transport.send(
+            "POST", f"{self._transport.base_url}/embeddings", body, CreateEmbeddingResponse
+        )
         for item in result.data:
             if isinstance(item.embedding, str):
                 item.embedding = _decode_base64_floats(item.embedding)
@@ -424,8 +350,8 @@ def _decode_base64_floats(data: str) -> list[float]:
 
 
 class _Transcriptions:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     @overload
     async def create(
@@ -477,8 +403,8 @@ class _Transcriptions:
             filename, data = path.name, path.read_bytes()
         fields = {"model": model, "response_format": response_format}
         fields.update({k: str(v) for k, v in options.items() if v is not None})
-        url = f"{self._client.base_url}/audio/transcriptions"
-        response = await self._client._response(
+        url = f"{self._transport.base_url}/audio/transcriptions"
+        response = await self._transport.response(
             "POST", url, None, stream=False, form=(fields, {"file": (filename, data)})
         )
         if response_format in ("text", "srt", "vtt"):
@@ -489,8 +415,8 @@ class _Transcriptions:
 
 
 class _Speech:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     @staticmethod
     def _request(
@@ -513,7 +439,9 @@ class _Speech:
         """``POST /audio/speech``: the whole audio file (``voice``: one of the model's
         ``voices``; absent, its first)."""
         body = self._request(model, input, voice, response_format, speed)
-        response = await self._client._response("POST", f"{self._client.base_url}/audio/speech", body, stream=False)
+        response = await self._transport.response(
+            "POST", f"{self._transport.base_url}/audio/speech", body, stream=False
+        )
         return response.content
 
     async def stream(
@@ -527,7 +455,7 @@ class _Speech:
     ) -> AsyncIterator[bytes]:
         """The audio file's bytes as the server sends them (a sentence at a time)."""
         body = self._request(model, input, voice, response_format, speed)
-        response = await self._client._response("POST", f"{self._client.base_url}/audio/speech", body, stream=True)
+        response = await self._transport.response("POST", f"{self._transport.base_url}/audio/speech", body, stream=True)
         try:
             async for chunk in response.aiter_bytes():
                 yield chunk
@@ -536,34 +464,34 @@ class _Speech:
 
 
 class _Audio:
-    def __init__(self, client: AsyncClient) -> None:
-        self.transcriptions = _Transcriptions(client)
-        self.speech = _Speech(client)
+    def __init__(self, transport: Transport) -> None:
+        self.transcriptions = _Transcriptions(transport)
+        self.speech = _Speech(transport)
 
 
 class _Models:
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     async def list(self) -> ModelList:
-        return await self._client._send("GET", f"{self._client.base_url}/models", None, ModelList)
+        return await self._transport.send("GET", f"{self._transport.base_url}/models", None, ModelList)
 
     async def retrieve(self, model: str) -> Model:
         """One model; on ortserve with its status (``status``, ``resident_bytes``, ``in_flight``...)."""
-        return await self._client._send("GET", f"{self._client.base_url}/models/{model}", None, Model)
+        return await self._transport.send("GET", f"{self._transport.base_url}/models/{model}", None, Model)
 
     async def load(self, model: str, *, keep_alive: float | str | None = None) -> Model:
         """``POST /models/load`` (extension): load a model the server was configured with
         and return its status; ``keep_alive`` (seconds, or ``"5m"``; negative: forever) is
         how long it then stays loaded while idle."""
         body = ModelLoadRequest(model=model, keep_alive=msgspec.UNSET if keep_alive is None else keep_alive)
-        return await self._client._send("POST", f"{self._client.base_url}/models/load", body, Model)
+        return await self._transport.send("POST", f"{self._transport.base_url}/models/load", body, Model)
 
     async def unload(self, model: str) -> Model:
         """``POST /models/unload`` (extension): free a model once the requests using it
         end (the server ends them after its grace period); returns its status."""
         body = ModelUnloadRequest(model=model)
-        return await self._client._send("POST", f"{self._client.base_url}/models/unload", body, Model)
+        return await self._transport.send("POST", f"{self._transport.base_url}/models/unload", body, Model)
 
     async def load_adapter(self, lora_name: str, lora_path: str, *, model: str | None = None) -> Model:
         """``POST /load_lora_adapter`` (vLLM's route; the server needs
@@ -571,9 +499,9 @@ class _Models:
         server's machine) as model ``MODEL:NAME``; ``lora_name`` is ``MODEL:NAME``, or
         ``NAME`` with ``model``. Returns the adapter's card."""
         body = LoraAdapterLoadRequest(lora_name=lora_name, lora_path=lora_path, model=model)
-        return await self._client._send("POST", f"{self._client.base_url}/load_lora_adapter", body, Model)
+        return await self._transport.send("POST", f"{self._transport.base_url}/load_lora_adapter", body, Model)
 
     async def unload_adapter(self, lora_name: str, *, model: str | None = None) -> ModelDeleted:
         """``POST /unload_lora_adapter``: stop serving an adapter (requests running finish with it)."""
         body = LoraAdapterUnloadRequest(lora_name=lora_name, model=model)
-        return await self._client._send("POST", f"{self._client.base_url}/unload_lora_adapter", body, ModelDeleted)
+        return await self._transport.send("POST", f"{self._transport.base_url}/unload_lora_adapter", body, ModelDeleted)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack, cast, overload
+from typing import Any, Literal, TypedDict, Unpack, cast, overload
 
 import msgspec
 
 from . import responses_protocol as rp
 from ._streaming import AsyncStream
-
-if TYPE_CHECKING:
-    from ._client import AsyncClient
+from ._transport import Transport, request_struct
 
 __all__ = ["InputItemParam", "ResponseCreateParams", "Responses"]
 
@@ -54,8 +52,8 @@ _STREAM_EVENT = cast("type[rp.ResponseStreamEvent]", rp.ResponseStreamEvent)
 class Responses:
     """``client.responses``: create (whole or streamed), retrieve and delete responses."""
 
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
     @overload
     async def create(
@@ -99,7 +97,6 @@ class Responses:
         are the request's other fields. With ``stream=True``, an :class:`AsyncStream` of
         the typed events (``response.created`` ... ``response.completed``); an ``error``
         event raises :class:`~ortserve_client.StreamError`."""
-        from ._client import _request  # here: _client imports this module
 
         # The wire Struct keeps input items as JSON objects (see responses_protocol), so
         # Structs become their JSON form first; checked as Structs all the same.
@@ -109,17 +106,19 @@ class Responses:
                 rp.input_items(items)
             except msgspec.ValidationError as exc:  # as _request reports its fields'
                 raise TypeError(f"invalid input items: {exc}") from exc
-        body = _request(rp.ResponseCreateRequest, {"model": model, "input": items, "stream": stream, **options})
-        url = f"{self._client.base_url}/responses"
+        body = request_struct(rp.ResponseCreateRequest, {"model": model, "input": items, "stream": stream, **options})
+        url = f"{self._transport.base_url}/responses"
         if stream:
-            return await self._client._stream(url, body, _STREAM_EVENT)
-        return await self._client._send("POST", url, body, rp.Response)
+            return await self._transport.stream(url, body, _STREAM_EVENT)
+        return await self._transport.send("POST", url, body, rp.Response)
 
     async def retrieve(self, response_id: str) -> rp.Response:
         """``GET /responses/{id}``: a response stored with ``store=True``."""
-        return await self._client._send("GET", f"{self._client.base_url}/responses/{response_id}", None, rp.Response)
+        return await self._transport.send(
+            "GET", f"{self._transport.base_url}/responses/{response_id}", None, rp.Response
+        )
 
     async def delete(self, response_id: str) -> rp.ResponseDeleted:
         """``DELETE /responses/{id}``."""
-        url = f"{self._client.base_url}/responses/{response_id}"
-        return await self._client._send("DELETE", url, None, rp.ResponseDeleted)
+        url = f"{self._transport.base_url}/responses/{response_id}"
+        return await self._transport.send("DELETE", url, None, rp.ResponseDeleted)
