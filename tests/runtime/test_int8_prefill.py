@@ -16,6 +16,7 @@ import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 from ortserve_runtime import ChatModel, GenerationOptions, ModelConfig, ModelLoadError, ModelRegistry
+from ortserve_runtime.engines import _decoder_graph as decoder_graph
 from ortserve_runtime.engines import _ort_cpu as ort_cpu
 from ortserve_runtime.engines._int8_prefill import _dequantize, cpu_has_vnni, int8_prefill_graph
 from serving import TINY_MODEL
@@ -233,7 +234,7 @@ async def test_a_copy_that_cannot_be_made_fails_on_and_is_skipped_by_auto(
     def no_room(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ort_cpu, "int8_prefill_folder", no_room)
+    monkeypatch.setattr(decoder_graph, "int8_prefill_folder", no_room)
     registry = ModelRegistry(ModelConfig(prefill_int8=True))
     registry.add("tiny", folder)
     with pytest.raises(ModelLoadError, match=r"no int8 copy could be made \(OSError: .*No space left on device"):

@@ -48,7 +48,7 @@ async def burst(model: ChatModel, count: int) -> list[list[int]]:
 @pytest.mark.parametrize("give_back", [True, False])
 async def test_finished_requests_give_their_cache_rows_back(give_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not give_back:  # the control: the same burst without it leaves its rows resident
-        monkeypatch.setattr(_ort_cpu, "_give_back", lambda array, start, end: None)
+        monkeypatch.setattr(_ort_cpu, "give_back", lambda array, start, end: None)
     registry = ModelRegistry(ModelConfig(prefix_cache_tokens=0))
     registry.add("tiny", TINY_MODEL)
     model: ChatModel = await registry.get("tiny")

@@ -24,21 +24,23 @@ reused only by prompts on their own side.
 LoRA adapters (see :func:`_adapter_inputs`) are bound as extra inputs, one adapter per
 session call: the rows are kept grouped by adapter (see :meth:`OrtCpuEngine._regroup`), so
 a decode step makes one call per adapter in use, each batching all of that adapter's rows.
+
+Long on purpose (over 600 lines): :class:`OrtCpuEngine` is one scheduler. Its methods share
+the batch's rows, the key/value cache, the prefix cache and the adapter groups on the owner
+thread, and each step's choices (prefill, refill, preempt, regroup, speculate) read and
+change all of them; split apart, they would hand that state to each other. What stands
+alone lives beside it: the graph and its sessions (``_decoder_graph``), the draft model
+(``_draft_model``), host memory (``_host_memory``), the prefix cache, int8 prefill and
+key/value storage.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import hashlib
 import logging
-import mmap
-import shutil
-import tempfile
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,266 +51,21 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 import onnxruntime as ort
-from tokenizers import Tokenizer
 
 from .._config import ModelConfig
 from .._contract import EngineCapabilities, FinishReason, OwnerThread, Request, batched_hand_backs
 from .._drafts import MAX_DRAFT_TOKENS
 from .._errors import EngineError, ModelLoadError, PreemptedError
 from .._folder import GenaiFolder
-from ._int8_prefill import cpu_has_vnni, has_int4_matrices, int8_cache, int8_prefill_folder
-from ._kv_storage import CALIBRATION_TEXT, KvScales, load_or_measure_scales, scales_from_cache, store_kv_as
+from ._decoder_graph import LAST_POSITION, LOGIT_POSITIONS, DecoderGraph, NotDrivableError
+from ._draft_model import DraftModel, draft_length
+from ._host_memory import give_back, release_freed_memory, unhuged_zeros
+from ._int8_prefill import cpu_has_vnni, has_int4_matrices
 from ._prefix_cache import PrefixCache, Rows
 
 __all__ = ["NotDrivableError", "OrtCpuEngine"]
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
-
-
-class NotDrivableError(ModelLoadError):
-    """The folder's decoder needs what the ort-cpu engine does not feed (its message says
-    what); og's engines may run it."""
-
-
-class _DecoderGraph:
-    """The decoder ONNX graph and the names genai_config.json gives its inputs/outputs."""
-
-    def __init__(self, folder: Path, genai: dict[str, Any], config: ModelConfig) -> None:
-        self.config = config
-        decoder = genai["model"]["decoder"]
-        self.layers = int(decoder["num_hidden_layers"])
-        self.kv_heads = int(decoder.get("num_key_value_heads", decoder["num_attention_heads"]))
-        self.head_size = int(decoder["head_size"])
-        names = decoder.get("inputs", {})
-        outputs = decoder.get("outputs", {})
-        past_key = names.get("past_key_names", "past_key_values.%d.key")
-        past_value = names.get("past_value_names", "past_key_values.%d.value")
-        present_key = outputs.get("present_key_names", "present.%d.key")
-        present_value = outputs.get("present_value_names", "present.%d.value")
-        self.cache_names = [
-            (past_key % i, present_key % i, past_value % i, present_value % i) for i in range(self.layers)
-        ]
-        self.input_ids = names.get("input_ids", "input_ids")
-        self.attention_mask = names.get("attention_mask", "attention_mask")
-        self.position_ids = names.get("position_ids", "position_ids")
-        self.logits = outputs.get("logits", "logits")
-        sliding = decoder.get("sliding_window")
-        sliding = sliding if isinstance(sliding, dict) else {}
-        self.window_size = int(sliding.get("window_size") or 0)
-        self.window_layers = set(sliding.get("layers", range(self.layers))) if self.window_size > 0 else set()
-        """Sliding-window layers (Gemma 2's local ones) and their window: GroupQueryAttention
-        keeps them in a ring (``sliding_window_cache``) that must hold at least the window."""
-
-        model_path = folder / decoder.get("filename", "model.onnx")
-        if not model_path.exists():
-            raise ModelLoadError(f"{model_path} does not exist", path=model_path)
-        try:
-            # Weights stay on disk: the graph alone says how the session is opened and
-            # whether the model uses LongRoPE.
-            graph_model = onnx.load(str(model_path), load_external_data=False)
-        except Exception as exc:  # onnx raises its own untyped errors for corrupt files
-            raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
-        self.model_path = model_path
-        reason = self._undrivable(graph_model.graph)
-        if reason is not None:
-            raise NotDrivableError(
-                f"{model_path} is not a decoder the ort-cpu engine can drive: {reason}", path=model_path
-            )
-        self.layer_shapes = self._layer_shapes(graph_model.graph)
-        """Per layer, its key/values' (heads, head size): Gemma 4's global layers have
-        larger heads than its sliding ones; genai_config.json gives one size for all."""
-        if config.kv_cache_dtype != "auto":
-            self._store_kv_as(config.kv_cache_dtype, graph_model, folder / "tokenizer.json")
-        self.int8_source = onnx.ModelProto()
-        """The graph as read, for :meth:`open_int8_prefill` (the session below edits its copy)."""
-        self.int8_source.CopyFrom(graph_model)
-        self.rope_window = _longrope_window(graph_model.graph, self.attention_mask, model_path)
-        """LongRoPE's original window: a call whose attention mask is wider uses the long
-        rotary factors, otherwise the short ones; ``None`` for other models."""
-        try:
-            self.session, self.last_only = _open_session(
-                model_path, graph_model, self._options(), self.logits, last_only=config.last_position_logits
-            )
-        except Exception as exc:  # onnx/onnxruntime raise their own untyped errors for corrupt files
-            raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        self.has_position_ids = self.position_ids in inputs
-        self.ids_dtype, self.mask_dtype = self._index_dtypes(inputs)
-        cache_type = inputs[self.cache_names[0][0]].type
-        if cache_type not in _DTYPES:
-            raise ModelLoadError(
-                f"{model_path} has a key/value cache of unsupported type {cache_type}", path=model_path
-            )
-        self.cache_dtype = _DTYPES[cache_type]
-        logits_output = next(o for o in self.session.get_outputs() if o.name == self.logits)
-        self.logits_dtype = _DTYPES.get(logits_output.type, np.float32)
-        vocab = logits_output.shape[-1]
-        if not isinstance(vocab, int):
-            self.last_only = False  # a symbolic vocabulary size: no fixed logits buffer
-        self.vocab_size = vocab if isinstance(vocab, int) else 0
-
-    def _layer_shapes(self, graph: onnx.GraphProto) -> list[tuple[int, int]]:
-        """Each layer's (key/value heads, head size) from its past key input where the graph
-        fixes them, else genai_config.json's."""
-        inputs = {i.name: i for i in graph.input}
-        shapes = []
-        for past_key, _, _, _ in self.cache_names:
-            dims = inputs[past_key].type.tensor_type.shape.dim
-            fixed = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-            heads = fixed[1] if len(fixed) == 4 and fixed[1] else self.kv_heads
-            head_size = fixed[3] if len(fixed) == 4 and fixed[3] else self.head_size
-            shapes.append((heads, head_size))
-        return shapes
-
-    def _undrivable(self, graph: onnx.GraphProto) -> str | None:
-        """Why this engine cannot drive ``graph`` (read before any session opens), or ``None``.
-
-        It feeds token ids, the attention mask, position ids and one key/value cache per
-        layer, written in place by GroupQueryAttention, nothing else: a graph needing another
-        input (LFM2's convolution state, Qwen3.5's linear-attention state, ``inputs_embeds``
-        of a multimodal decoder), position ids of another rank (Qwen VL's 3-D MRoPE) or
-        another attention operator runs on og instead. Inputs with a default (an
-        initializer of the same name, as LoRA inputs have) are optional.
-        """
-        defaults = {tensor.name for tensor in graph.initializer}
-        inputs = {i.name: i for i in graph.input if i.name not in defaults}
-        cache = {name for names in self.cache_names for name in (names[0], names[2])}
-        needed = [self.input_ids, self.attention_mask, *sorted(cache)]
-        missing = [name for name in needed if name not in inputs]
-        unknown = sorted(set(inputs) - {*needed, self.position_ids})
-        if missing or unknown:
-            return ", ".join(
-                ([f"it lacks the inputs {missing}"] if missing else [])
-                + ([f"it needs inputs the engine does not feed {unknown}"] if unknown else [])
-            )
-        positions = inputs.get(self.position_ids)
-        rank = len(positions.type.tensor_type.shape.dim) if positions is not None else 2
-        if rank != 2:
-            return f"its position ids have rank {rank} (multimodal rotary positions), not 2"
-        attention = sorted({node.op_type for node in graph.node if node.op_type.endswith("Attention")})
-        if attention != ["GroupQueryAttention"]:
-            # The builder's fp16 CPU graphs use MultiHeadAttention, which concatenates past and
-            # new key/values into a new tensor each call; the engine's rows are written in place.
-            return f"its attention runs as {attention or 'no attention operator'}, not GroupQueryAttention alone"
-        return None
-
-    def _store_kv_as(self, kv_cache_dtype: str, graph_model: onnx.ModelProto, tokenizer: Path) -> None:
-        """Edit ``graph_model`` to keep its key/value cache as ``kv_cache_dtype`` (see
-        _kv_storage), measuring int8 scales where no earlier load kept them."""
-        inputs = {i.name: i for i in graph_model.graph.input}
-        native = inputs[self.cache_names[0][0]].type.tensor_type.elem_type
-        quantized = [
-            node.name
-            for node in graph_model.graph.node
-            if node.op_type == "GroupQueryAttention" and any(a.name.endswith("_quant_type") for a in node.attribute)
-        ]
-        if quantized or native not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
-            raise ModelLoadError(
-                f"{self.model_path}: kv_cache_dtype={kv_cache_dtype} (--kv-cache-dtype) needs a graph whose "
-                f"key/value cache is fp32 or fp16, and this one keeps {onnx.helper.tensor_dtype_to_string(native)}"
-                f"{' already quantized' if quantized else ''}; use auto for this model",
-                path=self.model_path,
-            )
-        if kv_cache_dtype == "fp16":
-            if native == onnx.TensorProto.FLOAT:  # an fp16 graph keeps fp16 already
-                store_kv_as(graph_model, self.cache_names, onnx.TensorProto.FLOAT16)
-            return
-        scales = load_or_measure_scales(
-            self.model_path, graph_model, lambda: self._measure_kv_scales(graph_model, tokenizer)
-        )
-        store_kv_as(graph_model, self.cache_names, onnx.TensorProto.INT8, scales)
-
-    def _measure_kv_scales(self, graph_model: onnx.ModelProto, tokenizer: Path) -> KvScales:
-        """int8 scales from the keys and values the unchanged graph writes for the
-        calibration text (a session of its own, closed here)."""
-        logger.info("%s: measuring int8 key/value scales (once per model)", self.model_path)
-        unchanged = onnx.ModelProto()
-        unchanged.CopyFrom(graph_model)
-        # Logits of the last position only: every position's cost 1 s of the 1.4 s run on SmolLM2.
-        session, last_only = _open_session(self.model_path, unchanged, self._options(), self.logits, last_only=True)
-        inputs = {i.name: i for i in session.get_inputs()}
-        ids_dtype, mask_dtype = self._index_dtypes(inputs)
-        cache_dtype = _DTYPES[inputs[self.cache_names[0][0]].type]
-        ids = Tokenizer.from_file(str(tokenizer)).encode(CALIBRATION_TEXT).ids
-        count = len(ids)
-        cache = []
-        for layer, (heads, head_size) in enumerate(self.layer_shapes):
-            length = max(count, self.window_size if layer in self.window_layers else 0)
-            shape = (1, heads, length, head_size)
-            cache.append((np.zeros(shape, cache_dtype), np.zeros(shape, cache_dtype)))
-        binding = session.io_binding()
-        binding.bind_cpu_input(self.input_ids, np.asarray([ids], dtype=ids_dtype))
-        binding.bind_cpu_input(self.attention_mask, np.ones((1, count), dtype=mask_dtype))
-        if self.position_ids in inputs:
-            binding.bind_cpu_input(self.position_ids, np.arange(count, dtype=ids_dtype)[None, :])
-        self.bind_cache(binding, cache, slice(0, 1))
-        if last_only:
-            binding.bind_cpu_input(LOGIT_POSITIONS, _LAST_POSITION)
-        binding.bind_output(self.logits)
-        session.run_with_iobinding(binding)
-        interleaved = any(
-            attribute.name in ("rotary_interleaved", "interleaved") and attribute.i == 1
-            for node in graph_model.graph.node
-            if node.op_type in ("GroupQueryAttention", "RotaryEmbedding")
-            for attribute in node.attribute
-        )
-        return [
-            scales_from_cache(
-                keys[:, :, :count].astype(np.float32),
-                values[:, :, :count].astype(np.float32),
-                interleaved=interleaved,
-            )
-            for keys, values in cache
-        ]
-
-    def _index_dtypes(self, inputs: Mapping[str, Any]) -> tuple[Any, Any]:
-        """The integer types of a session's token ids and attention mask (int32 or int64)."""
-
-        def integer(name: str) -> Any:
-            return np.int32 if inputs[name].type == "tensor(int32)" else np.int64
-
-        return integer(self.input_ids), integer(self.attention_mask)
-
-    def _options(self) -> ort.SessionOptions:
-        options = ort.SessionOptions()
-        if self.config.intra_op_threads is not None:
-            options.intra_op_num_threads = self.config.intra_op_threads
-        options.inter_op_num_threads = 1
-        for key, value in self.config.session_options.items():
-            options.add_session_config_entry(key, value)
-        return options
-
-    def bind_cache(self, binding: Any, cache: list[tuple[Any, Any]], rows: slice) -> None:
-        """Bind the key/value ``cache`` rows ``rows`` as both past and present of every layer:
-        GroupQueryAttention appends in place (share-buffer mode)."""
-        for (past_k, present_k, past_v, present_v), (keys, values) in zip(self.cache_names, cache, strict=True):
-            key_value = ort.OrtValue.ortvalue_from_numpy(keys[rows])
-            value_value = ort.OrtValue.ortvalue_from_numpy(values[rows])
-            binding.bind_ortvalue_input(past_k, key_value)
-            binding.bind_ortvalue_output(present_k, key_value)
-            binding.bind_ortvalue_input(past_v, value_value)
-            binding.bind_ortvalue_output(present_v, value_value)
-
-    def open_int8_prefill(self) -> Any:
-        """A session of the int8 copy of this graph (see _int8_prefill; the engine asks only
-        where :func:`has_int4_matrices` and ``last_only``), or ``None`` where no weight could
-        be read for it."""
-        source = self.int8_source
-        del self.int8_source  # read once
-        try:
-            folder = int8_prefill_folder(self.model_path, source, int8_cache())
-        except OSError as exc:  # a read-only cache: a copy for this load only
-            logger.warning("no int8 prefill cache at %s (%s): converting into a temporary folder", int8_cache(), exc)
-            scratch = tempfile.mkdtemp(prefix="ortserve-int8-")
-            weakref.finalize(self, shutil.rmtree, scratch, True)  # removed with this graph
-            folder = int8_prefill_folder(self.model_path, source, Path(scratch))
-        if folder is None:
-            return None
-        graph_model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-        session, _ = _open_session(folder / "model.onnx", graph_model, self._options(), self.logits, last_only=True)
-        return session
 
 
 class OrtCpuEngine(OwnerThread):
@@ -341,8 +98,8 @@ class OrtCpuEngine(OwnerThread):
                 path=folder.path,
             )
         super().__init__(model_name)
-        self._graph = _DecoderGraph(folder.path, folder.genai, config)
-        self._draft = _DraftModel(folder, config, max_sequence_length) if config.draft_folder is not None else None
+        self._graph = DecoderGraph(folder.path, folder.genai, config)
+        self._draft = DraftModel(folder, config, max_sequence_length) if config.draft_folder is not None else None
         """The draft model of ``speculative="draft:FOLDER"``."""
         self._adapter_inputs = _adapter_inputs(adapters or {})
         """Adapter tensors by adapter key; replaced, never changed in place (see :meth:`add_adapter`)."""
@@ -357,7 +114,7 @@ class OrtCpuEngine(OwnerThread):
         for layer, (heads, head_size) in enumerate(graph.layer_shapes):
             length = max(max_sequence_length, graph.window_size if layer in graph.window_layers else 0)
             shape = (self.max_batch_size, heads, length, head_size)
-            self._cache.append((_unhuged_zeros(shape, graph.cache_dtype), _unhuged_zeros(shape, graph.cache_dtype)))
+            self._cache.append((unhuged_zeros(shape, graph.cache_dtype), unhuged_zeros(shape, graph.cache_dtype)))
         self._rows_touched = 0
         """Rows written since their pages were last given back (see :meth:`_give_back_rows`)."""
         self._rows: list[Request] = []
@@ -381,7 +138,7 @@ class OrtCpuEngine(OwnerThread):
         self._bindings: dict[tuple[int, int, str | None, int, bool], Any] = {}
         """IO bindings by row range, adapter, session and logits buffer (see :meth:`_bind`)."""
         self._logits = (
-            _unhuged_zeros((self.max_batch_size, 1, graph.vocab_size), graph.logits_dtype) if graph.last_only else None
+            unhuged_zeros((self.max_batch_size, 1, graph.vocab_size), graph.logits_dtype) if graph.last_only else None
         )
         """Where the decoder writes next-token logits, a row per cache row, when it computes
         the last position's only (their shape is then fixed)."""
@@ -435,7 +192,7 @@ class OrtCpuEngine(OwnerThread):
                     ) from exc
                 logger.warning("model %r: no int8 prefill session, prompts prefill in int4", model_name, exc_info=True)
             finally:
-                _release_freed_memory()  # the conversion's buffers
+                release_freed_memory()  # the conversion's buffers
             if self.prefill_session is None and config.prefill_int8:
                 raise ModelLoadError(
                     f"{folder.path}: prefill_int8 (--prefill-int8 on): none of its int4 matrices could be read "
@@ -755,7 +512,7 @@ class OrtCpuEngine(OwnerThread):
         if graph.has_position_ids:
             binding.bind_cpu_input(graph.position_ids, positions)
         if graph.last_only:
-            chosen = np.arange(input_ids.shape[1], dtype=np.int64) if every_position else _LAST_POSITION
+            chosen = np.arange(input_ids.shape[1], dtype=np.int64) if every_position else LAST_POSITION
             binding.bind_cpu_input(LOGIT_POSITIONS, chosen)
         if not fixed_logits:
             binding.bind_output(graph.logits)  # their shape varies
@@ -764,7 +521,7 @@ class OrtCpuEngine(OwnerThread):
         shrink = self._shrink_arena if input_ids.shape[1] >= _SHRINK_AFTER_TOKENS else None
         session.run_with_iobinding(binding, shrink)
         if shrink is not None:
-            _release_freed_memory()  # what the arena gave back stays in the C heap otherwise
+            release_freed_memory()  # what the arena gave back stays in the C heap otherwise
         self.steps += 1
         if fixed_logits and self._logits is not None:
             # Views into the engine's buffer: each caller samples from them before the
@@ -898,9 +655,9 @@ class OrtCpuEngine(OwnerThread):
         if window is not None and length <= window:
             limit = min(limit, window - length)  # the whole call within LongRoPE's window, as a step's
         draft = drafter.propose(request.tokens, limit)
-        size = _draft_length(drafter.acceptance, len(draft))
+        size = draft_length(drafter.acceptance, len(draft))
         if not draft and self._draft is not None:  # no prediction to follow: the draft model's
-            size = _draft_length(drafter.acceptance, limit, self._draft.cost)
+            size = draft_length(drafter.acceptance, limit, self._draft.cost)
             draft = self._draft.propose(request, size) if size else []
         if size == 0:
             if draft or self._draft is not None:
@@ -984,7 +741,7 @@ class OrtCpuEngine(OwnerThread):
         for arrays in self._cache:
             for array in arrays:
                 row_bytes = array[0].nbytes
-                _give_back(array, first * row_bytes, self._rows_touched * row_bytes)
+                give_back(array, first * row_bytes, self._rows_touched * row_bytes)
         self._rows_touched = first
 
     def _give_back_tokens(self, row: int, start: int, end: int) -> None:
@@ -995,7 +752,7 @@ class OrtCpuEngine(OwnerThread):
                 token_bytes = head_size * array.itemsize
                 for head in range(heads):
                     base = (row * heads + head) * length * token_bytes
-                    _give_back(array, base + start * token_bytes, base + min(end, length) * token_bytes)
+                    give_back(array, base + start * token_bytes, base + min(end, length) * token_bytes)
 
     def _regroup(self) -> None:
         """Order the rows by :meth:`_call_group` (LongRoPE's side of the window, then the
@@ -1027,105 +784,9 @@ class OrtCpuEngine(OwnerThread):
             values[target, :, :length] = values[source, :, :length]
 
 
-class _DraftModel:
-    """A smaller model with the same tokenizer that drafts greedily for the request being
-    checked (``speculative="draft:FOLDER"``; speculation runs for a request alone, so one
-    cache row follows one request at a time: switching requests prefills the new one's
-    sequence, and a rejected draft is dropped by keeping the row's common prefix with the
-    sequence). Greedy drafts put all their weight on one guess, so checking them as
-    :meth:`OrtCpuEngine._speculate` does keeps a sampled request's distribution."""
-
-    def __init__(self, target: GenaiFolder, config: ModelConfig, max_sequence_length: int) -> None:
-        path = config.draft_folder
-        assert path is not None
-        try:
-            folder = GenaiFolder.read(path)
-            same = folder.tokenizer_path.read_bytes() == target.tokenizer_path.read_bytes()
-        except (ModelLoadError, OSError) as exc:
-            raise ModelLoadError(f"speculative draft model {path}: {exc}", path=path) from exc
-        if not same or folder.model.get("vocab_size") != target.model.get("vocab_size"):
-            raise ModelLoadError(
-                f"speculative draft model {path} has another tokenizer than {target.path} (tokenizer.json and "
-                "vocab_size must match): its tokens would be another model's",
-                path=path,
-            )
-        self.graph = _DecoderGraph(folder.path, folder.genai, dataclasses.replace(config, speculative=None))
-        shapes = [(1, heads, max_sequence_length, size) for heads, size in self.graph.layer_shapes]
-        dtype = self.graph.cache_dtype
-        self._cache = [(_unhuged_zeros(shape, dtype), _unhuged_zeros(shape, dtype)) for shape in shapes]
-        self._binding = self.graph.session.io_binding()
-        self.graph.bind_cache(self._binding, self._cache, slice(0, 1))
-        self._chunk = config.prefill_chunk_tokens
-        self.cost = _weight_bytes(folder.path) / max(_weight_bytes(target.path), 1)
-        """A draft token's cost in the target's decode steps, by their weights' sizes."""
-        self._owner: Request | None = None
-        self._cached: list[int] = []
-        """The tokens whose key/values the row holds."""
-
-    def propose(self, request: Request, size: int) -> list[int]:
-        """``size`` greedy tokens to follow ``request``'s sequence."""
-        sequence = [*request.prompt, *request.tokens]
-        if self._owner is not request:
-            self._owner, self._cached = request, []
-        common = 0
-        for cached, token in zip(self._cached, sequence, strict=False):
-            if cached != token:
-                break
-            common += 1
-        common = min(common, len(sequence) - 1)  # the last token goes in: its logits draft
-        for start in range(common, len(sequence), self._chunk):
-            logits = self._run(sequence[start : start + self._chunk], start)
-        drafts = [int(np.argmax(logits))]
-        while len(drafts) < size:
-            drafts.append(int(np.argmax(self._run(drafts[-1:], len(sequence) + len(drafts) - 1))))
-        self._cached = sequence + drafts[:-1]
-        return drafts
-
-    def _run(self, ids: list[int], start: int) -> npt.NDArray[np.float32]:
-        graph, binding = self.graph, self._binding
-        end = start + len(ids)
-        binding.bind_cpu_input(graph.input_ids, np.asarray([ids], dtype=graph.ids_dtype))
-        binding.bind_cpu_input(graph.attention_mask, np.ones((1, end), dtype=graph.mask_dtype))
-        if graph.has_position_ids:
-            binding.bind_cpu_input(graph.position_ids, np.arange(start, end, dtype=graph.ids_dtype)[None, :])
-        if graph.last_only:
-            binding.bind_cpu_input(LOGIT_POSITIONS, _LAST_POSITION)
-        binding.bind_output(graph.logits)
-        graph.session.run_with_iobinding(binding)
-        logits: npt.NDArray[np.float32] = binding.get_outputs()[-1].numpy()[0, -1]
-        return logits
-
-
 _BACKGROUND_CHUNK = 32
 """Prompt tokens a background request prefills per call: an interactive request arriving
 meanwhile waits for one such call, not a whole prompt."""
-
-
-def _weight_bytes(folder: Path) -> int:
-    """The size of a model folder's ONNX files and their external data."""
-    return sum(path.stat().st_size for path in folder.iterdir() if ".onnx" in path.name)
-
-
-def _draft_length(acceptance: float, available: int, draft_cost: float = 0.0) -> int:
-    """The draft length (up to ``available``; 0: none) that yields the most tokens a second
-    if each draft token is accepted with chance ``acceptance`` given the ones before it
-    were: a call checking ``k`` drafts yields ``1 + a + ... + a**k`` tokens and costs
-    ``1.1 + 0.2 (k - 1)`` decode steps (measured at 300 tokens of context: SmolLM2-135M
-    int4 2.0x for 4 drafts and 2.75x for 8; the 0.5B-shaped model 1.10x, 1.66x and 2.6x
-    for 1, 4 and 8).
-
-    A draft model adds ``draft_cost`` decode steps per draft token. A fixed model, not
-    timings: a request's drafts, and so the calls its tokens are computed in, then depend on
-    the request alone (see :meth:`OrtCpuEngine._speculate`).
-    """
-    best, best_rate = 0, 1.0
-    expected = 1.0
-    for size in range(1, available + 1):
-        expected += acceptance**size
-        rate = expected / (1.1 + 0.2 * (size - 1) + draft_cost * size)
-        if rate > best_rate:
-            best, best_rate = size, rate
-    return best
 
 
 @dataclasses.dataclass(eq=False)
@@ -1184,160 +845,11 @@ def _adapter_inputs(adapters: Mapping[str, Path]) -> dict[str, dict[str, ort.Ort
     return {name: dict(ort.AdapterFormat.read_adapter(str(path)).get_parameters()) for name, path in adapters.items()}
 
 
-_PAGE = mmap.PAGESIZE
 _INT8_PREFILL_MIN_TOKENS = 64
 """Prompt chunks this long or longer go through the int8 prefill session when there is one."""
 _SHRINK_AFTER_TOKENS = 128
 """Calls of a prompt chunk this long or longer return the memory they took from the arena
 (decode steps, one token a row, keep theirs however many rows they have)."""
-
-
-def _release_freed_memory() -> None:
-    """Hand memory the C allocator holds free back to the system (glibc's ``malloc_trim``;
-    elsewhere nothing)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _unhuged_zeros(shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
-    """Zeros in an anonymous memory map, taken from the system a page at a time as written.
-
-    numpy asks for transparent huge pages on large arrays, so the first token written to a
-    cache row made 2 MB of it resident per layer (measured: a burst of 16 short requests
-    held 1.6 GB); and a map's pages can be given back (:func:`_give_back`).
-    """
-    count = int(np.prod(shape))
-    buffer = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1))
-    return np.frombuffer(buffer, dtype, count).reshape(shape)
-
-
-def _give_back(array: npt.NDArray[Any], start: int, end: int) -> None:
-    """Drop the whole pages of bytes ``start`` to ``end`` of an :func:`_unhuged_zeros`
-    array: they read as zeros again and cost no memory until written."""
-    first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    buffer: Any = array
-    while isinstance(buffer, np.ndarray):
-        buffer = buffer.base
-    buffer = buffer.obj if isinstance(buffer, memoryview) else buffer
-    if last > first and isinstance(buffer, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
-        buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
-def _longrope_window(graph: onnx.GraphProto, attention_mask: str, model_path: Path) -> int | None:
-    """The window of a LongRoPE graph, or ``None`` for a graph without one.
-
-    The genai builder (``make_rotary_embedding_multi_cache``, CPU and CUDA builds) writes
-    ``If(Greater(Shape(attention_mask)[1], original_max_position_embeddings))`` choosing
-    between constant cos/sin caches made with the long factors (then) and the short ones
-    (else). Nothing in genai_config.json says so. A selection by anything else is refused
-    rather than guessed: this engine could not reproduce og's factors.
-    """
-    producers = {output: node for node in graph.node for output in node.output}
-    constants = {tensor.name: tensor for tensor in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            constants[node.output[0]] = node.attribute[0].t
-    for node in graph.node:
-        if node.op_type != "If" or not any("cos_cache" in output for output in node.output):
-            continue
-        greater = producers.get(node.input[0])
-        gather = producers.get(greater.input[0]) if greater is not None and greater.op_type == "Greater" else None
-        shape = producers.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" else None
-        if (
-            greater is not None
-            and gather is not None
-            and shape is not None
-            and shape.op_type == "Shape"
-            and shape.input[0] == attention_mask
-            and gather.input[1] in constants
-            and int(onnx.numpy_helper.to_array(constants[gather.input[1]])) == 1
-            and greater.input[1] in constants
-        ):
-            return int(onnx.numpy_helper.to_array(constants[greater.input[1]]))
-        raise NotDrivableError(
-            f"{model_path} chooses its rotary caches by a rule the ort-cpu engine does not know "
-            f"({node.name}); use --engine og-generator",
-            path=model_path,
-        )
-    return None
-
-
-def _open_session(
-    model_path: Path, graph_model: onnx.ModelProto, options: ort.SessionOptions, logits: str, *, last_only: bool
-) -> tuple[ort.InferenceSession, bool]:
-    """An onnxruntime session for the decoder computing logits of the last position only,
-    and whether it does (``last_only`` off, or a graph of another shape: every position).
-
-    Sampling needs only the last position's logits, yet the builder's graphs project every
-    prompt position through the vocabulary-sized LM head (a quarter of the prefill work
-    for a 0.5B model, measured). A Gather of the last position in front of the node that
-    writes the logits removes that work; decode steps (one position) are unchanged.
-    """
-    graph = graph_model.graph
-    producers = [node for node in graph.node if logits in node.output]
-    outputs = [o for o in graph.output if o.name == logits]
-    if last_only and len(producers) == 1 and len(outputs) == 1 and len(outputs[0].type.tensor_type.shape.dim) == 3:
-        head = producers[0]
-        hidden_name = LOGIT_POSITIONS + "_hidden"
-        # An input, bound by every call: the last position, or every position a speculative
-        # check ran. (Not an initializer overridden: an IO binding cannot bind one.)
-        graph.input.append(onnx.helper.make_tensor_value_info(LOGIT_POSITIONS, onnx.TensorProto.INT64, ["positions"]))
-        gather = onnx.helper.make_node(
-            "Gather", [head.input[0], LOGIT_POSITIONS], [hidden_name], axis=1, name=hidden_name
-        )
-        head.input[0] = hidden_name
-        graph.node.insert(list(graph.node).index(head), gather)
-        outputs[0].type.tensor_type.shape.dim[1].dim_param = "positions"
-    else:
-        last_only = False
-    return _session_from_graph(model_path, graph_model, options), last_only
-
-
-LOGIT_POSITIONS = "ortserve/logit_positions"
-"""The decoder input (added by :func:`_open_session`) choosing the positions whose logits
-are computed; the last one by default."""
-
-_LAST_POSITION = np.array([-1], dtype=np.int64)
-
-_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
-
-
-def _session_from_graph(model_path: Path, graph_model: onnx.ModelProto, options: ort.SessionOptions) -> Any:
-    """A CPU session for ``graph_model`` (edited in memory) whose weights stay in the
-    external data files beside ``model_path``.
-
-    Where the files resolve into one folder (the Hugging Face cache links them to its
-    blobs), onnxruntime maps them itself from there: weights it does not repack are then
-    read from the page cache, not copied (measured: 141 MB less resident on the 0.5B-shaped
-    model). Otherwise, or with an onnxruntime without that option, they are handed over as
-    memory maps, which onnxruntime copies.
-    """
-    providers = ["CPUExecutionProvider"]
-    entries = [
-        entry
-        for tensor in graph_model.graph.initializer
-        if tensor.data_location == onnx.TensorProto.EXTERNAL
-        for entry in tensor.external_data
-        if entry.key == "location"
-    ]
-    # Resolved once per file, not per tensor (516 tensors on SmolLM2: 40 ms of a 0.5 s load).
-    files = {location: (model_path.parent / location).resolve() for location in {entry.value for entry in entries}}
-    folders = {file.parent for file in files.values()}
-    if len(folders) == 1:
-        for entry in entries:
-            entry.value = files[entry.value].name
-        files = {file.name: file for file in files.values()}
-        options.add_session_config_entry(_EXTERNAL_FOLDER, str(folders.pop()))
-        with contextlib.suppress(ort.capi.onnxruntime_pybind11_state.Fail):  # no such option: the maps below
-            return ort.InferenceSession(graph_model.SerializeToString(), options, providers=providers)
-    with contextlib.ExitStack() as stack:
-        maps = []
-        for file in files.values():
-            handle = stack.enter_context(file.open("rb"))
-            maps.append(stack.enter_context(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)))
-        if maps:
-            options.add_external_initializers_from_files_in_memory(list(files), maps, [len(m) for m in maps])
-        return ort.InferenceSession(graph_model.SerializeToString(), options, providers=providers)
 
 
 @functools.cache
