@@ -247,9 +247,9 @@ def test_allowed_hosts_are_fetched(url: str, client: openai.OpenAI, image_host: 
 
 
 def test_a_dripping_host_ends_at_the_fetch_deadline(url: str, image_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ortserve_server import _mapping
+    from ortserve_server import _messages
 
-    monkeypatch.setattr(_mapping, "IMAGE_FETCH_SECONDS", 1.0)  # the server runs in this process
+    monkeypatch.setattr(_messages, "IMAGE_FETCH_SECONDS", 1.0)  # the server runs in this process
     started = time.monotonic()
     error = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/drip.png"}}))
     assert "within 1 s" in error["message"] and time.monotonic() - started < 5

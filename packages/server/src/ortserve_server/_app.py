@@ -23,6 +23,7 @@ from litestar.plugins import InitPlugin
 from litestar.types import ExceptionHandlersMap, Guard
 
 from ._auth import make_auth_guard
+from ._batch_runner import BatchRunner
 from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
 from ._leases import mark_admin_callers, release_leases
@@ -58,6 +59,7 @@ def _guards(
 
 def _routers(state: OrtServe) -> list[Router]:
     config = state.config
+    state.attach_batch_runner(BatchRunner)  # it runs batch lines through these routes
     provide = {"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)}
 
     def api_router(

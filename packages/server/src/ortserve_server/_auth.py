@@ -13,10 +13,7 @@ from litestar.handlers import BaseRouteHandler
 from ._errors import (
     AuthenticationError,
 )
-from ._mapping import (
-    CALLER,
-    Caller,
-)
+from ._plan import CALLER, Caller
 
 __all__ = ["make_auth_guard"]
 

@@ -31,7 +31,7 @@ from ._batch_store import OPEN, RUNNER, PendingLine
 from ._errors import exception_handlers
 from ._ids import new_id
 from ._leases import release_leases
-from ._mapping import CALLER, Caller
+from ._plan import CALLER, Caller
 from ._state import OrtServe
 
 __all__ = ["BatchRunner"]

@@ -1,45 +1,32 @@
-"""What every generation route shares: a run's streams merged and delivered (collected,
-or as server-sent events, with its metrics), the chat request started (:func:`start_chat`),
-and a client that leaves (or a shutdown) stopping the work."""
+"""What every generation route shares on the way back up: a started request's streams
+(:class:`~._plan.Started`) merged and delivered, collected or as server-sent events, with
+its metrics; a client that leaves (or a shutdown) stops the work."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import msgspec
-from litestar import Request
 from litestar.response import Stream
 from ortserve_client import protocol as p
 from ortserve_runtime import (
-    ChatModel,
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
-    Prompt,
     ReasoningParser,
     TokenLogprob,
     ToolCall,
-    ToolCallParser,
 )
 
 from ._errors import (
-    ClientDisconnectedError,
     ServerError,
     ShuttingDownError,
     unavailable_detail,
 )
-from ._mapping import (
-    GenerationPlan,
-    caller_of,
-    chat_messages,
-    check_room,
-    plan_chat,
-    template_kwargs,
-)
+from ._plan import Started
 from ._state import OrtServe
 
 __all__ = [
@@ -47,10 +34,8 @@ __all__ = [
     "_include_usage",
     "_sse",
     "_stream_response",
-    "_while_connected",
+    "add_usage",
     "error_detail",
-    "fetching_while_connected",
-    "start_chat",
 ]
 
 
@@ -65,48 +50,6 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _sse(payload: Any) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
-
-
-async def _while_connected(request: Request[Any, Any, Any], state: OrtServe, work: Awaitable[T]) -> T:
-    """``work``, cancelled if the client disconnects first (a non-streamed generation or
-    transcription stops and frees its slot, as a streamed one does when its stream
-    closes), or if a shutdown cuts work off (then a 503 answers)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    with state.cut_signal() as cut:
-        try:
-            waiting: set[asyncio.Future[Any]] = {task, gone, cut}
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        was_cut = cut.done() and not cut.cancelled()
-    if task.cancelled():
-        if was_cut:
-            state.cut_requests += 1
-            raise ShuttingDownError("the server is shutting down; the request was cut off")
-        raise ClientDisconnectedError("the client disconnected before the answer was ready")
-    return task.result()
-
-
-def fetching_while_connected(
-    request: Request[Any, Any, Any] | None, state: OrtServe
-) -> Callable[[Awaitable[None]], Awaitable[None]] | None:
-    """What :func:`chat_messages` runs its remote image fetches through: stopped when the
-    client leaves (``None`` without a request)."""
-    if request is None:
-        return None
-    return lambda work: _while_connected(request, state, work)
-
-
-async def _disconnected(request: Request[Any, Any, Any]) -> None:
-    """Returns when the server reports the client gone (the body was read already, so
-    ``receive`` has nothing else to say; under WSGI it never returns)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _merge(
@@ -157,28 +100,20 @@ class _Generation:
     """The streams of one generation request, with its metrics (time to first token,
     tokens, outcome) and the two ways to deliver it: collected, or as SSE chunks."""
 
-    def __init__(
-        self,
-        state: OrtServe,
-        endpoint: str,
-        model: ChatModel,
-        streams: list[GenerationStream],
-        tool_parsers: list[ToolCallParser] | None = None,
-        parallel_calls: bool = True,
-        forced_tool: str | None = None,
-    ) -> None:
+    def __init__(self, state: OrtServe, endpoint: str, started: Started) -> None:
+        streams = started.streams
         self.state = state
         self.metrics = state.metrics
         self.endpoint = endpoint
-        self.model = model
+        self.model = started.model
         self.streams = streams
-        self.tool_parsers = tool_parsers
-        self.parallel_calls = parallel_calls
-        self.forced_tool = forced_tool
+        self.tool_parsers = started.tool_parsers
+        self.parallel_calls = started.parallel_calls
+        self.forced_tool = started.plan.tools.forced
         """The function a forced call calls (``""``: any; ``None``: not forced)."""
         self.calls_made = [0] * len(streams)
-        self.prompt_tokens = sum(s.prompt_tokens for s in streams)
-        self.choices_per_prompt = 1
+        self.prompt_tokens = started.prompt_tokens
+        self.choices_per_prompt = started.plan.n
         self.cached = [0] * len(streams)
         """Per stream, the prompt tokens its engine took from the prefix cache."""
         self.stop_sequences: list[str | None] = [None] * len(streams)
@@ -200,9 +135,14 @@ class _Generation:
         self.reasoning_tokens = [0] * len(streams)
         """Per stream, the tokens generated inside its think block (markers included):
         the Responses API's ``reasoning_tokens``."""
-        self.plan: GenerationPlan | None = None
+        self.plan = started.plan
         """The plan that started the streams: names the request's field in errors raised
         mid-generation (a grammar the matcher gave up on: ``response_format``...)."""
+        prompt = started.prompt
+        if self.model.reasoning is not None and prompt is not None and prompt.reasoning is not None:
+            # Each stream's thinking split from its answer: the model reasons and the prompt
+            # left thinking on (a template that closed the block leaves only answer).
+            self.reasoning_parsers = [ReasoningParser(self.model.reasoning, prompt.reasoning) for _ in streams]
 
     async def _events(self, cut: Any = None) -> AsyncIterator[tuple[int, GenerationEvent]]:
         """:func:`_merge` of the streams, with a refusal naming the request's field."""
@@ -210,15 +150,7 @@ class _Generation:
             async for item in _merge(self.streams, cut) if cut is not None else _merge(self.streams):
                 yield item
         except InvalidRequestError as exc:
-            if self.plan is None:
-                raise
             raise self.plan.named(exc) from exc
-
-    def split_reasoning(self, prompt: Prompt) -> None:
-        """Split each stream's thinking from its answer when the model reasons and the
-        prompt left thinking on (a template that closed the block leaves only answer)."""
-        if self.model.reasoning is not None and prompt.reasoning is not None:
-            self.reasoning_parsers = [ReasoningParser(self.model.reasoning, prompt.reasoning) for _ in self.streams]
 
     def _observe(self, event: GenerationEvent) -> None:
         if self.first and event.token_id is not None:
@@ -350,6 +282,18 @@ class _Generation:
             yield closing
 
 
+def add_usage(total: p.CompletionUsage, usage: p.CompletionUsage) -> None:
+    """Add one turn's ``usage`` to ``total`` (a tool loop's usage sums its turns', cached
+    prompt tokens included)."""
+    total.prompt_tokens += usage.prompt_tokens
+    total.completion_tokens += usage.completion_tokens
+    total.total_tokens += usage.total_tokens
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    details = total.prompt_tokens_details or p.PromptTokensDetails(cached_tokens=0)
+    details.cached_tokens += cached
+    total.prompt_tokens_details = details
+
+
 def error_detail(exc: Exception) -> p.ErrorDetail:
     """An error in a stream that has started, as OpenAI's error body describes it (the
     message of an unexpected error reveals nothing internal)."""
@@ -360,37 +304,6 @@ def error_detail(exc: Exception) -> p.ErrorDetail:
 
 def _openai_error_chunk(exc: Exception) -> bytes:
     return _sse(p.ErrorResponse(error=error_detail(exc)))
-
-
-async def start_chat(
-    ortserve: OrtServe,
-    model: ChatModel,
-    data: p.ChatCompletionRequest,
-    endpoint: str,
-    request: Request[Any, Any, Any] | None = None,
-    fit: bool = False,
-) -> _Generation:
-    """A chat request checked, its prompt prepared and its generations started: what every
-    API family that speaks in messages (chat completions, Responses) runs the same way.
-    ``fit``: cut ``max_tokens`` to the room the prompt leaves (a tool loop's later turn)."""
-    plan = plan_chat(data, model, ortserve.config, caller_of(request))
-    tools = plan.tools
-    check_room(ortserve, model, plan.n, "n", "generations")  # before the prompt is prepared
-    prompt = await model.aprepare_chat(
-        await chat_messages(data.messages, ortserve.config, model, fetching_while_connected(request, ortserve)),
-        tools=tools.definitions,
-        template_kwargs=template_kwargs(data),
-    )
-    if fit:
-        plan = plan.fitted(model, prompt)
-    streams = await plan.astart(ortserve, model, [prompt])
-    parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
-    run = _Generation(ortserve, endpoint, model, streams, parsers, data.parallel_tool_calls is not False, tools.forced)
-    run.plan = plan
-    run.split_reasoning(prompt)
-    run.prompt_tokens = len(prompt)  # the n choices share one prompt
-    run.choices_per_prompt = plan.n
-    return run
 
 
 def _include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:

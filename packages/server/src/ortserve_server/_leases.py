@@ -1,6 +1,8 @@
-"""Requests hold the models they use until their response is over, streams included.
+"""Which model a request uses, and its hold on it until the response is over, streams included.
 
-A route takes a model with :func:`hold_model`; :func:`release_leases` (ASGI middleware on
+A route takes a model with :func:`require_model` (and its siblings per kind): the name
+checked (404, or a 400 naming the right route for another kind), the keep-alive parsed,
+the queue's room checked, the model loaded and held by :func:`hold_model`; :func:`release_leases` (ASGI middleware on
 our routers) lets go of it once the response has been sent, the last SSE event of a
 stream included, or the request failed. While a model is held, an unload waits for it
 (up to its grace period) and eviction passes it by.
@@ -13,14 +15,41 @@ import hmac
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
-from ortserve_runtime import ModelLease, ModelRegistry
+from ortserve_runtime import (
+    AdapterNotFoundError,
+    ChatModel,
+    EmbeddingModel,
+    ModelKind,
+    ModelLease,
+    ModelRegistry,
+    RerankModel,
+    SpeechModel,
+    VoiceModel,
+)
 
-from ._errors import BadRequestError, ForbiddenError
+from ._errors import BadRequestError, ForbiddenError, ModelNotFoundHTTPError, OverloadedError
+from ._state import OrtServe
 
-__all__ = ["hold_model", "keep_alive_by_admin", "mark_admin_callers", "parse_keep_alive", "release_leases"]
+__all__ = [
+    "hold_model",
+    "keep_alive_by_admin",
+    "mark_admin_callers",
+    "model_adapters",
+    "parse_keep_alive",
+    "release_leases",
+    "require_embedding_model",
+    "require_model",
+    "require_rerank_model",
+    "require_speech_model",
+    "require_voice_model",
+    "split_adapter",
+]
+
+KeepAlive = float | str | msgspec.UnsetType | None
 
 _held: contextvars.ContextVar[list[ModelLease] | None] = contextvars.ContextVar("ortserve_leases", default=None)
 
@@ -132,3 +161,83 @@ def _bad_keep_alive(value: object) -> BadRequestError:
         f"keep_alive must be seconds or a duration such as '90s', '5m' or '1h' (negative: keep loaded), got {value!r}",
         param="keep_alive",
     )
+
+
+def split_adapter(state: OrtServe, model_id: str) -> tuple[str, str | None]:
+    """A model id as (model name, LoRA adapter name or ``None``): ``MODEL:ADAPTER`` names an
+    adapter of a served model, the way vLLM and llama-server list theirs, unless the whole
+    id is itself a model's name."""
+    names = state.registry.names()
+    base, sep, adapter = model_id.rpartition(":")
+    if model_id in names or not sep or base not in names:
+        return model_id, None
+    return base, adapter
+
+
+def model_adapters(state: OrtServe, name: str) -> tuple[str, ...]:
+    """The LoRA adapters model ``name`` serves (before it loads too; those added over HTTP included)."""
+    return state.registry.adapters(name)
+
+
+async def require_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> ChatModel:
+    """The loaded generative model called ``name`` (``MODEL:ADAPTER``: through that LoRA
+    adapter), or a 404/400/503 that says why not; held for this request (see ``_leases``),
+    then kept loaded ``keep_alive``."""
+    base, adapter = split_adapter(state, name)
+    if adapter is not None and adapter not in model_adapters(state, base):
+        raise AdapterNotFoundError(base, adapter, model_adapters(state, base))
+    loaded: ChatModel = await _loaded(state, base, "generative", keep_alive)
+    model = loaded.with_adapter(adapter)
+    if model.queued >= state.config.max_queued:
+        raise OverloadedError(
+            f"model {name!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
+        )
+    return model
+
+
+async def require_embedding_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> EmbeddingModel:
+    """The loaded embedding model called ``name``, or a 404/400 that says why not."""
+    model: EmbeddingModel = await _loaded(state, name, "embedding", keep_alive)
+    return model
+
+
+async def require_rerank_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> RerankModel:
+    """The loaded rerank (cross-encoder) model called ``name``, or a 404/400 that says why not."""
+    model: RerankModel = await _loaded(state, name, "rerank", keep_alive)
+    return model
+
+
+async def require_speech_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> SpeechModel:
+    """The loaded speech-to-text model called ``name``, or a 404/400/503 that says why not."""
+    model: SpeechModel = await _loaded(state, name, "speech", keep_alive)
+    # A speech model takes in every request at once and serves them by turns, so all it
+    # holds count against the limit, not only those not taken in yet.
+    held = model.queued + model.active
+    if held >= state.config.max_queued:
+        raise OverloadedError(f"model {name!r} has {held} requests waiting", headers={"Retry-After": "1"})
+    return model
+
+
+async def require_voice_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> VoiceModel:
+    """The loaded voice (text-to-speech) model called ``name``, or a 404/400 that says why not."""
+    model: VoiceModel = await _loaded(state, name, "voice", keep_alive)
+    return model
+
+
+async def _loaded(state: OrtServe, name: str, kind: ModelKind, keep_alive: KeepAlive = msgspec.UNSET) -> Any:
+    seconds = parse_keep_alive(keep_alive)
+    keep_alive_by_admin(seconds, state.config.admin_key)
+    registry = state.registry
+    if name not in registry.names():
+        raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
+    actual = registry.kind(name)
+    if actual != kind:
+        use = {
+            "generative": "/v1/chat/completions or /v1/completions",
+            "embedding": "/v1/embeddings",
+            "rerank": "/v1/rerank or /v1/score",
+            "speech": "/v1/audio/transcriptions",
+            "voice": "/v1/audio/speech",
+        }[actual]
+        raise BadRequestError(f"model {name!r} is a {actual} model; use {use}", param="model")
+    return await hold_model(registry, name, seconds)

@@ -45,6 +45,8 @@ __all__ = [
     "McpToolError",
     "McpTools",
     "McpUnavailableError",
+    "failure_text",
+    "tool_error_text",
 ]
 
 logger = logging.getLogger("ortserve.mcp")
@@ -66,6 +68,21 @@ class McpToolError(Exception):
     def __init__(self, kind: str, code: int, message: str) -> None:
         super().__init__(message)
         self.kind, self.code, self.message = kind, code, message
+
+    @property
+    def text(self) -> str:
+        """What the model reads of it (as its tool's output)."""
+        return failure_text(self.kind, self.code, self.message)
+
+
+def failure_text(kind: str, code: object, message: object) -> str:
+    """What the model reads of a call that gave no result (Responses' ``mcp_protocol_error``...)."""
+    return f"Error ({kind} {code}): {message}"
+
+
+def tool_error_text(content: str) -> str:
+    """What the model reads of a tool that ran and reported an error."""
+    return f"Error: {content}"
 
 
 @dataclass(frozen=True, slots=True)

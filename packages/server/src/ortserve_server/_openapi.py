@@ -27,7 +27,7 @@ from litestar.plugins import OpenAPISchemaPlugin
 from litestar.typing import FieldDefinition
 from ortserve_client import protocol as p
 
-from ._mapping import MAX_STOP
+from ._plan import MAX_STOP
 
 __all__ = [
     "GET_ERRORS",

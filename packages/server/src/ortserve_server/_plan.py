@@ -1,67 +1,63 @@
-"""Mapping from OpenAI request Structs to runtime calls, and the checks on the way.
+"""The request plan: an OpenAI request Struct checked once and mapped to runtime calls,
+then started (:func:`start_chat`, :func:`start_completion`).
 
-A parameter this server cannot honour is refused with a 400 naming it, never ignored.
+A route hands its request here with the model it holds (``_leases``); this module checks
+it (a parameter this server cannot honour is refused with a 400 naming it, never ignored),
+maps it to generation options, prepares the prompt and starts the runtime's streams, which
+the route delivers through ``_generation``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import json
 import logging
-import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+from litestar import Request
 from litestar.connection import ASGIConnection
 from ortserve_client import protocol as p
 from ortserve_runtime import (
-    AdapterNotFoundError,
-    AudioInput,
     ChatModel,
     EmbeddingModel,
     GenerationOptions,
     GenerationStream,
     Grammar,
-    ImageInput,
     InvalidRequestError,
-    ModelKind,
     Prompt,
     RerankModel,
-    SpeechModel,
     ToolCallFormat,
+    ToolCallParser,
     forced_tool_grammar,
 )
 
 from ._config import ServerConfig
-from ._errors import BadRequestError, ModelNotFoundHTTPError, OverloadedError, UnsupportedParameterError
-from ._leases import hold_model, keep_alive_by_admin, parse_keep_alive
+from ._connection import fetching_while_connected
+from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
+from ._messages import chat_messages
 from ._state import OrtServe
 
 logger = logging.getLogger("ortserve.server")
 
 __all__ = [
     "CALLER",
+    "MAX_STOP",
     "Caller",
     "GenerationPlan",
+    "Started",
     "caller_of",
-    "chat_messages",
     "check_chat_request",
     "check_room",
     "completion_prompts",
-    "decode_base64",
-    "model_adapters",
     "plan_chat",
     "plan_completion",
-    "require_embedding_model",
-    "require_model",
-    "require_rerank_model",
-    "require_speech_model",
-    "split_adapter",
+    "prepare_chat",
+    "start_chat",
+    "start_completion",
     "template_kwargs",
 ]
 
@@ -72,7 +68,6 @@ MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' ``logprobs``."""
 T = TypeVar("T")
 D = TypeVar("D")
-KeepAlive = float | str | msgspec.UnsetType | None
 """A request's ``keep_alive`` as sent."""
 
 
@@ -83,38 +78,6 @@ def _given(value: Any) -> bool:
 def _or(value: T | msgspec.UnsetType | None, default: D) -> T | D:
     """``value`` unless the request left it out or sent null."""
     return default if value is None or isinstance(value, msgspec.UnsetType) else value
-
-
-def split_adapter(state: OrtServe, model_id: str) -> tuple[str, str | None]:
-    """A model id as (model name, LoRA adapter name or ``None``): ``MODEL:ADAPTER`` names an
-    adapter of a served model, the way vLLM and llama-server list theirs, unless the whole
-    id is itself a model's name."""
-    names = state.registry.names()
-    base, sep, adapter = model_id.rpartition(":")
-    if model_id in names or not sep or base not in names:
-        return model_id, None
-    return base, adapter
-
-
-def model_adapters(state: OrtServe, name: str) -> tuple[str, ...]:
-    """The LoRA adapters model ``name`` serves (before it loads too; those added over HTTP included)."""
-    return state.registry.adapters(name)
-
-
-async def require_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> ChatModel:
-    """The loaded generative model called ``name`` (``MODEL:ADAPTER``: through that LoRA
-    adapter), or a 404/400/503 that says why not; held for this request (see ``_leases``),
-    then kept loaded ``keep_alive``."""
-    base, adapter = split_adapter(state, name)
-    if adapter is not None and adapter not in model_adapters(state, base):
-        raise AdapterNotFoundError(base, adapter, model_adapters(state, base))
-    loaded: ChatModel = await _loaded(state, base, "generative", keep_alive)
-    model = loaded.with_adapter(adapter)
-    if model.queued >= state.config.max_queued:
-        raise OverloadedError(
-            f"model {name!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
-        )
-    return model
 
 
 def check_room(
@@ -136,48 +99,6 @@ def check_room(
             f"model {model.name!r} has {queued} {unit} waiting, no room for {wanted} more; try again shortly",
             headers={"Retry-After": "1"},
         )
-
-
-async def require_embedding_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> EmbeddingModel:
-    """The loaded embedding model called ``name``, or a 404/400 that says why not."""
-    model: EmbeddingModel = await _loaded(state, name, "embedding", keep_alive)
-    return model
-
-
-async def require_rerank_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> RerankModel:
-    """The loaded rerank (cross-encoder) model called ``name``, or a 404/400 that says why not."""
-    model: RerankModel = await _loaded(state, name, "rerank", keep_alive)
-    return model
-
-
-async def require_speech_model(state: OrtServe, name: str, keep_alive: KeepAlive = msgspec.UNSET) -> SpeechModel:
-    """The loaded speech-to-text model called ``name``, or a 404/400/503 that says why not."""
-    model: SpeechModel = await _loaded(state, name, "speech", keep_alive)
-    # A speech model takes in every request at once and serves them by turns, so all it
-    # holds count against the limit, not only those not taken in yet.
-    held = model.queued + model.active
-    if held >= state.config.max_queued:
-        raise OverloadedError(f"model {name!r} has {held} requests waiting", headers={"Retry-After": "1"})
-    return model
-
-
-async def _loaded(state: OrtServe, name: str, kind: ModelKind, keep_alive: KeepAlive = msgspec.UNSET) -> Any:
-    seconds = parse_keep_alive(keep_alive)
-    keep_alive_by_admin(seconds, state.config.admin_key)
-    registry = state.registry
-    if name not in registry.names():
-        raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
-    actual = registry.kind(name)
-    if actual != kind:
-        use = {
-            "generative": "/v1/chat/completions or /v1/completions",
-            "embedding": "/v1/embeddings",
-            "rerank": "/v1/rerank or /v1/score",
-            "speech": "/v1/audio/transcriptions",
-            "voice": "/v1/audio/speech",
-        }[actual]
-        raise BadRequestError(f"model {name!r} is a {actual} model; use {use}", param="model")
-    return await hold_model(registry, name, seconds)
 
 
 def _refuse(param: str, why: str = "is not supported by this server") -> UnsupportedParameterError:
@@ -230,164 +151,6 @@ def check_completion_request(data: p.CompletionRequest, config: ServerConfig) ->
         raise _refuse("suffix")
     if _given(data.best_of) and data.best_of != 1:
         raise _refuse("best_of")
-
-
-IMAGE_FETCH_SECONDS = 30.0
-"""Every remote image of a request is fetched within this (a host dripping a byte every few
-seconds would otherwise hold the request open as long as it likes)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _RemoteImage:
-    """An allowed http(s) image URL, fetched once the request's other checks passed."""
-
-    url: str
-    where: str
-
-
-async def chat_messages(
-    messages: Sequence[p.ChatMessage],
-    config: ServerConfig,
-    model: ChatModel | None = None,
-    while_connected: Callable[[Awaitable[None]], Awaitable[None]] | None = None,
-) -> list[dict[str, Any]]:
-    """Protocol messages as the plain dicts chat templates expect; content parts become
-    text, :class:`ImageInput` and :class:`AudioInput`. With ``model``, what it cannot take
-    (images at all, or more of them than it takes) is refused before any remote image is
-    fetched; remote images are fetched together, within :data:`IMAGE_FETCH_SECONDS`, and
-    through ``while_connected`` (the route's: fetches stop when the client leaves)."""
-    result: list[dict[str, Any]] = []
-    remote: list[tuple[list[Any], int, _RemoteImage]] = []
-    images: list[str] = []
-    for index, message in enumerate(messages):
-        content = message.content
-        parts: str | list[Any] = content if isinstance(content, str) else ""
-        if isinstance(content, list):
-            parts = []
-            for number, part in enumerate(content):
-                converted = _content_part(part, f"messages[{index}].content[{number}]", config)
-                if isinstance(converted, _RemoteImage):
-                    remote.append((parts, len(parts), converted))
-                if isinstance(converted, ImageInput | _RemoteImage):
-                    images.append(f"messages[{index}].content[{number}]")
-                parts.append(converted)
-        role = message.__struct_config__.tag
-        # "developer" is OpenAI's newer name for the system role; templates know "system".
-        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": parts}
-        tool_calls = getattr(message, "tool_calls", None)
-        if _given(tool_calls) and tool_calls:
-            item["tool_calls"] = [msgspec.to_builtins(call) for call in tool_calls]
-        thought = getattr(message, "reasoning_content", None)
-        thought = thought if isinstance(thought, str) else getattr(message, "reasoning", None)
-        if isinstance(thought, str):
-            item["reasoning_content"] = thought  # the name Qwen3's and DeepSeek's templates read
-        for key in ("tool_call_id", "name"):
-            value = getattr(message, key, None)
-            if _given(value):
-                item[key] = value
-        result.append(item)
-    if model is not None and images:
-        _check_images(model, images)
-    if remote:
-        fetching = _fetch_remote(remote, config)
-        await (while_connected(fetching) if while_connected is not None else fetching)
-    return result
-
-
-def _check_images(model: ChatModel, images: list[str]) -> None:
-    """Refuse images ``model`` cannot take (``images``: where each is), before any is fetched."""
-    if "image" not in model.modalities:
-        raise BadRequestError(f"model {model.name!r} does not take images", param=images[0])
-    if len(images) > model.config.max_images:
-        raise BadRequestError(
-            f"the messages hold {len(images)} images; this server takes at most {model.config.max_images}",
-            param="messages",
-        )
-
-
-async def _fetch_remote(remote: list[tuple[list[Any], int, _RemoteImage]], config: ServerConfig) -> None:
-    """Fetch every remote image together, each into its place in its message's parts."""
-    try:
-        async with asyncio.timeout(IMAGE_FETCH_SECONDS):
-            fetched = await asyncio.gather(
-                *(_fetch_image(image.url, image.where, config.max_body_size) for _, _, image in remote)
-            )
-    except TimeoutError:
-        raise BadRequestError(
-            f"the images could not be fetched within {IMAGE_FETCH_SECONDS:g} s", param=remote[0][2].where
-        ) from None
-    for (parts, position, _), data in zip(remote, fetched, strict=True):
-        parts[position] = ImageInput(data)
-
-
-def _content_part(
-    part: p.ContentPart, where: str, config: ServerConfig
-) -> str | ImageInput | AudioInput | _RemoteImage:
-    if isinstance(part, p.TextContentPart):
-        return part.text
-    if isinstance(part, p.InputAudioContentPart):
-        return AudioInput(decode_base64(part.input_audio.data, f"{where}.input_audio.data"), part.input_audio.format)
-    if part.image_url.detail == "low":
-        # onnxruntime-genai's processors choose the crops themselves (phi3v: up to 16, even
-        # for a small image), so there is no cheaper way to look at an image to offer.
-        raise BadRequestError(
-            "detail 'low' is not supported: images are always seen in full detail", param=f"{where}.image_url.detail"
-        )
-    url = part.image_url.url
-    where = f"{where}.image_url.url"
-    if url.startswith("data:"):
-        media_type, _sep, rest = url[5:].partition(",")
-        if not _sep or not media_type.endswith(";base64"):
-            raise BadRequestError("an image data URL must look like data:image/png;base64,...", param=where)
-        if media_type.split(";")[0] not in ("", "image") and not media_type.startswith("image/"):
-            raise BadRequestError(f"the data URL holds {media_type.split(';')[0]!r}, not an image", param=where)
-        return ImageInput(decode_base64(rest, where))
-    try:
-        parsed = urllib.parse.urlsplit(url)
-        hostname = parsed.hostname
-    except ValueError as exc:  # a malformed host or port
-        raise BadRequestError(f"the image URL is malformed: {exc}", param=where) from exc
-    if parsed.scheme not in ("http", "https"):
-        raise BadRequestError("an image URL must be a data: URL (or http(s) where allowed)", param=where)
-    if hostname not in config.image_url_hosts:
-        raise BadRequestError(
-            f"this server does not fetch images from {hostname!r}: send the image inline as a data: URL "
-            "(remote hosts must be allowed with image_url_hosts / --allow-image-host)",
-            param=where,
-        )
-    return _RemoteImage(url, where)
-
-
-def decode_base64(data: str, where: str) -> bytes:
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadRequestError("not valid base64", param=where) from None
-
-
-async def _fetch_image(url: str, where: str, limit: int) -> bytes:
-    """An allowed remote image, at most ``limit`` bytes, without following redirects (a
-    redirect could lead anywhere, defeating the allow-list). Every failure is one answer:
-    which ports are open and which paths exist is no caller's business (the log says why)."""
-    import httpx  # only for remote images (--allow-image-host): kept out of start-up
-
-    try:
-        async with (
-            httpx.AsyncClient(timeout=10.0, follow_redirects=False) as client,
-            client.stream("GET", url) as response,
-        ):
-            if response.status_code != 200:
-                logger.info("image fetch %s: HTTP %d", url, response.status_code)
-                raise BadRequestError("the image could not be fetched", param=where)
-            body = bytearray()
-            async for chunk in response.aiter_bytes():
-                body += chunk
-                if len(body) > limit:
-                    raise BadRequestError(f"the image is larger than {limit} bytes", param=where)
-            return bytes(body)
-    except httpx.HTTPError as exc:
-        logger.info("image fetch %s: %s", url, exc)
-        raise BadRequestError("the image could not be fetched", param=where) from exc
 
 
 def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -710,3 +473,67 @@ def plan_completion(data: p.CompletionRequest, config: ServerConfig, caller: Cal
     grammar, field = _grammar_of(data, config) or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
     return GenerationPlan(n, _generation_options(data, config, n, grammar, caller), ToolPlan(), {"grammar": field})
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A generation request under way: what delivery (``_generation``) reads and reports."""
+
+    model: ChatModel
+    plan: GenerationPlan
+    streams: list[GenerationStream]
+    prompt_tokens: int
+    """The request's prompt tokens, each prompt counted once (however many choices it has)."""
+    prompt: Prompt | None = None
+    """A chat's one prompt (where the model's thinking starts); ``None`` for completions."""
+    tool_parsers: list[ToolCallParser] | None = None
+    parallel_calls: bool = True
+
+
+async def prepare_chat(
+    state: OrtServe,
+    model: ChatModel,
+    data: p.ChatCompletionRequest,
+    request: Request[Any, Any, Any] | None = None,
+    *,
+    queue: bool = True,
+) -> tuple[GenerationPlan, Prompt]:
+    """A chat request checked and mapped (:func:`plan_chat`), and its prompt prepared.
+    ``queue``: the request will generate, so the queue's room is checked before the prompt
+    is prepared (counting tokens queues nothing)."""
+    plan = plan_chat(data, model, state.config, caller_of(request))
+    if queue:
+        check_room(state, model, plan.n, "n", "generations")
+    messages = await chat_messages(data.messages, state.config, model, fetching_while_connected(request, state))
+    prompt = await model.aprepare_chat(messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(data))
+    return plan, prompt
+
+
+async def start_chat(
+    state: OrtServe,
+    model: ChatModel,
+    data: p.ChatCompletionRequest,
+    request: Request[Any, Any, Any] | None = None,
+    *,
+    fit: bool = False,
+) -> Started:
+    """A chat request checked, its prompt prepared and its generations started: what every
+    API family that speaks in messages (chat completions, Responses, Anthropic) runs the
+    same way. ``fit``: cut ``max_tokens`` to the room the prompt leaves (a tool loop's
+    later turn)."""
+    plan, prompt = await prepare_chat(state, model, data, request)
+    if fit:
+        plan = plan.fitted(model, prompt)
+    streams = await plan.astart(state, model, [prompt])
+    parsers = [ToolCallParser(plan.tools.format) for _ in streams] if plan.tools.format else None
+    parallel = data.parallel_tool_calls is not False
+    return Started(model, plan, streams, len(prompt), prompt, parsers, parallel)
+
+
+async def start_completion(
+    state: OrtServe, model: ChatModel, data: p.CompletionRequest, request: Request[Any, Any, Any] | None = None
+) -> Started:
+    """A completion request checked and mapped, and its generations started."""
+    plan = plan_completion(data, state.config, caller_of(request))
+    streams = await plan.astart(state, model, completion_prompts(data.prompt))
+    return Started(model, plan, streams, sum(s.prompt_tokens for s in streams) // plan.n)

@@ -7,9 +7,9 @@ import contextlib
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ortserve_runtime import ModelCapacityError, ModelLoadError, ModelRegistry
 
@@ -22,9 +22,20 @@ from ._mcp import McpHub
 from ._metrics import Metrics
 from ._response_store import ResponseStore
 
-__all__ = ["OrtServe"]
+__all__ = ["BatchWork", "OrtServe"]
 
 logger = logging.getLogger("ortserve.server")
+
+
+class BatchWork(Protocol):
+    """The Batch API's runner as the state and the batch routes see it (``_batch_runner``:
+    it sits above the routes, which sit above this module)."""
+
+    def start(self) -> None: ...
+
+    def cancel(self, batch_id: str) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class OrtServe:
@@ -64,14 +75,26 @@ class OrtServe:
         """LoRA adapters loaded over HTTP, served again after a restart."""
         self.batches = BatchStore(self.database, config.files_max_bytes, config.files_ttl)
         """Files and batches (the Batch API)."""
-        from ._batch_runner import BatchRunner  # it imports the routes, which import this module
-
-        self.batch_runner = BatchRunner(self)
+        self._batch_runner: BatchWork | None = None
         self.started = False
         self.cut_requests = 0
         """Requests that :meth:`cut_work` (or a harder stop) ended before they finished."""
         self._cut_off = False
         self._cut_waiters: set[asyncio.Future[None]] = set()
+
+    @property
+    def batch_runner(self) -> BatchWork:
+        """What works through the Batch API's lines: attached with the routes (it runs each
+        line through them), by :meth:`attach_batch_runner`."""
+        if self._batch_runner is None:
+            raise RuntimeError("no batch runner: this state's routes were never made")
+        return self._batch_runner
+
+    def attach_batch_runner(self, make: Callable[[OrtServe], BatchWork]) -> None:
+        """Make the batch runner unless there is one (a state whose routes are made twice
+        keeps its first)."""
+        if self._batch_runner is None:
+            self._batch_runner = make(self)
 
     def _prefix_caches(self) -> list[tuple[str, Any]]:
         """The loaded models' engines that keep a prefix cache (ort-cpu), by name."""
@@ -128,11 +151,13 @@ class OrtServe:
                     failures.append(exc)
             if failures and len(failures) == len(names):
                 raise failures[0]
-        self.batch_runner.start()  # open batches go on where the last run left them
+        if self._batch_runner is not None:
+            self._batch_runner.start()  # open batches go on where the last run left them
         self.started = True
 
     async def shutdown(self) -> None:
-        await self.batch_runner.stop()  # lines without an answer run again at the next start
+        if self._batch_runner is not None:
+            await self._batch_runner.stop()  # lines without an answer run again at the next start
         await self.mcp.close()  # stdio servers' processes end with the app
         await self.registry.close()
         await asyncio.to_thread(self.database.close)  # queued writes land before the process ends

@@ -33,7 +33,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._app import create_app, lifespan
 from ._config import ServerConfig, parse_mcp_server
+from ._ray_routing import affinity_key, merge_metrics, response_owner
 
 try:
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -117,89 +117,6 @@ class RayOptions:
     """How long a replica being removed may finish the requests under way."""
     deployment_options: dict[str, Any] = field(default_factory=dict)
     """Further ``@serve.deployment`` options for the replicas (``autoscaling_config``...)."""
-
-
-# --- the affinity key ----------------------------------------------------------------
-
-
-def affinity_key(path: str, body: bytes, prefix_chars: int) -> str | None:
-    """The key that keeps a conversation on one replica, or ``None`` (no preference).
-
-    It is the model name and the conversation's opening, rendered as text: the system
-    prompt (or instructions) and messages up to and including the first user message, at
-    most ``prefix_chars`` characters. Every later turn of a chat repeats that opening, so
-    all its turns land where its prefix is cached; two chats that share only a long
-    system prompt also share a key once it fills ``prefix_chars``.
-    """
-    endpoint = path.rstrip("/").rsplit("/", 2)
-    if len(endpoint) < 2 or not body:
-        return None
-    name = "/".join(endpoint[-2:]) if endpoint[-2] == "chat" else endpoint[-1]
-    if name not in ("chat/completions", "completions", "responses", "messages"):
-        return None
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None  # the replica answers the error
-    if not isinstance(request, dict):
-        return None
-    parts: list[str] = []
-    if name == "completions":
-        prompt = request.get("prompt")
-        parts.append(_text(prompt[0] if isinstance(prompt, list) and prompt else prompt))
-    else:
-        parts.append(_text(request.get("system")) + _text(request.get("instructions")))
-        turns = request.get("messages") if name != "responses" else request.get("input")
-        for turn in turns if isinstance(turns, list) else [turns]:
-            role = turn.get("role", "") if isinstance(turn, dict) else "user"
-            parts.append(f"{role}:{_text(turn)}")
-            if role == "user" or sum(map(len, parts)) >= prefix_chars:
-                break
-    opening = "\n".join(parts)[:prefix_chars]
-    if not opening.strip():
-        return None
-    return hashlib.blake2b(f"{request.get('model')}\0{opening}".encode(), digest_size=16).hexdigest()
-
-
-_RESPONSE_ID = re.compile(r"resp_([a-z0-9]+)-[0-9a-f]{32}")
-
-
-def response_owner(method: str, path: str, body: bytes) -> str | None:
-    """The replica that made the stored response a request names, from the id's tag
-    (each replica tags its ids with its own id: ``resp_<replica>-<hex>``), or ``None``.
-
-    Stored responses live in the replica that made them, so a follow-up turn
-    (``POST /responses`` with ``previous_response_id``) and ``GET``/``DELETE
-    /responses/{id}`` must reach that replica; elsewhere they would be a 400/404.
-    """
-    segments = path.rstrip("/").split("/")
-    if "responses" not in segments:
-        return None
-    after = segments[segments.index("responses") + 1 :]
-    if method == "POST" and not after:
-        try:
-            request = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return None
-        named = request.get("previous_response_id") if isinstance(request, dict) else None
-    else:
-        named = after[0] if after else None
-    match = _RESPONSE_ID.fullmatch(named) if isinstance(named, str) else None
-    return match.group(1) if match else None
-
-
-def _text(value: Any) -> str:
-    """The text of a message, its content, or a content part list (images and audio
-    count for nothing: the prefix they share is the text around them)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "".join(_text(item) for item in value)
-    if isinstance(value, dict):
-        if isinstance(value.get("text"), str):
-            return str(value["text"])
-        return _text(value.get("content"))
-    return ""
 
 
 # --- the request the ingress forwards ---------------------------------------------------
@@ -511,7 +428,7 @@ class _IngressApp:
                 await send({"type": "http.response.body", "body": text.encode()})
                 return
             texts[replica] = text
-        body = _merge_metrics(texts)
+        body = merge_metrics(texts)
         await send(
             {
                 "type": "http.response.start",
@@ -536,29 +453,6 @@ def _replica_ids(prefix: str) -> list[str]:
     """The ids of the running replicas of a deployment (their actors are named after them)."""
     names = ray.util.list_named_actors(all_namespaces=True)
     return sorted(n["name"][len(prefix) :] for n in names if n["name"].startswith(prefix))
-
-
-def _merge_metrics(texts: dict[str, str]) -> bytes:
-    """One exposition from several, every sample labelled with the replica it came from."""
-    from prometheus_client.exposition import generate_latest
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.parser import text_string_to_metric_families
-    from prometheus_client.samples import Sample
-
-    families: dict[str, Metric] = {}
-    for replica, text in texts.items():
-        for family in text_string_to_metric_families(text):
-            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-            merged.samples += [
-                Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
-                for s in family.samples
-            ]
-
-    class _Merged:
-        def collect(self) -> list[Metric]:
-            return list(families.values())
-
-    return generate_latest(_Merged())  # type: ignore[arg-type,unused-ignore]  # a duck-typed collector
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

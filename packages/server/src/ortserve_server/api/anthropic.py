@@ -23,21 +23,21 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import anthropic_protocol as a
 from ortserve_client import protocol as p
-from ortserve_runtime import ChatModel, InvalidRequestError, ToolCall, ToolCallParser
+from ortserve_runtime import ChatModel, ToolCall
 
 from .._errors import (
     ServerError,
     reshaped_exception_handlers,
     unavailable_detail,
 )
-from .._generation import _Generation, _stream_response, _while_connected
-from .._mapping import (
-    require_model,
-)
-from .._mcp import McpToolError, McpTools
+from .._generation import _Generation, _stream_response, add_usage
+from .._leases import require_model
+from .._mcp import McpToolError, McpTools, tool_error_text
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
+from .._plan import start_chat
 from .._state import OrtServe
-from .anthropic_request import _add_mcp_servers, _map, _Mapped, _plan, _prepare
+from .._tool_loop import ToolLoop
+from .anthropic_request import _add_mcp_servers, _counted_prompt, _map, _Mapped, _named
 
 __all__ = ["anthropic_exception_handlers", "anthropic_route_handlers"]
 
@@ -235,10 +235,7 @@ async def create_message(
         raise
     if data.stream is True:
         return _stream_response(loop.stream())
-    try:
-        await _while_connected(request, ortserve, loop.drain())
-    finally:
-        await mcp.close()
+    await loop.finish()
     stop_reason, stop_sequence = loop.stop()
     message = a.Message(
         id=loop.id,
@@ -251,7 +248,7 @@ async def create_message(
     return Response(message)
 
 
-class _MessageLoop:
+class _MessageLoop(ToolLoop):
     """One message's turns. Without MCP servers, one turn. With them, the server makes
     the MCP calls the model writes (``mcp_tool_use`` and ``mcp_tool_result`` blocks) and
     puts their results into the next turn's prompt, until the model answers, calls one of
@@ -267,24 +264,21 @@ class _MessageLoop:
         model: ChatModel,
         mcp: McpTools,
     ) -> None:
-        self.data, self.state, self.request, self.model, self.mcp = data, state, request, model, mcp
+        super().__init__(state, request, mcp)
+        self.data, self.model = data, model
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.blocks = _Blocks()
         self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
         self.reason = "stop"
         self.stop_sequence: str | None = None
-        self.failed = False
         self.first_prompt = 0
         self.mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
         self.turns: list[p.ChatMessage] = []
         """The messages of the turns so far (the calls written and their results)."""
 
     async def start(self) -> None:
-        try:
+        with _named(self.mapped):
             self.mapped = _map(self.data, self.model, self.mcp)
-        except (ServerError, InvalidRequestError) as exc:
-            exc.param = self.mapped.param(exc.param)
-            raise
         self.run = await self._turn()
 
     async def _turn(self) -> _Generation:
@@ -298,29 +292,13 @@ class _MessageLoop:
             chat = msgspec.structs.replace(chat, tool_choice="none")  # same tools: the cached prompt holds
         elif self.turns and chat.tool_choice not in (msgspec.UNSET, "auto", "none"):
             chat = msgspec.structs.replace(chat, tool_choice="auto")  # forced for the first turn only
-        plan, prompt = await _plan(mapped, chat, data, self.state, self.model, self.request)
-        if self.turns:
-            plan = plan.fitted(self.model, prompt)
-        tools = plan.tools
-        streams = await plan.astart(self.state, self.model, [prompt])
-        parsers = [ToolCallParser(tools.format) for _ in streams] if tools.format else None
-        parallel = getattr(data.tool_choice, "disable_parallel_tool_use", None) is not True
-        endpoint = f"{self.state.config.path}/messages"
-        run = _Generation(self.state, endpoint, self.model, streams, parsers, parallel, tools.forced)
-        run.plan = plan
-        run.split_reasoning(prompt)
-        self.first_prompt = self.first_prompt or len(prompt)
-        return run
+        with _named(mapped):
+            started = await start_chat(self.state, self.model, chat, self.request, fit=bool(self.turns))
+        self.first_prompt = self.first_prompt or started.prompt_tokens
+        return _Generation(self.state, f"{self.state.config.path}/messages", started)
 
     def _count(self, usage: p.CompletionUsage, run: _Generation) -> None:
-        total = self.usage
-        total.prompt_tokens += usage.prompt_tokens
-        total.completion_tokens += usage.completion_tokens
-        total.total_tokens += usage.total_tokens
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        details = total.prompt_tokens_details or p.PromptTokensDetails(cached_tokens=0)
-        details.cached_tokens += cached
-        total.prompt_tokens_details = details
+        add_usage(self.usage, usage)
         self.stop_sequence = run.stop_sequences[0]
 
     def stop(self) -> tuple[str, str | None]:
@@ -346,7 +324,7 @@ class _MessageLoop:
             start = len(self.blocks.content)
             calls_before = len(self.blocks.calling)
             if stream:
-                async for chunk in run.sse(*self._callbacks(run), error_event=self._error, closing=b""):
+                async for chunk in run.sse(*self._callbacks(run), error_event=self.failure, closing=b""):
                     yield chunk
                 if self.failed:
                     return
@@ -375,9 +353,11 @@ class _MessageLoop:
                 try:
                     result = await self.mcp.call(use.server_name, use.name, arguments)
                     answer, failed = result.text, result.is_error
+                    read = tool_error_text(answer) if failed else answer
                 except McpToolError as exc:
-                    answer, failed = f"Error ({exc.kind} {exc.code}): {exc.message}", True
-                self.turns.append(p.ToolMessage(content=f"Error: {answer}" if failed else answer, tool_call_id=use.id))
+                    answer = read = exc.text
+                    failed = True
+                self.turns.append(p.ToolMessage(content=read, tool_call_id=use.id))
                 for chunk in self.blocks.mcp_result(a.McpToolResultBlock(use.id, failed, [a.TextBlock(text=answer)])):
                     yield chunk
             if any(isinstance(b, a.ToolUseBlock) for b in turn):
@@ -397,48 +377,34 @@ class _MessageLoop:
 
         return events, counted
 
-    def _error(self, exc: Exception) -> bytes:
-        self.failed = True
+    def error_event(self, exc: Exception) -> bytes:
         return _error_event(exc)
 
-    async def drain(self) -> None:
-        async for _ in self.run_turns(stream=False):
-            pass
+    def opening(self) -> bytes:
+        # The prompt's cached part is known only at the end: message_start counts it all
+        # as input, and message_delta's cumulative counts correct that.
+        started = a.Message(
+            id=self.id,
+            model=self.data.model,
+            content=[],
+            stop_reason=None,
+            stop_sequence=None,
+            usage=a.MessageUsage(input_tokens=self.first_prompt, output_tokens=0),
+        )
+        return _event(a.MessageStartEvent(message=started)) + _event(a.PingEvent())
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        try:
-            # The prompt's cached part is known only at the end: message_start counts it all
-            # as input, and message_delta's cumulative counts correct that.
-            started = a.Message(
-                id=self.id,
-                model=self.data.model,
-                content=[],
-                stop_reason=None,
-                stop_sequence=None,
-                usage=a.MessageUsage(input_tokens=self.first_prompt, output_tokens=0),
-            )
-            yield _event(a.MessageStartEvent(message=started))
-            yield _event(a.PingEvent())
-            try:
-                async for chunk in self.run_turns(stream=True):
-                    yield chunk
-            except Exception as exc:  # noqa: BLE001  # a later turn that could not start: in-band
-                yield self._error(exc)
-            if self.failed:
-                return
-            stop_reason, stop_sequence = self.stop()
-            counts = _usage(self.usage)
-            delta = a.MessageDeltaEvent(
-                delta=a.MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
-                usage=a.MessageDeltaUsage(
-                    output_tokens=counts.output_tokens,
-                    input_tokens=counts.input_tokens,
-                    cache_read_input_tokens=counts.cache_read_input_tokens,
-                ),
-            )
-            yield _event(delta) + _event(a.MessageStopEvent())
-        finally:
-            await self.mcp.close()
+    def closing(self) -> bytes:
+        stop_reason, stop_sequence = self.stop()
+        counts = _usage(self.usage)
+        delta = a.MessageDeltaEvent(
+            delta=a.MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
+            usage=a.MessageDeltaUsage(
+                output_tokens=counts.output_tokens,
+                input_tokens=counts.input_tokens,
+                cache_read_input_tokens=counts.cache_read_input_tokens,
+            ),
+        )
+        return _event(delta) + _event(a.MessageStopEvent())
 
 
 @post(
@@ -452,7 +418,7 @@ class _MessageLoop:
 async def count_tokens(
     data: JSONBody[a.CountTokensRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> a.CountTokensResponse:
-    _, _, prompt = await _prepare(data, ortserve, request)
+    prompt = await _counted_prompt(data, ortserve, request)
     ortserve.metrics.count_request(f"{ortserve.config.path}/messages/count_tokens", data.model, 200)
     return a.CountTokensResponse(input_tokens=len(prompt))
 

@@ -4,9 +4,10 @@ names it (``messages.1.content.0.source``) when the chat path refuses something.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,20 +22,12 @@ from .._errors import (
     ServerError,
     UnsupportedParameterError,
 )
-from .._generation import fetching_while_connected
-from .._mapping import (
-    GenerationPlan,
-    caller_of,
-    chat_messages,
-    check_room,
-    plan_chat,
-    require_model,
-    template_kwargs,
-)
+from .._leases import require_model
 from .._mcp import McpTools
+from .._plan import prepare_chat
 from .._state import OrtServe
 
-__all__ = ["_Mapped", "_add_mcp_servers", "_map", "_plan", "_prepare"]
+__all__ = ["_Mapped", "_add_mcp_servers", "_counted_prompt", "_map", "_named"]
 
 
 _OPENAI_PATH = re.compile(r"messages\[(\d+)\](?:\.content\[(\d+)\])?(.*)")
@@ -246,43 +239,25 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: 
     return mapped
 
 
-async def _prepare(
-    data: a.MessagesRequest | a.CountTokensRequest, state: OrtServe, request: Request[Any, Any, Any]
-) -> tuple[ChatModel, GenerationPlan, Prompt]:
-    """Model, plan and prompt of a request; a refusal names Anthropic's field."""
-    keep_alive = data.keep_alive if isinstance(data, a.MessagesRequest) else msgspec.UNSET
-    model = await require_model(state, data.model, keep_alive)
+@contextlib.contextmanager
+def _named(mapped: _Mapped) -> Iterator[None]:
+    """A refusal raised inside names Anthropic's field (as ``mapped`` renames OpenAI's)."""
+    try:
+        yield
+    except (ServerError, InvalidRequestError) as exc:
+        exc.param = mapped.param(exc.param)
+        raise
+
+
+async def _counted_prompt(data: a.CountTokensRequest, state: OrtServe, request: Request[Any, Any, Any]) -> Prompt:
+    """The prompt a message request would run (counting tokens queues nothing)."""
+    model = await require_model(state, data.model)
     mapped = _Mapped(p.ChatCompletionRequest(model=data.model, messages=[]))
-    try:
+    with _named(mapped):
         mapped = _map(data, model)
-    except (ServerError, InvalidRequestError) as exc:
-        exc.param = mapped.param(exc.param)
-        raise
-    plan, prompt = await _plan(mapped, mapped.request, data, state, model, request)
-    return model, plan, prompt
-
-
-async def _plan(
-    mapped: _Mapped,
-    chat: p.ChatCompletionRequest,
-    data: a.MessagesRequest | a.CountTokensRequest,
-    state: OrtServe,
-    model: ChatModel,
-    request: Request[Any, Any, Any],
-) -> tuple[GenerationPlan, Prompt]:
-    """The plan and prompt of ``chat`` (``mapped``'s request, or a later turn of it)."""
-    try:
-        plan = plan_chat(chat, model, state.config, caller_of(request))
-        if isinstance(data, a.MessagesRequest):  # counting tokens queues nothing
-            check_room(state, model, plan.n, "n", "generations")  # before the prompt is prepared
-        messages = await chat_messages(chat.messages, state.config, model, fetching_while_connected(request, state))
-        prompt = await model.aprepare_chat(
-            messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(chat)
-        )
-    except (ServerError, InvalidRequestError) as exc:
-        exc.param = mapped.param(exc.param)
-        raise
-    return plan, prompt
+    with _named(mapped):
+        _, prompt = await prepare_chat(state, model, mapped.request, request, queue=False)
+    return prompt
 
 
 async def _add_mcp_servers(data: a.MessagesRequest, mcp: McpTools) -> None:

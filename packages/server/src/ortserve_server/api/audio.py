@@ -14,13 +14,11 @@ from ortserve_runtime import (
     Segment,
 )
 
+from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import _while_connected
-from .._mapping import (
-    require_speech_model,
-)
+from .._leases import require_speech_model
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
 from .._state import OrtServe
 
@@ -72,7 +70,7 @@ async def transcriptions(
         )
     audio = await data.file.read()
     timed = data.response_format in ("verbose_json", "srt", "vtt")
-    result = await _while_connected(
+    result = await while_connected(
         request,
         ortserve,
         model.transcribe(

@@ -18,8 +18,8 @@ from ortserve_client import responses_protocol as rp
 
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from .._ids import new_id
-from .._mapping import caller_of
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
+from .._plan import caller_of
 from .._state import OrtServe
 
 __all__ = ["batch_route_handlers"]

@@ -18,18 +18,16 @@ from ortserve_runtime import (
     ToolCall,
 )
 
+from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import _include_usage, _sse, _stream_response, _while_connected, start_chat
+from .._generation import _Generation, _include_usage, _sse, _stream_response
 from .._ids import new_id
-from .._mapping import (
-    check_chat_request,
-    decode_base64,
-    require_model,
-    require_speech_model,
-)
+from .._leases import require_model, require_speech_model
+from .._messages import decode_base64
 from .._openapi import generation_docs
+from .._plan import check_chat_request, start_chat
 from .._state import OrtServe
 
 __all__ = ["chat_completions"]
@@ -47,7 +45,9 @@ async def chat_completions(
     if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
         return await _transcribe_chat(data, ortserve, request)
     model = await require_model(ortserve, data.model, data.keep_alive)
-    run = await start_chat(ortserve, model, data, f"{ortserve.config.path}/chat/completions", request)
+    run = _Generation(
+        ortserve, f"{ortserve.config.path}/chat/completions", await start_chat(ortserve, model, data, request)
+    )
     n = run.choices_per_prompt
     response_id, created = new_id("chatcmpl-"), int(time.time())
     call_ids: dict[tuple[int, int], str] = {}
@@ -97,7 +97,7 @@ async def chat_completions(
         opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk, opening))
-    texts, calls, finish, usage = await _while_connected(request, ortserve, run.collect())
+    texts, calls, finish, usage = await while_connected(request, ortserve, run.collect())
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
         tool_calls = [
@@ -154,7 +154,7 @@ async def _transcribe_chat(
     where, encoded = audio[0]
     max_tokens = data.max_completion_tokens if isinstance(data.max_completion_tokens, int) else data.max_tokens
     try:
-        result = await _while_connected(
+        result = await while_connected(
             request,
             ortserve,
             model.transcribe(

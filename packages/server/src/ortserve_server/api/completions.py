@@ -14,15 +14,12 @@ from ortserve_runtime import (
     ToolCall,
 )
 
-from .._generation import _Generation, _include_usage, _sse, _stream_response, _while_connected
+from .._connection import while_connected
+from .._generation import _Generation, _include_usage, _sse, _stream_response
 from .._ids import new_id
-from .._mapping import (
-    caller_of,
-    completion_prompts,
-    plan_completion,
-    require_model,
-)
+from .._leases import require_model
 from .._openapi import generation_docs
+from .._plan import start_completion
 from .._state import OrtServe
 
 __all__ = ["completions"]
@@ -38,13 +35,9 @@ async def completions(
     data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     model = await require_model(ortserve, data.model, data.keep_alive)
-    plan = plan_completion(data, ortserve.config, caller_of(request))
-    n = plan.n
-    streams = await plan.astart(ortserve, model, completion_prompts(data.prompt))
-    run = _Generation(ortserve, f"{ortserve.config.path}/completions", model, streams)
-    run.plan = plan
-    run.prompt_tokens //= n  # each prompt counts once, however many choices it has
-    run.choices_per_prompt = n
+    run = _Generation(
+        ortserve, f"{ortserve.config.path}/completions", await start_completion(ortserve, model, data, request)
+    )
     response_id, created = new_id("cmpl-"), int(time.time())
 
     def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:
@@ -60,7 +53,7 @@ async def completions(
     if data.stream is True:
         usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
         return _stream_response(run.sse(events, usage_chunk))
-    texts, _, finish, usage = await _while_connected(request, ortserve, run.collect())
+    texts, _, finish, usage = await while_connected(request, ortserve, run.collect())
     wanted = isinstance(data.logprobs, int)
     choices = [
         p.CompletionChoice(

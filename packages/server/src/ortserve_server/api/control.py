@@ -25,8 +25,7 @@ from ortserve_client import protocol as p
 from ortserve_runtime import AdapterNotFoundError, ModelLoadError
 
 from .._errors import BadRequestError, ForbiddenError, ModelNotFoundHTTPError
-from .._leases import parse_keep_alive
-from .._mapping import model_adapters, split_adapter
+from .._leases import model_adapters, parse_keep_alive, split_adapter
 from .._openapi import POST_ERRORS, error_responses
 from .._state import OrtServe
 from .models import model_card

@@ -10,15 +10,13 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
 
+from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import _while_connected
-from .._mapping import (
-    check_room,
-    require_embedding_model,
-)
+from .._leases import require_embedding_model
 from .._openapi import POST_ERRORS, error_responses
+from .._plan import check_room
 from .._state import OrtServe
 
 __all__ = ["embeddings"]
@@ -40,9 +38,7 @@ async def embeddings(
     truncate = data.truncate if isinstance(data.truncate, bool) else None
     dimensions = data.dimensions if isinstance(data.dimensions, int) else None
     # A client that gives up stops its runs (a 2,048-input request ran 198 s on alone).
-    result = await _while_connected(
-        request, ortserve, model.embed(data.input, truncate=truncate, dimensions=dimensions)
-    )
+    result = await while_connected(request, ortserve, model.embed(data.input, truncate=truncate, dimensions=dimensions))
     as_base64 = data.encoding_format == "base64"
     items = [
         p.Embedding(

@@ -10,10 +10,7 @@ from ortserve_runtime import (
     AdapterNotFoundError,
 )
 
-from .._mapping import (
-    model_adapters,
-    split_adapter,
-)
+from .._leases import model_adapters, split_adapter
 from .._openapi import GET_ERRORS, error_responses
 from .._state import OrtServe
 

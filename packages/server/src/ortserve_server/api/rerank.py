@@ -15,16 +15,14 @@ from ortserve_runtime import (
     RerankResult,
 )
 
+from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import _while_connected
 from .._ids import new_id
-from .._mapping import (
-    check_room,
-    require_rerank_model,
-)
+from .._leases import require_rerank_model
 from .._openapi import POST_ERRORS, error_responses
+from .._plan import check_room
 from .._state import OrtServe
 
 __all__ = ["rerank", "rerank_alias", "score"]
@@ -74,7 +72,7 @@ async def _score_pairs(
         )
     check_room(ortserve, model, model.batches(len(second)), names[1], "batches")
     truncate = data.truncate if isinstance(data.truncate, bool) else None
-    result = await _while_connected(request, ortserve, model.score(first, second, truncate=truncate, names=names))
+    result = await while_connected(request, ortserve, model.score(first, second, truncate=truncate, names=names))
     ortserve.metrics.count_request(f"{ortserve.config.path}/{route}", data.model, 200)
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
     return result

@@ -52,13 +52,15 @@ from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ChatModel, ToolCall
 
 from .._errors import BadRequestError, NotFoundError, UnsupportedParameterError
-from .._generation import _Generation, _stream_response, _while_connected, error_detail, start_chat
+from .._generation import _Generation, _stream_response, add_usage, error_detail
 from .._ids import new_id
-from .._mapping import require_model
+from .._leases import require_model
 from .._mcp import McpTool as McpToolSpec
 from .._mcp import McpToolError, McpTools
 from .._openapi import GET_ERRORS, error_responses, generation_docs
+from .._plan import start_chat
 from .._state import OrtServe
+from .._tool_loop import ToolLoop
 from .responses_input import _chat_request, _chat_tools, _input, _messages, _named_as_responses
 from .responses_output import _as_input, _Output, _usage
 
@@ -217,10 +219,7 @@ async def create_response(
         raise
     if data.stream is True:
         return _stream_response(loop.stream())
-    try:
-        await _while_connected(request, ortserve, loop.drain())
-    finally:
-        await mcp.close()
+    await loop.finish()
     response = exchange.finished(loop.output.items, loop.reason, loop.usage, loop.reasoning_tokens)
     if exchange.saving is not None:  # on disk before the client learns its id (a streamed one: as it is sent)
         await asyncio.wrap_future(exchange.saving)
@@ -323,7 +322,7 @@ def _approved_calls(
     return approved
 
 
-class _Loop:
+class _Loop(ToolLoop):
     """One response's turns. The model writes; the server makes the MCP calls it wrote
     and puts their results into the next turn's prompt; until the model answers, calls a
     function (the client's to make), writes a call that waits for approval, or is cut by
@@ -342,18 +341,17 @@ class _Loop:
         output: _Output,
         mcp: McpTools,
     ) -> None:
-        self.state, self.model, self.data, self.request = state, model, data, request
+        super().__init__(state, request, mcp)
+        self.model, self.data = model, data
         self.items = items
         self.exchange = exchange
         self.output = output
-        self.mcp = mcp
         self.tools = _chat_tools(data, mcp)
         self.later = False
         """Whether the first turn was started (later turns are not forced)."""
         self.reason = "stop"
         self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
         self.reasoning_tokens = 0
-        self.failed = False
 
     def check_tool_choice(self) -> None:
         choice = self.data.tool_choice
@@ -401,14 +399,14 @@ class _Loop:
         tools, choice = self._turn_tools()
         self.later = True
         with _named_as_responses(origins):
-            return await start_chat(
+            started = await start_chat(
                 self.state,
                 self.model,
                 _chat_request(self.data, messages, tools, choice, self.usage.completion_tokens),
-                f"{self.state.config.path}/responses",
                 self.request,
                 fit=self.later,
             )
+        return _Generation(self.state, f"{self.state.config.path}/responses", started)
 
     @property
     def instructions(self) -> str | None:
@@ -421,16 +419,7 @@ class _Loop:
         self.first = None if approved else await self._turn()
 
     def _count(self, usage: p.CompletionUsage, run: _Generation) -> None:
-        """Usage sums every turn's."""
-        total = self.usage
-        total.prompt_tokens += usage.prompt_tokens
-        total.completion_tokens += usage.completion_tokens
-        total.total_tokens += usage.total_tokens
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        if cached:
-            details = total.prompt_tokens_details or p.PromptTokensDetails(cached_tokens=0)
-            details.cached_tokens += cached
-            total.prompt_tokens_details = details
+        add_usage(self.usage, usage)
         self.reasoning_tokens += run.reasoning_tokens[0]
 
     async def _make_calls(self) -> AsyncIterator[bytes]:
@@ -450,8 +439,7 @@ class _Loop:
             for chunk in out.mcp_result(item):
                 yield chunk
 
-    async def run(self, stream: bool) -> AsyncIterator[bytes]:
-        """Every turn's events (whole answers run through it too, their events unsent)."""
+    async def run_turns(self, stream: bool) -> AsyncIterator[bytes]:
         out = self.output
         for listing in self.listings:
             for chunk in out.listed(listing):
@@ -464,7 +452,7 @@ class _Loop:
             if run is not None:
                 start = out.turn_start = len(out.items)
                 if stream:
-                    async for chunk in run.sse(*self._callbacks(run), error_event=self._error, closing=b""):
+                    async for chunk in run.sse(*self._callbacks(run), error_event=self.failure, closing=b""):
                         yield chunk
                     if self.failed:
                         return
@@ -501,35 +489,23 @@ class _Loop:
 
         return events, counted
 
-    def _error(self, exc: Exception) -> bytes:
-        self.failed = True
+    def error_event(self, exc: Exception) -> bytes:
         detail = error_detail(exc)
         return self.output.event(
             rp.ErrorEvent, message=detail.message, code=detail.code or detail.type, param=detail.param
         )
 
-    async def drain(self) -> None:
-        async for _ in self.run(stream=False):
-            pass
+    def opening(self) -> bytes:
+        opening = self.exchange.response([], "in_progress")
+        out = self.output
+        return out.event(rp.ResponseCreatedEvent, response=opening) + out.event(
+            rp.ResponseInProgressEvent, response=opening
+        )
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        out, exchange = self.output, self.exchange
-        try:
-            opening = exchange.response([], "in_progress")
-            yield out.event(rp.ResponseCreatedEvent, response=opening)
-            yield out.event(rp.ResponseInProgressEvent, response=opening)
-            try:
-                async for chunk in self.run(stream=True):
-                    yield chunk
-            except Exception as exc:  # noqa: BLE001  # a later turn that could not start: in-band, as sse says errors
-                yield self._error(exc)
-            if self.failed:
-                return
-            response = exchange.finished(out.items, self.reason, self.usage, self.reasoning_tokens)
-            kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
-            yield out.event(kind, response=response)
-        finally:
-            await self.mcp.close()
+    def closing(self) -> bytes:
+        response = self.exchange.finished(self.output.items, self.reason, self.usage, self.reasoning_tokens)
+        kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
+        return self.output.event(kind, response=response)
 
 
 @get(

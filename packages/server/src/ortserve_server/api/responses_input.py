@@ -15,7 +15,7 @@ from ortserve_client import responses_protocol as rp
 from ortserve_runtime import InvalidRequestError
 
 from .._errors import BadRequestError, ServerError
-from .._mcp import McpTools
+from .._mcp import McpTools, failure_text, tool_error_text
 
 __all__ = ["_chat_request", "_chat_tools", "_input", "_messages", "_named_as_responses"]
 
@@ -144,8 +144,8 @@ def _mcp_result(item: rp.McpCallItem) -> str:
         return item.output or ""
     if error.type == "mcp_tool_execution_error":
         content = error.content if isinstance(error.content, list) else []
-        return "Error: " + "\n".join(str(block.get("text", "")) for block in content)
-    return f"Error ({error.type} {error.code}): {error.message}"
+        return tool_error_text("\n".join(str(block.get("text", "")) for block in content))
+    return failure_text(error.type, error.code, error.message)
 
 
 def _add_thought(message: p.AssistantMessage, thought: str) -> str:

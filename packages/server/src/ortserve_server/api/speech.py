@@ -35,7 +35,7 @@ from ortserve_runtime import InvalidRequestError, VoiceModel
 
 from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from .._generation import _stream_response
-from .._mapping import _loaded
+from .._leases import require_voice_model
 from .._openapi import POST_ERRORS, sends_files, with_error_responses
 from .._state import OrtServe
 
@@ -211,7 +211,7 @@ def _check(data: p.SpeechRequest, model: VoiceModel) -> str | None:
 async def create_speech(
     data: JSONBody[p.SpeechRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
-    model: VoiceModel = await _loaded(ortserve, data.model, "voice")
+    model = await require_voice_model(ortserve, data.model)
     if model.queued >= ortserve.config.max_queued:
         raise OverloadedError(
             f"model {data.model!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}

@@ -13,10 +13,8 @@ from ortserve_client import protocol as p
 from .._errors import (
     BadRequestError,
 )
-from .._mapping import (
-    chat_messages,
-    require_model,
-)
+from .._leases import require_model
+from .._messages import chat_messages
 from .._openapi import POST_ERRORS, error_responses
 from .._state import OrtServe
 

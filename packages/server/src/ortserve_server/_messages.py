@@ -1,0 +1,183 @@
+"""Chat messages as the runtime takes them: content parts checked and decoded (text,
+images by data URL or allowed remote URL, audio), remote images fetched within a time
+limit once the request's other checks passed."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from ortserve_client import protocol as p
+from ortserve_runtime import AudioInput, ChatModel, ImageInput
+
+from ._config import ServerConfig
+from ._errors import BadRequestError
+
+logger = logging.getLogger("ortserve.server")
+
+__all__ = ["IMAGE_FETCH_SECONDS", "chat_messages", "decode_base64"]
+
+
+IMAGE_FETCH_SECONDS = 30.0
+"""Every remote image of a request is fetched within this (a host dripping a byte every few
+seconds would otherwise hold the request open as long as it likes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _RemoteImage:
+    """An allowed http(s) image URL, fetched once the request's other checks passed."""
+
+    url: str
+    where: str
+
+
+async def chat_messages(
+    messages: Sequence[p.ChatMessage],
+    config: ServerConfig,
+    model: ChatModel | None = None,
+    while_connected: Callable[[Awaitable[None]], Awaitable[None]] | None = None,
+) -> list[dict[str, Any]]:
+    """Protocol messages as the plain dicts chat templates expect; content parts become
+    text, :class:`ImageInput` and :class:`AudioInput`. With ``model``, what it cannot take
+    (images at all, or more of them than it takes) is refused before any remote image is
+    fetched; remote images are fetched together, within :data:`IMAGE_FETCH_SECONDS`, and
+    through ``while_connected`` (the route's: fetches stop when the client leaves)."""
+    result: list[dict[str, Any]] = []
+    remote: list[tuple[list[Any], int, _RemoteImage]] = []
+    images: list[str] = []
+    for index, message in enumerate(messages):
+        content = message.content
+        parts: str | list[Any] = content if isinstance(content, str) else ""
+        if isinstance(content, list):
+            parts = []
+            for number, part in enumerate(content):
+                converted = _content_part(part, f"messages[{index}].content[{number}]", config)
+                if isinstance(converted, _RemoteImage):
+                    remote.append((parts, len(parts), converted))
+                if isinstance(converted, ImageInput | _RemoteImage):
+                    images.append(f"messages[{index}].content[{number}]")
+                parts.append(converted)
+        role = message.__struct_config__.tag
+        # "developer" is OpenAI's newer name for the system role; templates know "system".
+        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": parts}
+        tool_calls = getattr(message, "tool_calls", None)
+        if isinstance(tool_calls, list) and tool_calls:
+            item["tool_calls"] = [msgspec.to_builtins(call) for call in tool_calls]
+        thought = getattr(message, "reasoning_content", None)
+        thought = thought if isinstance(thought, str) else getattr(message, "reasoning", None)
+        if isinstance(thought, str):
+            item["reasoning_content"] = thought  # the name Qwen3's and DeepSeek's templates read
+        for key in ("tool_call_id", "name"):
+            value = getattr(message, key, None)
+            if isinstance(value, str):
+                item[key] = value
+        result.append(item)
+    if model is not None and images:
+        _check_images(model, images)
+    if remote:
+        fetching = _fetch_remote(remote, config)
+        await (while_connected(fetching) if while_connected is not None else fetching)
+    return result
+
+
+def _check_images(model: ChatModel, images: list[str]) -> None:
+    """Refuse images ``model`` cannot take (``images``: where each is), before any is fetched."""
+    if "image" not in model.modalities:
+        raise BadRequestError(f"model {model.name!r} does not take images", param=images[0])
+    if len(images) > model.config.max_images:
+        raise BadRequestError(
+            f"the messages hold {len(images)} images; this server takes at most {model.config.max_images}",
+            param="messages",
+        )
+
+
+async def _fetch_remote(remote: list[tuple[list[Any], int, _RemoteImage]], config: ServerConfig) -> None:
+    """Fetch every remote image together, each into its place in its message's parts."""
+    try:
+        async with asyncio.timeout(IMAGE_FETCH_SECONDS):
+            fetched = await asyncio.gather(
+                *(_fetch_image(image.url, image.where, config.max_body_size) for _, _, image in remote)
+            )
+    except TimeoutError:
+        raise BadRequestError(
+            f"the images could not be fetched within {IMAGE_FETCH_SECONDS:g} s", param=remote[0][2].where
+        ) from None
+    for (parts, position, _), data in zip(remote, fetched, strict=True):
+        parts[position] = ImageInput(data)
+
+
+def _content_part(
+    part: p.ContentPart, where: str, config: ServerConfig
+) -> str | ImageInput | AudioInput | _RemoteImage:
+    if isinstance(part, p.TextContentPart):
+        return part.text
+    if isinstance(part, p.InputAudioContentPart):
+        return AudioInput(decode_base64(part.input_audio.data, f"{where}.input_audio.data"), part.input_audio.format)
+    if part.image_url.detail == "low":
+        # onnxruntime-genai's processors choose the crops themselves (phi3v: up to 16, even
+        # for a small image), so there is no cheaper way to look at an image to offer.
+        raise BadRequestError(
+            "detail 'low' is not supported: images are always seen in full detail", param=f"{where}.image_url.detail"
+        )
+    url = part.image_url.url
+    where = f"{where}.image_url.url"
+    if url.startswith("data:"):
+        media_type, _sep, rest = url[5:].partition(",")
+        if not _sep or not media_type.endswith(";base64"):
+            raise BadRequestError("an image data URL must look like data:image/png;base64,...", param=where)
+        if media_type.split(";")[0] not in ("", "image") and not media_type.startswith("image/"):
+            raise BadRequestError(f"the data URL holds {media_type.split(';')[0]!r}, not an image", param=where)
+        return ImageInput(decode_base64(rest, where))
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        hostname = parsed.hostname
+    except ValueError as exc:  # a malformed host or port
+        raise BadRequestError(f"the image URL is malformed: {exc}", param=where) from exc
+    if parsed.scheme not in ("http", "https"):
+        raise BadRequestError("an image URL must be a data: URL (or http(s) where allowed)", param=where)
+    if hostname not in config.image_url_hosts:
+        raise BadRequestError(
+            f"this server does not fetch images from {hostname!r}: send the image inline as a data: URL "
+            "(remote hosts must be allowed with image_url_hosts / --allow-image-host)",
+            param=where,
+        )
+    return _RemoteImage(url, where)
+
+
+def decode_base64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequestError("not valid base64", param=where) from None
+
+
+async def _fetch_image(url: str, where: str, limit: int) -> bytes:
+    """An allowed remote image, at most ``limit`` bytes, without following redirects (a
+    redirect could lead anywhere, defeating the allow-list). Every failure is one answer:
+    which ports are open and which paths exist is no caller's business (the log says why)."""
+    import httpx  # only for remote images (--allow-image-host): kept out of start-up
+
+    try:
+        async with (
+            httpx.AsyncClient(timeout=10.0, follow_redirects=False) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                logger.info("image fetch %s: HTTP %d", url, response.status_code)
+                raise BadRequestError("the image could not be fetched", param=where)
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise BadRequestError(f"the image is larger than {limit} bytes", param=where)
+            return bytes(body)
+    except httpx.HTTPError as exc:
+        logger.info("image fetch %s: %s", url, exc)
+        raise BadRequestError("the image could not be fetched", param=where) from exc
