@@ -152,3 +152,32 @@ def test_a_schema_that_cannot_be_followed_is_a_400_not_a_stop(tiny_url: str, sch
     assert "<grammar>" not in error["message"]
     ok = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a\u2028b\u2029c\x85d"},
+        ),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "a\u2028b\u2029c\x85d"}),
+    ],
+)
+def test_line_separators_a_model_writes_stay_inside_their_event(
+    tiny_url: str, path: str, body: dict[str, object]
+) -> None:
+    """JSON may hold U+2028, U+2029 and U+0085 raw; a reader that splits lines as
+    ``str.splitlines`` does (httpx's ``iter_lines``) then cut an event in two."""
+    request = {"model": "tiny", "max_tokens": 40, "stream": True, **body}
+    with httpx.stream("POST", f"{tiny_url}{path}", json=request, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]  # every line a whole event
+    text = "".join(
+        choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        for event in events
+        for choice in event["choices"]
+    )
+    assert text == "a\u2028b\u2029c\x85d"

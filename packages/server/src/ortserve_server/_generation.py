@@ -30,12 +30,12 @@ from ._plan import Started
 from ._state import OrtServe
 
 __all__ = [
-    "_Generation",
-    "_include_usage",
-    "_sse",
-    "_stream_response",
+    "Generation",
     "add_usage",
     "error_detail",
+    "include_usage",
+    "sse_event",
+    "stream_response",
 ]
 
 
@@ -48,8 +48,20 @@ T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _sse(payload: Any) -> bytes:
-    return b"data: " + _encode(payload) + b"\n\n"
+_LINE_BREAKS_JSON_KEEPS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+"""NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR: JSON may hold them raw, and msgspec writes
+them so, but readers that split lines the way ``str.splitlines`` does (httpx's
+``iter_lines``) break an event where a model wrote one."""
+
+
+def sse_event(payload: Any, name: str | None = None) -> bytes:
+    """``payload`` as one server-sent event (``event: name`` first, when named), its JSON
+    on one line whoever splits it."""
+    data = _encode(payload)
+    for raw, escaped in _LINE_BREAKS_JSON_KEEPS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return (b"event: " + name.encode() + b"\n" if name else b"") + b"data: " + data + b"\n\n"
 
 
 async def _merge(
@@ -96,7 +108,7 @@ async def _merge(
             await stream.aclose()
 
 
-class _Generation:
+class Generation:
     """The streams of one generation request, with its metrics (time to first token,
     tokens, outcome) and the two ways to deliver it: collected, or as SSE chunks."""
 
@@ -303,12 +315,12 @@ def error_detail(exc: Exception) -> p.ErrorDetail:
 
 
 def _openai_error_chunk(exc: Exception) -> bytes:
-    return _sse(p.ErrorResponse(error=error_detail(exc)))
+    return sse_event(p.ErrorResponse(error=error_detail(exc)))
 
 
-def _include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:
+def include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:
     return isinstance(options, p.StreamOptions) and options.include_usage
 
 
-def _stream_response(chunks: AsyncIterator[bytes]) -> Stream:
+def stream_response(chunks: AsyncIterator[bytes]) -> Stream:
     return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)

@@ -30,7 +30,7 @@ from .._errors import (
     reshaped_exception_handlers,
     unavailable_detail,
 )
-from .._generation import _Generation, _stream_response, add_usage
+from .._generation import Generation, add_usage, sse_event, stream_response
 from .._leases import require_model
 from .._mcp import McpToolError, McpTools, tool_error_text
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
@@ -95,8 +95,7 @@ def _error_event(exc: Exception) -> bytes:
 
 def _event(event: msgspec.Struct) -> bytes:
     """One server-sent event, named as its ``type``, as Anthropic frames them."""
-    name = str(event.__struct_config__.tag)
-    return b"event: " + name.encode() + b"\ndata: " + _encode(event) + b"\n\n"
+    return sse_event(event, str(event.__struct_config__.tag))
 
 
 # -- routes --------------------------------------------------------------------------------
@@ -234,7 +233,7 @@ async def create_message(
         await mcp.close()
         raise
     if data.stream is True:
-        return _stream_response(loop.stream())
+        return stream_response(loop.stream())
     await loop.finish()
     stop_reason, stop_sequence = loop.stop()
     message = a.Message(
@@ -281,7 +280,7 @@ class _MessageLoop(ToolLoop):
             self.mapped = _map(self.data, self.model, self.mcp)
         self.run = await self._turn()
 
-    async def _turn(self) -> _Generation:
+    async def _turn(self) -> Generation:
         data, mapped = self.data, self.mapped
         chat = msgspec.structs.replace(
             mapped.request,
@@ -295,18 +294,16 @@ class _MessageLoop(ToolLoop):
         with _named(mapped):
             started = await start_chat(self.state, self.model, chat, self.request, fit=bool(self.turns))
         self.first_prompt = self.first_prompt or started.prompt_tokens
-        return _Generation(self.state, f"{self.state.config.path}/messages", started)
+        return Generation(self.state, f"{self.state.config.path}/messages", started)
 
-    def _count(self, usage: p.CompletionUsage, run: _Generation) -> None:
+    def _count(self, usage: p.CompletionUsage, run: Generation) -> None:
         add_usage(self.usage, usage)
         self.stop_sequence = run.stop_sequences[0]
 
     def stop(self) -> tuple[str, str | None]:
         return _stop_reason(self.reason, self.stop_sequence)
 
-    def _feed(
-        self, run: _Generation, thought: str, text: str, calls: list[ToolCall], reason: str | None
-    ) -> list[bytes]:
+    def _feed(self, run: Generation, thought: str, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
         blocks = self.blocks
         out = blocks.thinking(thought) if thought else []
         out += blocks.text(text) if text else []
@@ -367,7 +364,7 @@ class _MessageLoop(ToolLoop):
                 return
             self.run = run = await self._turn()
 
-    def _callbacks(self, run: _Generation) -> tuple[Any, Any]:
+    def _callbacks(self, run: Generation) -> tuple[Any, Any]:
         def events(_: int, text: str, calls: list[ToolCall], reason: str | None) -> list[bytes]:
             return self._feed(run, run.event_reasoning, text, calls, reason)
 

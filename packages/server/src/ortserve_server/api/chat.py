@@ -22,7 +22,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import _Generation, _include_usage, _sse, _stream_response
+from .._generation import Generation, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
 from .._messages import decode_base64
@@ -45,7 +45,7 @@ async def chat_completions(
     if data.model in ortserve.registry.names() and ortserve.registry.kind(data.model) == "speech":
         return await _transcribe_chat(data, ortserve, request)
     model = await require_model(ortserve, data.model, data.keep_alive)
-    run = _Generation(
+    run = Generation(
         ortserve, f"{ortserve.config.path}/chat/completions", await start_chat(ortserve, model, data, request)
     )
     n = run.choices_per_prompt
@@ -56,7 +56,7 @@ async def chat_completions(
         return call_ids.setdefault((choice, number), "call_" + uuid.uuid4().hex[:24])
 
     def chunk(choices: list[p.ChatCompletionChunkChoice], usage: p.CompletionUsage | None = None) -> bytes:
-        return _sse(
+        return sse_event(
             p.ChatCompletionChunk(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
         )
 
@@ -95,8 +95,8 @@ async def chat_completions(
 
     if data.stream is True:
         opening = [delta(i, role="assistant", content="") for i in range(n)]
-        usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
-        return _stream_response(run.sse(events, usage_chunk, opening))
+        usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
+        return stream_response(run.sse(events, usage_chunk, opening))
     texts, calls, finish, usage = await while_connected(request, ortserve, run.collect())
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
@@ -179,18 +179,18 @@ async def _transcribe_chat(
         )
 
     def chunk(choices: list[p.ChatCompletionChunkChoice], usage: p.CompletionUsage | None = None) -> bytes:
-        return _sse(
+        return sse_event(
             p.ChatCompletionChunk(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
         )
 
     async def events() -> AsyncIterator[bytes]:
         yield chunk([p.ChatCompletionChunkChoice(index=0, delta=p.ChoiceDelta(role="assistant", content=result.text))])
         yield chunk([p.ChatCompletionChunkChoice(index=0, delta=p.ChoiceDelta(), finish_reason=reason)])
-        if _include_usage(data.stream_options):
+        if include_usage(data.stream_options):
             yield chunk([], usage)
         yield b"data: [DONE]\n\n"
 
-    return _stream_response(events())
+    return stream_response(events())
 
 
 def _chat_logprobs(items: list[TokenLogprob]) -> p.ChoiceLogprobs:

@@ -15,7 +15,7 @@ from ortserve_runtime import (
 )
 
 from .._connection import while_connected
-from .._generation import _Generation, _include_usage, _sse, _stream_response
+from .._generation import Generation, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model
 from .._openapi import generation_docs
@@ -35,13 +35,13 @@ async def completions(
     data: JSONBody[p.CompletionRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     model = await require_model(ortserve, data.model, data.keep_alive)
-    run = _Generation(
+    run = Generation(
         ortserve, f"{ortserve.config.path}/completions", await start_completion(ortserve, model, data, request)
     )
     response_id, created = new_id("cmpl-"), int(time.time())
 
     def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:
-        return _sse(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
+        return sse_event(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
     def events(index: int, text: str, _: list[ToolCall], reason: str | None) -> list[bytes]:
         scored = run.event_logprobs
@@ -51,8 +51,8 @@ async def completions(
         return [chunk([p.CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)])]
 
     if data.stream is True:
-        usage_chunk = (lambda usage: chunk([], usage)) if _include_usage(data.stream_options) else None
-        return _stream_response(run.sse(events, usage_chunk))
+        usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
+        return stream_response(run.sse(events, usage_chunk))
     texts, _, finish, usage = await while_connected(request, ortserve, run.collect())
     wanted = isinstance(data.logprobs, int)
     choices = [

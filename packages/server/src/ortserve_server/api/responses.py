@@ -52,7 +52,7 @@ from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ChatModel, ToolCall
 
 from .._errors import BadRequestError, NotFoundError, UnsupportedParameterError
-from .._generation import _Generation, _stream_response, add_usage, error_detail
+from .._generation import Generation, add_usage, error_detail, stream_response
 from .._ids import new_id
 from .._leases import require_model
 from .._mcp import McpTool as McpToolSpec
@@ -218,7 +218,7 @@ async def create_response(
         await mcp.close()
         raise
     if data.stream is True:
-        return _stream_response(loop.stream())
+        return stream_response(loop.stream())
     await loop.finish()
     response = exchange.finished(loop.output.items, loop.reason, loop.usage, loop.reasoning_tokens)
     if exchange.saving is not None:  # on disk before the client learns its id (a streamed one: as it is sent)
@@ -393,7 +393,7 @@ class _Loop(ToolLoop):
             return tools, "auto"
         return tools, choice
 
-    async def _turn(self) -> _Generation:
+    async def _turn(self) -> Generation:
         turn = [*self.items, *(("output", _as_input(item)) for item in self.output.items)]
         messages, origins = _messages(self.instructions, turn)
         tools, choice = self._turn_tools()
@@ -406,7 +406,7 @@ class _Loop(ToolLoop):
                 self.request,
                 fit=self.later,
             )
-        return _Generation(self.state, f"{self.state.config.path}/responses", started)
+        return Generation(self.state, f"{self.state.config.path}/responses", started)
 
     @property
     def instructions(self) -> str | None:
@@ -418,7 +418,7 @@ class _Loop(ToolLoop):
         self.listings, self.approved = listings, approved
         self.first = None if approved else await self._turn()
 
-    def _count(self, usage: p.CompletionUsage, run: _Generation) -> None:
+    def _count(self, usage: p.CompletionUsage, run: Generation) -> None:
         add_usage(self.usage, usage)
         self.reasoning_tokens += run.reasoning_tokens[0]
 
@@ -477,7 +477,7 @@ class _Loop(ToolLoop):
                 return
             run = await self._turn()
 
-    def _callbacks(self, run: _Generation) -> tuple[Any, Any]:
+    def _callbacks(self, run: Generation) -> tuple[Any, Any]:
         def events(_: int, text: str, calls: list[ToolCall], finish: str | None) -> list[bytes]:
             if finish is not None:
                 self.reason = finish

@@ -11,6 +11,7 @@ from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ToolCall
 
+from .._generation import sse_event
 from .._ids import new_id
 from .._mcp import McpTools
 
@@ -44,7 +45,7 @@ class _Output:
         event = kind(sequence_number=self.sequence, **fields)
         self.sequence += 1
         tag: str = kind.__struct_config__.tag
-        return b"event: " + tag.encode() + b"\ndata: " + _encode(event) + b"\n\n"
+        return sse_event(event, tag)
 
     def reasoning(self, text: str) -> list[bytes]:
         """Thinking: the reasoning item opens at its first piece (it comes first: the

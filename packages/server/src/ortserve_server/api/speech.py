@@ -23,7 +23,6 @@ import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 from litestar import Request, Response, post
@@ -34,7 +33,7 @@ from ortserve_client import protocol as p
 from ortserve_runtime import InvalidRequestError, VoiceModel
 
 from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError
-from .._generation import _stream_response
+from .._generation import sse_event, stream_response
 from .._leases import require_voice_model
 from .._openapi import POST_ERRORS, sends_files, with_error_responses
 from .._state import OrtServe
@@ -244,11 +243,11 @@ async def create_speech(
             async for piece in encoded():
                 if piece:
                     delta = p.SpeechAudioDeltaEvent(audio=base64.b64encode(piece).decode())
-                    yield b"data: " + msgspec.json.encode(delta) + b"\n\n"
+                    yield sse_event(delta)
             done = p.SpeechAudioDoneEvent(usage=p.SpeechUsage(usage[0], usage[1], usage[0] + usage[1]))
-            yield b"data: " + msgspec.json.encode(done) + b"\n\n"
+            yield sse_event(done)
 
-        return _stream_response(events())
+        return stream_response(events())
     # As OpenAI, the audio goes out as it is made (chunked), whatever the format.
     return Stream(encoded(), media_type=_MEDIA_TYPES[data.response_format])
 
