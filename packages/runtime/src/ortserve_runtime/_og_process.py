@@ -60,7 +60,7 @@ sys.modules["ortserve_runtime"] = module
 from ortserve_runtime._og_child import main
 main(sys.argv[2], int(sys.argv[3]))
 """
-"""Starts the child without running the packages' ``__init__`` (they import every model
+"""Starts the child without running the package's ``__init__`` (it imports every model
 kind and engine: 0.96 s, against the child's own few modules)."""
 
 

@@ -1,10 +1,11 @@
-"""The API key guard of every route but health."""
+"""The API key guard of every route but health, and who sent a request (:class:`Caller`)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -13,9 +14,33 @@ from litestar.handlers import BaseRouteHandler
 from ._errors import (
     AuthenticationError,
 )
-from ._plan import CALLER, Caller
 
-__all__ = ["make_auth_guard"]
+__all__ = ["CALLER", "Caller", "caller_of", "make_auth_guard"]
+
+
+CALLER = "ortserve.caller"
+"""Where the API key guard (or the batch runner) leaves the request's :class:`Caller` in
+the ASGI scope."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, as far as the server tells callers apart."""
+
+    owner: str = ""
+    """The digest of the API key it came with (``""`` on a server without keys): files
+    and batches belong to it."""
+    cache_scope: str | None = None
+    """Its prefix-cache scope: the key's digest where the cache is scoped by key
+    (``ServerConfig.prefix_cache_scope``), ``None`` where it is shared."""
+    background: bool = False
+    """A batch's line: runs behind interactive requests (``GenerationOptions.background``)."""
+
+
+def caller_of(request: ASGIConnection[Any, Any, Any, Any] | None) -> Caller:
+    """The request's :class:`Caller` (anonymous and interactive when nothing says otherwise)."""
+    found = None if request is None else request.scope.get(CALLER)
+    return found if isinstance(found, Caller) else Caller()
 
 
 def make_auth_guard(api_keys: Sequence[str], *, x_api_key: bool = False, scoped: bool = False) -> Any:

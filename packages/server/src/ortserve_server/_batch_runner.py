@@ -27,11 +27,11 @@ from litestar import Litestar, Router
 from litestar.di import Provide
 from ortserve_client import batch_protocol as bp
 
+from ._auth import CALLER, Caller
 from ._batch_store import OPEN, RUNNER, PendingLine
 from ._errors import exception_handlers
 from ._ids import new_id
 from ._leases import release_leases
-from ._plan import CALLER, Caller
 from ._state import OrtServe
 
 __all__ = ["BatchRunner"]

@@ -31,7 +31,6 @@ from ._state import OrtServe
 
 __all__ = [
     "Generation",
-    "add_usage",
     "error_detail",
     "include_usage",
     "sse_event",
@@ -292,18 +291,6 @@ class Generation:
                 yield usage_chunk(usage)
         if closing:
             yield closing
-
-
-def add_usage(total: p.CompletionUsage, usage: p.CompletionUsage) -> None:
-    """Add one turn's ``usage`` to ``total`` (a tool loop's usage sums its turns', cached
-    prompt tokens included)."""
-    total.prompt_tokens += usage.prompt_tokens
-    total.completion_tokens += usage.completion_tokens
-    total.total_tokens += usage.total_tokens
-    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    details = total.prompt_tokens_details or p.PromptTokensDetails(cached_tokens=0)
-    details.cached_tokens += cached
-    total.prompt_tokens_details = details
 
 
 def error_detail(exc: Exception) -> p.ErrorDetail:

@@ -2,9 +2,9 @@
 
 A route takes a model with :func:`require_model` (and its siblings per kind): the name
 checked (404, or a 400 naming the right route for another kind), the keep-alive parsed,
-the queue's room checked, the model loaded and held by :func:`hold_model`; :func:`release_leases` (ASGI middleware on
-our routers) lets go of it once the response has been sent, the last SSE event of a
-stream included, or the request failed. While a model is held, an unload waits for it
+the queue's room checked, the model loaded and held by :func:`hold_model`.
+:func:`release_leases` (ASGI middleware on our routers) lets go of it once the response
+has been sent, the last SSE event of a stream included, or the request failed. While a model is held, an unload waits for it
 (up to its grace period) and eviction passes it by.
 """
 

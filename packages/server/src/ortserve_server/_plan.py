@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
-from litestar.connection import ASGIConnection
 from ortserve_client import protocol as p
 from ortserve_runtime import (
     ChatModel,
@@ -35,21 +33,17 @@ from ortserve_runtime import (
     forced_tool_grammar,
 )
 
+from ._auth import Caller, caller_of
 from ._config import ServerConfig
 from ._connection import fetching_while_connected
 from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from ._messages import chat_messages
 from ._state import OrtServe
 
-logger = logging.getLogger("ortserve.server")
-
 __all__ = [
-    "CALLER",
     "MAX_STOP",
-    "Caller",
     "GenerationPlan",
     "Started",
-    "caller_of",
     "check_chat_request",
     "check_room",
     "completion_prompts",
@@ -68,7 +62,6 @@ MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' ``logprobs``."""
 T = TypeVar("T")
 D = TypeVar("D")
-"""A request's ``keep_alive`` as sent."""
 
 
 def _given(value: Any) -> bool:
@@ -284,31 +277,6 @@ def _tool_plan(
     return ToolPlan(definitions, model.tool_format, grammar, name or only)
 
 
-CALLER = "ortserve.caller"
-"""Where the API key guard (or the batch runner) leaves the request's :class:`Caller` in
-the ASGI scope."""
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who sent a request, as far as the server tells callers apart."""
-
-    owner: str = ""
-    """The digest of the API key it came with (``""`` on a server without keys): files
-    and batches belong to it."""
-    cache_scope: str | None = None
-    """Its prefix-cache scope: the key's digest where the cache is scoped by key
-    (``ServerConfig.prefix_cache_scope``), ``None`` where it is shared."""
-    background: bool = False
-    """A batch's line: runs behind interactive requests (``GenerationOptions.background``)."""
-
-
-def caller_of(request: ASGIConnection[Any, Any, Any, Any] | None) -> Caller:
-    """The request's :class:`Caller` (anonymous and interactive when nothing says otherwise)."""
-    found = None if request is None else request.scope.get(CALLER)
-    return found if isinstance(found, Caller) else Caller()
-
-
 def _scoped_salt(salt: str | None, scope: str | None) -> str | None:
     """The salt the engine keys cached rows by: the request's own within its caller's scope."""
     return salt if scope is None else f"key:{scope}:{salt or ''}"
@@ -442,9 +410,7 @@ class GenerationPlan:
         return streams
 
 
-def plan_chat(
-    data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig, caller: Caller = Caller()
-) -> GenerationPlan:
+def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig, caller: Caller) -> GenerationPlan:
     """Check a chat request (a 400 naming any parameter it cannot honour) and map it;
     ``caller``: who sent it (:func:`caller_of`), for its prefix-cache scope and priority."""
     check_chat_request(data, config)
@@ -466,7 +432,7 @@ def template_kwargs(data: p.ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def plan_completion(data: p.CompletionRequest, config: ServerConfig, caller: Caller = Caller()) -> GenerationPlan:
+def plan_completion(data: p.CompletionRequest, config: ServerConfig, caller: Caller) -> GenerationPlan:
     """Check a completion request (a 400 naming any parameter it cannot honour) and map it
     (``caller`` as for :func:`plan_chat`)."""
     check_completion_request(data, config)

@@ -1,6 +1,6 @@
 """What the Responses and Anthropic routes share for a request whose turns the server runs
-(MCP calls between them): delivery whole or streamed, and the MCP connections released
-either way.
+(MCP calls between them): usage summed over the turns, delivery whole or streamed, and the
+MCP connections released either way.
 
 A streamed loop opens (its API's opening events), runs its turns (a later turn that cannot
 start is an in-band error event, as errors after the first byte must be), and closes (its
@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request
+from ortserve_client import protocol as p
 
 from ._connection import while_connected
 from ._mcp import McpTools
@@ -30,6 +31,8 @@ class ToolLoop(abc.ABC):
         self.state, self.request, self.mcp = state, request, mcp
         self.failed = False
         """An error event was sent: the stream ends there."""
+        self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        """Every turn's usage summed (cached prompt tokens included)."""
 
     @abc.abstractmethod
     def run_turns(self, stream: bool) -> AsyncIterator[bytes]:
@@ -46,6 +49,17 @@ class ToolLoop(abc.ABC):
     @abc.abstractmethod
     def error_event(self, exc: Exception) -> bytes:
         """``exc`` as the API's in-band error event."""
+
+    def add_usage(self, usage: p.CompletionUsage) -> None:
+        """Count one turn's ``usage`` in :attr:`usage`."""
+        total = self.usage
+        total.prompt_tokens += usage.prompt_tokens
+        total.completion_tokens += usage.completion_tokens
+        total.total_tokens += usage.total_tokens
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        details = total.prompt_tokens_details or p.PromptTokensDetails(cached_tokens=0)
+        details.cached_tokens += cached
+        total.prompt_tokens_details = details
 
     def failure(self, exc: Exception) -> bytes:
         """:meth:`error_event`, the stream ending with it."""

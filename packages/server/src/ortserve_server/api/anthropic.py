@@ -30,7 +30,7 @@ from .._errors import (
     reshaped_exception_handlers,
     unavailable_detail,
 )
-from .._generation import Generation, add_usage, sse_event, stream_response
+from .._generation import Generation, sse_event, stream_response
 from .._leases import require_model
 from .._mcp import McpToolError, McpTools, tool_error_text
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
@@ -267,7 +267,6 @@ class _MessageLoop(ToolLoop):
         self.data, self.model = data, model
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.blocks = _Blocks()
-        self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
         self.reason = "stop"
         self.stop_sequence: str | None = None
         self.first_prompt = 0
@@ -297,7 +296,7 @@ class _MessageLoop(ToolLoop):
         return Generation(self.state, f"{self.state.config.path}/messages", started)
 
     def _count(self, usage: p.CompletionUsage, run: Generation) -> None:
-        add_usage(self.usage, usage)
+        self.add_usage(usage)
         self.stop_sequence = run.stop_sequences[0]
 
     def stop(self) -> tuple[str, str | None]:

@@ -16,10 +16,10 @@ from ortserve_client import batch_protocol as bp
 from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 
+from .._auth import caller_of
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from .._ids import new_id
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
-from .._plan import caller_of
 from .._state import OrtServe
 
 __all__ = ["batch_route_handlers"]

@@ -52,7 +52,7 @@ from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ChatModel, ToolCall
 
 from .._errors import BadRequestError, NotFoundError, UnsupportedParameterError
-from .._generation import Generation, add_usage, error_detail, stream_response
+from .._generation import Generation, error_detail, stream_response
 from .._ids import new_id
 from .._leases import require_model
 from .._mcp import McpTool as McpToolSpec
@@ -350,7 +350,6 @@ class _Loop(ToolLoop):
         self.later = False
         """Whether the first turn was started (later turns are not forced)."""
         self.reason = "stop"
-        self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
         self.reasoning_tokens = 0
 
     def check_tool_choice(self) -> None:
@@ -419,7 +418,7 @@ class _Loop(ToolLoop):
         self.first = None if approved else await self._turn()
 
     def _count(self, usage: p.CompletionUsage, run: Generation) -> None:
-        add_usage(self.usage, usage)
+        self.add_usage(usage)
         self.reasoning_tokens += run.reasoning_tokens[0]
 
     async def _make_calls(self) -> AsyncIterator[bytes]:
