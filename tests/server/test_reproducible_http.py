@@ -1,13 +1,17 @@
 """Same request, same answer over HTTP: through the official OpenAI SDK, a chat sent again,
 its next turn and the same chat beside others get the logprobs a model without the prefix
-cache gives (both served by one real server on a loopback port)."""
+cache gives (both served by one real server on a loopback port). Set ``ORTSERVE_SMOLLM2``
+to a real-weights folder to run it on SmolLM2-135M too."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, running
@@ -27,9 +31,20 @@ def answer(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], **
     return choice.message.content, steps
 
 
-def test_repeats_next_turns_and_neighbours_match_a_server_without_the_cache() -> None:
+MODELS = [
+    pytest.param(TINY_MODEL, id="tiny-qwen2"),
+    pytest.param(
+        Path(os.environ.get("ORTSERVE_SMOLLM2", "/nonexistent")),
+        id="smollm2",
+        marks=pytest.mark.skipif("ORTSERVE_SMOLLM2" not in os.environ, reason="ORTSERVE_SMOLLM2 not set"),
+    ),
+]
+
+
+@pytest.mark.parametrize("folder", MODELS)
+def test_repeats_next_turns_and_neighbours_match_a_server_without_the_cache(folder: Path) -> None:
     config = ServerConfig(
-        models={"cached": TINY_MODEL, "cold": TINY_MODEL},
+        models={"cached": folder, "cold": folder},
         model_config=ModelConfig(prefix_cache_min_tokens=8),
         model_configs={"cold": ModelConfig(prefix_cache_tokens=0)},
     )
