@@ -27,13 +27,14 @@ from ._loading import ModelKind, detect_model_kind, measured_load
 from ._residency import Entry, Residency
 from .chat import ChatModel
 from .engines._adapters import check_adapters
+from .sources import GgufError, converted_folder, is_model_file
 from .speech import VoiceModel
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelLease", "ModelRegistry", "ModelState", "ModelStatus"]
 
-ModelState = Literal["unloaded", "loading", "ready", "unloading", "error"]
+ModelState = Literal["unloaded", "converting", "loading", "ready", "unloading", "error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,12 @@ class ModelStatus:
     to, beyond ``resident_bytes``)."""
     expires_at: float | None = None
     """When an idle model will be unloaded (Unix time); ``None``: not scheduled."""
+    progress: float | None = None
+    """A model file (GGUF) being converted into its folder (state ``converting``): the
+    fraction done, 0 to 1; ``None`` otherwise."""
+    folder: Path | None = None
+    """The folder that runs: ``path`` itself, or a model file's converted folder (in
+    ``$ORTSERVE_CACHE/converted``) once it is made."""
 
 
 def _prefill_int8(engine: Any) -> bool | None:
@@ -238,7 +245,7 @@ class ModelRegistry:
         elif entry.model is not None:
             state = "ready"
         elif entry.loading is not None and not entry.loading.done():
-            state = "loading"
+            state = "converting" if entry.converting is not None else "loading"
         elif entry.error is not None:
             state = "error"
         else:
@@ -269,6 +276,8 @@ class ModelRegistry:
             resident_bytes=entry.resident_bytes if loaded else None,
             kv_cache_bytes=entry.kv_cache_bytes if loaded else None,
             expires_at=entry.expires_at if loaded else None,
+            progress=entry.converting,
+            folder=entry.folder,
         )
 
     def loaded(self, name: str) -> Any:
@@ -345,7 +354,7 @@ class ModelRegistry:
             if adapter in entry.config.adapters:
                 raise ValueError(f"model {name!r} already has a LoRA adapter {adapter!r}")
             dataclasses.replace(entry.config, adapters={adapter: Path(path)})  # ModelConfig's check of the name
-            checked = await asyncio.to_thread(check_adapters, GenaiFolder.read(entry.path), {adapter: Path(path)})
+            checked = await asyncio.to_thread(check_adapters, GenaiFolder.read(entry.folder or entry.path), {adapter: Path(path)})
             model = entry.model
             if model is not None and entry.unloading is None:
                 try:
@@ -383,7 +392,7 @@ class ModelRegistry:
             return
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ortserve-preload")
         for entry in pending:
-            entry.preloaded = executor.submit(measured_load, entry.kind, entry.name, entry.path, entry.config)
+            entry.preloaded = executor.submit(self._converted_and_loaded, entry)
         executor.shutdown(wait=False)
 
     async def close(self) -> None:
@@ -408,9 +417,7 @@ class ModelRegistry:
                     model, grew = await asyncio.wrap_future(preloaded)
                     await self._follow_adapters(entry, model)
                 else:
-                    model, grew = await asyncio.to_thread(
-                        measured_load, entry.kind, entry.name, entry.path, entry.config
-                    )
+                    model, grew = await asyncio.to_thread(self._converted_and_loaded, entry)
             except ModelLoadError as exc:
                 entry.error = str(exc)
                 raise
@@ -426,6 +433,23 @@ class ModelRegistry:
         if entry.in_flight == 0:
             self.residency.arm(entry, self.residency.idle_unload)
         return model
+
+    @staticmethod
+    def _converted_and_loaded(entry: Entry) -> tuple[Any, int]:
+        """:func:`measured_load` of the entry's folder: for a model file (GGUF), the
+        cache's converted folder, made first where there is none (state ``converting``)."""
+        if entry.folder is None:
+            if is_model_file(entry.path):
+                entry.converting = 0.0
+                try:
+                    entry.folder = converted_folder(entry.path, lambda fraction: setattr(entry, "converting", fraction))
+                except GgufError as exc:
+                    raise ModelLoadError(f"{entry.path}: {exc}", path=entry.path) from exc
+                finally:
+                    entry.converting = None
+            else:
+                entry.folder = entry.path
+        return measured_load(entry.kind, entry.name, entry.folder, entry.config)
 
     async def _follow_adapters(self, entry: Entry, model: Any) -> None:
         """Give a preloaded model the adapters added or removed while it loaded (it was made

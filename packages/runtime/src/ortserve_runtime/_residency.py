@@ -49,6 +49,10 @@ class Entry:
         self.preloaded: concurrent.futures.Future[tuple[Any, int]] | None = None
         """A load started by :meth:`~ortserve_runtime.ModelRegistry.preload` (the model and its RSS growth),
         until :meth:`~ortserve_runtime.ModelRegistry.load` takes it over."""
+        self.converting: float | None = None
+        """A model file being turned into its folder: the fraction done (else ``None``)."""
+        self.folder: Path | None = None
+        """The folder that runs: ``path`` itself, or a model file's converted folder once made."""
         self.kept: bool = False
         """Its last request asked to keep it loaded (a negative ``keep_alive``): unloaded to
         make room only when no other idle model can be."""

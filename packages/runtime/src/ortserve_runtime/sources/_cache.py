@@ -1,0 +1,108 @@
+"""Converted folders kept under ``$ORTSERVE_CACHE/converted``, one per source digest and
+converter version.
+
+A conversion writes into a temporary folder beside its final name and renames it when
+complete, so a crash never leaves a half folder that looks whole; a lock file keeps two
+processes from converting the same file at once (the second waits, then finds the
+folder). The digest is SHA-256 over the file's bytes (every part of a split file), kept in
+a small index by path, size and modification time so that a restart does not read a
+multi-gigabyte file again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock
+
+from ._gguf import CONVERTER_VERSION, convert_gguf, split_parts
+
+__all__ = ["cache_root", "converted_folder", "file_digest", "is_model_file"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 1 << 22
+
+
+def cache_root() -> Path:
+    """``$ORTSERVE_CACHE/converted`` (``~/.cache/ortserve`` when unset)."""
+    return Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / "converted"
+
+
+def is_model_file(path: Path) -> bool:
+    """Whether ``path`` names a model file this package converts (a GGUF file)."""
+    return path.suffix.lower() == ".gguf" and not path.is_dir()
+
+
+def file_digest(path: Path, progress: Callable[[float], None] = lambda fraction: None) -> str:
+    """SHA-256 of ``path``'s parts, remembered by (path, size, mtime) in the cache's index."""
+    parts = split_parts(path)
+    stats = [part.stat() for part in parts]
+    key = "|".join(f"{part.resolve()}:{s.st_size}:{s.st_mtime_ns}" for part, s in zip(parts, stats, strict=True))
+    index_path = cache_root() / "digests.json"
+    with contextlib.suppress(OSError, ValueError):
+        known = json.loads(index_path.read_text(encoding="utf-8")).get(key)
+        if isinstance(known, str):
+            return known
+    digest = hashlib.sha256()
+    total = sum(s.st_size for s in stats) or 1
+    done = 0
+    for part in parts:
+        with part.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+                done += len(chunk)
+                progress(done / total)
+    value = digest.hexdigest()
+    with contextlib.suppress(OSError, ValueError):
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            index = {}
+        index[key] = value
+        _write_atomically(index_path, json.dumps(index))
+    return value
+
+
+def converted_folder(source: Path, progress: Callable[[float], None] = lambda fraction: None) -> Path:
+    """The genai folder of the model file ``source``: from the cache, or converted now
+    (blocks; ``progress`` gets fractions of the work: 0-0.1 reading the digest, then the
+    weights)."""
+    digest = file_digest(source, lambda f: progress(0.1 * f))
+    folder = cache_root() / f"{digest[:32]}-v{CONVERTER_VERSION}"
+    if (folder / "genai_config.json").exists():
+        progress(1.0)
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder.with_name(folder.name + ".lock")):
+        if (folder / "genai_config.json").exists():  # another process converted it meanwhile
+            progress(1.0)
+            return folder
+        started = time.monotonic()
+        logger.info("converting %s into %s", source, folder)
+        scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+        try:
+            convert_gguf(source, scratch, lambda f: progress(0.1 + 0.9 * f))
+            scratch.rename(folder)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        logger.info("converted %s in %.1f s", source.name, time.monotonic() - started)
+    progress(1.0)
+    return folder
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    scratch.write_text(text, encoding="utf-8")
+    scratch.replace(path)

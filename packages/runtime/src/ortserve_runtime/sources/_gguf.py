@@ -1,0 +1,148 @@
+"""A GGUF file (or the parts of a split one) turned into a genai model folder.
+
+The folder holds what every engine reads: ``model.onnx`` (+ ``model.onnx.data``, see
+:mod:`._gguf_graph`), ``genai_config.json``, ``tokenizer.json`` and
+``tokenizer_config.json`` (from the file's ``tokenizer.ggml.*`` keys and chat template,
+see :mod:`._gguf_tokenizer`), and ``ortserve_source.json`` saying where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader
+
+from ._gguf_graph import ARCHITECTURES, GgufError, Hyperparameters, write_graph
+from ._gguf_tokenizer import gguf_fields, tokenizer_files
+
+__all__ = ["CONVERTER_VERSION", "GgufError", "convert_gguf", "split_parts"]
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+"""Part of every converted folder's cache key: raise it when the folders it writes change."""
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "</s>")
+"""Tokens llama.cpp also ends a generation at, found by their text where the file's
+special ids do not name them (SmolLM2's GGUF says eos = ``<|im_start|>``)."""
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of a model: ``path`` itself, or every part of a split file
+    (``NAME-00001-of-00003.gguf``), checked to be all there."""
+    match = _SPLIT.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise GgufError(f"the split model lacks {', '.join(missing)} beside {path.name}")
+    return parts
+
+
+def _open(part: Path) -> GGUFReader:
+    try:
+        return GGUFReader(part)
+    except Exception as exc:  # gguf-py raises what the bytes provoke: all of it is a bad file
+        raise GgufError(f"{part.name} is not a readable GGUF file: {exc}") from exc
+
+
+def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] = lambda fraction: None) -> None:
+    """Write the genai folder of the GGUF file ``source`` into ``folder`` (which exists)."""
+    readers = [_open(part) for part in split_parts(source)]
+    fields = gguf_fields(readers[0])
+    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    try:
+        params, summary = write_graph(tensors, fields, folder, progress)
+    except GgufError:
+        raise
+    except Exception as exc:  # a tensor whose bytes do not match its header, and the like
+        raise GgufError(f"{source.name} could not be converted: {exc}") from exc
+    files = tokenizer_files(fields)
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+    tokens = fields.get("tokenizer.ggml.tokens") or []
+    genai = _genai_config(params, fields, tokens)
+    (folder / "genai_config.json").write_text(json.dumps(genai, indent=2), encoding="utf-8")
+    (folder / "ortserve_source.json").write_text(
+        json.dumps(
+            {
+                "source": str(source),
+                "converter_version": CONVERTER_VERSION,
+                "architecture": params.architecture,
+                "name": fields.get("general.name"),
+                **summary,
+            },
+            indent=2,
+        ),
+        encoding="utf-8",
+    )
+
+
+def _genai_config(params: Hyperparameters, fields: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+    """genai_config.json as og's builder writes it for this decoder."""
+
+    def token_id(key: str) -> int | None:
+        value = fields.get(f"tokenizer.ggml.{key}")
+        return int(value) if isinstance(value, int) and 0 <= value < params.vocab_size else None
+
+    eos = [i for i in (token_id("eos_token_id"), token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
+    eos += [i for i, text in enumerate(tokens) if text in _EOG_TEXTS and i not in eos]
+    bos = token_id("bos_token_id")
+    pad = token_id("padding_token_id")
+    if not eos:
+        raise GgufError("the file names no end-of-sequence token (tokenizer.ggml.eos_token_id)")
+    return {
+        "model": {
+            "bos_token_id": bos if bos is not None else eos[0],
+            "context_length": params.context_length,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": "model.onnx",
+                "head_size": params.head_size,
+                "hidden_size": params.hidden,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": params.heads,
+                "num_hidden_layers": params.layers,
+                "num_key_value_heads": params.kv_heads,
+            },
+            "eos_token_id": eos if len(eos) > 1 else eos[0],
+            "pad_token_id": pad if pad is not None else eos[0],
+            "type": ARCHITECTURES[params.architecture].og_type,
+            "vocab_size": params.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": params.context_length,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": True,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 50,
+            "top_p": 1.0,
+        },
+    }
