@@ -1,11 +1,14 @@
-"""onnxruntime-genai's own greedy search on a folder: the reference every engine must match."""
+"""References every engine must match: onnxruntime-genai's own greedy search on a folder,
+and a prompt's log-probabilities from the folder's graph run whole by onnxruntime."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import onnxruntime_genai as og
 from serving import TINY_MODEL
 
@@ -45,3 +48,22 @@ def ordinary_ids(count: int, seed: int = 0) -> list[int]:
     and up), for prompts of an exact length."""
     rng = random.Random(seed)
     return [rng.randrange(1000) for _ in range(count)]
+
+
+def prompt_logprobs(prompt_ids: list[int], folder: Path = TINY_MODEL) -> list[float]:
+    """The log-probability of each prompt token after the first given those before it:
+    the folder's decoder graph run once over the whole prompt by onnxruntime (no past
+    key/values, every position's logits), log-softmax in float64."""
+    head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {
+        "input_ids": np.asarray([prompt_ids], dtype=np.int64),
+        "attention_mask": np.ones((1, len(prompt_ids)), dtype=np.int64),
+    }
+    for item in session.get_inputs():
+        if item.name.startswith("past_key_values."):
+            feeds[item.name] = np.zeros((1, item.shape[1], 0, head_size), dtype=np.float32)
+    logits = session.run(["logits"], feeds)[0][0].astype(np.float64)
+    peak = logits.max(axis=-1, keepdims=True)
+    logprobs = logits - peak - np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))
+    return [float(logprobs[i - 1, token]) for i, token in enumerate(prompt_ids) if i > 0]

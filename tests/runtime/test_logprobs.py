@@ -1,13 +1,16 @@
 """Log-probabilities on the tiny model: each token named by its own bytes, greedy picks the
-most likely token, and nothing is computed when they are not asked for."""
+most likely token, nothing is computed when they are not asked for, and a prompt's tokens
+are scored as the whole graph scores them."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from ortserve_runtime import ChatModel, GenerationOptions
+from og_reference import ordinary_ids, prompt_logprobs
+from ortserve_runtime import ChatModel, GenerationOptions, InvalidRequestError, ModelConfig, ModelRegistry
 from ortserve_runtime.chat import TokenBytes
+from serving import TINY_MODEL
 from tokenizers import Tokenizer, decoders, models
 
 pytestmark = pytest.mark.anyio
@@ -53,6 +56,53 @@ def test_token_bytes_of_a_sentencepiece_vocabulary() -> None:
     assert names(2) == ("é", "é".encode())
     assert names(3) == ("bytes:\\xe2", b"\xe2")
     assert b"".join(names(i)[1] for i in (3, 4, 5)).decode() == "—"
+
+
+async def test_prompt_logprobs_are_the_whole_graphs_chunked_and_past_a_cached_prefix() -> None:
+    """Prefilled in chunks of 5 (every position's logits of each call), and prefilled whole
+    although the prefix cache holds the prompt's beginning (a cached prefix has no logits):
+    each prompt token's logprob is the one the graph gives run once over the whole prompt."""
+    registry = ModelRegistry(ModelConfig(prefill_chunk_tokens=5, prefix_cache_min_tokens=4))
+    registry.add("tiny", TINY_MODEL)
+    model = await registry.get("tiny")
+    try:
+        ids = ordinary_ids(23)
+        await model.generate(ids[:16], options=GenerationOptions(max_tokens=2, temperature=0)).collect()
+        events = [e async for e in model.generate(ids, options=GenerationOptions(max_tokens=0, prompt_logprobs=3))]
+        assert [(e.token_id, e.finish_reason) for e in events] == [(None, "length")]
+        assert events[0].usage is not None
+        assert (events[0].usage.completion_tokens, events[0].usage.cached_tokens) == (0, 0)
+        scored = events[0].prompt_logprobs
+        assert scored is not None and scored.first_id == ids[0]
+        assert [t.token_id for t in scored.scored] == ids[1:]
+        assert [t.logprob for t in scored.scored] == pytest.approx(prompt_logprobs(ids), abs=1e-4)
+        for item in scored.scored:
+            assert len(item.top) == 3 and item.logprob <= item.top[0].logprob
+            assert [t.logprob for t in item.top] == sorted((t.logprob for t in item.top), reverse=True)
+        # The same prompt unscored does take its beginning from the cache.
+        _, _, _, usage = await model.generate(ids, options=GenerationOptions(max_tokens=1)).collect()
+        assert usage.cached_tokens >= 16
+        # Scored and generating: the first event carries the prompt's scores, later ones none.
+        options = GenerationOptions(max_tokens=3, temperature=0, logprobs=0, prompt_logprobs=0)
+        events = [e async for e in model.generate(ids, options=options)]
+        assert events[0].prompt_logprobs is not None and all(e.prompt_logprobs is None for e in events[1:])
+        assert [t.logprob for t in events[0].prompt_logprobs.scored] == pytest.approx(prompt_logprobs(ids), abs=1e-4)
+        assert all(t.top == () for t in events[0].prompt_logprobs.scored)
+        assert all(e.logprobs is not None for e in events if e.token_id is not None)
+    finally:
+        await registry.close()
+
+
+def test_max_tokens_zero_only_with_prompt_logprobs() -> None:
+    GenerationOptions(max_tokens=0, prompt_logprobs=0).validate()
+    for options, param in [
+        (GenerationOptions(max_tokens=0), "max_tokens"),
+        (GenerationOptions(prompt_logprobs=21), "prompt_logprobs"),
+        (GenerationOptions(prompt_logprobs=-1), "prompt_logprobs"),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            options.validate()
+        assert info.value.param == param
 
 
 def _whole(raw: bytes) -> bool:

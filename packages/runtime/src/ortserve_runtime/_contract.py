@@ -33,7 +33,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -45,8 +45,8 @@ from ._errors import EngineClosedError
 if TYPE_CHECKING:
     from ._drafts import Drafter
     from .chat._constraints import Constraint
-    from .chat._logprobs import TokenBytes, TokenLogprob
-    from .chat._sampling import GenerationOptions, Sampler
+    from .chat._logprobs import PromptLogprobs, TokenBytes, TokenLogprob
+    from .chat._sampling import GenerationOptions, Sampler, Scored
     from .chat._stops import StopMatcher
 
 __all__ = [
@@ -102,6 +102,9 @@ class GenerationEvent:
     stop_sequence: str | None = None
     """On the final event, the stop string that ended the generation (``None`` when it
     ended otherwise): Anthropic's API reports which one matched."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On a request's first event, its prompt's tokens scored, when the options asked for
+    them (``prompt_logprobs``; engines whose capabilities say they can)."""
 
 
 _request_ids = itertools.count(1)
@@ -144,6 +147,10 @@ class Request:
     """Characters the streaming decoder produced so far."""
     cached_tokens: int = 0
     """Prompt tokens the engine took from its prefix cache."""
+    prompt_scores: list[Scored | None] | None = None
+    """Per prompt token, its log-probabilities given the tokens before it, as the engine
+    computes them (:meth:`score_prompt`); set (to ``None`` each) by the front when the
+    options ask for ``prompt_logprobs``, handed over on the first event."""
     # Engine bookkeeping (ort_cpu: the cache row and how much of the prompt is in it).
     row: int = -1
     prefilled: int = 0
@@ -172,8 +179,32 @@ class Request:
             return self.take(token)
         return self.take(token, self.token_bytes.named(sampler.scored(token), self.decoded_chars))
 
+    def score_prompt(self, start: int, logits: npt.NDArray[np.float32]) -> None:
+        """Score the prompt tokens that ``logits`` predicts, if the options asked for it:
+        row ``i`` holds the logits of prompt position ``start + i``, which give the
+        distribution of the prompt's token ``start + i + 1`` (for engines that compute
+        every position of a prefill call; the last position's logits score the output)."""
+        scores = self.prompt_scores
+        if scores is None:
+            return
+        prompt = self.prompt
+        for i in range(min(len(logits), len(prompt) - 1 - start)):
+            scores[start + i + 1] = self.sampler.prompt_scored(logits[i], prompt[start + i + 1])
+
+    def _first_event(self, event: GenerationEvent) -> GenerationEvent:
+        """``event`` with the prompt's scores, on the first event after they were all made."""
+        scores = self.prompt_scores
+        if scores is None or self.token_bytes is None or any(s is None for s in scores[1:]):
+            return event  # not asked for, or not (yet) computed: a request cancelled before
+        self.prompt_scores = None
+        return replace(event, prompt_logprobs=self.token_bytes.prompt(self.prompt, scores))
+
     def take(self, token: int, logprobs: TokenLogprob | None = None) -> GenerationEvent:
         """Record ``token`` as the next one; the event says whether the request is done."""
+        event = self._take(token, logprobs)
+        return self._first_event(event) if self.prompt_scores is not None else event
+
+    def _take(self, token: int, logprobs: TokenLogprob | None) -> GenerationEvent:
         self.tokens.append(token)
         complete = self.constraint is not None and self.constraint.advance(token)
         if token in self.eos:  # the end is no output token: its logprob is not reported
@@ -194,7 +225,7 @@ class Request:
     def final(
         self, reason: FinishReason, text: str = "", token: int | None = None, logprobs: TokenLogprob | None = None
     ) -> GenerationEvent:
-        return GenerationEvent(
+        event = GenerationEvent(
             token_id=token,
             text=text,
             finish_reason=reason,
@@ -202,6 +233,7 @@ class Request:
             logprobs=logprobs,
             stop_sequence=self.stops.matched,
         )
+        return self._first_event(event) if self.prompt_scores is not None else event
 
     def usage(self) -> Usage:
         """The token counts so far (a final event carries them)."""
@@ -248,6 +280,11 @@ class EngineCapabilities:
     """A request's ``cache_salt`` keeps other requests from reusing its key/values: ort-cpu
     scopes its prefix cache by it, og-generator shares nothing between requests; og-engine
     with paged attention reuses prefixes inside onnxruntime-genai, which takes no salt."""
+    prompt_logprobs: bool = False
+    """Scores a request's prompt (``GenerationOptions.prompt_logprobs``, and ``max_tokens``
+    0): ort-cpu computes every prompt position's logits for it. og.Engine hands back no
+    logits; og.Generator's ``get_output("logits")`` holds every position after
+    ``append_tokens`` (og 0.18), but they live in og's process and are not fetched yet."""
 
 
 @runtime_checkable

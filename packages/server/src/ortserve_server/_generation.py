@@ -16,6 +16,7 @@ from ortserve_runtime import (
     GenerationEvent,
     GenerationStream,
     InvalidRequestError,
+    PromptLogprobs,
     ReasoningParser,
     TokenLogprob,
     ToolCall,
@@ -135,6 +136,11 @@ class Generation:
         """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
         self.event_logprobs: TokenLogprob | None = None
         """Those of the event that :meth:`sse`'s ``events`` callback is turning into chunks."""
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(streams)
+        """Per stream, its prompt's tokens scored, when asked for (:meth:`collect`)."""
+        self.event_prompt_logprobs: PromptLogprobs | None = None
+        """Those that the event :meth:`sse`'s ``events`` callback is turning into chunks
+        carries (a stream's first event)."""
         self.reasoning_parsers: list[ReasoningParser] | None = None
         """Per stream, the splitter of a reasoning model's thinking from its answer."""
         self.event_reasoning = ""
@@ -149,6 +155,8 @@ class Generation:
         self.plan = started.plan
         """The plan that started the streams: names the request's field in errors raised
         mid-generation (a grammar the matcher gave up on: ``response_format``...)."""
+        self.prompt_only = started.plan.prompt_only
+        """The answer is the prompt alone: what the streams generate is dropped (and not counted)."""
         prompt = started.prompt
         if self.model.reasoning is not None and prompt is not None and prompt.reasoning is not None:
             # Each stream's thinking split from its answer: the model reasons and the prompt
@@ -206,7 +214,7 @@ class Generation:
         self.cached[index] = event.usage.cached_tokens
         self.drafts[index] = (event.usage.accepted_prediction_tokens, event.usage.rejected_prediction_tokens)
         self.stop_sequences[index] = event.stop_sequence
-        return event.usage.completion_tokens
+        return 0 if self.prompt_only else event.usage.completion_tokens
 
     def _done(self, completion_tokens: int, status: int = 200) -> p.CompletionUsage:
         name = self.model.name
@@ -251,6 +259,8 @@ class Generation:
             completion_tokens += self._record(index, event)
             if event.logprobs is not None:
                 self.logprobs[index].append(event.logprobs)
+            if event.prompt_logprobs is not None:
+                self.prompt_logprobs[index] = event.prompt_logprobs
             if reason is not None:
                 finish[index] = reason
         return texts, calls, finish, self._done(completion_tokens)
@@ -278,6 +288,7 @@ class Generation:
                     self._observe(event)
                     completion_tokens += self._record(index, event)
                     self.event_logprobs = event.logprobs
+                    self.event_prompt_logprobs = event.prompt_logprobs
                     for chunk in events(index, *self._split(index, event)):
                         yield chunk
         except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band

@@ -138,8 +138,12 @@ def check_completion_request(data: p.CompletionRequest, config: ServerConfig) ->
     logprobs = data.logprobs
     if _given(logprobs) and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
         raise BadRequestError(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs")
-    if data.echo is True:
-        raise _refuse("echo")
+    if data.max_tokens == 0 and data.echo is not True:
+        raise BadRequestError(
+            "'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)", param="max_tokens"
+        )
+    if _prompt_only(data) and _or(data.min_tokens, 0) > 0:  # here: one token may be generated, and dropped
+        raise BadRequestError("'min_tokens' must not exceed 'max_tokens'", param="min_tokens")
     if _given(data.suffix) and data.suffix:
         raise _refuse("suffix")
     if _given(data.best_of) and data.best_of != 1:
@@ -303,10 +307,17 @@ def _generation_options(
     top_k = _or(data.top_k, 0)
     seed = _or(data.seed, None)
     bias = _logit_bias(data.logit_bias)
+    prompt_logprobs = None
     if isinstance(data, p.ChatCompletionRequest):
         logprobs = _or(data.top_logprobs, 0) if data.logprobs is True else None
     else:
         logprobs = _or(data.logprobs, None)
+        if data.echo is True:  # the prompt's tokens come first in the logprobs
+            prompt_logprobs = logprobs
+        if _prompt_only(data):
+            # The prompt alone: scored where logprobs are asked for (0 tokens generated); else
+            # one token is generated and dropped (as vLLM does), which any engine can do.
+            max_tokens, logprobs = (0 if prompt_logprobs is not None else 1), None
     options = [
         GenerationOptions(
             max_tokens=max_tokens,
@@ -326,12 +337,19 @@ def _generation_options(
             presence_penalty=_or(data.presence_penalty, 0.0),
             frequency_penalty=_or(data.frequency_penalty, 0.0),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         for i in range(n)
     ]
     for o in options:
         o.validate()
     return options
+
+
+def _prompt_only(data: p.CompletionRequest) -> bool:
+    """Whether a completion asks for its prompt alone (``echo`` with ``max_tokens`` 0, as
+    lm-evaluation-harness scores a text)."""
+    return data.echo is True and data.max_tokens == 0
 
 
 def _prediction(given: p.PredictionContent | msgspec.UnsetType | None) -> str | None:
@@ -367,6 +385,9 @@ class GenerationPlan:
     fields: Mapping[str, str]
     """The runtime's ``param`` of an error -> the request's field (``prompt`` -> ``messages``,
     ``grammar`` -> ``response_format``, ``guided_regex``, ``tool_choice``...)."""
+    prompt_only: bool = False
+    """A completion with ``echo`` and ``max_tokens`` 0: its answer is the prompt alone; what
+    the runtime generates (one token, where the prompt is not scored) is dropped."""
 
     def start(self, model: ChatModel, prompts: Sequence[str | list[int] | Prompt]) -> list[GenerationStream]:
         """One stream per prompt and choice; a refusal names the request's field."""
@@ -438,7 +459,9 @@ def plan_completion(data: p.CompletionRequest, config: ServerConfig, caller: Cal
     check_completion_request(data, config)
     grammar, field = _grammar_of(data, config) or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
-    return GenerationPlan(n, _generation_options(data, config, n, grammar, caller), ToolPlan(), {"grammar": field})
+    options = _generation_options(data, config, n, grammar, caller)
+    fields = {"grammar": field, "prompt_logprobs": "echo"}
+    return GenerationPlan(n, options, ToolPlan(), fields, prompt_only=_prompt_only(data))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 from .._contract import FinishReason, GenerationEvent, Request, Usage
 from ._constraints import Grammar
-from ._logprobs import TokenBytes, TokenLogprob, TopLogprob
+from ._logprobs import PromptLogprobs, TokenBytes, TokenLogprob, TopLogprob
 from ._media import AudioInput, ImageInput
 from ._model import ChatModel
 from ._multimodal import MULTIMODAL_TYPES, MediaProcessor
@@ -26,6 +26,7 @@ __all__ = [
     "MediaProcessor",
     "Message",
     "Prompt",
+    "PromptLogprobs",
     "ReasoningMarkers",
     "ReasoningParser",
     "ReasoningStart",

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from ._sampling import Scored
 
-__all__ = ["TokenBytes", "TokenLogprob", "TopLogprob"]
+__all__ = ["PromptLogprobs", "TokenBytes", "TokenLogprob", "TopLogprob"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,20 @@ class TokenLogprob:
     """Best first; as many as the request asked for."""
     offset: int
     """Characters of output text before this token's (the legacy ``text_offset``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prompt's tokens scored: each token after the first with its log-probability given
+    the tokens before it (and the most likely alternatives there). The first token has
+    nothing before it to score it (OpenAI and vLLM report ``null``): only its text."""
+
+    first_id: int
+    first_text: str
+    first_bytes: bytes
+    scored: tuple[TokenLogprob, ...]
+    """The prompt's later tokens in order; ``offset``: characters of the prompt's decoded
+    text before the token."""
 
 
 @lru_cache(maxsize=1)
@@ -123,3 +138,22 @@ class TokenBytes:
             tops.append(TopLogprob(token_id, text, raw, logprob))
         text, raw = self(scored.token)
         return TokenLogprob(scored.token, text, raw, scored.logprob, tuple(tops), offset)
+
+    def prompt(self, prompt: Sequence[int], scores: Sequence[Scored | None]) -> PromptLogprobs:
+        """A prompt's scores (one per token; the first ``None``), each token named, with its
+        offset in the prompt's text decoded as output is (special tokens skipped)."""
+        decoder = decoders.DecodeStream(skip_special_tokens=True)
+        offsets = []
+        chars = 0
+        for token in prompt:
+            offsets.append(chars)
+            chars += len(decoder.step(self._tokenizer, token) or "")
+        named = []
+        for position, (scored, offset) in enumerate(zip(scores, offsets, strict=True)):
+            if position == 0:
+                continue
+            if scored is None:
+                raise RuntimeError(f"prompt position {position} was not scored")
+            named.append(self.named(scored, offset))
+        text, raw = self(prompt[0])
+        return PromptLogprobs(prompt[0], text, raw, tuple(named))

@@ -312,12 +312,13 @@ class ChatModel:
         if not prompt.ids:
             raise InvalidRequestError("the prompt is empty", param=field_name)
         room = self.max_sequence_length - len(prompt.ids)
-        if room < 1 or (options.max_tokens is not None and options.max_tokens > room):
+        least = 0 if options.max_tokens == 0 else 1  # 0: the prompt alone, scored (prompt_logprobs)
+        if room < least or (options.max_tokens is not None and options.max_tokens > room):
             asked = f" plus max_tokens {options.max_tokens}" if options.max_tokens is not None else ""
             raise ContextLengthError(
                 f"the prompt has {len(prompt.ids)} tokens{asked}, more than this model's limit of "
                 f"{self.max_sequence_length} tokens",
-                param="max_tokens" if room >= 1 else field_name,
+                param="max_tokens" if room >= least else field_name,
             )
         grammar = options.grammar
         if grammar is not None and prompt.reasoning is not None and self.reasoning is not None:
@@ -342,9 +343,12 @@ class ChatModel:
             stops=StopMatcher(options.stop),
             tokenizer=self.tokenizer,
             eos=self.eos_token_ids,
-            token_bytes=self.token_bytes if options.logprobs is not None else None,
+            token_bytes=self.token_bytes
+            if options.logprobs is not None or options.prompt_logprobs is not None
+            else None,
             adapter=self._adapter_key(),
             drafter=drafter,
+            prompt_scores=[None] * len(prompt.ids) if options.prompt_logprobs is not None else None,
         )
         return GenerationStream(self.engine, request)
 
@@ -359,6 +363,13 @@ class ChatModel:
     def _check_engine(self, prompt: Prompt, options: GenerationOptions, grammar: Grammar | None) -> None:
         """Refuse what this engine cannot honour, naming the field, rather than ignore it."""
         capabilities = self.engine.capabilities
+        if options.prompt_logprobs is not None and not capabilities.prompt_logprobs:
+            raise InvalidRequestError(
+                f"prompt_logprobs: model {self.name!r} runs on the {self.engine.name} engine, which cannot score a "
+                "prompt's tokens (it hands back the last position's logits only); serve the model with "
+                "--engine ort-cpu (CPU)",
+                param="prompt_logprobs",
+            )
         if grammar is not None and grammar.after_reasoning is not None and not capabilities.host_sampling:
             # og takes a grammar for the whole output: it would stop the model thinking.
             raise InvalidRequestError(

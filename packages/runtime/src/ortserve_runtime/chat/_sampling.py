@@ -29,7 +29,7 @@ import numpy.typing as npt
 from .._errors import InvalidRequestError
 from ._constraints import Grammar
 
-__all__ = ["MAX_TOP_LOGPROBS", "GenerationOptions", "Sampler", "Scored"]
+__all__ = ["MAX_TOP_LOGPROBS", "GenerationOptions", "Sampler", "Scored", "score"]
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -66,6 +66,12 @@ class GenerationOptions:
     logprobs: int | None = None
     """Report each token's log-probability and this many most likely alternatives
     (0: the token's own only); ``None``: none, and no work spent on them."""
+    prompt_logprobs: int | None = None
+    """Report the log-probability of each prompt token given the tokens before it, with
+    this many most likely alternatives (OpenAI's legacy ``echo`` with ``logprobs``, vLLM's
+    ``prompt_logprobs``): the model's own distribution (no bias, penalty or grammar applies
+    to a prompt). Engines that compute every prompt position's logits only (ort-cpu);
+    ``None``: none. With it, ``max_tokens`` may be 0: the prompt is scored, nothing generated."""
     prediction: str | None = None
     """Text the output is expected to be close to (OpenAI's Predicted Outputs): its tokens
     are drafts for speculative decoding, which change how fast the output comes, never what
@@ -82,7 +88,13 @@ class GenerationOptions:
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first option out of range."""
         checks: list[tuple[bool, str, str]] = [
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (
+                self.max_tokens is None
+                or self.max_tokens >= 1
+                or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+                "max_tokens",
+                "must be at least 1 (0 only when the prompt's logprobs are asked for)",
+            ),
             (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]"),
             (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be 0 (disabled) or positive"),
@@ -118,6 +130,11 @@ class GenerationOptions:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                 "logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+                "prompt_logprobs",
                 f"must be in [0, {MAX_TOP_LOGPROBS}]",
             ),
             (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"allows at most {MAX_STOP_STRINGS} strings"),
@@ -241,23 +258,36 @@ class Sampler:
                 scores[self._eos] = kept
         return scores
 
+    def prompt_scored(self, logits: npt.NDArray[np.float32], token: int) -> Scored:
+        """A prompt token's log-probabilities (``options.prompt_logprobs`` alternatives) from
+        the logits of the position before it: the model's own, as nothing of the options
+        applies to a prompt."""
+        return score(logits, token, self.options.prompt_logprobs or 0)
+
     def scored(self, token: int) -> Scored:
         """Log-probabilities of the last :meth:`choose` (``options.logprobs`` must be set)."""
         scores = self._scores
         assert scores is not None, "scored() needs options.logprobs and a choose() first"
         self._scores = None
-        top = self.options.logprobs or 0
-        finite = scores[np.isfinite(scores)].astype(np.float64)
-        peak = float(finite.max()) if finite.size else 0.0
-        log_total = peak + math.log(float(np.exp(finite - peak).sum())) if finite.size else 0.0
+        return score(scores, token, self.options.logprobs or 0)
 
-        def logprob(index: int) -> float:
-            value = float(scores[index]) - log_total
-            return value if math.isfinite(value) and value > _FLOOR else _FLOOR
 
-        best: list[tuple[int, float]] = []
-        if top:
-            candidates = np.argpartition(-scores, top - 1)[:top] if top < scores.size else np.arange(scores.size)
-            ordered = sorted(candidates.tolist(), key=lambda i: (-float(scores[i]), i))
-            best = [(int(i), logprob(int(i))) for i in ordered]
-        return Scored(token, logprob(token), tuple(best))
+def score(scores: npt.NDArray[np.floating], token: int, top: int) -> Scored:
+    """The log-probability of ``token`` and of the ``top`` most likely tokens (best first)
+    under the log-softmax of ``scores`` (a row of logits, -inf where a token is not
+    allowed), summed in float64: a sampled token's (:meth:`Sampler.scored`) and a prompt
+    token's (:meth:`~ortserve_runtime._contract.Request.score_prompt`) alike."""
+    finite = scores[np.isfinite(scores)].astype(np.float64)
+    peak = float(finite.max()) if finite.size else 0.0
+    log_total = peak + math.log(float(np.exp(finite - peak).sum())) if finite.size else 0.0
+
+    def logprob(index: int) -> float:
+        value = float(scores[index]) - log_total
+        return value if math.isfinite(value) and value > _FLOOR else _FLOOR
+
+    best: list[tuple[int, float]] = []
+    if top:
+        candidates = np.argpartition(-scores, top - 1)[:top] if top < scores.size else np.arange(scores.size)
+        ordered = sorted(candidates.tolist(), key=lambda i: (-float(scores[i]), i))
+        best = [(int(i), logprob(int(i))) for i in ordered]
+    return Scored(token, logprob(token), tuple(best))

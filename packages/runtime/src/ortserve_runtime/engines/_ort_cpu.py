@@ -25,6 +25,12 @@ LoRA adapters (see :func:`_adapter_inputs`) are bound as extra inputs, one adapt
 session call: the rows are kept grouped by adapter (see :meth:`OrtCpuEngine._regroup`), so
 a decode step makes one call per adapter in use, each batching all of that adapter's rows.
 
+A prompt to score (``GenerationOptions.prompt_logprobs``: completions' ``echo``) is
+prefilled whole, past any prefix-cache hit (a cached prefix has no logits), by the exact
+graph rather than the int8 prefill copy, with every position's logits computed
+(``LOGIT_POSITIONS`` set to them all) in chunks whose logits stay within
+:data:`_SCORED_LOGITS_BYTES`; each position scores the prompt token after it.
+
 Long on purpose (over 600 lines): :class:`OrtCpuEngine` is one scheduler. Its methods share
 the batch's rows, the key/value cache, the prefix cache and the adapter groups on the owner
 thread, and each step's choices (prefill, refill, preempt, regroup, speculate) read and
@@ -74,7 +80,13 @@ class OrtCpuEngine(OwnerThread):
     name = "ort-cpu"
     provider = "cpu"
     capabilities = EngineCapabilities(
-        host_sampling=True, seeds=True, media=False, batching="continuous", reproducible=True, drafts=True
+        host_sampling=True,
+        seeds=True,
+        media=False,
+        batching="continuous",
+        reproducible=True,
+        drafts=True,
+        prompt_logprobs=True,
     )
 
     def __init__(
@@ -347,7 +359,9 @@ class OrtCpuEngine(OwnerThread):
                     continue
                 request.row, request.prefilled = len(self._rows), 0
                 self._rows_touched = max(self._rows_touched, request.row + 1)
-                self._reuse_prefix(request)
+                if request.prompt_scores is None:
+                    # A prompt to score is prefilled whole: a cached prefix has no logits.
+                    self._reuse_prefix(request)
                 self._prefilling = request
             request = self._prefilling
             logits = self._prefill_chunk(request, _BACKGROUND_CHUNK if request.options.background else None)
@@ -358,7 +372,10 @@ class OrtCpuEngine(OwnerThread):
             self._prefilling = None
             self._remember(request)  # others may share this prompt's beginning
             self._rows.append(request)
-            self._accept(request, logits)
+            if request.max_tokens == 0:  # the prompt scored, nothing to generate
+                self._finish(request, "length")
+            else:
+                self._accept(request, logits)
 
     def _park_background_prefill(self) -> None:
         """An interactive request waits while a background prompt goes in: the background one
@@ -555,7 +572,11 @@ class OrtCpuEngine(OwnerThread):
         """
         graph = self._graph
         start = request.prefilled
-        end = min(len(request.prompt), start + (chunk or self.prefill_chunk))
+        chunk = chunk or self.prefill_chunk
+        scoring = isinstance(request, Request) and request.prompt_scores is not None
+        if scoring and graph.vocab_size:  # every position's logits come back: within _SCORED_LOGITS_BYTES
+            chunk = min(chunk, max(2, _SCORED_LOGITS_BYTES // (4 * graph.vocab_size)))
+        end = min(len(request.prompt), start + chunk)
         long_rope = self._past_window(len(request.prompt))
         if long_rope:
             end = len(request.prompt)
@@ -566,8 +587,13 @@ class OrtCpuEngine(OwnerThread):
         # The mask spans everything cached so far: GQA appends the chunk after it.
         mask = np.ones((1, end), dtype=graph.mask_dtype)
         positions = np.arange(start, end, dtype=graph.ids_dtype)[None, :]
-        session = self.prefill_session if end - start >= _INT8_PREFILL_MIN_TOKENS else None
-        logits = self._bind(slice(request.row, request.row + 1), ids, mask, positions, request.adapter, session)
+        # A prompt to score goes through the model itself: int8 activations would move its logprobs.
+        session = self.prefill_session if end - start >= _INT8_PREFILL_MIN_TOKENS and not scoring else None
+        rows = slice(request.row, request.row + 1)
+        logits = self._bind(rows, ids, mask, positions, request.adapter, session, every_position=scoring)
+        if scoring:
+            assert isinstance(request, Request)
+            request.score_prompt(start, logits[0])
         request.prefilled = end
         return logits[0, -1] if end == len(request.prompt) else None
 
@@ -845,6 +871,9 @@ def _adapter_inputs(adapters: Mapping[str, Path]) -> dict[str, dict[str, ort.Ort
     return {name: dict(ort.AdapterFormat.read_adapter(str(path)).get_parameters()) for name, path in adapters.items()}
 
 
+_SCORED_LOGITS_BYTES = 64 * 2**20
+"""The most logits one prefill call of a prompt to score hands back (every position's: a
+chunk of 110 tokens for a 151,936-token vocabulary)."""
 _INT8_PREFILL_MIN_TOKENS = 64
 """Prompt chunks this long or longer go through the int8 prefill session when there is one."""
 _SHRINK_AFTER_TOKENS = 128

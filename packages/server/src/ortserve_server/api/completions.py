@@ -10,6 +10,8 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
 from ortserve_runtime import (
+    ChatModel,
+    PromptLogprobs,
     TokenLogprob,
     ToolCall,
 )
@@ -19,7 +21,7 @@ from .._generation import Generation, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model
 from .._openapi import generation_docs
-from .._plan import start_completion
+from .._plan import completion_prompts, start_completion
 from .._state import OrtServe
 
 __all__ = ["completions"]
@@ -39,42 +41,85 @@ async def completions(
         ortserve, f"{ortserve.config.path}/completions", await start_completion(ortserve, model, data, request)
     )
     response_id, created = new_id("cmpl-"), int(time.time())
+    wanted = isinstance(data.logprobs, int)
+    n = run.choices_per_prompt
+    # echo: each choice's text (and logprobs) starts with its prompt's.
+    echoed = _prompt_texts(model, data) if data.echo is True else None
 
     def chunk(choices: list[p.CompletionChoice], usage: p.CompletionUsage | None = None) -> bytes:
         return sse_event(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
+    started = [False] * len(run.streams)
+
     def events(index: int, text: str, _: list[ToolCall], reason: str | None) -> list[bytes]:
         scored = run.event_logprobs
+        out = []
+        shift = 0
+        if echoed is not None:
+            prompt = echoed[index // n]
+            shift = len(prompt)
+            if not started[index]:  # the prompt first, in a chunk of its own (as vLLM sends it)
+                started[index] = True
+                scores = run.event_prompt_logprobs
+                logprobs = _completion_logprobs([], scores) if wanted and scores is not None else None
+                out.append(chunk([p.CompletionChoice(index=index, text=prompt, logprobs=logprobs)]))
+            if run.prompt_only:
+                text, scored, reason = "", None, "length" if reason is not None else None
         if not text and reason is None and scored is None:
-            return []
-        logprobs = _completion_logprobs([scored]) if scored is not None else None
-        return [chunk([p.CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)])]
+            return out
+        logprobs = _completion_logprobs([scored], shift=shift) if scored is not None else None
+        out.append(chunk([p.CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)]))
+        return out
 
     if data.stream is True:
         usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
         return stream_response(run.sse(events, usage_chunk))
     texts, _, finish, usage = await while_connected(request, ortserve, run.collect())
-    wanted = isinstance(data.logprobs, int)
-    choices = [
-        p.CompletionChoice(
-            index=i, text=t, finish_reason=f, logprobs=_completion_logprobs(run.logprobs[i]) if wanted else None
-        )
-        for i, (t, f) in enumerate(zip(texts, finish, strict=True))
-    ]
+    choices = []
+    for i, (text, reason) in enumerate(zip(texts, finish, strict=True)):
+        prompt = echoed[i // n] if echoed is not None else ""
+        if run.prompt_only:
+            text, reason = "", "length"
+        logprobs = None
+        if wanted:
+            logprobs = _completion_logprobs(run.logprobs[i], run.prompt_logprobs[i], shift=len(prompt))
+        choices.append(p.CompletionChoice(index=i, text=prompt + text, finish_reason=reason, logprobs=logprobs))
     return Response(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
-def _completion_logprobs(items: list[TokenLogprob]) -> p.CompletionLogprobs:
+def _prompt_texts(model: ChatModel, data: p.CompletionRequest) -> list[str]:
+    """The text each prompt echoes: as sent, or its token ids decoded (as output is: special
+    tokens skipped). Called once the streams started, so the ids are known to be valid."""
+    return [prompt if isinstance(prompt, str) else model.decode(prompt) for prompt in completion_prompts(data.prompt)]
+
+
+def _completion_logprobs(
+    items: list[TokenLogprob], prompt: PromptLogprobs | None = None, *, shift: int = 0
+) -> p.CompletionLogprobs:
     """The legacy shape; as OpenAI documents, the chosen token is always among a step's
-    ``top_logprobs`` (so it may hold one more than asked for)."""
+    ``top_logprobs`` (so it may hold one more than asked for). With ``prompt`` (echo), the
+    prompt's tokens come first, the first of them unscored (``null``, as OpenAI and vLLM);
+    ``shift``: characters of echoed prompt before the output's text."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
-    for item in items:
+    offsets: list[int] = []
+
+    def add(item: TokenLogprob, offset: int) -> None:
         best = {t.text: t.logprob for t in item.top}
         best.setdefault(item.text, item.logprob)
+        tokens.append(item.text)
+        token_logprobs.append(item.logprob)
         top.append(best)
-    return p.CompletionLogprobs(
-        tokens=[item.text for item in items],
-        token_logprobs=[item.logprob for item in items],
-        top_logprobs=top,
-        text_offset=[item.offset for item in items],
-    )
+        offsets.append(offset)
+
+    if prompt is not None:
+        tokens.append(prompt.first_text)
+        token_logprobs.append(None)
+        top.append(None)
+        offsets.append(0)
+        for item in prompt.scored:
+            add(item, item.offset)
+    for item in items:
+        add(item, item.offset + shift)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
