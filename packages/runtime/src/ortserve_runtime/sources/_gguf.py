@@ -15,16 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
-
-from ._gguf_graph import ARCHITECTURES, GgufError, Hyperparameters, write_graph
-from ._gguf_tokenizer import gguf_fields, tokenizer_files
+from ._gguf_file import GgufError, GgufFile
+from ._gguf_graph import ARCHITECTURES, Hyperparameters, write_graph
+from ._gguf_tokenizer import tokenizer_files
 
 __all__ = ["CONVERTER_VERSION", "GgufError", "convert_gguf", "split_parts"]
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 """Part of every converted folder's cache key: raise it when the folders it writes change."""
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -48,26 +47,18 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
-def _open(part: Path) -> GGUFReader:
-    try:
-        return GGUFReader(part)
-    except Exception as exc:  # gguf-py raises what the bytes provoke: all of it is a bad file
-        raise GgufError(f"{part.name} is not a readable GGUF file: {exc}") from exc
-
-
 def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] = lambda fraction: None) -> None:
     """Write the genai folder of the GGUF file ``source`` into ``folder`` (which exists)."""
-    readers = [_open(part) for part in split_parts(source)]
-    fields = gguf_fields(readers[0])
-    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    files = [GgufFile(part) for part in split_parts(source)]
+    fields = files[0].fields
+    tensors = [tensor for file in files for tensor in file.tensors]
     try:
         params, summary = write_graph(tensors, fields, folder, progress)
     except GgufError:
         raise
     except Exception as exc:  # a tensor whose bytes do not match its header, and the like
         raise GgufError(f"{source.name} could not be converted: {exc}") from exc
-    files = tokenizer_files(fields)
-    for name, content in files.items():
+    for name, content in tokenizer_files(fields).items():
         (folder / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
     tokens = fields.get("tokenizer.ggml.tokens") or []
     genai = _genai_config(params, fields, tokens)

@@ -35,6 +35,7 @@ gguf-py's (llama.cpp's own Python package), not a copy of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -74,10 +75,14 @@ EXACT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q
 
 def dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
     """The float32 values llama.cpp reads from ``raw`` (gguf-py's dequantizer)."""
+    raw = np.ascontiguousarray(raw).view(np.uint8)
     if qtype == Q.F32:
-        return np.asarray(raw, dtype=np.float32).reshape(shape)
+        return raw.view(np.float32).reshape(shape)
     if qtype == Q.F16:
-        return np.asarray(raw).view(np.float16).astype(np.float32).reshape(shape)
+        return raw.view(np.float16).astype(np.float32).reshape(shape)
+    if qtype in _BLOCK_TYPES:
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, quants.GGML_QUANT_SIZES[qtype][1])
+        return np.asarray(_BLOCK_TYPES[qtype].dequantize_blocks(blocks), dtype=np.float32).reshape(shape)
     return np.asarray(quants.dequantize(np.asarray(raw), qtype), dtype=np.float32).reshape(shape)
 
 
@@ -151,8 +156,9 @@ def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
 
 def _unit(blocks: np.ndarray, qtype: Q, **fields: tuple[int, float]) -> np.ndarray:
     """gguf-py's dequantization of ``blocks`` with the named fp16 fields replaced: with the
-    scale 1 and the minimum 0 it yields the integers themselves (times sub-block scales)."""
-    return np.asarray(quants.dequantize(_with(blocks, **fields), qtype), dtype=np.float32)
+    scale 1 and the minimum 0 it yields the integers themselves (times sub-block scales).
+    All blocks in one call: ``quants.dequantize`` goes row group by row group, 10x slower."""
+    return np.asarray(_BLOCK_TYPES[qtype].dequantize_blocks(_with(blocks, **fields)), dtype=np.float32)
 
 
 _Packed = tuple[int, int, np.ndarray, int, np.ndarray, np.ndarray | None]
@@ -222,6 +228,18 @@ def _q6_k(blocks: np.ndarray) -> _Packed:
     d = np.repeat(_fp16(blocks, 208), 16)
     return 8, 16, q, 128, d * sc, None
 
+
+_BLOCK_TYPES: dict[Q, Any] = {
+    Q.Q4_0: quants.Q4_0,
+    Q.Q4_1: quants.Q4_1,
+    Q.Q5_0: quants.Q5_0,
+    Q.Q5_1: quants.Q5_1,
+    Q.Q8_0: quants.Q8_0,
+    Q.Q2_K: quants.Q2_K,
+    Q.Q4_K: quants.Q4_K,
+    Q.Q5_K: quants.Q5_K,
+    Q.Q6_K: quants.Q6_K,
+}
 
 _PACKERS = {
     Q.Q4_0: _q4_0,
