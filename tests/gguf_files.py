@@ -71,9 +71,7 @@ def random_matrix(rng: np.random.Generator, out_features: int, in_features: int,
         return raw.reshape(out_features, -1)
 
 
-def write_tiny_gguf(
-    path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed: int = 0, tied: bool = True
-) -> Path:
+def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed: int = 0, tied: bool = True) -> Path:
     """A tiny decoder of ``arch`` (llama, qwen2, qwen3) whose matrices are ``qtype``."""
     rng = np.random.default_rng(seed)
     tokens, types = _vocabulary()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import os
 import socket
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from fakehub import FakeHub
-from ortserve_client import DownloadError
+from ortserve_client import DownloadError, HubReference
 from ortserve_client._download import DownloadComplete, DownloadProgress, apull, pull
 from serving import running
 
@@ -295,3 +296,186 @@ def test_cli_pull_then_ls(tmp_path: Path) -> None:
         [sys.executable, "-m", "ortserve_server", "ls"], capture_output=True, text=True, env=env, timeout=60, check=True
     ).stdout
     assert f"acme/tiny-qwen2/cpu\t{pulled}" in listing
+
+
+# -- hf: references (HubReference): a folder, or one GGUF file of a repo ---------------------
+
+GGUF_FILES = {
+    "tiny-Q4_0.gguf": b"GGUF q4_0",
+    "tiny-Q8_0.gguf": b"GGUF q8_0" * 1000,
+    "q4/tiny.gguf": b"GGUF in a folder",
+    "q4/notes.md": b"# notes",
+    "big/big-00001-of-00003.gguf": b"GGUF part 1",
+    "big/big-00002-of-00003.gguf": b"part 2",
+    "big/big-00003-of-00003.gguf": b"part 3",
+    "big/big-Q8_0.gguf": b"GGUF another quantization",
+    "broken-00001-of-00002.gguf": b"GGUF a part whose sibling is missing",
+    "README.md": b"# tiny",
+}
+
+
+def test_references_parse() -> None:
+    assert HubReference.parse("/models/tiny.gguf") is None  # local paths pass through
+    assert HubReference.parse(Path("models/tiny")) is None
+    folder = HubReference.parse("hf:acme/tiny/cpu/int4")
+    assert folder == HubReference("acme/tiny", "cpu/int4")
+    assert folder.allow_patterns is None and folder.files == ()
+    assert HubReference.parse("hf:acme/tiny") == HubReference("acme/tiny")
+    assert HubReference.parse("hf:acme/tiny/") == HubReference("acme/tiny")
+    file = HubReference.parse("hf:acme/tiny/q4/tiny-Q4_K_M.GGUF")
+    assert file == HubReference("acme/tiny", "q4", "tiny-Q4_K_M.GGUF")
+    assert file.allow_patterns == ["tiny-Q4_K_M.GGUF"]
+    assert str(file) == "hf:acme/tiny/q4/tiny-Q4_K_M.GGUF"
+    split = HubReference.parse(Path("hf:acme/tiny/big-00002-of-00003.gguf"))  # as `--model` gives it
+    assert split is not None and split.subfolder is None
+    assert split.files == ("big-00001-of-00003.gguf", "big-00002-of-00003.gguf", "big-00003-of-00003.gguf")
+    odd = HubReference.parse("hf:acme/tiny/[draft]*.gguf")  # fnmatch's characters match themselves
+    assert odd is not None and odd.allow_patterns == ["[[]draft][*].gguf"]
+    assert fnmatch.fnmatch("[draft]*.gguf", odd.allow_patterns[0])
+    assert not fnmatch.fnmatch("d*.gguf", odd.allow_patterns[0])
+    for bad in ("hf:acme", "hf:", "hf:acme/tiny/../other", "hf:acme/tiny/m-00004-of-00003.gguf"):
+        with pytest.raises(ValueError, match=r"hf:|part number"):
+            HubReference.parse(bad)
+
+
+def _pull_reference(text: str, cache_dir: Path) -> Path:
+    reference = HubReference.parse(text)
+    assert reference is not None
+    folder = pull(
+        reference.repo_id, subfolder=reference.subfolder, allow_patterns=reference.allow_patterns, cache_dir=cache_dir
+    )
+    return reference.local_path(folder)
+
+
+def test_gguf_reference_downloads_only_that_file(endpoint: str, hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos["acme/tiny-GGUF"] = dict(GGUF_FILES)
+    path = _pull_reference("hf:acme/tiny-GGUF/tiny-Q4_0.gguf", tmp_path)
+    assert path.is_file() and path.name == "tiny-Q4_0.gguf" and path.read_bytes() == b"GGUF q4_0"
+    assert {p for p, _ in hub.ranges} == {"tiny-Q4_0.gguf"}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny-Q4_0.gguf"]
+    inside = _pull_reference("hf:acme/tiny-GGUF/q4/tiny.gguf", tmp_path)  # in a folder of the repo
+    assert inside.read_bytes() == b"GGUF in a folder" and inside.parent.name == "q4"
+    assert {p for p, _ in hub.ranges} == {"tiny-Q4_0.gguf", "q4/tiny.gguf"}
+
+
+def test_split_gguf_reference_downloads_every_part(endpoint: str, hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos["acme/tiny-GGUF"] = dict(GGUF_FILES)
+    path = _pull_reference("hf:acme/tiny-GGUF/big/big-00001-of-00003.gguf", tmp_path)
+    assert path.name == "big-00001-of-00003.gguf" and path.read_bytes() == b"GGUF part 1"
+    parts = sorted(p for p, _ in hub.ranges)
+    assert parts == [f"big/big-0000{i}-of-00003.gguf" for i in (1, 2, 3)]  # not big-Q8_0.gguf
+    assert (path.parent / "big-00003-of-00003.gguf").read_bytes() == b"part 3"  # beside the first
+    with pytest.raises(DownloadError, match=r"'broken-00002-of-00002.gguf' of repo 'acme/tiny-GGUF'") as info:
+        _pull_reference("hf:acme/tiny-GGUF/broken-00001-of-00002.gguf", tmp_path)
+    assert info.value.filename == "broken-00002-of-00002.gguf"
+    with pytest.raises(DownloadError, match="no files matching"):
+        _pull_reference("hf:acme/tiny-GGUF/absent.gguf", tmp_path)
+
+
+def test_gguf_reference_offline(endpoint: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub.repos["acme/tiny-GGUF"] = dict(GGUF_FILES)
+    online = _pull_reference("hf:acme/tiny-GGUF/tiny-Q4_0.gguf", tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _pull_reference("hf:acme/tiny-GGUF/tiny-Q4_0.gguf", tmp_path) == online
+    # The cached snapshot exists but lacks this file: said so, rather than a path to nothing.
+    with pytest.raises(DownloadError, match=r"'tiny-Q8_0.gguf' of repo 'acme/tiny-GGUF' was not downloaded"):
+        _pull_reference("hf:acme/tiny-GGUF/tiny-Q8_0.gguf", tmp_path)
+
+
+@pytest.mark.anyio
+async def test_local_server_resolves_a_gguf_reference(
+    endpoint: str, hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LocalServer` downloads with `apull` (progress to on_event) and hands over the file."""
+    from ortserve_client import LocalServer
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub.repos["acme/tiny-GGUF"] = dict(GGUF_FILES)
+    events: list[object] = []
+    local = tmp_path / "local.gguf"
+    server = LocalServer({"a": "hf:acme/tiny-GGUF/tiny-Q8_0.gguf", "b": local}, on_event=events.append)
+    path = await server._resolve(server.models["a"])
+    assert path.name == "tiny-Q8_0.gguf" and path.read_bytes() == GGUF_FILES["tiny-Q8_0.gguf"]
+    assert path.is_relative_to(tmp_path / "hub")
+    assert {e.filename for e in events if isinstance(e, DownloadProgress)} == {"tiny-Q8_0.gguf"}
+    assert events[-1] == DownloadComplete("acme/tiny-GGUF", path.parent)
+    assert await server._resolve(local) == local  # a local file passes through
+    with pytest.raises(ValueError, match="hf:OWNER/REPO"):
+        LocalServer({"bad": "hf:acme"})
+
+
+def test_server_cli_serves_a_gguf_file_from_the_hub(tmp_path: Path) -> None:
+    """`ortserve serve --model NAME=hf:OWNER/REPO/FILE.gguf` downloads that file alone,
+    converts it and serves it (the tiny GGUF's random weights say random words)."""
+    import json
+    import subprocess
+    import sys
+
+    import openai
+    from gguf_files import write_tiny_gguf
+
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes()
+    hub = FakeHub(repos={"acme/tiny-GGUF": {"tiny.gguf": tiny, "tiny-other.gguf": b"never fetched", "README.md": b""}})
+    with running(hub.app()) as url:
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": url,
+            "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_OFFLINE": "0",
+            "ORTSERVE_CACHE": str(tmp_path / "cache"),
+        }
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "ortserve_server", "serve", "--port", "0", "--ready-json"),
+                *("--state-dir", "none", "--model", "smol=hf:acme/tiny-GGUF/tiny.gguf"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if not line:
+                _, err = process.communicate(timeout=30)
+                raise AssertionError(f"server exited {process.returncode}: {err}")
+            base = f"http://127.0.0.1:{json.loads(line)['port']}/v1"
+            with openai.OpenAI(base_url=base, api_key="x", max_retries=0) as client:
+                raw = client.chat.completions.with_raw_response.create(
+                    model="smol",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=8,
+                    extra_body={"min_tokens": 4},  # no end of turn first: some text
+                )
+                assert raw.http_response.status_code == 200
+                assert raw.parse().choices[0].message.content
+        finally:
+            process.terminate()
+            process.communicate(timeout=30)
+    assert {p for p, _ in hub.ranges} == {"tiny.gguf"}
+    assert list((tmp_path / "cache" / "converted").rglob("genai_config.json"))
+
+
+def test_cli_pulls_a_gguf_file_and_lists_it(tmp_path: Path) -> None:
+    """`ortserve pull OWNER/REPO/FILE.gguf` prints the file's path; `ortserve ls` lists it."""
+    import subprocess
+    import sys
+
+    hub = FakeHub(repos={"acme/tiny-GGUF": dict(GGUF_FILES)})
+    with running(hub.app()) as url:
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "0"}
+        pulled = subprocess.run(
+            [sys.executable, "-m", "ortserve_server", "pull", "acme/tiny-GGUF/big/big-00001-of-00003.gguf"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+    assert Path(pulled).name == "big-00001-of-00003.gguf" and Path(pulled).read_bytes() == b"GGUF part 1"
+    listing = subprocess.run(
+        [sys.executable, "-m", "ortserve_server", "ls"], capture_output=True, text=True, env=env, timeout=60, check=True
+    ).stdout
+    assert f"acme/tiny-GGUF/big/big-00001-of-00003.gguf\t{pulled}" in listing
+    assert "00002-of-00003" not in listing  # a split file is listed once, by its first part

@@ -120,6 +120,7 @@ def test_serve_without_models_uses_the_demo() -> None:
     try:
         models = httpx.get(f"http://127.0.0.1:{ready['port']}/v1/models").json()
         assert [m["id"] for m in models["data"]] == [
+            "smollm2-135m",
             "tiny-qwen2",
             "tiny-phi3v",
             "tiny-whisper",
@@ -127,6 +128,18 @@ def test_serve_without_models_uses_the_demo() -> None:
             "all-minilm-l6-v2",
             "en-us-joe",
         ]
+        # The demo's real chat model answers from its GGUF file (converted on first start).
+        chat = httpx.post(
+            f"http://127.0.0.1:{ready['port']}/v1/chat/completions",
+            json={
+                "model": "smollm2-135m",
+                "messages": [{"role": "user", "content": "Which city is the capital of France?"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            },
+            timeout=120,
+        )
+        assert "Paris" in chat.json()["choices"][0]["message"]["content"]
         # The demo's real voice speaks: one command, and a new user hears speech.
         speech = httpx.post(
             f"http://127.0.0.1:{ready['port']}/v1/audio/speech",

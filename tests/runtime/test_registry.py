@@ -39,7 +39,7 @@ def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not a model folder") as info:
         ModelRegistry().add("x", tmp_path)
     assert info.value.path == tmp_path
-    with pytest.raises(ModelLoadError, match="not a folder"):
+    with pytest.raises(ModelLoadError, match="neither a model folder nor a GGUF file"):
         ModelRegistry().add("x", tmp_path / "notes.txt")
 
 
@@ -294,3 +294,22 @@ def test_a_text_models_server_imports_no_image_or_audio_library() -> None:
     code = "import sys, ortserve_runtime; print(sorted({'PIL', 'soundfile'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_linked_gguf_file_keeps_its_name(tmp_path: Path) -> None:
+    """The Hugging Face cache links each file to a blob named by its hash: a GGUF file (and
+    a split one's parts, found beside it) is served by the link's name, not the blob's."""
+    from ortserve_runtime._residency import folder_bytes
+
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for i, size in ((1, 100), (2, 50)):
+        (blobs / f"hash{i}").write_bytes(b"x" * size)
+        (snapshot / f"m-0000{i}-of-00002.gguf").symlink_to(blobs / f"hash{i}")
+    registry = ModelRegistry()
+    assert registry.add("m", snapshot / "m-00001-of-00002.gguf") == "generative"
+    path = registry.status_of("m").path
+    assert path == snapshot / "m-00001-of-00002.gguf"
+    assert folder_bytes(path) == 150  # a first load is expected to cost every part's bytes

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         ServiceUnavailableError,
         StreamError,
     )
+    from ._reference import HubReference
     from ._sidecar import Attached, Exited, LocalServer, LogLine, Ready, Restarting, ServerEvent, Spawned
     from ._streaming import AsyncStream
 
@@ -53,6 +54,7 @@ _WHERE = {
     "DownloadEvent": "._download",
     "DownloadProgress": "._download",
     "Exited": "._sidecar",
+    "HubReference": "._reference",
     "InternalServerError": "._errors",
     "LocalServer": "._sidecar",
     "LogLine": "._sidecar",
@@ -85,7 +87,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-# The client (_client, _streaming, _errors), downloads (_download) and the sidecar (_sidecar).
+# The client (_client, _streaming, _errors), downloads (_download, _reference) and the sidecar (_sidecar).
 # Keep this list additive: new names go in alphabetically; none is dropped without a deprecation.
 
 __all__ = [
@@ -102,6 +104,7 @@ __all__ = [
     "DownloadEvent",
     "DownloadProgress",
     "Exited",
+    "HubReference",
     "InternalServerError",
     "LocalServer",
     "LogLine",

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ._errors import DownloadError
+from ._reference import literal_pattern
 
 __all__ = ["DownloadComplete", "DownloadEvent", "DownloadProgress", "apull", "pull"]
 
@@ -68,6 +69,8 @@ def pull(
     """Download a model (or one ``subfolder`` of a repo) and return its local folder.
 
     ``allow_patterns`` are fnmatch patterns, relative to ``subfolder`` when one is given.
+    For an ``hf:OWNER/REPO[/PATH]`` reference (a folder or one GGUF file), see
+    :class:`HubReference`: it gives these arguments and the path to serve.
     ``endpoint`` defaults to ``HF_ENDPOINT`` read now, not when ``huggingface_hub``
     was imported. With ``HF_HUB_OFFLINE=1``, or when the Hub cannot be reached, a cached
     copy answers. Failures raise :class:`DownloadError`, naming the repo, revision and file.
@@ -135,7 +138,7 @@ def _pull(
 
     patterns = list(allow_patterns) if allow_patterns else None
     if subfolder:
-        prefix = subfolder.strip("/") + "/"
+        prefix = literal_pattern(subfolder.strip("/")) + "/"  # a folder name, not a pattern
         patterns = [prefix + p for p in patterns] if patterns else [prefix + "*"]
     endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
     where = _where(repo_id, revision)

@@ -32,6 +32,7 @@ import httpx
 from ._client import AsyncClient
 from ._download import DownloadEvent, apull
 from ._errors import PortInUseError, ServerExited, ServerLifecycleError, ServerStartupTimeout
+from ._reference import HubReference
 from .protocol import Model
 
 __all__ = [
@@ -101,10 +102,12 @@ _PROOF = "x-ortserve-proof"
 class LocalServer:
     """Attach to or spawn an ortserve server; ``async with`` or ``start()``/``stop()``.
 
-    ``models`` maps names to model folders or ``hf:OWNER/REPO[/SUBFOLDER]`` references,
-    which are downloaded first (progress goes to ``on_event``). ``port=0`` always spawns
-    on a free port. ``lazy=True`` starts a spawned server with its models configured but
-    not loaded (each loads on first use, or :meth:`load`); ``chat_templates`` gives models
+    ``models`` maps names to model folders, GGUF files or ``hf:`` references, which are
+    downloaded first (progress goes to ``on_event``): ``hf:OWNER/REPO[/SUBFOLDER]`` for a
+    folder, ``hf:OWNER/REPO[/SUBFOLDER]/FILE.gguf`` for that one file (every part of a
+    split one); see :class:`HubReference`. ``port=0`` always spawns on a free port.
+    ``lazy=True`` starts a spawned server with its models configured but not loaded (each
+    loads on first use, or :meth:`load`); ``chat_templates`` gives models
     a Jinja chat template file to use instead of their own (``--model-option
     NAME:chat-template=FILE``: a model whose template knows no tools); ``serve_args`` are
     further ``ortserve serve`` flags (``["--idle-unload", "300", "--max-loaded-models", "2"]``).
@@ -139,6 +142,8 @@ class LocalServer:
         state_dir: str | Path | None = None,
     ) -> None:
         self.models = dict(models or {})
+        for source in self.models.values():
+            HubReference.parse(source)  # a malformed hf: reference is a ValueError now, not at start
         self.state_dir = "none" if state_dir == "none" else state_dir and Path(state_dir).expanduser().resolve()
         self.host = host
         self.port = port
@@ -381,13 +386,17 @@ class LocalServer:
             process, up_since = self.process, time.monotonic()
 
     async def _resolve(self, source: str | Path) -> Path:
-        text = str(source)
-        if not text.startswith("hf:"):
+        """A local path as given, or an ``hf:`` reference downloaded (see :class:`HubReference`)."""
+        reference = HubReference.parse(source)
+        if reference is None:
             return Path(source)
-        owner, _, rest = text[3:].partition("/")
-        repo, _, subfolder = rest.partition("/")
-        emit = self.on_event
-        return await apull(f"{owner}/{repo}", subfolder=subfolder or None, on_progress=emit)
+        folder = await apull(
+            reference.repo_id,
+            subfolder=reference.subfolder,
+            allow_patterns=reference.allow_patterns,
+            on_progress=self.on_event,
+        )
+        return reference.local_path(folder)
 
     async def _read(
         self, stream: asyncio.StreamReader, name: Literal["stdout", "stderr"], ready: asyncio.Future[Any] | None

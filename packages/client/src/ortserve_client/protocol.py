@@ -701,7 +701,10 @@ class Model(_Response):
     kind: str | None = None
     """``generative``, ``embedding``, ``rerank``, ``speech`` (to text) or ``voice`` (text to speech)."""
     status: str | None = None
-    """``unloaded``, ``loading``, ``ready``, ``unloading`` or ``error``."""
+    """``unloaded``, ``converting`` (a GGUF file being turned into its folder), ``loading``,
+    ``ready``, ``unloading`` or ``error``."""
+    progress: float | None = None
+    """While ``converting``: the fraction done, 0 to 1."""
     provider: str | None = None
     """Execution provider: ``cpu``, ``cuda``, ``dml``, ``qnn``, ``openvino``, ``webgpu``, ``trt-rtx``."""
     engine: str | None = None

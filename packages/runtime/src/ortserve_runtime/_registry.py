@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -201,7 +202,11 @@ class ModelRegistry:
         """Register a folder under ``name`` (run with ``config``, else the registry's);
         raises :class:`ModelLoadError` if it is no model. ``kind`` overrides what the folder
         says between the two kinds an ONNX encoder folder can be (``embedding``, ``rerank``)."""
-        folder = Path(path).expanduser().resolve()
+        given = Path(path).expanduser()
+        # A model file keeps the name it was given: resolving a link (the Hugging Face cache
+        # links each file to a blob named by its hash) would lose its suffix and the names
+        # of a split file's other parts, which are found beside it.
+        folder = Path(os.path.abspath(given)) if is_model_file(given) else given.resolve()
         detected = detect_model_kind(folder)
         encoders = ("embedding", "rerank")
         if kind is not None and kind != detected and not (kind in encoders and detected in encoders):
@@ -354,7 +359,9 @@ class ModelRegistry:
             if adapter in entry.config.adapters:
                 raise ValueError(f"model {name!r} already has a LoRA adapter {adapter!r}")
             dataclasses.replace(entry.config, adapters={adapter: Path(path)})  # ModelConfig's check of the name
-            checked = await asyncio.to_thread(check_adapters, GenaiFolder.read(entry.folder or entry.path), {adapter: Path(path)})
+            checked = await asyncio.to_thread(
+                check_adapters, GenaiFolder.read(entry.folder or entry.path), {adapter: Path(path)}
+            )
             model = entry.model
             if model is not None and entry.unloading is None:
                 try:

@@ -19,6 +19,7 @@ from typing import Any
 from ._config import ModelConfig
 from ._errors import ModelCapacityError
 from ._loading import ModelKind
+from .sources._gguf import GgufError, split_parts
 
 __all__ = ["Entry", "Residency"]
 
@@ -220,7 +221,13 @@ class Residency:
 
 
 def folder_bytes(folder: Path) -> int:
-    """The size of the files in ``folder`` (what a first load is expected to cost)."""
+    """The size of the files in ``folder`` (what a first load is expected to cost); for a
+    model file (GGUF), the size of its parts (its converted folder is about as large)."""
+    if folder.is_file():
+        try:
+            return sum(part.stat().st_size for part in split_parts(folder))
+        except GgufError:  # a part is missing: the load says so
+            return folder.stat().st_size
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 

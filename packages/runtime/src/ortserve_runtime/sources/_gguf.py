@@ -17,20 +17,16 @@ from typing import Any
 
 from ._gguf_file import GgufError, GgufFile
 from ._gguf_graph import ARCHITECTURES, Hyperparameters, write_graph
-from ._gguf_tokenizer import tokenizer_files
+from ._gguf_tokenizer import eog_token_ids, tokenizer_files
 
 __all__ = ["CONVERTER_VERSION", "GgufError", "convert_gguf", "split_parts"]
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 """Part of every converted folder's cache key: raise it when the folders it writes change."""
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "</s>")
-"""Tokens llama.cpp also ends a generation at, found by their text where the file's
-special ids do not name them (SmolLM2's GGUF says eos = ``<|im_start|>``)."""
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -60,8 +56,7 @@ def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] =
         raise GgufError(f"{source.name} could not be converted: {exc}") from exc
     for name, content in tokenizer_files(fields).items():
         (folder / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
-    tokens = fields.get("tokenizer.ggml.tokens") or []
-    genai = _genai_config(params, fields, tokens)
+    genai = _genai_config(params, fields)
     (folder / "genai_config.json").write_text(json.dumps(genai, indent=2), encoding="utf-8")
     (folder / "ortserve_source.json").write_text(
         json.dumps(
@@ -78,15 +73,14 @@ def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] =
     )
 
 
-def _genai_config(params: Hyperparameters, fields: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+def _genai_config(params: Hyperparameters, fields: dict[str, Any]) -> dict[str, Any]:
     """genai_config.json as og's builder writes it for this decoder."""
 
     def token_id(key: str) -> int | None:
         value = fields.get(f"tokenizer.ggml.{key}")
         return int(value) if isinstance(value, int) and 0 <= value < params.vocab_size else None
 
-    eos = [i for i in (token_id("eos_token_id"), token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
-    eos += [i for i, text in enumerate(tokens) if text in _EOG_TEXTS and i not in eos]
+    eos = [i for i in eog_token_ids(fields) if 0 <= i < params.vocab_size]
     bos = token_id("bos_token_id")
     pad = token_id("padding_token_id")
     if not eos:

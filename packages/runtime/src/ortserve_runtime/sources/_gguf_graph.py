@@ -148,7 +148,7 @@ class _Initializers:
 
     def __init__(self, data_path: Path) -> None:
         self.location = data_path.name
-        self.file: IO[bytes] = data_path.open("wb")
+        self.file: IO[bytes] = data_path.open("wb")  # closed by close(), after the last tensor
         self.tensors: list[TensorProto] = []
 
     def add(self, name: str, array: np.ndarray) -> str:
@@ -164,7 +164,7 @@ class _Initializers:
             padding = -offset % self.ALIGN
             self.file.write(b"\0" * padding)
             offset += padding
-            self.file.write(memoryview(array).cast("B"))
+            array.tofile(self.file)  # no copy of the tensor
             tensor.data_location = TensorProto.EXTERNAL
             for key, value in (("location", self.location), ("offset", str(offset)), ("length", str(array.nbytes))):
                 entry = tensor.external_data.add()
@@ -186,7 +186,9 @@ class _Graph:
         self.exact = True
         self.types: dict[str, int] = {}
 
-    def node(self, op: str, inputs: list[str], name: str, outputs: int = 1, domain: str = "", **attrs: Any) -> list[str]:
+    def node(
+        self, op: str, inputs: list[str], name: str, outputs: int = 1, domain: str = "", **attrs: Any
+    ) -> list[str]:
         names = [f"{name}/output_{i}" for i in range(outputs)]
         self.nodes.append(helper.make_node(op, inputs, names, name=name, domain=domain or None, **attrs))
         return names
@@ -195,7 +197,15 @@ class _Graph:
         return self.weights.add(name, array)
 
     def linear(self, x: str, matrix: PackedMatrix, name: str, output: str | None = None) -> str:
-        """``x @ W^T`` (plus the per-block offsets' correction where the type has a minimum)."""
+        """``x @ W^T`` (plus the per-block offsets' correction where the type has a minimum).
+
+        8-bit matrices compute with int8 activations (``accuracy_level`` 4: onnxruntime's
+        only fast 8-bit kernel, 40x faster than its float path at one row, measured; on
+        SmolLM2 Q8_0 and Q6_K it gives llama.cpp's perplexity within 0.2%). 4-bit ones
+        compute in float (level 0): their int8 path moved SmolLM2 Q4_1's logprobs by 0.24
+        from the exact float64 result where llama.cpp's moved 0.13 and float ours 0.02, and
+        was wrong outright on blocks of 16 (Q2_K: logit errors of 2.4 against 5e-5).
+        """
         self.exact &= matrix.exact
         out = output or f"{name}/output_0"
         if matrix.dense is not None:
@@ -217,11 +227,7 @@ class _Graph:
                 N=matrix.out_features,
                 bits=matrix.bits,
                 block_size=matrix.block_size,
-                # int8 activations (level 4, as llama.cpp's q8 dot products) where the blocks
-                # are 32 wide; on blocks of 16 (Q2_K, Q6_K) onnxruntime 1.31's int8 path was
-                # measured wrong (logit errors of 2.4 against 5e-5 in float on a tiny Q2_K
-                # model), so those compute in float.
-                accuracy_level=self.accuracy_level if matrix.block_size >= 32 else 0,
+                accuracy_level=self.accuracy_level if matrix.bits == 8 else 0,
             )
         )
         if matrix.offsets is None:
@@ -258,7 +264,7 @@ def _fused(matrices: list[PackedMatrix]) -> PackedMatrix | None:
         return None
     out = sum(m.out_features for m in matrices)
     if first.dense is not None:
-        return PackedMatrix(out, first.in_features, dense=np.concatenate([m.dense for m in matrices], axis=1))  # type: ignore[misc]
+        return PackedMatrix(out, first.in_features, dense=np.concatenate([m.dense for m in matrices], axis=1))
     offsets = None
     if any(m.offsets is not None for m in matrices):
         blocks = first.in_features // first.block_size
@@ -271,8 +277,8 @@ def _fused(matrices: list[PackedMatrix]) -> PackedMatrix | None:
         first.in_features,
         bits=first.bits,
         block_size=first.block_size,
-        codes=np.concatenate([m.codes for m in matrices]),  # type: ignore[misc]
-        scales=np.concatenate([m.scales for m in matrices]),  # type: ignore[misc]
+        codes=np.concatenate([m.codes for m in matrices]),
+        scales=np.concatenate([m.scales for m in matrices]),
         offsets=offsets,
     )
 
@@ -310,8 +316,8 @@ def write_graph(
         _write_nodes(graph, params, arch, tensors, progress)
     finally:
         weights.close()
-    kv_shape = ["batch_size", params.kv_heads, "past_sequence_length", params.head_size]
-    present_shape = ["batch_size", params.kv_heads, "total_sequence_length", params.head_size]
+    kv_shape: list[str | int | None] = ["batch_size", params.kv_heads, "past_sequence_length", params.head_size]
+    present_shape: list[str | int | None] = ["batch_size", params.kv_heads, "total_sequence_length", params.head_size]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
@@ -391,13 +397,21 @@ def _write_nodes(
         norm = graph.constant(f"{prefix}.attn_norm.weight", vector(f"{prefix}.attn_norm.weight", params.hidden))
         if i == 0:
             (normed,) = graph.node(
-                "SimplifiedLayerNormalization", [hidden, norm], f"/{prefix}/attn_norm", epsilon=params.epsilon,
-                axis=-1, stash_type=1,
+                "SimplifiedLayerNormalization",
+                [hidden, norm],
+                f"/{prefix}/attn_norm",
+                epsilon=params.epsilon,
+                axis=-1,
+                stash_type=1,
             )
         else:
             normed, _, _, residual = graph.node(
-                "SkipSimplifiedLayerNormalization", [residual, hidden, norm], f"/{prefix}/attn_norm", outputs=4,
-                domain="com.microsoft", epsilon=params.epsilon,
+                "SkipSimplifiedLayerNormalization",
+                [residual, hidden, norm],
+                f"/{prefix}/attn_norm",
+                outputs=4,
+                domain="com.microsoft",
+                epsilon=params.epsilon,
             )
         q = matrix(f"{prefix}.attn_q.weight", q_size, params.hidden)
         k = matrix(f"{prefix}.attn_k.weight", kv_size, params.hidden)
@@ -411,19 +425,41 @@ def _write_nodes(
             value = graph.linear(normed, v, f"/{prefix}/attn_v")
             if arch.qkv_bias:
                 query, key, value = (
-                    graph.node("Add", [x, graph.constant(f"{prefix}.attn_{n}.bias", vector(f"{prefix}.attn_{n}.bias", s))],
-                               f"/{prefix}/attn_{n}/bias")[0]
+                    graph.node(
+                        "Add",
+                        [x, graph.constant(f"{prefix}.attn_{n}.bias", vector(f"{prefix}.attn_{n}.bias", s))],
+                        f"/{prefix}/attn_{n}/bias",
+                    )[0]
                     for x, n, s in ((query, "q", q_size), (key, "k", kv_size), (value, "v", kv_size))
                 )
             if arch.qk_norm:
-                query = _head_norm(graph, query, vector(f"{prefix}.attn_q_norm.weight", params.head_size),
-                                   f"/{prefix}/attn_q_norm", params)
-                key = _head_norm(graph, key, vector(f"{prefix}.attn_k_norm.weight", params.head_size),
-                                 f"/{prefix}/attn_k_norm", params)
+                query = _head_norm(
+                    graph,
+                    query,
+                    vector(f"{prefix}.attn_q_norm.weight", params.head_size),
+                    f"/{prefix}/attn_q_norm",
+                    params,
+                )
+                key = _head_norm(
+                    graph,
+                    key,
+                    vector(f"{prefix}.attn_k_norm.weight", params.head_size),
+                    f"/{prefix}/attn_k_norm",
+                    params,
+                )
         attention, _, _ = graph.node(
             "GroupQueryAttention",
-            [query, key, value, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_length,
-             cos_cache, sin_cache],
+            [
+                query,
+                key,
+                value,
+                f"past_key_values.{i}.key",
+                f"past_key_values.{i}.value",
+                seqlens_k,
+                total_length,
+                cos_cache,
+                sin_cache,
+            ],
             f"/{prefix}/attn",
             outputs=3,
             domain="com.microsoft",
@@ -434,26 +470,37 @@ def _write_nodes(
             rotary_interleaved=int(arch.rope_interleaved),
         )
         graph.nodes[-1].output[1:] = [f"present.{i}.key", f"present.{i}.value"]
-        hidden = graph.linear(attention, matrix(f"{prefix}.attn_output.weight", params.hidden, q_size),
-                              f"/{prefix}/attn_output")
+        hidden = graph.linear(
+            attention, matrix(f"{prefix}.attn_output.weight", params.hidden, q_size), f"/{prefix}/attn_output"
+        )
         ffn_norm = graph.constant(f"{prefix}.ffn_norm.weight", vector(f"{prefix}.ffn_norm.weight", params.hidden))
         normed, _, _, residual = graph.node(
-            "SkipSimplifiedLayerNormalization", [residual, hidden, ffn_norm], f"/{prefix}/ffn_norm", outputs=4,
-            domain="com.microsoft", epsilon=params.epsilon,
+            "SkipSimplifiedLayerNormalization",
+            [residual, hidden, ffn_norm],
+            f"/{prefix}/ffn_norm",
+            outputs=4,
+            domain="com.microsoft",
+            epsilon=params.epsilon,
         )
-        gate = graph.linear(normed, matrix(f"{prefix}.ffn_gate.weight", params.feed_forward, params.hidden),
-                            f"/{prefix}/ffn_gate")
-        up = graph.linear(normed, matrix(f"{prefix}.ffn_up.weight", params.feed_forward, params.hidden),
-                          f"/{prefix}/ffn_up")
+        gate = graph.linear(
+            normed, matrix(f"{prefix}.ffn_gate.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_gate"
+        )
+        up = graph.linear(
+            normed, matrix(f"{prefix}.ffn_up.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_up"
+        )
         (sigmoid,) = graph.node("Sigmoid", [gate], f"/{prefix}/ffn_sigmoid")
         (silu,) = graph.node("Mul", [gate, sigmoid], f"/{prefix}/ffn_silu")
         (product,) = graph.node("Mul", [silu, up], f"/{prefix}/ffn_product")
-        hidden = graph.linear(product, matrix(f"{prefix}.ffn_down.weight", params.hidden, params.feed_forward),
-                              f"/{prefix}/ffn_down")
+        hidden = graph.linear(
+            product, matrix(f"{prefix}.ffn_down.weight", params.hidden, params.feed_forward), f"/{prefix}/ffn_down"
+        )
     output_norm = graph.constant("output_norm.weight", vector("output_norm.weight", params.hidden))
     (normed,) = graph.node(
-        "SkipSimplifiedLayerNormalization", [residual, hidden, output_norm], "/output_norm",
-        domain="com.microsoft", epsilon=params.epsilon,
+        "SkipSimplifiedLayerNormalization",
+        [residual, hidden, output_norm],
+        "/output_norm",
+        domain="com.microsoft",
+        epsilon=params.epsilon,
     )
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
     head = matrix(head_name, params.vocab_size, params.hidden)
@@ -470,8 +517,12 @@ def _head_norm(graph: _Graph, x: str, weight: np.ndarray, name: str, params: Hyp
     shape = graph.constant(f"{name}.shape", np.array([0, 0, -1, params.head_size], np.int64))
     (heads,) = graph.node("Reshape", [x, shape], f"{name}/split")
     (normed,) = graph.node(
-        "SimplifiedLayerNormalization", [heads, graph.constant(f"{name}.weight", weight)], name,
-        epsilon=params.epsilon, axis=-1, stash_type=1,
+        "SimplifiedLayerNormalization",
+        [heads, graph.constant(f"{name}.weight", weight)],
+        name,
+        epsilon=params.epsilon,
+        axis=-1,
+        stash_type=1,
     )
     flat = graph.constant(f"{name}.flat", np.array([0, 0, -1], np.int64))
     return graph.node("Reshape", [normed, flat], f"{name}/join")[0]
@@ -482,4 +533,3 @@ def _check_shape(tensor: GgufTensor, expected: tuple[int, ...]) -> None:
     shape = tuple(int(d) for d in tensor.shape)
     if shape != expected:
         raise GgufError(f"tensor {tensor.name} has shape {list(shape)}, the header implies {list(expected)}")
-

