@@ -217,7 +217,7 @@ def main() -> None:
                 "-np",
                 "8",
                 "-c",
-                "8192",
+                "32768",
                 "--log-disable",
             ],
             {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)},

@@ -133,7 +133,7 @@ def test_serve_without_models_uses_the_demo() -> None:
             f"http://127.0.0.1:{ready['port']}/v1/chat/completions",
             json={
                 "model": "smollm2-135m",
-                "messages": [{"role": "user", "content": "Which city is the capital of France?"}],
+                "messages": [{"role": "user", "content": "What is the capital city of France? Answer in one word."}],
                 "max_tokens": 16,
                 "temperature": 0,
             },

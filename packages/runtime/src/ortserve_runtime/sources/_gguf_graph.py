@@ -199,12 +199,13 @@ class _Graph:
     def linear(self, x: str, matrix: PackedMatrix, name: str, output: str | None = None) -> str:
         """``x @ W^T`` (plus the per-block offsets' correction where the type has a minimum).
 
-        8-bit matrices compute with int8 activations (``accuracy_level`` 4: onnxruntime's
-        only fast 8-bit kernel, 40x faster than its float path at one row, measured; on
-        SmolLM2 Q8_0 and Q6_K it gives llama.cpp's perplexity within 0.2%). 4-bit ones
-        compute in float (level 0): their int8 path moved SmolLM2 Q4_1's logprobs by 0.24
-        from the exact float64 result where llama.cpp's moved 0.13 and float ours 0.02, and
-        was wrong outright on blocks of 16 (Q2_K: logit errors of 2.4 against 5e-5).
+        Activations are quantized to int8 per block (``accuracy_level`` 4, as llama.cpp's
+        q8 dot products) except on 4-bit blocks of 16 (Q2_K), where onnxruntime 1.31's int8
+        path was measured wrong (logit errors of 2.4 against 5e-5 in float). Measured on
+        this path's choices (AVX2, one row): 4-bit 52 us against 109 us in float, 8-bit
+        53 us against 1,530 us; SmolLM2's perplexity within 0.8% of llama.cpp's on every
+        type. Float 4-bit is closer to exact arithmetic than either (first-token logprobs
+        0.02 from float64, llama.cpp 0.13, int8 here 0.24) at twice the matmul time.
         """
         self.exact &= matrix.exact
         out = output or f"{name}/output_0"
@@ -227,7 +228,7 @@ class _Graph:
                 N=matrix.out_features,
                 bits=matrix.bits,
                 block_size=matrix.block_size,
-                accuracy_level=self.accuracy_level if matrix.bits == 8 else 0,
+                accuracy_level=0 if matrix.bits == 4 and matrix.block_size < 32 else self.accuracy_level,
             )
         )
         if matrix.offsets is None:
