@@ -170,71 +170,53 @@ def main() -> None:
         "| file | server | convert s | ready s | perplexity | 1 stream tok/s | 8 streams tok/s | 2k prefill TTFT s | RSS MB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for file in args.files:
+    for index, file in enumerate(args.files):
         cache = tempfile.mkdtemp(prefix="bench-gguf-")
         env = {**os.environ, "ORTSERVE_CACHE": cache}
         ortserve_cmd = [
-            sys.executable,
-            "-m",
-            "ortserve_server",
-            "serve",
-            "--model",
-            f"m={file}",
-            "--port",
-            "0",
-            "--ready-json",
-            "--threads",
-            str(args.threads),
-        ]
-        started = time.perf_counter()
-        server = Server(ortserve_cmd, env)
-        convert = server.wait_ready()
-        server.stop()
-        server = Server(ortserve_cmd, env)  # the second start: from the cache
-        ready = server.wait_ready()
+            sys.executable, "-m", "ortserve_server", "serve", "--model", f"m={file}", "--port", "0",
+            "--ready-json", "--threads", str(args.threads),
+        ]  # fmt: skip
         try:
-            ppl = math.nan if args.no_perplexity else ortserve_perplexity(server.url, text, server.url)
-            figures = asyncio.run(speed(server.url, llama=False))
-            memory = rss_mb(server.process.pid)
-        finally:
+            server = Server(ortserve_cmd, env)
+            convert = server.wait_ready()
             server.stop()
-        print(
-            f"| {file.name} | ortserve | {convert:.1f} | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
-            f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
-            flush=True,
-        )
-        del started
-        port = 18000 + os.getpid() % 1000
-        llama = Server(
-            [
-                str(args.llama_bin / "llama-server"),
-                "-m",
-                str(file),
-                "--port",
-                str(port),
-                "-t",
-                str(args.threads),
-                "-np",
-                "8",
-                "-c",
-                "32768",
-                "--log-disable",
-            ],
-            {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)},
-            port,
-        )
-        ready = llama.wait_ready()
+            server = Server(ortserve_cmd, env)  # the second start: from the cache
+            ready = server.wait_ready()
+            try:
+                ppl = math.nan if args.no_perplexity else ortserve_perplexity(server.url, text, server.url)
+                figures = asyncio.run(speed(server.url, llama=False))
+                memory = rss_mb(server.process.pid)
+            finally:
+                server.stop()
+            print(
+                f"| {file.name} | ortserve | {convert:.1f} | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
+                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
+                flush=True,
+            )
+        except Exception as exc:  # one file's failure is a row, not the end of the run
+            print(f"| {file.name} | ortserve | failed: {exc!r} |", flush=True)
+        port = 18000 + (os.getpid() + 7 * index) % 1000
+        llama_cmd = [
+            str(args.llama_bin / "llama-server"), "-m", str(file), "--port", str(port), "-t", str(args.threads),
+            "-np", "8", "-c", "32768", "--log-disable",
+        ]  # fmt: skip
         try:
-            figures = asyncio.run(speed(llama.url, llama=True))
-            memory = rss_mb(llama.process.pid)
-        finally:
-            llama.stop()
-        ppl = math.nan if args.no_perplexity else llama_perplexity(args.llama_bin, file, args.text, args.threads)
-        print(
-            f"| {file.name} | llama-server | - | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
-            f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
-            flush=True,
-        )
+            llama = Server(llama_cmd, {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}, port)
+            ready = llama.wait_ready()
+            try:
+                figures = asyncio.run(speed(llama.url, llama=True))
+                memory = rss_mb(llama.process.pid)
+            finally:
+                llama.stop()
+            ppl = math.nan if args.no_perplexity else llama_perplexity(args.llama_bin, file, args.text, args.threads)
+            print(
+                f"| {file.name} | llama-server | - | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
+                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
+                flush=True,
+            )
+        except Exception as exc:
+            print(f"| {file.name} | llama-server | failed: {exc!r} |", flush=True)
 
 
 if __name__ == "__main__":

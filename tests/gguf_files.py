@@ -100,7 +100,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed:
     def vector(size: int, around: float = 1.0) -> np.ndarray:
         return (around + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
-    embedding_type = Q.F32 if qtype in (Q.F32, Q.F16) else Q.Q8_0
+    embedding_type = Q.F32 if qtype in (Q.F32, Q.F16) else qtype  # tied: the head too
     _add(writer, "token_embd.weight", random_matrix(rng, vocab, HIDDEN, embedding_type), embedding_type)
     for i in range(LAYERS):
         p = f"blk.{i}"

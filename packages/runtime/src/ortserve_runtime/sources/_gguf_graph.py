@@ -49,13 +49,13 @@ class Architecture:
 
 ARCHITECTURES: Mapping[str, Architecture] = {
     "llama": Architecture("llama", rope_interleaved=True),
-    "mistral": Architecture("mistral", rope_interleaved=True),
-    "granite": Architecture("granite", rope_interleaved=True),
     "qwen2": Architecture("qwen2", rope_interleaved=False, qkv_bias=True),
     "qwen3": Architecture("qwen3", rope_interleaved=False, qk_norm=True),
 }
 """The architectures both llama.cpp's GGUF and og's engines know that this converter
-writes. Others are refused, naming the architecture."""
+writes (Mistral's and most Llama-shaped models' files say ``llama``). Others are refused,
+naming the architecture: Gemma's scaled embeddings and softcaps, Phi-3's fused matrices,
+Granite's multipliers are each a short addition here, not yet made."""
 
 _MAX_DIMENSION = 1 << 20
 """Larger hidden sizes, heads or vocabularies are a lying header, not a model."""
@@ -239,6 +239,43 @@ class _Graph:
         self.nodes.append(helper.make_node("Add", [product, correction], [out], name=f"{name}/add"))
         return out
 
+    def embedding(self, table: PackedMatrix, ids: str) -> str:
+        """Rows of ``table`` for the token ``ids``: ``GatherBlockQuantized`` over the file's
+        own blocks (the table stays as small as in the file: SmolLM2's Q8_0 one 28 MB, not
+        113 MB in float), the per-block minimums gathered and added where the type has them."""
+        name = "/embed"
+        if table.dense is not None:
+            weight = self.constant("token_embd.weight", np.ascontiguousarray(table.dense.T))
+            return self.node("Gather", [weight, ids], name)[0]
+        assert table.codes is not None and table.scales is not None
+        self.exact &= table.exact
+        rows, width = table.out_features, table.in_features
+        blocks = width // table.block_size
+        codes = self.constant("token_embd.qweight", table.codes.reshape(rows, -1))
+        scales = self.constant("token_embd.scales", table.scales.reshape(rows, blocks))
+        (gathered,) = self.node(
+            "GatherBlockQuantized",
+            [codes, ids, scales],
+            name,
+            domain="com.microsoft",
+            bits=table.bits,
+            block_size=table.block_size,
+            gather_axis=0,
+            quantize_axis=1,
+        )
+        if table.offsets is None:
+            return gathered
+        offsets = self.constant("token_embd.offsets", np.ascontiguousarray(table.offsets.T))  # (rows, blocks)
+        (minimums,) = self.node("Gather", [offsets, ids], f"{name}/offsets")
+        (column,) = self.node(
+            "Unsqueeze", [minimums, self.constant(f"{name}.axis", np.array([-1], np.int64))], f"{name}/offsets_column"
+        )
+        repeat = self.constant(f"{name}.repeat", np.array([1, 1, 1, table.block_size], np.int64))
+        (spread,) = self.node("Tile", [column, repeat], f"{name}/offsets_spread")
+        shape = self.constant(f"{name}.shape", np.array([0, 0, width], np.int64))
+        (flat,) = self.node("Reshape", [spread, shape], f"{name}/offsets_flat")
+        return self.node("Add", [gathered, flat], f"{name}/add")[0]
+
     def block_sums(self, x: str, width: int, block: int) -> str:
         """Sums of ``x`` over each block of ``block`` features (shared by the matrices that
         read the same input with the same blocks)."""
@@ -387,9 +424,9 @@ def _write_nodes(
 
     embedding = tensor("token_embd.weight")
     _check_shape(embedding, (params.hidden, params.vocab_size))
-    table = dequantize(embedding.data, embedding.tensor_type, (params.vocab_size, params.hidden))
-    (hidden,) = graph.node("Gather", [graph.constant("token_embd.weight", table), "input_ids"], "/embed")
-    del table
+    hidden = graph.embedding(
+        pack_matrix(embedding.data, embedding.tensor_type, params.vocab_size, params.hidden), "input_ids"
+    )
     residual = hidden
     q_size, kv_size = params.heads * params.head_size, params.kv_heads * params.head_size
     normed = ""
