@@ -194,7 +194,7 @@ def main() -> None:
                 f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
                 flush=True,
             )
-        except Exception as exc:  # one file's failure is a row, not the end of the run
+        except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
             print(f"| {file.name} | ortserve | failed: {exc!r} |", flush=True)
         port = 18000 + (os.getpid() + 7 * index) % 1000
         llama_cmd = [
@@ -215,7 +215,7 @@ def main() -> None:
                 f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
                 flush=True,
             )
-        except Exception as exc:
+        except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
             print(f"| {file.name} | llama-server | failed: {exc!r} |", flush=True)
 
 
