@@ -165,3 +165,26 @@ def test_lying_dimensions_are_refused_before_allocating(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(GgufError, match="hidden = 1073741824 is out of range"):
         converted_folder(path)
+
+
+LLAMA_CPP = json.loads(
+    (Path(__file__).resolve().parents[1] / "fixtures" / "gguf" / "logits_reference.json").read_text()
+)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_llama_cpp_itself_agrees(tmp_path: Path, arch: str) -> None:
+    """llama-server's own greedy tokens and top log-probabilities on the same tiny files
+    (tests/fixtures/gguf/make_logit_reference.py wrote them with llama.cpp b11434)."""
+    expected = LLAMA_CPP[arch]
+    source = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, qtype=Q[expected["qtype"]])
+    ids = LLAMA_CPP["prompt"] + expected["tokens"]
+    logits = run_folder(converted_folder(source), ids).astype(np.float64)
+    logprobs = logits - logits.max(-1, keepdims=True)
+    logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
+    start = len(LLAMA_CPP["prompt"]) - 1
+    for step, (token, top) in enumerate(zip(expected["tokens"], expected["top"], strict=True)):
+        ours = logprobs[start + step]
+        assert int(ours.argmax()) == token, (step, token)
+        for token_id, logprob in top or []:  # none where llama-server held them back (a byte token)
+            assert abs(ours[token_id] - logprob) < 0.05, (step, token_id, ours[token_id], logprob)
