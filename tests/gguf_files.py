@@ -72,7 +72,7 @@ def random_matrix(rng: np.random.Generator, out_features: int, in_features: int,
 
 
 def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed: int = 0, tied: bool = True) -> Path:
-    """A tiny decoder of ``arch`` (llama, qwen2, qwen3) whose matrices are ``qtype``."""
+    """A tiny decoder of ``arch`` (llama, qwen2, qwen3, gemma) whose matrices are ``qtype``."""
     rng = np.random.default_rng(seed)
     tokens, types = _vocabulary()
     vocab = len(tokens)
@@ -102,6 +102,9 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed:
 
     embedding_type = Q.F32 if qtype in (Q.F32, Q.F16) else qtype  # tied: the head too
     _add(writer, "token_embd.weight", random_matrix(rng, vocab, HIDDEN, embedding_type), embedding_type)
+    if arch == "gemma":
+        writer.add_key_length(HEAD)
+        writer.add_value_length(HEAD)
     for i in range(LAYERS):
         p = f"blk.{i}"
         writer.add_tensor(f"{p}.attn_norm.weight", vector(HIDDEN))
@@ -163,6 +166,8 @@ def reference_logits(path: Path, ids: list[int]) -> np.ndarray:
         return out
 
     x = weight("token_embd.weight")[ids]
+    if arch == "gemma":
+        x = x * np.sqrt(HIDDEN)
     for i in range(LAYERS):
         p = f"blk.{i}"
         h = rms(x, weight(f"{p}.attn_norm.weight"))
@@ -183,6 +188,10 @@ def reference_logits(path: Path, ids: list[int]) -> np.ndarray:
         x = x + np.einsum("hst,thd->shd", probs, v).reshape(count, HIDDEN) @ weight(f"{p}.attn_output.weight").T
         h = rms(x, weight(f"{p}.ffn_norm.weight"))
         gate, up = h @ weight(f"{p}.ffn_gate.weight").T, h @ weight(f"{p}.ffn_up.weight").T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ weight(f"{p}.ffn_down.weight").T
+        if arch == "gemma":  # GELU, tanh form
+            activated = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+        else:
+            activated = gate / (1 + np.exp(-gate))
+        x = x + (activated * up) @ weight(f"{p}.ffn_down.weight").T
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     return rms(x, weight("output_norm.weight")) @ weight(head).T

@@ -99,7 +99,7 @@ def test_weights_are_the_files_own(qtype: Q) -> None:
     assert np.abs(unpacked.reshape(48, 512) - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma"])
 def test_other_architectures(tmp_path: Path, arch: str) -> None:
     source = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch, qtype=Q.Q8_0)
     folder = converted_folder(source)
@@ -172,7 +172,7 @@ LLAMA_CPP = json.loads(
 )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma"])
 def test_llama_cpp_itself_agrees(tmp_path: Path, arch: str) -> None:
     """llama-server's own greedy tokens and top log-probabilities on the same tiny files
     (tests/fixtures/gguf/make_logit_reference.py wrote them with llama.cpp b11434)."""

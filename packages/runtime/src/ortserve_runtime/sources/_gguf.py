@@ -23,7 +23,7 @@ __all__ = ["CONVERTER_VERSION", "GgufError", "convert_gguf", "split_parts"]
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 5
+CONVERTER_VERSION = 6
 """Part of every converted folder's cache key: raise it when the folders it writes change."""
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")

@@ -45,17 +45,23 @@ class Architecture:
     """llama.cpp's rope type NORM (adjacent pairs) rather than NEOX (halves)."""
     qkv_bias: bool = False
     qk_norm: bool = False
+    gelu: bool = False
+    """GELU (tanh form, as ggml's) gates the feed-forward rather than SiLU (Gemma)."""
+    scaled_embedding: bool = False
+    """Embeddings times sqrt(hidden size) (Gemma)."""
 
 
 ARCHITECTURES: Mapping[str, Architecture] = {
     "llama": Architecture("llama", rope_interleaved=True),
     "qwen2": Architecture("qwen2", rope_interleaved=False, qkv_bias=True),
     "qwen3": Architecture("qwen3", rope_interleaved=False, qk_norm=True),
+    "gemma": Architecture("gemma", rope_interleaved=False, gelu=True, scaled_embedding=True),
 }
 """The architectures both llama.cpp's GGUF and og's engines know that this converter
 writes (Mistral's and most Llama-shaped models' files say ``llama``). Others are refused,
-naming the architecture: Gemma's scaled embeddings and softcaps, Phi-3's fused matrices,
-Granite's multipliers are each a short addition here, not yet made."""
+naming the architecture: Phi-3's fused matrices, Gemma 2/3's softcaps and sliding
+windows, Granite's multipliers are each a short addition here, not yet made (each needs
+a tiny file llama.cpp itself loads, to check against: tests/fixtures/gguf)."""
 
 _MAX_DIMENSION = 1 << 20
 """Larger hidden sizes, heads or vocabularies are a lying header, not a model."""
@@ -427,6 +433,9 @@ def _write_nodes(
     hidden = graph.embedding(
         pack_matrix(embedding.data, embedding.tensor_type, params.vocab_size, params.hidden), "input_ids"
     )
+    if arch.scaled_embedding:
+        scale = graph.constant("/embed/scale", np.array(math.sqrt(params.hidden), np.float32))
+        (hidden,) = graph.node("Mul", [hidden, scale], "/embed/scaled")
     residual = hidden
     q_size, kv_size = params.heads * params.head_size, params.kv_heads * params.head_size
     normed = ""
@@ -520,15 +529,7 @@ def _write_nodes(
             domain="com.microsoft",
             epsilon=params.epsilon,
         )
-        gate = graph.linear(
-            normed, matrix(f"{prefix}.ffn_gate.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_gate"
-        )
-        up = graph.linear(
-            normed, matrix(f"{prefix}.ffn_up.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_up"
-        )
-        (sigmoid,) = graph.node("Sigmoid", [gate], f"/{prefix}/ffn_sigmoid")
-        (silu,) = graph.node("Mul", [gate, sigmoid], f"/{prefix}/ffn_silu")
-        (product,) = graph.node("Mul", [silu, up], f"/{prefix}/ffn_product")
+        product = _gated(graph, arch, params, normed, prefix, matrix)
         hidden = graph.linear(
             product, matrix(f"{prefix}.ffn_down.weight", params.hidden, params.feed_forward), f"/{prefix}/ffn_down"
         )
@@ -548,6 +549,29 @@ def _write_nodes(
         t = tensor(head_name)
         head = _requantized(dequantize(t.data, t.tensor_type, (params.vocab_size, params.hidden)))
     graph.linear(normed, head, "/lm_head", output="logits")
+
+
+def _gated(
+    graph: _Graph,
+    arch: Architecture,
+    params: Hyperparameters,
+    normed: str,
+    prefix: str,
+    matrix: Callable[[str, int, int], PackedMatrix],
+) -> str:
+    """The feed-forward's gated product, ``act(gate) * up``, before its down projection."""
+    gate = graph.linear(
+        normed, matrix(f"{prefix}.ffn_gate.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_gate"
+    )
+    up = graph.linear(
+        normed, matrix(f"{prefix}.ffn_up.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_up"
+    )
+    if arch.gelu:
+        (activated,) = graph.node("Gelu", [gate], f"/{prefix}/ffn_gelu", approximate="tanh")
+    else:
+        (sigmoid,) = graph.node("Sigmoid", [gate], f"/{prefix}/ffn_sigmoid")
+        (activated,) = graph.node("Mul", [gate, sigmoid], f"/{prefix}/ffn_silu")
+    return graph.node("Mul", [activated, up], f"/{prefix}/ffn_product")[0]
 
 
 def _head_norm(graph: _Graph, x: str, weight: np.ndarray, name: str, params: Hyperparameters) -> str:
