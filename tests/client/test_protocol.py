@@ -375,6 +375,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "owned_by": "ortserve",
                 "kind": None,
                 "status": None,
+                "progress": None,
                 "provider": "cuda",
                 "engine": "og-engine",
                 "engine_reason": None,
