@@ -87,14 +87,14 @@ def folder(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture
 async def cold(folder: Path) -> AsyncIterator[ChatModel]:
     """The reference: no prefix cache, one request at a time."""
-    registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefix_cache_tokens=0))
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefix_cache_tokens=0, reproducible=True))
     registry.add("cold", folder)
     yield await registry.get("cold")
     await registry.close()
 
 
 async def served(folder: Path, **config: Any) -> tuple[ModelRegistry, ChatModel]:
-    registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefix_cache_min_tokens=8, **config))
+    registry = ModelRegistry(ModelConfig(engine="ort-cpu", prefix_cache_min_tokens=8, reproducible=True, **config))
     registry.add("served", folder)
     return registry, await registry.get("served")
 
@@ -171,4 +171,17 @@ async def test_a_seeded_sampled_request_repeats_to_the_bit(folder: Path, cold: C
         together = await asyncio.gather(fingerprint(model, prompt, SEEDED), fingerprint(model, prompts(cold)[65]))
         assert together[0] == want
     finally:
+        await registry.close()
+
+
+async def test_an_int4_model_is_reproducible_on_request(int4_folder: Path) -> None:
+    """The lone-row dummy costs a row's work each step where the CPU needs it, so it runs
+    only when asked for (``reproducible=True``); the status says which a model is."""
+    from ortserve_runtime.engines._ort_cpu import _lone_row_rounds_differently
+
+    for asked in (False, True):
+        registry = ModelRegistry(ModelConfig(engine="ort-cpu", reproducible=asked))
+        registry.add("m", int4_folder)
+        await registry.get("m")
+        assert registry.status_of("m").reproducible is (asked or not _lone_row_rounds_differently())
         await registry.close()

@@ -45,8 +45,8 @@ MODELS = [
 def test_repeats_next_turns_and_neighbours_match_a_server_without_the_cache(folder: Path) -> None:
     config = ServerConfig(
         models={"cached": folder, "cold": folder},
-        model_config=ModelConfig(prefix_cache_min_tokens=8),
-        model_configs={"cold": ModelConfig(prefix_cache_tokens=0)},
+        model_config=ModelConfig(prefix_cache_min_tokens=8, reproducible=True),
+        model_configs={"cold": ModelConfig(prefix_cache_tokens=0, reproducible=True)},
     )
     with running(create_app(config)) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)

@@ -107,6 +107,14 @@ class ModelConfig:
     where the CPU has VNNI (AVX-512 VNNI or AVX-VNNI) for models that have int4 matrices;
     ``True`` for every model, refusing to load one it cannot apply to (another engine,
     another precision, every position's logits)."""
+    reproducible: bool = False
+    """ort-cpu: give a request the same tokens whoever runs beside it, at a cost where the
+    CPU needs it. onnxruntime's 4-bit matrix product rounds a lone row differently from the
+    same row among others on some CPUs (AVX2 without AVX-512: up to 1.39 in a logprob,
+    measured); with this on, a lone stream of a 4-bit model decodes beside a dummy row there
+    (13-32% fewer tokens/s, SmolLM2 Q4_0 on 2 AVX2 cores, measured). Off (the default):
+    the faster path, and such a model's status says ``reproducible: False``. Elsewhere
+    (float models, AVX-512 CPUs) it costs nothing either way."""
     prefix_cache_tokens: int = 16384
     """Tokens of earlier prompts (a chat's history, replies included once a next turn has
     prefilled them) whose key/value rows the ort-cpu engine keeps, so that a prompt

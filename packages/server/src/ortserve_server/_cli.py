@@ -107,6 +107,7 @@ _MODEL_KEYS = (
     "prefix-cache-mb",
     "kv-cache-dtype",
     "prefill-int8",
+    "reproducible",
     "chat-template",
     "tools-in-system-prompt",
     "speculative",
@@ -142,10 +143,10 @@ def _model_configs(
             change["prefix_cache_mb"] = _mebibytes(key, value)
         elif key == "speculative":
             change["speculative"] = _speculative(value)
-        elif key == "tools-in-system-prompt":
+        elif key in ("tools-in-system-prompt", "reproducible"):
             if value not in ("on", "off"):
                 raise ValueError(f"--model-option {name}:{key}: use on or off, not {value!r}")
-            change["tools_in_system_prompt"] = value == "on"
+            change[key.replace("-", "_")] = value == "on"
         elif key in ("threads", "max-batch-size", "max-sequence-length", "prefix-cache-tokens"):
             field = {"threads": "intra_op_threads"}.get(key, key.replace("-", "_"))
             change[field] = _integer(key, value)
@@ -370,6 +371,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "into $ORTSERVE_CACHE/int8-prefill (about 1.5x faster prefill on CPUs with VNNI; costs memory, and "
         "greedy replies change as rounding changes them, and with what shares a call: the model is no longer "
         "reproducible); auto: on where the CPU has VNNI (default off)",
+    )
+    serve.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="ort-cpu: the same tokens for the same request whoever runs beside it, also on CPUs where that costs "
+        "(a lone stream of a 4-bit model decodes beside a dummy row on AVX2 CPUs: 13-32%% slower, measured); "
+        "per model: --model-option NAME:reproducible=on",
     )
     serve.add_argument(
         "--lenient",
@@ -648,6 +656,7 @@ def _serve(args: argparse.Namespace) -> int:
             prefix_cache_mb=args.prefix_cache_mb,
             kv_cache_dtype=args.kv_cache_dtype,
             prefill_int8=_prefill_int8(args.prefill_int8),
+            reproducible=args.reproducible,
             chat_template=args.chat_template,
             speculative=_speculative(args.speculative),
         )

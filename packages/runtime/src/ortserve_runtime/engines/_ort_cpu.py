@@ -169,8 +169,10 @@ class OrtCpuEngine(OwnerThread):
         """The int8 prefill session, where ``ModelConfig.prefill_int8`` asks for one."""
         int4 = has_int4_matrices(graph.int8_source)
         convertible = graph.last_only and int4
-        self._pad_lone_row = int4 and _lone_row_rounds_differently()
-        """Decode a lone row beside a dummy (see :meth:`_decode_rows`)."""
+        lone_row_differs = int4 and _lone_row_rounds_differently()
+        self._pad_lone_row = lone_row_differs and config.reproducible
+        """Decode a lone row beside a dummy (see :meth:`_decode_rows`); only on request
+        (``ModelConfig.reproducible``), it costs a row's work every step."""
         if config.prefill_int8 and not convertible:
             raise ModelLoadError(
                 f"{folder.path}: prefill_int8 (--prefill-int8 on) needs an int4 model (4-bit MatMulNBits) whose "
@@ -213,10 +215,15 @@ class OrtCpuEngine(OwnerThread):
                 )
         else:
             del graph.int8_source
-        if self.prefill_session is not None or config.speculative is not None:
+        if (
+            self.prefill_session is not None
+            or config.speculative is not None
+            or (lone_row_differs and not config.reproducible)
+        ):
             # int8 prefill: one activation scale per call, a row's rounding depends on the rows
             # beside it. Speculation: a request checks drafts while it runs alone, and a
-            # draft's rows round as a prompt's do, a decode step's otherwise.
+            # draft's rows round as a prompt's do, a decode step's otherwise. A lone row
+            # without its dummy: rounded apart from the same row among others.
             self.capabilities = dataclasses.replace(self.capabilities, reproducible=False)
         self._start_thread()
 
