@@ -64,7 +64,9 @@ def random_matrix(rng: np.random.Generator, out_features: int, in_features: int,
     except (NotImplementedError, quants.QuantError):  # gguf-py writes no K-quants: random blocks with sane scales
         block, size = quants.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (out_features * in_features // block, size), dtype=np.uint8)
-        scale_at = {Q.Q2_K: (80, 82), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,)}[qtype]
+        scale_at = {Q.Q2_K: (80, 82), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,), Q.IQ4_NL: (0,)}[
+            qtype
+        ]
         for at in scale_at:
             scales = rng.uniform(0.0005, 0.004, len(raw)).astype(np.float16)
             raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)

@@ -41,7 +41,7 @@ def run_folder(folder: Path, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K],
+    [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_NL],
     ids=lambda q: q.name,
 )
 def test_block_types_compute_as_llama_cpp_defines_them(tmp_path: Path, qtype: Q) -> None:
@@ -55,15 +55,16 @@ def test_block_types_compute_as_llama_cpp_defines_them(tmp_path: Path, qtype: Q)
     # llama.cpp quantizes them to q8 for its dot products): close, not bit-equal.
     # The weights themselves are exact (test_weights_are_the_files_own); what is left is
     # that rounding of activations, a few percent of the logits' spread on random weights.
-    # Looser bounds: Q3_K is requantized to 8 bits (stated in its summary); Q6_K's blocks
+    # Looser bounds: Q3_K and IQ4_NL are requantized to 8 bits (stated in its summary); Q6_K's blocks
     # of 16 with int8 activations round more on these random blocks (SmolLM2's Q6_K file
     # gives llama.cpp's perplexity within 0.2%: benchmarks/bench_gguf.py).
-    spread = reference.std() * (1 if qtype not in (Q.Q3_K, Q.Q6_K) else 2)
+    spread = reference.std() * (1 if qtype not in (Q.Q3_K, Q.IQ4_NL, Q.Q6_K) else 2)
     assert np.abs(ours - reference).max() < 0.15 * spread, (np.abs(ours - reference).max(), spread)
     assert np.abs(ours - reference).mean() < 0.02 * spread
-    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
+    requantized = qtype in (Q.Q3_K, Q.IQ4_NL)
+    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= (0.8 if requantized else 0.9)
     summary = json.loads((folder / "ortserve_source.json").read_text())
-    assert summary["exact"] is (qtype != Q.Q3_K)  # Q3_K is requantized to 8 bits (stated)
+    assert summary["exact"] is not requantized  # stated in the folder's summary
 
 
 def test_a_tied_head_with_minimums_is_requantized(tmp_path: Path) -> None:
