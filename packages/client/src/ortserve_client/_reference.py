@@ -17,7 +17,7 @@ _PREFIX = "hf:"
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 """The parts of a split GGUF file, ``NAME-00001-of-00003.gguf``: the names the runtime
-looks for beside the first part (``ortserve_runtime.sources._gguf.split_parts``)."""
+looks for beside the first part (``ortserve_runtime.sources._names.split_parts``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import Any
 from ._config import ModelConfig
 from ._errors import ModelCapacityError
 from ._loading import ModelKind
-from .sources._gguf import GgufError, split_parts
+from .sources._names import GgufError, split_parts
 
 __all__ = ["Entry", "Residency"]
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ._gguf import CONVERTER_VERSION, convert_gguf, split_parts
+from ._names import CONVERTER_VERSION, split_parts
 
-__all__ = ["cache_root", "converted_folder", "file_digest", "is_model_file"]
+__all__ = ["cache_root", "converted_folder", "file_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,6 @@ _CHUNK = 1 << 22
 def cache_root() -> Path:
     """``$ORTSERVE_CACHE/converted`` (``~/.cache/ortserve`` when unset)."""
     return Path(os.environ.get("ORTSERVE_CACHE", Path.home() / ".cache" / "ortserve")) / "converted"
-
-
-def is_model_file(path: Path) -> bool:
-    """Whether ``path`` names a model file this package converts (a GGUF file)."""
-    return path.suffix.lower() == ".gguf" and not path.is_dir()
 
 
 def file_digest(path: Path, progress: Callable[[float], None] = lambda fraction: None) -> str:
@@ -88,6 +83,8 @@ def converted_folder(source: Path, progress: Callable[[float], None] = lambda fr
         if (folder / "genai_config.json").exists():  # another process converted it meanwhile
             progress(1.0)
             return folder
+        from ._gguf import convert_gguf  # the converter's imports, only when a file converts
+
         started = time.monotonic()
         logger.info("converting %s into %s", source, folder)
         scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))

@@ -10,37 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._gguf_file import GgufError, GgufFile
+from ._gguf_file import GgufFile
 from ._gguf_graph import ARCHITECTURES, Hyperparameters, write_graph
 from ._gguf_tokenizer import eog_token_ids, tokenizer_files
+from ._names import CONVERTER_VERSION, GgufError, split_parts
 
 __all__ = ["CONVERTER_VERSION", "GgufError", "convert_gguf", "split_parts"]
 
 logger = logging.getLogger(__name__)
-
-CONVERTER_VERSION = 6
-"""Part of every converted folder's cache key: raise it when the folders it writes change."""
-
-_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-def split_parts(path: Path) -> list[Path]:
-    """The files of a model: ``path`` itself, or every part of a split file
-    (``NAME-00001-of-00003.gguf``), checked to be all there."""
-    match = _SPLIT.match(path.name)
-    if match is None:
-        return [path]
-    count = int(match["count"])
-    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [p.name for p in parts if not p.exists()]
-    if missing:
-        raise GgufError(f"the split model lacks {', '.join(missing)} beside {path.name}")
-    return parts
 
 
 def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] = lambda fraction: None) -> None:

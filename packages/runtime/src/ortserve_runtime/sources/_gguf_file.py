@@ -19,11 +19,9 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ._names import GgufError
+
 __all__ = ["GgufError", "GgufFile", "GgufTensor"]
-
-
-class GgufError(ValueError):
-    """The file is not one this converter can turn into a model (the message says why)."""
 
 
 @dataclass(frozen=True, slots=True)

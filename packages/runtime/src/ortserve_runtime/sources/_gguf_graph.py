@@ -29,8 +29,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ._gguf_file import GgufError, GgufTensor
+from ._gguf_file import GgufTensor
 from ._gguf_weights import PackedMatrix, _requantized, dequantize, pack_matrix
+from ._names import GgufError
 
 __all__ = ["ARCHITECTURES", "Architecture", "Hyperparameters", "write_graph"]
 
