@@ -130,4 +130,6 @@ def test_status_says_converting_and_health_stays_fast(tmp_path: Path, monkeypatc
         assert httpx.get(f"{base}/v1/models/m").json()["status"] == "ready"
     assert "converting" in states, states
     assert len(set(fractions)) > 2 and fractions == sorted(fractions) and 0 <= fractions[0] <= fractions[-1] <= 1
-    assert slowest < 1.0, slowest  # seconds; the loop is never held for the conversion
+    # Seconds. The conversion takes 4-6 s: on the loop, /health would wait that long. In a
+    # thread it shares the GIL, which a CI run with two busy workers stretched to 1.08 s.
+    assert slowest < 2.5, slowest
