@@ -185,3 +185,10 @@ async def test_an_int4_model_is_reproducible_on_request(int4_folder: Path) -> No
         await registry.get("m")
         assert registry.status_of("m").reproducible is (asked or not _lone_row_rounds_differently())
         await registry.close()
+
+
+def test_reproducible_is_refused_where_it_cannot_be_kept() -> None:
+    with pytest.raises(ValueError, match="prefill_int8"):
+        ModelConfig(reproducible=True, prefill_int8=True)
+    with pytest.raises(ValueError, match="speculative"):
+        ModelConfig(reproducible=True, speculative="ngram")

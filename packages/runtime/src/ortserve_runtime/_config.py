@@ -194,6 +194,12 @@ class ModelConfig:
             )
         if self.speculative not in (None, "ngram") and self.draft_folder in (None, Path()):
             raise ValueError(f"unknown speculative method {self.speculative!r}; choose ngram or draft:FOLDER")
+        if self.reproducible and (self.prefill_int8 is not False or self.speculative is not None):
+            # Both make a request's rounding depend on what shares its calls: refused rather
+            # than accepted and left unkept.
+            raise ValueError(
+                "reproducible cannot be kept with prefill_int8 (on or auto) or speculative decoding; turn those off"
+            )
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if self.multimodal_concurrency < 1:

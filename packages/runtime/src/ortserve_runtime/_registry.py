@@ -225,7 +225,7 @@ class ModelRegistry:
         if config is not None and kind != "generative":
             # Set for this model rather than inherited from the registry's config (which
             # covers every kind): a key/value cache setting on a model that keeps none.
-            for field in ("kv_cache_dtype", "prefix_cache_mb"):
+            for field in ("kv_cache_dtype", "prefix_cache_mb", "reproducible"):
                 if getattr(config, field) != getattr(self.config, field):
                     raise ValueError(f"model {name!r} is a {kind} model: {field} applies to generative models only")
         self._entries[name] = Entry(name, folder, kind, config or self.config)
