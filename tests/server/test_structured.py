@@ -181,3 +181,57 @@ def test_line_separators_a_model_writes_stay_inside_their_event(
         for choice in event["choices"]
     )
     assert text == "a\u2028b\u2029c\x85d"
+
+
+def _chained_defs(links: int) -> dict[str, object]:
+    defs: dict[str, object] = {
+        f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "null"}]} for i in range(links)
+    }
+    defs[f"d{links}"] = {"type": "null"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _chained_rules(rules: int) -> str:
+    return "start: r0\n" + "\n".join([f'r{i}: r{i + 1} | "a"' for i in range(rules)] + [f'r{rules}: "b"'])
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _chained_defs(1500)}}},
+            "response_format",
+        ),
+        ({"guided_grammar": _chained_rules(3000)}, "guided_grammar"),
+    ],
+    ids=["defs-chain-1500", "lark-rules-3000"],
+)
+def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict[str, object], param: str) -> None:
+    """Both are flat and under the size limit, but llguidance's compiler follows the chain
+    by recursion: it overflowed a worker thread's stack and the process died (SIGSEGV)."""
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 4, **extra}
+    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == param and "deep; at most 1000" in error["message"], error
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
+                "required": ["v", "kids"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
+    recursive = {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}
+    ok = httpx.post(
+        f"{tiny_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": ASK, "max_tokens": 4, "response_format": recursive},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text  # a type that refers to itself is not a chain
+    assert httpx.get(f"{tiny_url}/health").status_code == 200

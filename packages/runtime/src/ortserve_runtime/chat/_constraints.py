@@ -18,6 +18,7 @@ import numpy.typing as npt
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .._errors import InvalidRequestError
+from ._grammar_depth import MAX_GRAMMAR_DEPTH, json_schema_depth, lark_depth
 from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
 
 __all__ = ["Constraint", "Grammar", "GrammarCompiler", "closed_schema"]
@@ -150,14 +151,26 @@ def _grammar_text(grammar: Grammar) -> str:
             schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param="grammar")
+            _check_depth(json_schema_depth(schema), "JSON schema's objects, arrays and $refs")
             schema = closed_schema(schema)
             # Without this the model may emit whitespace between tokens until max_tokens.
             schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
         if grammar.kind == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(str(grammar.source)))
+        _check_depth(lark_depth(str(grammar.source)), "Lark grammar's rule references")
         return str(llguidance.LLMatcher.grammar_from_lark(str(grammar.source)))
     except InvalidRequestError:
         raise
+    except RecursionError:  # json.loads of a deeply nested schema text
+        raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: nested too deeply", param="grammar") from None
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {exc}", param="grammar") from exc
+
+
+def _check_depth(depth: int, what: str) -> None:
+    """Refuse a grammar whose references go deeper than the compiler's stack can follow."""
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise InvalidRequestError(
+            f"the {what} go {depth} deep; at most {MAX_GRAMMAR_DEPTH} can be compiled", param="grammar"
+        )
