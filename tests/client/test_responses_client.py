@@ -84,7 +84,7 @@ async def test_function_call_round_trip_with_structs_and_store(server_url: str) 
         assert (await client.responses.delete(first.id)).deleted is True
         with pytest.raises(NotFoundError):
             await client.responses.retrieve(first.id)
-        with pytest.raises(BadRequestError) as bad:
+        with pytest.raises(NotFoundError) as bad:
             await client.responses.create(model="tiny", input="hi", previous_response_id=first.id)
         assert bad.value.body is not None and bad.value.body.error.param == "previous_response_id"
 

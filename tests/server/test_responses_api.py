@@ -145,15 +145,38 @@ def test_previous_response_id_continues_from_the_prefix_cache(client: openai.Ope
 
 
 def test_unknown_previous_response_id(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
+    with pytest.raises(openai.NotFoundError) as caught:  # OpenAI's status and code
         client.responses.create(model="tiny", input="Hi", previous_response_id="resp_nothing")
     assert isinstance(caught.value.body, dict)
     assert caught.value.body["param"] == "previous_response_id"
     assert caught.value.body["code"] == "previous_response_not_found"
     # Not stored unless asked: its id is unknown too.
     unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=1)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="Hi", previous_response_id=unstored.id)
+
+
+def test_stored_responses_belong_to_their_key() -> None:
+    """Key B given key A's response id can neither read, continue nor delete it: to B it is
+    unknown, as files and batches of other keys are."""
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, api_key=("alice", "bob")))) as base:
+        alice = openai.OpenAI(base_url=f"{base}/v1", api_key="alice", max_retries=0)
+        bob = openai.OpenAI(base_url=f"{base}/v1", api_key="bob", max_retries=0)
+        first = alice.responses.create(model="tiny", input="secret plans", max_output_tokens=2, store=True)
+        with pytest.raises(openai.NotFoundError) as read:
+            bob.responses.retrieve(first.id)
+        assert isinstance(read.value.body, dict) and read.value.body["code"] == "response_not_found"
+        with pytest.raises(openai.NotFoundError) as continued:
+            bob.responses.create(model="tiny", input="go on", previous_response_id=first.id, max_output_tokens=1)
+        assert isinstance(continued.value.body, dict)
+        assert continued.value.body["code"] == "previous_response_not_found"
+        assert continued.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.delete(first.id)
+        # Still Alice's, whole.
+        assert alice.responses.retrieve(first.id).output_text == first.output_text
+        alice.responses.create(model="tiny", input="go on", previous_response_id=first.id, max_output_tokens=1)
+        alice.responses.delete(first.id)
 
 
 @pytest.mark.parametrize(

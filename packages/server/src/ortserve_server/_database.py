@@ -52,6 +52,11 @@ _MIGRATIONS = [
     CREATE TABLE batch_lines (batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL,
         request BLOB NOT NULL, status INTEGER, answer BLOB, PRIMARY KEY (batch_id, line));
     """,
+    # 3: stored Responses belong to the key that stored them (as files and batches do); those
+    # stored before have no owner: only callers without a key (a server without keys) see them
+    """
+    ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT '';
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 

@@ -36,7 +36,8 @@ class StoredResponse:
 class ResponseStore:
     """Responses by id, bounded three ways (count, bytes, age) so that no client can grow
     the server without end: a put evicts the oldest entries until the new one fits, and a
-    get of an expired entry finds nothing."""
+    get of an expired entry finds nothing. Each belongs to its ``owner`` (the caller's API
+    key digest, as files and batches do): another key finds nothing by its id."""
 
     def __init__(
         self, database: Database, max_entries: int, max_bytes: int, ttl: float, clock: Callable[[], float] = time.time
@@ -51,7 +52,9 @@ class ResponseStore:
     def enabled(self) -> bool:
         return self.max_entries > 0 and self.max_bytes > 0
 
-    def put(self, response: rp.Response, items: list[rp.InputItem]) -> concurrent.futures.Future[None] | None:
+    def put(
+        self, owner: str, response: rp.Response, items: list[rp.InputItem]
+    ) -> concurrent.futures.Future[None] | None:
         """Keep ``response`` and its conversation; one larger than the byte bound is not
         kept. The write is queued (a later get sees it): the future is done once it is
         committed."""
@@ -60,7 +63,7 @@ class ResponseStore:
         if not self.enabled or size > self.max_bytes:
             return None
         now = self._clock()
-        row = (response.id, now, now + self.ttl, size, *encoded)
+        row = (response.id, now, now + self.ttl, size, *encoded, owner)
         max_entries, max_bytes = self.max_entries, self.max_bytes
 
         def put(db: Connection) -> None:
@@ -75,16 +78,21 @@ class ResponseStore:
                     count, held = count - 1, held - old_size
                 db.executemany("DELETE FROM responses WHERE id = ?", drop)
                 db.execute("DELETE FROM responses WHERE id = ?", (row[0],))
-                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+                db.execute(
+                    "INSERT INTO responses (id, created, expires, size, response, items, owner) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    row,
+                )
 
         return self._db.submit(put)
 
-    async def get(self, response_id: str) -> StoredResponse | None:
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
         now = self._clock()
 
         def get(db: Connection) -> StoredResponse | None:
             found = db.execute(
-                "SELECT response, items, size, expires FROM responses WHERE id = ? AND expires > ?", (response_id, now)
+                "SELECT response, items, size, expires FROM responses WHERE id = ? AND owner = ? AND expires > ?",
+                (response_id, owner, now),
             ).fetchone()
             if found is None:
                 return None
@@ -92,11 +100,12 @@ class ResponseStore:
 
         return await self._db.run(get)
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, owner: str, response_id: str) -> bool:
         now = self._clock()
 
         def delete(db: Connection) -> bool:
             with write(db):
-                return db.execute("DELETE FROM responses WHERE id = ? AND expires > ?", (response_id, now)).rowcount > 0
+                query = "DELETE FROM responses WHERE id = ? AND owner = ? AND expires > ?"
+                return db.execute(query, (response_id, owner, now)).rowcount > 0
 
         return await self._db.run(delete)

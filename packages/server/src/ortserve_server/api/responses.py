@@ -30,8 +30,9 @@ Decisions, where OpenAI leaves room:
   the next assistant message's ``reasoning_content``, as chat completions pass it, and
   the template decides what the model sees (Qwen3's keeps it only for the turn still in
   progress, e.g. between a function call and its output).
-- An unknown ``previous_response_id`` is a 400 naming it (OpenAI's
+- An unknown ``previous_response_id`` is a 404 naming it (OpenAI's
   ``previous_response_not_found``); an unknown id in the path of ``GET``/``DELETE`` a 404.
+  A stored response belongs to the API key that stored it: to another key it is unknown.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 from ortserve_runtime import ChatModel, ToolCall
 
+from .._auth import caller_of
 from .._errors import BadRequestError, NotFoundError, UnsupportedParameterError
 from .._generation import Generation, error_detail, stream_response
 from .._ids import new_id
@@ -74,8 +76,8 @@ class ResponseNotFoundError(NotFoundError):
     code = "response_not_found"
 
 
-class PreviousResponseNotFoundError(BadRequestError):
-    code = "previous_response_not_found"  # OpenAI's code for it
+class PreviousResponseNotFoundError(NotFoundError):
+    code = "previous_response_not_found"  # OpenAI's code and status (404) for it
 
 
 # -- request checks and mapping -------------------------------------------------------------
@@ -127,8 +129,9 @@ class _Exchange:
     """One ``POST /v1/responses``: the echo of the request in the response object, and
     the response kept in the store when it asks for that."""
 
-    def __init__(self, data: rp.ResponseCreateRequest, state: OrtServe, items: list[rp.InputItem]) -> None:
+    def __init__(self, data: rp.ResponseCreateRequest, state: OrtServe, items: list[rp.InputItem], owner: str) -> None:
         self.data = data
+        self.owner = owner
         self.state = state
         self.items = items
         tag = state.config.response_id_tag  # a Ray replica's id: see ortserve_server.ray
@@ -175,7 +178,9 @@ class _Exchange:
         status = "incomplete" if reason == "length" else "completed"
         response = self.response(output, status, _usage(usage, reasoning_tokens), reason)
         if self.data.store is True:
-            self.saving = self.state.responses.put(response, [*self.items, *(_as_input(item) for item in output)])
+            self.saving = self.state.responses.put(
+                self.owner, response, [*self.items, *(_as_input(item) for item in output)]
+            )
         return response
 
 
@@ -195,7 +200,7 @@ async def create_response(
     _check(data, ortserve, model)
     history: list[tuple[str, rp.InputItem]] = []
     if isinstance(data.previous_response_id, str):
-        previous = await ortserve.responses.get(data.previous_response_id)
+        previous = await ortserve.responses.get(caller_of(request).owner, data.previous_response_id)
         if previous is None:
             raise PreviousResponseNotFoundError(
                 f"previous response {data.previous_response_id!r} was not found (responses are kept only when "
@@ -209,7 +214,7 @@ async def create_response(
     try:
         listings = await _list_mcp_tools(data, mcp, items)
         approved = _approved_calls(items, len(history), mcp)
-        exchange = _Exchange(data, ortserve, [item for _, item in items])
+        exchange = _Exchange(data, ortserve, [item for _, item in items], caller_of(request).owner)
         summarize = isinstance(data.reasoning, rp.Reasoning) and data.reasoning.summary is not None
         loop = _Loop(ortserve, model, data, request, items, exchange, _Output(summarize, mcp), mcp)
         loop.check_tool_choice()
@@ -512,8 +517,10 @@ class _Loop(ToolLoop):
     summary="Retrieve a stored response",
     responses=error_responses(404, *GET_ERRORS),
 )
-async def retrieve_response(response_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> rp.Response:
-    stored = await ortserve.responses.get(response_id)
+async def retrieve_response(
+    response_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> rp.Response:
+    stored = await ortserve.responses.get(caller_of(request).owner, response_id)
     if stored is None:
         raise ResponseNotFoundError(f"response {response_id!r} was not found", param="response_id")
     return stored.response
@@ -525,8 +532,10 @@ async def retrieve_response(response_id: FromPath[str], ortserve: NamedDependenc
     summary="Delete a stored response",
     responses=error_responses(404, *GET_ERRORS),
 )
-async def delete_response(response_id: FromPath[str], ortserve: NamedDependency[OrtServe]) -> rp.ResponseDeleted:
-    if not await ortserve.responses.delete(response_id):
+async def delete_response(
+    response_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> rp.ResponseDeleted:
+    if not await ortserve.responses.delete(caller_of(request).owner, response_id):
         raise ResponseNotFoundError(f"response {response_id!r} was not found", param="response_id")
     return rp.ResponseDeleted(id=response_id)
 
