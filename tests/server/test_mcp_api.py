@@ -347,6 +347,17 @@ def test_refusals_name_the_tool(client: openai.OpenAI, tool: dict[str, Any], par
     assert says in caught.value.message
 
 
+@pytest.mark.parametrize("tail", ["/../secret", "/%2e%2e/secret", "/%2E./x", "/..%2fsecret", "/./x", "\\..\\secret"])
+def test_dot_segments_do_not_leave_the_allowed_path(client: openai.OpenAI, http_mcp: str, tail: str) -> None:
+    """With ``/mcp`` allowed, ``/mcp/../secret`` passed the prefix check and the client then
+    sent ``POST /secret``: a path with dot segments is refused before anything is sent."""
+    tool = {"type": "mcp", "server_label": "other", "server_url": http_mcp + tail, "require_approval": "never"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="Hi", tools=[tool])  # type: ignore[list-item]
+    assert caught.value.body["param"] == "tools[0]"  # type: ignore[index]
+    assert "is not allowed on this server" in caught.value.message
+
+
 def test_an_allowed_url_is_used_for_that_request(client: openai.OpenAI, http_mcp: str) -> None:
     response = client.responses.create(
         model="tiny",

@@ -64,12 +64,17 @@ def _check_url(url: str, what: str) -> urllib.parse.SplitResult:
 def url_allowed(url: str, allowed: tuple[str, ...]) -> bool:
     """Whether ``url`` is one of ``allowed`` or under one (same scheme, host and port, and a
     path below the prefix's: ``https://a.example/mcp`` allows ``.../mcp`` and ``.../mcp/x``,
-    not ``https://a.example.evil`` or ``.../mcpx``)."""
+    not ``https://a.example.evil`` or ``.../mcpx``). A path with a dot segment (``..``, ``.``,
+    percent-encoded too, or behind a backslash) is never allowed: clients and servers remove
+    them after this check (``/mcp/../secret`` is sent as ``/secret``)."""
     try:
         asked = urllib.parse.urlsplit(url)
     except ValueError:
         return False
     if asked.username or asked.password:
+        return False
+    segments = urllib.parse.unquote(asked.path).replace("\\", "/").split("/")
+    if "." in segments or ".." in segments:
         return False
     for prefix in allowed:
         given = urllib.parse.urlsplit(prefix)
