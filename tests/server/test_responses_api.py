@@ -5,7 +5,10 @@ checks of content; the rest checks shapes, statuses, events and token counts."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -288,3 +291,25 @@ def test_a_response_id_tag_that_routing_could_not_read_is_refused() -> None:
     """ortserve_server.ray tags ids with a replica id; a tag its router could not read is refused."""
     with pytest.raises(ValueError, match="response_id_tag must be lower-case letters and digits"):
         create_app(ServerConfig(models={"tiny": TINY_MODEL}, response_id_tag="Replica-1"))
+
+
+def test_the_state_is_readable_by_its_user_only(tmp_path: Path) -> None:
+    """Prompts, outputs, files and digests of API keys are in the state database: its dir is
+    made 0700 and its files 0600 whatever the umask (they were 0755 and 0644), and a file an
+    earlier version made 0644 is narrowed."""
+    state, older = tmp_path / "new" / "state", tmp_path / "older"
+    older.mkdir()
+    (older / "ortserve.db").touch(mode=0o644)
+    (older / "ortserve.db").chmod(0o644)
+    umask = os.umask(0o022)
+    try:
+        for folder in (state, older):
+            with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, state_dir=folder))) as base:
+                with openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
+                    kept = client.responses.create(model="tiny", input="private", max_output_tokens=1, store=True)
+                    assert client.responses.retrieve(kept.id).id == kept.id
+                files = {path.name: stat.S_IMODE(path.stat().st_mode) for path in folder.iterdir()}
+                assert {"ortserve.db", "ortserve.db-wal"} <= set(files) and set(files.values()) == {0o600}, files
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700

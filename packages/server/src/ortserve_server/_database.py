@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import re
 import sqlite3
+import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -89,7 +91,7 @@ class Database:
             self._db = _Postgres(url)
         else:
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                _private_file(path)
             # Opened here, used on the worker thread only (check_same_thread would refuse that).
             self._db = sqlite3.connect(
                 ":memory:" if path is None else path, check_same_thread=False, isolation_level=None, timeout=30
@@ -146,6 +148,28 @@ class Database:
         """Finish queued calls and close the database."""
         self._worker.submit(self._db.close)
         self._worker.shutdown(wait=True)
+
+
+def _private_file(path: Path) -> None:
+    """Make the state dir (0700) and the SQLite file (0600) whatever the umask, before SQLite
+    opens it: prompts, outputs, batch files and digests of API keys are inside. SQLite gives
+    its ``-wal`` and ``-shm`` files the main file's mode; older ones (0644 from an earlier
+    version) are narrowed too, where this user owns them. (POSIX modes: not on Windows.)"""
+    folder = path.parent
+    if not folder.is_dir():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.name == "posix":
+            os.chmod(folder, 0o700)  # mkdir's mode passes through the umask
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if os.name != "posix":
+        return
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            found = name.stat()
+        except FileNotFoundError:
+            continue
+        if found.st_uid == os.geteuid() and stat.S_IMODE(found.st_mode) != 0o600:
+            os.chmod(name, 0o600)
 
 
 @contextlib.contextmanager
