@@ -9,6 +9,7 @@ gguf-py's dequantized weights: the independent reference the converter is held t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -73,21 +74,37 @@ def random_matrix(rng: np.random.Generator, out_features: int, in_features: int,
         return raw.reshape(out_features, -1)
 
 
+SLIDING_WINDOW = 8
+"""The tiny files' sliding window: shorter than the test prompts, so local layers drop keys."""
+_LAYERS = {"gemma3": 6}  # Gemma 3's first global layer is its sixth
+_HEAD = {"gemma3": 32}  # a head size other than hidden / heads (queries of 128, not 256)
+_POST_NORMS = ("gemma2", "gemma3", "olmo2")
+GRANITE_SCALES = {"embedding": 6.0, "residual": 0.5, "attention": 0.1, "logit": 2.0}
+GEMMA2_SOFTCAPS = {"attention": 2.0, "final": 4.0}
+"""Far below Gemma 2's own (50, 30), where tanh bends random weights' scores and logits."""
+
+
 def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed: int = 0, tied: bool = True) -> Path:
-    """A tiny decoder of ``arch`` (llama, qwen2, qwen3, gemma) whose matrices are ``qtype``."""
+    """A tiny decoder of ``arch`` (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, granite,
+    olmo2) whose matrices are ``qtype``, each with what its architecture adds: Gemma 2's
+    softcaps, post-norms and sliding window on alternate layers, Gemma 3's per-head norms and
+    local/global rope, Phi-3's fused matrices, Granite's multipliers, OLMo 2's post-norms."""
     rng = np.random.default_rng(seed)
     tokens, types = _vocabulary()
+    if arch == "phi3":  # llama.cpp's Phi-3 vocabulary loader looks these up by text (unordered_map::at)
+        tokens, types = [*tokens, "<unk>", "<s>", "</s>"], [*types, 2, 3, 3]
     vocab = len(tokens)
+    layers, head = _LAYERS.get(arch, LAYERS), _HEAD.get(arch, HEAD)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}-{qtype.name}")
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HEAD)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head)
+    writer.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -98,38 +115,86 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed:
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    _architecture_keys(writer, arch)
 
     def vector(size: int, around: float = 1.0) -> np.ndarray:
         return (around + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
+    def matrix(name: str, out_features: int, in_features: int) -> None:
+        _add(writer, name, random_matrix(rng, out_features, in_features, qtype), qtype)
+
     embedding_type = Q.F32 if qtype in (Q.F32, Q.F16) else qtype  # tied: the head too
     _add(writer, "token_embd.weight", random_matrix(rng, vocab, HIDDEN, embedding_type), embedding_type)
-    if arch == "gemma":
-        writer.add_key_length(HEAD)
-        writer.add_value_length(HEAD)
-    for i in range(LAYERS):
-        p = f"blk.{i}"
-        writer.add_tensor(f"{p}.attn_norm.weight", vector(HIDDEN))
-        for name, out_features in (("attn_q", HIDDEN), ("attn_k", KV_HEADS * HEAD), ("attn_v", KV_HEADS * HEAD)):
-            _add(writer, f"{p}.{name}.weight", random_matrix(rng, out_features, HIDDEN, qtype), qtype)
-            if arch == "qwen2":
-                writer.add_tensor(f"{p}.{name}.bias", vector(out_features, 0.0))
-        if arch == "qwen3":
-            writer.add_tensor(f"{p}.attn_q_norm.weight", vector(HEAD))
-            writer.add_tensor(f"{p}.attn_k_norm.weight", vector(HEAD))
-        _add(writer, f"{p}.attn_output.weight", random_matrix(rng, HIDDEN, HIDDEN, qtype), qtype)
-        writer.add_tensor(f"{p}.ffn_norm.weight", vector(HIDDEN))
-        _add(writer, f"{p}.ffn_gate.weight", random_matrix(rng, FFN, HIDDEN, qtype), qtype)
-        _add(writer, f"{p}.ffn_up.weight", random_matrix(rng, FFN, HIDDEN, qtype), qtype)
-        _add(writer, f"{p}.ffn_down.weight", random_matrix(rng, HIDDEN, FFN, qtype), qtype)
+    if arch.startswith("gemma"):
+        writer.add_key_length(head)
+        writer.add_value_length(head)
+    for i in range(layers):
+        _write_layer(writer, arch, f"blk.{i}", head, vector, matrix)
     writer.add_tensor("output_norm.weight", vector(HIDDEN))
     if not tied:
         _add(writer, "output.weight", random_matrix(rng, vocab, HIDDEN, Q.Q6_K), Q.Q6_K)
+    elif arch == "olmo2":  # llama.cpp requires OLMo 2's own head
+        _add(writer, "output.weight", random_matrix(rng, vocab, HIDDEN, embedding_type), embedding_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _architecture_keys(writer: gguf.GGUFWriter, arch: str) -> None:
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(GEMMA2_SOFTCAPS["attention"])
+        writer.add_final_logit_softcapping(GEMMA2_SOFTCAPS["final"])
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(SLIDING_WINDOW)
+    if arch == "gemma3":  # global layers: their own base, scaled 8x; local ones: 10000, unscaled
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(8.0)
+    if arch == "granite":
+        writer.add_embedding_scale(GRANITE_SCALES["embedding"])
+        writer.add_residual_scale(GRANITE_SCALES["residual"])
+        writer.add_attention_scale(GRANITE_SCALES["attention"])
+        writer.add_logit_scale(GRANITE_SCALES["logit"])
+
+
+def _write_layer(
+    writer: gguf.GGUFWriter,
+    arch: str,
+    p: str,
+    head: int,
+    vector: Callable[..., np.ndarray],
+    matrix: Callable[[str, int, int], None],
+) -> None:
+    q_size, kv_size = HEADS * head, KV_HEADS * head
+    if arch != "olmo2":  # OLMo 2 norms after attention and feed-forward only
+        writer.add_tensor(f"{p}.attn_norm.weight", vector(HIDDEN))
+    if arch == "phi3":  # query, key and value rows in one matrix
+        matrix(f"{p}.attn_qkv.weight", q_size + 2 * kv_size, HIDDEN)
+    else:
+        for name, out_features in (("attn_q", q_size), ("attn_k", kv_size), ("attn_v", kv_size)):
+            matrix(f"{p}.{name}.weight", out_features, HIDDEN)
+            if arch == "qwen2":
+                writer.add_tensor(f"{p}.{name}.bias", vector(out_features, 0.0))
+    if arch in ("qwen3", "gemma3"):
+        writer.add_tensor(f"{p}.attn_q_norm.weight", vector(head))
+        writer.add_tensor(f"{p}.attn_k_norm.weight", vector(head))
+    if arch == "olmo2":  # over the whole projection, not per head
+        writer.add_tensor(f"{p}.attn_q_norm.weight", vector(q_size))
+        writer.add_tensor(f"{p}.attn_k_norm.weight", vector(kv_size))
+    matrix(f"{p}.attn_output.weight", HIDDEN, q_size)
+    if arch in _POST_NORMS:
+        writer.add_tensor(f"{p}.post_attention_norm.weight", vector(HIDDEN))
+    if arch != "olmo2":
+        writer.add_tensor(f"{p}.ffn_norm.weight", vector(HIDDEN))
+    if arch == "phi3":  # gate rows, then up rows
+        matrix(f"{p}.ffn_up.weight", 2 * FFN, HIDDEN)
+    else:
+        matrix(f"{p}.ffn_gate.weight", FFN, HIDDEN)
+        matrix(f"{p}.ffn_up.weight", FFN, HIDDEN)
+    matrix(f"{p}.ffn_down.weight", HIDDEN, FFN)
+    if arch in _POST_NORMS:
+        writer.add_tensor(f"{p}.post_ffw_norm.weight", vector(HIDDEN))
 
 
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:
@@ -139,61 +204,132 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None
 
 def reference_logits(path: Path, ids: list[int]) -> np.ndarray:
     """Every position's logits for ``ids`` as llama.cpp defines the decoder of ``path``
-    (float64, from gguf-py's reader and dequantizer)."""
-    reader = gguf.GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
-    tensors = {t.name: t for t in reader.tensors}
+    (float64, from gguf-py's reader and dequantizer; the numbers from the file's keys with
+    llama.cpp's defaults: ``src/models/<arch>.cpp``, ``src/llama-model.cpp``)."""
+    model = _Reference(gguf.GGUFReader(str(path)), len(ids))
+    x = model.weight("token_embd.weight")[ids] * model.embedding_scale
+    for i in range(model.layers):
+        x = model.layer(x, i)
+    head = "output.weight" if "output.weight" in model.tensors else "token_embd.weight"
+    logits = model.rms(x, model.weight("output_norm.weight")) @ model.weight(head).T / model.logit_scale
+    if model.final_softcap:
+        logits = model.final_softcap * np.tanh(logits / model.final_softcap)
+    return logits
 
-    def weight(name: str) -> np.ndarray:
-        t = tensors[name]
+
+class _Reference:
+    """One file's decoder in float64: its numbers, and a layer's arithmetic."""
+
+    def __init__(self, reader: gguf.GGUFReader, count: int) -> None:
+        self.reader, self.count = reader, count
+        self.arch = arch = str(reader.fields["general.architecture"].contents())
+        self.tensors = {t.name: t for t in reader.tensors}
+        hidden, self.heads = int(self.key("embedding_length")), int(self.key("attention.head_count"))
+        self.kv_heads, self.layers = int(self.key("attention.head_count_kv")), int(self.key("block_count"))
+        self.head = int(self.key("attention.key_length", hidden // self.heads))
+        self.eps = self.key("attention.layer_norm_rms_epsilon")
+        self.gemma = arch in ("gemma", "gemma2", "gemma3")
+        # Sliding windows: llama.cpp's layer patterns (local unless the last of each period);
+        # it ignores Phi-3's window. Local layers of Gemma 3 rotate with base 10000, unscaled.
+        self.window = int(self.key("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+        period = {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+        self.local = [bool(self.window and period and i % period < period - 1) for i in range(self.layers)]
+        scaling = reader.fields.get(f"{arch}.rope.scaling.type")
+        factor = self.key("rope.scaling.factor", 1.0) if scaling and scaling.contents() == "linear" else 1.0
+        rotation = self._rotation(self.key("rope.freq_base", 10000.0), factor)
+        self.rotations = {False: rotation, True: self._rotation(10000.0, 1.0) if arch == "gemma3" else rotation}
+        self.scale = 1 / np.sqrt(self.head)
+        if arch == "granite":
+            self.scale = self.key("attention.scale", self.scale)
+        if (arch, self.layers) in (("gemma2", 46), ("gemma3", 62)):  # the 27B models: hidden / heads
+            self.scale = 1 / np.sqrt(hidden // self.heads)
+        self.softcap = self.key("attn_logit_softcapping", 50.0) if arch == "gemma2" else 0.0
+        self.final_softcap = self.key("final_logit_softcapping", 30.0) if arch == "gemma2" else 0.0
+        granite = arch == "granite"
+        self.residual_scale = self.key("residual_scale", 1.0) if granite else 1.0
+        self.embedding_scale = np.sqrt(hidden) if self.gemma else self.key("embedding_scale", 1.0) if granite else 1.0
+        self.logit_scale = self.key("logit_scale", 1.0) if granite else 1.0
+
+    def key(self, name: str, default: float | None = None) -> float:
+        field = self.reader.fields.get(f"{self.arch}.{name}")
+        value = field.contents() if field is not None else default
+        assert value is not None, name
+        return float(value)
+
+    def weight(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
         shape = tuple(int(d) for d in reversed(t.shape))
         return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(shape)
 
-    count = len(ids)
-    inv_freq = 1.0 / 10000.0 ** (np.arange(0, HEAD, 2) / HEAD)
-    angles = np.outer(np.arange(count), inv_freq)
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    def rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.eps) * w
 
-    def rms(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
+    def _rotation(self, base: float, factor: float) -> tuple[np.ndarray, np.ndarray]:
+        angles = np.outer(np.arange(self.count) / factor, 1.0 / base ** (np.arange(0, self.head, 2) / self.head))
+        return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
-    def rope(x: np.ndarray) -> np.ndarray:
-        out = np.empty_like(x)
-        if arch == "llama":  # NORM: adjacent pairs
+    def rope(self, x: np.ndarray, local: bool) -> np.ndarray:
+        cos, sin = self.rotations[local]
+        out, half = np.empty_like(x), self.head // 2
+        if self.arch in ("llama", "granite"):  # NORM: adjacent pairs
             a, b = x[..., 0::2], x[..., 1::2]
             out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
         else:  # NEOX: halves
-            a, b = x[..., : HEAD // 2], x[..., HEAD // 2 :]
-            out[..., : HEAD // 2], out[..., HEAD // 2 :] = a * cos - b * sin, a * sin + b * cos
+            a, b = x[..., :half], x[..., half:]
+            out[..., :half], out[..., half:] = a * cos - b * sin, a * sin + b * cos
         return out
 
-    x = weight("token_embd.weight")[ids]
-    if arch == "gemma":
-        x = x * np.sqrt(HIDDEN)
-    for i in range(LAYERS):
-        p = f"blk.{i}"
-        h = rms(x, weight(f"{p}.attn_norm.weight"))
-        qkv = []
-        for name, heads in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
-            y = h @ weight(f"{p}.{name}.weight").T
-            if f"{p}.{name}.bias" in tensors:
-                y = y + weight(f"{p}.{name}.bias")
-            qkv.append(y.reshape(count, heads, HEAD))
-        q, k, v = qkv
-        if arch == "qwen3":
-            q, k = rms(q, weight(f"{p}.attn_q_norm.weight")), rms(k, weight(f"{p}.attn_k_norm.weight"))
-        q, k = rope(q), rope(k)
-        k, v = np.repeat(k, HEADS // KV_HEADS, 1), np.repeat(v, HEADS // KV_HEADS, 1)
-        scores = np.einsum("shd,thd->hst", q, k) / np.sqrt(HEAD) + np.triu(np.full((count, count), -np.inf), 1)
+    def layer(self, x: np.ndarray, i: int) -> np.ndarray:
+        p, olmo2 = f"blk.{i}", self.arch == "olmo2"  # OLMo 2: no norm in front of the blocks
+        out = self.attention(x if olmo2 else self.rms(x, self.weight(f"{p}.attn_norm.weight")), i)
+        if f"{p}.post_attention_norm.weight" in self.tensors:
+            out = self.rms(out, self.weight(f"{p}.post_attention_norm.weight"))
+        x = x + out * self.residual_scale
+        out = self.feed_forward(x if olmo2 else self.rms(x, self.weight(f"{p}.ffn_norm.weight")), p)
+        if f"{p}.post_ffw_norm.weight" in self.tensors:
+            out = self.rms(out, self.weight(f"{p}.post_ffw_norm.weight"))
+        return x + out * self.residual_scale
+
+    def attention(self, h: np.ndarray, i: int) -> np.ndarray:
+        p, count, head, heads, kv_heads = f"blk.{i}", self.count, self.head, self.heads, self.kv_heads
+        if f"{p}.attn_qkv.weight" in self.tensors:
+            q, k, v = np.split(h @ self.weight(f"{p}.attn_qkv.weight").T, [heads * head, (heads + kv_heads) * head], -1)
+        else:
+            q, k, v = (h @ self.weight(f"{p}.attn_{n}.weight").T for n in "qkv")
+        if f"{p}.attn_q.bias" in self.tensors:
+            q, k, v = (y + self.weight(f"{p}.attn_{n}.bias") for y, n in zip((q, k, v), "qkv", strict=True))
+        if self.arch == "olmo2":  # over the whole projection
+            q, k = (
+                self.rms(q, self.weight(f"{p}.attn_q_norm.weight")),
+                self.rms(k, self.weight(f"{p}.attn_k_norm.weight")),
+            )
+        q, k, v = q.reshape(count, heads, head), k.reshape(count, kv_heads, head), v.reshape(count, kv_heads, head)
+        if self.arch in ("qwen3", "gemma3"):  # per head
+            q, k = (
+                self.rms(q, self.weight(f"{p}.attn_q_norm.weight")),
+                self.rms(k, self.weight(f"{p}.attn_k_norm.weight")),
+            )
+        q, k = self.rope(q, self.local[i]), self.rope(k, self.local[i])
+        k, v = np.repeat(k, heads // kv_heads, 1), np.repeat(v, heads // kv_heads, 1)
+        scores = np.einsum("shd,thd->hst", q, k) * self.scale
+        if self.softcap:
+            scores = self.softcap * np.tanh(scores / self.softcap)
+        distance = np.arange(count)[:, None] - np.arange(count)[None, :]
+        masked = (distance < 0) | ((distance >= self.window) if self.local[i] else False)
+        scores = scores + np.where(masked, -np.inf, 0.0)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("hst,thd->shd", probs, v).reshape(count, HIDDEN) @ weight(f"{p}.attn_output.weight").T
-        h = rms(x, weight(f"{p}.ffn_norm.weight"))
-        gate, up = h @ weight(f"{p}.ffn_gate.weight").T, h @ weight(f"{p}.ffn_up.weight").T
-        if arch == "gemma":  # GELU, tanh form
+        return (
+            np.einsum("hst,thd->shd", probs, v).reshape(count, heads * head) @ self.weight(f"{p}.attn_output.weight").T
+        )
+
+    def feed_forward(self, h: np.ndarray, p: str) -> np.ndarray:
+        if f"{p}.ffn_gate.weight" in self.tensors:
+            gate, up = h @ self.weight(f"{p}.ffn_gate.weight").T, h @ self.weight(f"{p}.ffn_up.weight").T
+        else:  # Phi-3: gate and up in one matrix
+            gate, up = np.split(h @ self.weight(f"{p}.ffn_up.weight").T, 2, -1)
+        if self.gemma:  # GELU, tanh form
             activated = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
         else:
             activated = gate / (1 + np.exp(-gate))
-        x = x + (activated * up) @ weight(f"{p}.ffn_down.weight").T
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    return rms(x, weight("output_norm.weight")) @ weight(head).T
+        return (activated * up) @ self.weight(f"{p}.ffn_down.weight").T

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ._gguf_arch import ARCHITECTURES, Hyperparameters
 from ._gguf_file import GgufFile
-from ._gguf_graph import ARCHITECTURES, Hyperparameters, write_graph
+from ._gguf_graph import write_graph
 from ._gguf_tokenizer import eog_token_ids, tokenizer_files
 from ._names import CONVERTER_VERSION, GgufError, split_parts
 

@@ -6,12 +6,18 @@ The graph has the builder's shape, so that every engine drives it: ``input_ids``
 share-buffer cache the ort-cpu engine writes in place), ``SimplifiedLayerNormalization``
 and its skip form. Matrices are ``MatMulNBits`` over the file's own integers and scales
 (:mod:`._gguf_weights`); the LM head is one node (the ort-cpu engine gathers the last
-position in front of it).
+position in front of it), followed only by Gemma 2's final softcap (``Mul``, ``Tanh``,
+``Mul``, as the builder writes it).
 
-What differs between architectures is a short list (:class:`Architecture`): llama.cpp's
+What differs between architectures is a short list (:mod:`._gguf_arch`): llama.cpp's
 rotary style (``NORM``: adjacent pairs, which is how its converter permuted llama's
 query/key rows; ``NEOX``: halves), biases on the query/key/value projections (Qwen 2),
-per-head norms of queries and keys (Qwen 3).
+norms of queries and keys per head (Qwen 3, Gemma 3) or whole (OLMo 2), norms after the
+blocks (Gemma 2/3, OLMo 2) or none before them (OLMo 2), fused matrices (Phi-3: cut into
+their parts, which go back together where they share a form), attention softcap and
+sliding windows (GroupQueryAttention's ``softcap`` and ``local_window_size``, the local
+layers with cos/sin caches of their own on Gemma 3), and the scales of embeddings,
+residual adds, queries and logits (Gemma, Granite).
 
 Weights are written tensor by tensor into ``model.onnx.data`` (page aligned, so
 onnxruntime maps what it does not repack): peak memory stays near one tensor, not the model.
@@ -19,9 +25,7 @@ onnxruntime maps what it does not repack): peak memory stays near one tensor, no
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,123 +33,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ._gguf_arch import ARCHITECTURES, Architecture, Hyperparameters
 from ._gguf_file import GgufTensor
 from ._gguf_weights import PackedMatrix, _requantized, dequantize, pack_matrix
 from ._names import GgufError
 
-__all__ = ["ARCHITECTURES", "Architecture", "Hyperparameters", "write_graph"]
-
-
-@dataclass(frozen=True, slots=True)
-class Architecture:
-    """How one llama.cpp architecture differs from llama."""
-
-    og_type: str
-    """onnxruntime-genai's model type for genai_config.json."""
-    rope_interleaved: bool
-    """llama.cpp's rope type NORM (adjacent pairs) rather than NEOX (halves)."""
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    gelu: bool = False
-    """GELU (tanh form, as ggml's) gates the feed-forward rather than SiLU (Gemma)."""
-    scaled_embedding: bool = False
-    """Embeddings times sqrt(hidden size) (Gemma)."""
-
-
-ARCHITECTURES: Mapping[str, Architecture] = {
-    "llama": Architecture("llama", rope_interleaved=True),
-    "qwen2": Architecture("qwen2", rope_interleaved=False, qkv_bias=True),
-    "qwen3": Architecture("qwen3", rope_interleaved=False, qk_norm=True),
-    "gemma": Architecture("gemma", rope_interleaved=False, gelu=True, scaled_embedding=True),
-}
-"""The architectures both llama.cpp's GGUF and og's engines know that this converter
-writes (Mistral's and most Llama-shaped models' files say ``llama``). Others are refused,
-naming the architecture: Phi-3's fused matrices, Gemma 2/3's softcaps and sliding
-windows, Granite's multipliers are each a short addition here, not yet made (each needs
-a tiny file llama.cpp itself loads, to check against: tests/fixtures/gguf)."""
-
-_MAX_DIMENSION = 1 << 20
-"""Larger hidden sizes, heads or vocabularies are a lying header, not a model."""
-_MAX_CONTEXT = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Hyperparameters:
-    """The numbers a decoder's graph is made of, from the file's ``<arch>.*`` keys."""
-
-    architecture: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_size: int
-    rotary_dim: int
-    feed_forward: int
-    context_length: int
-    epsilon: float
-    rope_base: float
-    vocab_size: int
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def read(cls, fields: Mapping[str, Any], tensors: Mapping[str, GgufTensor]) -> Hyperparameters:
-        arch = str(fields.get("general.architecture", ""))
-        if arch not in ARCHITECTURES:
-            raise GgufError(
-                f"architecture {arch or '(none)'!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
-            )
-
-        def number(key: str, default: Any = None) -> Any:
-            value = fields.get(f"{arch}.{key}", default)
-            if value is None:
-                raise GgufError(f"the file lacks {arch}.{key}")
-            return value
-
-        hidden = int(number("embedding_length"))
-        heads = int(number("attention.head_count"))
-        kv_heads = int(number("attention.head_count_kv", heads))
-        head_size = int(number("attention.key_length", hidden // max(heads, 1)))
-        embedding = tensors.get("token_embd.weight")
-        if embedding is None:
-            raise GgufError("the file has no token_embd.weight")
-        vocab = int(embedding.shape[1]) if len(embedding.shape) == 2 else 0
-        params = cls(
-            architecture=arch,
-            layers=int(number("block_count")),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_size=head_size,
-            rotary_dim=int(number("rope.dimension_count", head_size)),
-            feed_forward=int(number("feed_forward_length")),
-            context_length=int(number("context_length")),
-            epsilon=float(number("attention.layer_norm_rms_epsilon")),
-            rope_base=float(number("rope.freq_base", 10000.0)),
-            vocab_size=vocab,
-            rope_scaling=str(fields.get(f"{arch}.rope.scaling.type", "none")),
-            rope_factor=float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0),
-        )
-        params.check()
-        return params
-
-    def check(self) -> None:
-        """Refuse numbers no real model has before anything is allocated from them."""
-        for name in ("layers", "hidden", "heads", "kv_heads", "head_size", "feed_forward", "vocab_size"):
-            value = getattr(self, name)
-            if not 0 < value <= _MAX_DIMENSION:
-                raise GgufError(f"{name} = {value} is out of range (1 to {_MAX_DIMENSION})")
-        if not 0 < self.context_length <= _MAX_CONTEXT:
-            raise GgufError(f"context_length = {self.context_length} is out of range (1 to {_MAX_CONTEXT})")
-        if self.heads % self.kv_heads:
-            raise GgufError(f"{self.heads} attention heads do not divide into {self.kv_heads} key/value heads")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size:
-            raise GgufError(f"rope.dimension_count = {self.rotary_dim} does not fit head size {self.head_size}")
-        if self.rope_scaling not in ("none", "linear"):
-            raise GgufError(f"rope scaling {self.rope_scaling!r} is not supported (none, linear)")
-        if not (self.epsilon > 0 and math.isfinite(self.rope_base) and self.rope_base > 1):
-            raise GgufError("the norm epsilon or rope frequency base is not a positive number")
+__all__ = ["write_graph"]
 
 
 class _Initializers:
@@ -328,14 +221,19 @@ def _fused(matrices: list[PackedMatrix]) -> PackedMatrix | None:
     )
 
 
-def _rotary_caches(params: Hyperparameters, rope_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin caches (positions x rotary_dim/2) as llama.cpp computes its rotation angles."""
+def _rotary_caches(
+    params: Hyperparameters, rope_factors: np.ndarray | None, *, local: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin caches (positions x rotary_dim/2) as llama.cpp computes its rotation angles;
+    ``local``: those of the sliding-window layers where they have a base of their own
+    (Gemma 3: 10000, unscaled)."""
     half = params.rotary_dim // 2
-    inv_freq = 1.0 / (params.rope_base ** (np.arange(0, half, dtype=np.float64) * 2 / params.rotary_dim))
-    if rope_factors is not None:
+    base = params.local_rope_base if local else params.rope_base
+    inv_freq = 1.0 / (base ** (np.arange(0, half, dtype=np.float64) * 2 / params.rotary_dim))
+    if rope_factors is not None and not local:
         inv_freq = inv_freq / rope_factors.astype(np.float64)[:half]
     positions = np.arange(params.context_length, dtype=np.float64)
-    if params.rope_scaling == "linear":
+    if params.rope_scaling == "linear" and not local:
         positions = positions / params.rope_factor
     angles = np.outer(positions, inv_freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -394,29 +292,7 @@ def _write_nodes(
     tensors: Mapping[str, GgufTensor],
     progress: Callable[[float], None],
 ) -> None:
-    total = sum(int(t.n_bytes) for t in tensors.values()) or 1
-    done = 0
-
-    def tensor(name: str) -> GgufTensor:
-        found = tensors.get(name)
-        if found is None:
-            raise GgufError(f"the file lacks the tensor {name}")
-        return found
-
-    def matrix(name: str, out_features: int, in_features: int) -> PackedMatrix:
-        nonlocal done
-        t = tensor(name)
-        _check_shape(t, (in_features, out_features))
-        packed = pack_matrix(t.data, t.tensor_type, out_features, in_features)
-        done += int(t.n_bytes)
-        progress(done / total)
-        return packed
-
-    def vector(name: str, size: int) -> np.ndarray:
-        t = tensor(name)
-        _check_shape(t, (size,))
-        return dequantize(t.data, t.tensor_type, (size,))
-
+    weights = _Weights(graph, params, tensors, progress)
     # attention_mask -> what GroupQueryAttention takes: each row's last position and the width.
     one = graph.constant("/constants/one", np.array([1], np.int64))
     (mask_sum,) = graph.node("ReduceSum", ["attention_mask", one], "/mask/sum", keepdims=0)
@@ -426,75 +302,34 @@ def _write_nodes(
     (width,) = graph.node("Gather", [shape, one], "/mask/width", axis=0)
     (total_length,) = graph.node("Cast", [width], "/mask/total", to=TensorProto.INT32)
     factors = tensors.get("rope_freqs.weight")
-    cos, sin = _rotary_caches(params, dequantize(factors.data, factors.tensor_type, (-1,)) if factors else None)
-    cos_cache, sin_cache = graph.constant("cos_cache", cos), graph.constant("sin_cache", sin)
+    factor_values = dequantize(factors.data, factors.tensor_type, (-1,)) if factors else None
+    cos, sin = _rotary_caches(params, factor_values)
+    caches = {False: (graph.constant("cos_cache", cos), graph.constant("sin_cache", sin))}
+    caches[True] = caches[False]
+    if params.local_rope_base and any(params.local_layers):  # Gemma 3's local layers: a rotation of their own
+        cos, sin = _rotary_caches(params, factor_values, local=True)
+        caches[True] = (graph.constant("cos_cache_local", cos), graph.constant("sin_cache_local", sin))
 
-    embedding = tensor("token_embd.weight")
+    embedding = weights.tensor("token_embd.weight")
     _check_shape(embedding, (params.hidden, params.vocab_size))
     hidden = graph.embedding(
         pack_matrix(embedding.data, embedding.tensor_type, params.vocab_size, params.hidden), "input_ids"
     )
-    if arch.scaled_embedding:
-        scale = graph.constant("/embed/scale", np.array(math.sqrt(params.hidden), np.float32))
+    if params.embedding_scale != 1.0:
+        scale = graph.constant("/embed/scale", np.array(params.embedding_scale, np.float32))
         (hidden,) = graph.node("Mul", [hidden, scale], "/embed/scaled")
-    residual = hidden
-    q_size, kv_size = params.heads * params.head_size, params.kv_heads * params.head_size
-    normed = ""
+    # The residual stream is ``residual + pending``: the skip norms add the pending output.
+    residual, pending = hidden, ""
     for i in range(params.layers):
         prefix = f"blk.{i}"
-        norm = graph.constant(f"{prefix}.attn_norm.weight", vector(f"{prefix}.attn_norm.weight", params.hidden))
-        if i == 0:
-            (normed,) = graph.node(
-                "SimplifiedLayerNormalization",
-                [hidden, norm],
-                f"/{prefix}/attn_norm",
-                epsilon=params.epsilon,
-                axis=-1,
-                stash_type=1,
-            )
-        else:
-            normed, _, _, residual = graph.node(
-                "SkipSimplifiedLayerNormalization",
-                [residual, hidden, norm],
-                f"/{prefix}/attn_norm",
-                outputs=4,
-                domain="com.microsoft",
-                epsilon=params.epsilon,
-            )
-        q = matrix(f"{prefix}.attn_q.weight", q_size, params.hidden)
-        k = matrix(f"{prefix}.attn_k.weight", kv_size, params.hidden)
-        v = matrix(f"{prefix}.attn_v.weight", kv_size, params.hidden)
-        fused = None if arch.qkv_bias or arch.qk_norm else _fused([q, k, v])
-        if fused is not None:
-            query, key, value = graph.linear(normed, fused, f"/{prefix}/attn_qkv"), "", ""
-        else:
-            query = graph.linear(normed, q, f"/{prefix}/attn_q")
-            key = graph.linear(normed, k, f"/{prefix}/attn_k")
-            value = graph.linear(normed, v, f"/{prefix}/attn_v")
-            if arch.qkv_bias:
-                query, key, value = (
-                    graph.node(
-                        "Add",
-                        [x, graph.constant(f"{prefix}.attn_{n}.bias", vector(f"{prefix}.attn_{n}.bias", s))],
-                        f"/{prefix}/attn_{n}/bias",
-                    )[0]
-                    for x, n, s in ((query, "q", q_size), (key, "k", kv_size), (value, "v", kv_size))
-                )
-            if arch.qk_norm:
-                query = _head_norm(
-                    graph,
-                    query,
-                    vector(f"{prefix}.attn_q_norm.weight", params.head_size),
-                    f"/{prefix}/attn_q_norm",
-                    params,
-                )
-                key = _head_norm(
-                    graph,
-                    key,
-                    vector(f"{prefix}.attn_k_norm.weight", params.head_size),
-                    f"/{prefix}/attn_k_norm",
-                    params,
-                )
+        normed, residual = weights.pre_norm(arch, residual, pending, f"{prefix}.attn_norm")
+        query, key, value = _attention_inputs(graph, weights, arch, params, normed, prefix)
+        attributes: dict[str, Any] = {}
+        if params.attention_softcap:
+            attributes["softcap"] = params.attention_softcap
+        if params.local_layers[i]:  # the position itself and window - 1 before it, as llama.cpp's (measured)
+            attributes["local_window_size"] = params.window
+        cos_cache, sin_cache = caches[params.local_layers[i]]
         attention, _, _ = graph.node(
             "GroupQueryAttention",
             [
@@ -513,43 +348,183 @@ def _write_nodes(
             domain="com.microsoft",
             num_heads=params.heads,
             kv_num_heads=params.kv_heads,
-            scale=1.0 / math.sqrt(params.head_size),
+            scale=params.attention_scale,
             do_rotary=1,
             rotary_interleaved=int(arch.rope_interleaved),
+            **attributes,
         )
         graph.nodes[-1].output[1:] = [f"present.{i}.key", f"present.{i}.value"]
-        hidden = graph.linear(
-            attention, matrix(f"{prefix}.attn_output.weight", params.hidden, q_size), f"/{prefix}/attn_output"
+        q_size = params.heads * params.head_size
+        out = graph.linear(
+            attention, weights.matrix(f"{prefix}.attn_output.weight", params.hidden, q_size), f"/{prefix}/attn_output"
         )
-        ffn_norm = graph.constant(f"{prefix}.ffn_norm.weight", vector(f"{prefix}.ffn_norm.weight", params.hidden))
-        normed, _, _, residual = graph.node(
-            "SkipSimplifiedLayerNormalization",
-            [residual, hidden, ffn_norm],
-            f"/{prefix}/ffn_norm",
-            outputs=4,
-            domain="com.microsoft",
-            epsilon=params.epsilon,
+        pending = weights.post_norm(arch, out, f"{prefix}.post_attention_norm")
+        normed, residual = weights.pre_norm(arch, residual, pending, f"{prefix}.ffn_norm")
+        product = _gated(graph, arch, params, normed, prefix, weights)
+        out = graph.linear(
+            product,
+            weights.matrix(f"{prefix}.ffn_down.weight", params.hidden, params.feed_forward),
+            f"/{prefix}/ffn_down",
         )
-        product = _gated(graph, arch, params, normed, prefix, matrix)
-        hidden = graph.linear(
-            product, matrix(f"{prefix}.ffn_down.weight", params.hidden, params.feed_forward), f"/{prefix}/ffn_down"
-        )
-    output_norm = graph.constant("output_norm.weight", vector("output_norm.weight", params.hidden))
+        pending = weights.post_norm(arch, out, f"{prefix}.post_ffw_norm")
+    # Granite's logits are divided by its logit scale: folded into the last norm's weights.
+    output_norm = graph.constant(
+        "output_norm.weight", weights.vector("output_norm.weight", params.hidden) / np.float32(params.logit_scale)
+    )
     (normed,) = graph.node(
         "SkipSimplifiedLayerNormalization",
-        [residual, hidden, output_norm],
+        [residual, pending, output_norm],
         "/output_norm",
         domain="com.microsoft",
         epsilon=params.epsilon,
     )
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
-    head = matrix(head_name, params.vocab_size, params.hidden)
+    head = weights.matrix(head_name, params.vocab_size, params.hidden)
     if head.offsets is not None:
         # One node writes the logits (the ort-cpu engine gathers the last position in front
         # of it): a type with minimums is requantized to 8 bits here.
-        t = tensor(head_name)
+        t = weights.tensor(head_name)
         head = _requantized(dequantize(t.data, t.tensor_type, (params.vocab_size, params.hidden)))
-    graph.linear(normed, head, "/lm_head", output="logits")
+    if not params.final_softcap:
+        graph.linear(normed, head, "/lm_head", output="logits")
+        return
+    # Gemma 2: cap * tanh(logits / cap), as llama.cpp orders it.
+    logits = graph.linear(normed, head, "/lm_head")
+    inverse = graph.constant("/softcap/inverse", np.array(1 / params.final_softcap, np.float32))
+    (scaled,) = graph.node("Mul", [logits, inverse], "/softcap/scale")
+    (bent,) = graph.node("Tanh", [scaled], "/softcap/tanh")
+    cap = graph.constant("/softcap/cap", np.array(params.final_softcap, np.float32))
+    graph.nodes.append(helper.make_node("Mul", [bent, cap], ["logits"], name="/softcap/mul"))
+
+
+class _Weights:
+    """The file's tensors as the graph's matrices and norms, progress counted by bytes read."""
+
+    def __init__(
+        self,
+        graph: _Graph,
+        params: Hyperparameters,
+        tensors: Mapping[str, GgufTensor],
+        progress: Callable[[float], None],
+    ) -> None:
+        self.graph, self.params, self.tensors, self.progress = graph, params, tensors, progress
+        self.total = sum(int(t.n_bytes) for t in tensors.values()) or 1
+        self.done = 0
+
+    def tensor(self, name: str) -> GgufTensor:
+        found = self.tensors.get(name)
+        if found is None:
+            raise GgufError(f"the file lacks the tensor {name}")
+        return found
+
+    def matrix(self, name: str, out_features: int, in_features: int) -> PackedMatrix:
+        return self.rows(name, [out_features], in_features)[0]
+
+    def rows(self, name: str, parts: list[int], in_features: int) -> list[PackedMatrix]:
+        """The matrix ``name`` cut into consecutive blocks of ``parts`` rows (output
+        features): fused query/key/value or gate/up matrices as the separate ones."""
+        t = self.tensor(name)
+        _check_shape(t, (in_features, sum(parts)))
+        row_bytes = t.n_bytes // sum(parts)
+        matrices, start = [], 0
+        for count in parts:
+            data = t.data[start * row_bytes : (start + count) * row_bytes]
+            matrices.append(pack_matrix(data, t.tensor_type, count, in_features))
+            start += count
+        self.done += t.n_bytes
+        self.progress(self.done / self.total)
+        return matrices
+
+    def vector(self, name: str, size: int) -> np.ndarray:
+        t = self.tensor(name)
+        _check_shape(t, (size,))
+        return dequantize(t.data, t.tensor_type, (size,))
+
+    def norm(self, x: str, name: str, size: int) -> str:
+        """RMS norm of ``x`` by the file's ``name.weight`` (``size`` values)."""
+        weight = self.graph.constant(f"{name}.weight", self.vector(f"{name}.weight", size))
+        return self.graph.node(
+            "SimplifiedLayerNormalization",
+            [x, weight],
+            _node_name(name),
+            epsilon=self.params.epsilon,
+            axis=-1,
+            stash_type=1,
+        )[0]
+
+    def pre_norm(self, arch: Architecture, residual: str, pending: str, name: str) -> tuple[str, str]:
+        """The residual stream with ``pending`` added, and its norm by ``name`` (the block's
+        input); OLMo 2's blocks take the stream as it is."""
+        if not arch.pre_norms:
+            if pending:
+                (residual,) = self.graph.node("Add", [residual, pending], f"{_node_name(name)}/residual")
+            return residual, residual
+        if not pending:
+            return self.norm(residual, name, self.params.hidden), residual
+        weight = self.graph.constant(f"{name}.weight", self.vector(f"{name}.weight", self.params.hidden))
+        normed, _, _, residual = self.graph.node(
+            "SkipSimplifiedLayerNormalization",
+            [residual, pending, weight],
+            _node_name(name),
+            outputs=4,
+            domain="com.microsoft",
+            epsilon=self.params.epsilon,
+        )
+        return normed, residual
+
+    def post_norm(self, arch: Architecture, out: str, name: str) -> str:
+        """A block's output as the residual stream adds it: normed (Gemma 2/3, OLMo 2) and
+        scaled (Granite)."""
+        if arch.post_norms:
+            out = self.norm(out, name, self.params.hidden)
+        if self.params.residual_scale != 1.0:
+            scale = self.graph.constant(f"{_node_name(name)}/scale", np.array(self.params.residual_scale, np.float32))
+            (out,) = self.graph.node("Mul", [out, scale], f"{_node_name(name)}/scaled")
+        return out
+
+
+def _attention_inputs(
+    graph: _Graph, weights: _Weights, arch: Architecture, params: Hyperparameters, normed: str, prefix: str
+) -> tuple[str, str, str]:
+    """GroupQueryAttention's query, key and value inputs (one packed input and two empty
+    names where one matrix computes all three)."""
+    q_size, kv_size = params.heads * params.head_size, params.kv_heads * params.head_size
+    if f"{prefix}.attn_qkv.weight" in weights.tensors:  # Phi-3: one matrix in the file
+        q, k, v = weights.rows(f"{prefix}.attn_qkv.weight", [q_size, kv_size, kv_size], params.hidden)
+    else:
+        q = weights.matrix(f"{prefix}.attn_q.weight", q_size, params.hidden)
+        k = weights.matrix(f"{prefix}.attn_k.weight", kv_size, params.hidden)
+        v = weights.matrix(f"{prefix}.attn_v.weight", kv_size, params.hidden)
+    fused = None if arch.qkv_bias or arch.qk_norm else _fused([q, k, v])
+    if fused is not None:
+        return graph.linear(normed, fused, f"/{prefix}/attn_qkv"), "", ""
+    query = graph.linear(normed, q, f"/{prefix}/attn_q")
+    key = graph.linear(normed, k, f"/{prefix}/attn_k")
+    value = graph.linear(normed, v, f"/{prefix}/attn_v")
+    if arch.qkv_bias:
+        query, key, value = (
+            graph.node(
+                "Add",
+                [x, graph.constant(f"{prefix}.attn_{n}.bias", weights.vector(f"{prefix}.attn_{n}.bias", s))],
+                f"/{prefix}/attn_{n}/bias",
+            )[0]
+            for x, n, s in ((query, "q", q_size), (key, "k", kv_size), (value, "v", kv_size))
+        )
+    if arch.qk_norm == "whole":  # OLMo 2: over the whole projection
+        query = weights.norm(query, f"{prefix}.attn_q_norm", q_size)
+        key = weights.norm(key, f"{prefix}.attn_k_norm", kv_size)
+    elif arch.qk_norm:  # each head's slice
+        query, key = (
+            _head_norm(
+                graph,
+                x,
+                weights.vector(f"{prefix}.attn_{n}_norm.weight", params.head_size),
+                f"/{prefix}/attn_{n}_norm",
+                params,
+            )
+            for x, n in ((query, "q"), (key, "k"))
+        )
+    return query, key, value
 
 
 def _gated(
@@ -558,15 +533,17 @@ def _gated(
     params: Hyperparameters,
     normed: str,
     prefix: str,
-    matrix: Callable[[str, int, int], PackedMatrix],
+    weights: _Weights,
 ) -> str:
     """The feed-forward's gated product, ``act(gate) * up``, before its down projection."""
-    gate = graph.linear(
-        normed, matrix(f"{prefix}.ffn_gate.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_gate"
-    )
-    up = graph.linear(
-        normed, matrix(f"{prefix}.ffn_up.weight", params.feed_forward, params.hidden), f"/{prefix}/ffn_up"
-    )
+    ff, hidden = params.feed_forward, params.hidden
+    if arch.fused_gate_up:  # Phi-3: the gate's rows, then up's, in ffn_up
+        gate_matrix, up_matrix = weights.rows(f"{prefix}.ffn_up.weight", [ff, ff], hidden)
+    else:
+        gate_matrix = weights.matrix(f"{prefix}.ffn_gate.weight", ff, hidden)
+        up_matrix = weights.matrix(f"{prefix}.ffn_up.weight", ff, hidden)
+    gate = graph.linear(normed, gate_matrix, f"/{prefix}/ffn_gate")
+    up = graph.linear(normed, up_matrix, f"/{prefix}/ffn_up")
     if arch.gelu:
         (activated,) = graph.node("Gelu", [gate], f"/{prefix}/ffn_gelu", approximate="tanh")
     else:
@@ -589,6 +566,11 @@ def _head_norm(graph: _Graph, x: str, weight: np.ndarray, name: str, params: Hyp
     )
     flat = graph.constant(f"{name}.flat", np.array([0, 0, -1], np.int64))
     return graph.node("Reshape", [normed, flat], f"{name}/join")[0]
+
+
+def _node_name(tensor: str) -> str:
+    """A node's name from its weight's: ``blk.0.attn_norm`` -> ``/blk.0/attn_norm``."""
+    return "/" + "/".join(tensor.rsplit(".", 1)) if tensor.startswith("blk.") else f"/{tensor}"
 
 
 def _check_shape(tensor: GgufTensor, expected: tuple[int, ...]) -> None:
