@@ -135,6 +135,7 @@ def test_other_architectures(tmp_path: Path, arch: str) -> None:
         ("granite", "logit_scale", None, "the file lacks granite.logit_scale"),
         ("gemma2", "attention.sliding_window", 1 << 30, "sliding window 1073741824 is out of range"),
         ("gemma2", "attn_logit_softcapping", float("nan"), "attention softcap nan"),
+        ("qwen3", "rope.dimension_count", 32, "partial rotary embeddings are not supported"),
     ],
 )
 def test_what_an_architecture_does_not_allow_is_named(

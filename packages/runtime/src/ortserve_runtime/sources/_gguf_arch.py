@@ -239,8 +239,11 @@ class Hyperparameters:
             raise GgufError(f"context_length = {self.context_length} is out of range (1 to {_MAX_CONTEXT})")
         if self.heads % self.kv_heads:
             raise GgufError(f"{self.heads} attention heads do not divide into {self.kv_heads} key/value heads")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size:
-            raise GgufError(f"rope.dimension_count = {self.rotary_dim} does not fit head size {self.head_size}")
+        if self.rotary_dim != self.head_size:  # llama.cpp asserts it for these architectures too
+            raise GgufError(
+                f"rope.dimension_count = {self.rotary_dim} is not the head size {self.head_size}: "
+                "partial rotary embeddings are not supported"
+            )
         if self.rope_scaling not in ("none", "linear"):
             raise GgufError(f"rope scaling {self.rope_scaling!r} is not supported (none, linear)")
         if not (self.epsilon > 0 and math.isfinite(self.rope_base) and self.rope_base > 1):
