@@ -111,6 +111,7 @@ def test_the_first_bytes_leave_before_the_whole_text_is_spoken(url: str, stream_
         ({"speed": 5}, "speed", "between 0.25 and 4.0"),
         ({"input": "x" * 4097}, "input", "more than the 4096 allowed"),
         ({"input": "  "}, "input", "input is empty"),
+        ({"input": "Hi\u0000there."}, "input", "NUL character"),  # was a 500
         ({"stream_format": "chunks"}, "stream_format", "Invalid enum value 'chunks'"),
         ({"model": "tiny"}, "model", "is a generative model; use /v1/chat/completions"),
         ({"model": "nope"}, "model", "does not exist"),

@@ -117,6 +117,7 @@ def test_guided_regex_choice_and_grammar(tiny_url: str) -> None:
             "response_format",
         ),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_json": '{"a":' * 2000 + "1" + "}" * 2000}, "guided_json"),  # RecursionError: was a 500
     ],
 )
 def test_invalid_constraints_are_400_naming_the_field(tiny_url: str, extra: dict[str, object], param: str) -> None:

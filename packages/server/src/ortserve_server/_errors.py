@@ -10,18 +10,22 @@ ServerError                  root; carries status_code, type, param, code
 ├── UnsupportedMediaTypeError 415 (a body that is not the route's content type)
 ├── OverloadedError          503 + Retry-After (queue full)
 ├── ShuttingDownError        503 (the grace period of a shutdown ran out)
+├── (a full disk: any error   507 insufficient_storage, from the state database or an upload)
 └── UnsupportedParameterError 400 for a parameter this server cannot honour
 ```
 
 Every error that leaves our routes has the shape
 ``{"error": {"message", "type", "param", "code"}}``; anything unexpected becomes a 500
-whose message reveals nothing internal.
+whose message reveals nothing internal, but a full disk (ENOSPC or a quota, SQLite's
+SQLITE_FULL, PostgreSQL's disk_full) is a 507 that says so: nothing was stored.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import sqlite3
 from collections.abc import Callable
 from typing import Any
 
@@ -220,8 +224,37 @@ def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Resp
 
 
 def _unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    if _storage_full(exc):
+        logger.error("no room to store on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(
+            507,
+            "the server's storage is full: nothing was stored; try again once the operator has made room",
+            type="server_error",
+            code="insufficient_storage",
+        )
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal server error", type="server_error")
+
+
+_DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _storage_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a full disk or quota: an ``OSError`` with
+    ENOSPC or EDQUOT, SQLite's SQLITE_FULL ("database or disk is full"), PostgreSQL's
+    disk_full (53100)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain of causes, not a loop
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return True
+        if isinstance(seen, sqlite3.Error) and getattr(seen, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        if getattr(seen, "sqlstate", None) == "53100":
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:

@@ -48,6 +48,7 @@ _ERRORS = {
     413: "The request body is larger than the server accepts.",
     415: "The body does not have this route's content type.",
     500: "An unexpected error; the message reveals nothing internal.",
+    507: "The server's storage (its state database, or the disk) is full: nothing was stored.",
     503: "The model's queue is full or the model is shutting down; retry after Retry-After seconds.",
     529: "The model's queue is full (Anthropic's overloaded_error); retry after Retry-After seconds.",
 }

@@ -193,17 +193,7 @@ def _grammar_of(
             raise BadRequestError("response_format.json_schema.schema is required", param="response_format")
         asked.append((Grammar("json_schema", schema), "response_format"))
     if _given(data.guided_json):
-        guided: Any = data.guided_json
-        if isinstance(guided, str):
-            try:
-                guided = json.loads(guided)
-            except ValueError:
-                raise BadRequestError(
-                    "guided_json must be a JSON schema (an object or its JSON text)", param="guided_json"
-                ) from None
-        if not isinstance(guided, dict):
-            raise BadRequestError("guided_json must be a JSON schema object", param="guided_json")
-        asked.append((Grammar("json_schema", guided), "guided_json"))
+        asked.append((Grammar("json_schema", _guided_json_schema(data.guided_json)), "guided_json"))
     if _given(data.guided_regex):
         asked.append((Grammar("regex", str(data.guided_regex)), "guided_regex"))
     if _given(data.guided_grammar):
@@ -227,6 +217,22 @@ def _grammar_of(
     for grammar, field in asked:
         _check_grammar_size(grammar, field, config)
     return asked[0] if asked else None
+
+
+def _guided_json_schema(guided: Any) -> dict[str, Any]:
+    """vLLM's ``guided_json``: a schema, or its JSON text."""
+    if isinstance(guided, str):
+        try:
+            guided = json.loads(guided)
+        except ValueError:
+            raise BadRequestError(
+                "guided_json must be a JSON schema (an object or its JSON text)", param="guided_json"
+            ) from None
+        except RecursionError:
+            raise BadRequestError("guided_json is nested too deeply", param="guided_json") from None
+    if not isinstance(guided, dict):
+        raise BadRequestError("guided_json must be a JSON schema object", param="guided_json")
+    return guided
 
 
 @dataclass(frozen=True, slots=True)

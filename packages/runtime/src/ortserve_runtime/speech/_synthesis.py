@@ -159,6 +159,8 @@ class VoiceModel:
         """Refuse what cannot be spoken, naming the field; the speaker id of ``voice``."""
         if not text.strip():
             raise InvalidRequestError("input is empty", param="input")
+        if "\x00" in text:  # the phonemizer takes C strings
+            raise InvalidRequestError("input holds a NUL character (U+0000)", param="input")
         if len(text) > self.max_input_chars:
             raise InvalidRequestError(
                 f"input has {len(text)} characters, more than the {self.max_input_chars} allowed", param="input"

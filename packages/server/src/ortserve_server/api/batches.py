@@ -36,6 +36,7 @@ _BODY_TYPES: dict[str, type[Any]] = {
 
 
 _decode_line = msgspec.json.Decoder(bp.BatchInputLine).decode
+_MAX_LISTED_FILES = 10_000
 
 
 # -- files -----------------------------------------------------------------------------------
@@ -62,6 +63,8 @@ def check_batch_file(content: bytes) -> list[tuple[str, bytes, str]]:
             line = _decode_line(raw)
         except msgspec.DecodeError as exc:
             raise BadRequestError(f"{where}: {exc}", param="file") from exc
+        except RecursionError:
+            raise BadRequestError(f"{where}: the JSON is nested too deeply", param="file") from None
         body_type = _BODY_TYPES.get(line.url)
         if body_type is None:
             raise BadRequestError(
@@ -75,6 +78,8 @@ def check_batch_file(content: bytes) -> list[tuple[str, bytes, str]]:
             msgspec.convert(line.body, body_type)
         except msgspec.ValidationError as exc:
             raise BadRequestError(f"{where}: body: {exc}", param="file") from exc
+        except RecursionError:
+            raise BadRequestError(f"{where}: body: the JSON is nested too deeply", param="file") from None
         seen.add(line.custom_id)
         lines.append((line.custom_id, msgspec.json.encode(line.body), line.url))
         if len(lines) > MAX_LINES:
@@ -85,7 +90,10 @@ def check_batch_file(content: bytes) -> list[tuple[str, bytes, str]]:
 
 
 @post(
-    "/files", status_code=200, summary="Upload a file (purpose batch: JSONL)", responses=error_responses(*POST_ERRORS)
+    "/files",
+    status_code=200,
+    summary="Upload a file (purpose batch: JSONL)",
+    responses=error_responses(*POST_ERRORS, 507),
 )
 async def create_file(
     data: MultipartBody[FileForm], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
@@ -104,15 +112,17 @@ async def create_file(
     return kept
 
 
-@get("/files", summary="List files", responses=error_responses(*GET_ERRORS))
+@get("/files", summary="List files", responses=error_responses(400, *GET_ERRORS))
 async def list_files(
     ortserve: NamedDependency[OrtServe],
     request: Request[Any, Any, Any],
     purpose: FromQuery[str | None] = None,
-    limit: FromQuery[int] = 10000,
+    limit: FromQuery[int] = _MAX_LISTED_FILES,
     after: FromQuery[str | None] = None,
 ) -> bp.FileList:
-    found = await ortserve.batches.files(caller_of(request).owner, purpose, max(1, min(limit, 10000)) + 1, after)
+    if not 1 <= limit <= _MAX_LISTED_FILES:  # OpenAI's range
+        raise BadRequestError(f"'limit' must be between 1 and {_MAX_LISTED_FILES}, not {limit}", param="limit")
+    found = await ortserve.batches.files(caller_of(request).owner, purpose, limit + 1, after)
     return bp.FileList(
         data=found[:limit],
         has_more=len(found) > limit,

@@ -1,0 +1,89 @@
+"""What the server stores (uploaded files, stored responses) under hostile or unlucky
+conditions, through a real server: listing limits out of range, a batch line nested
+5,000 deep, and a full state database are 4xx/507 answers naming the cause, never a 500,
+and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from ortserve_server import ServerConfig, create_app
+from serving import TINY_MODEL, running
+
+
+@pytest.fixture(scope="module")
+def app_url() -> Iterator[tuple[Any, str]]:
+    app = create_app(ServerConfig(models={"tiny": TINY_MODEL}))
+    with running(app) as base:
+        yield app, base
+
+
+@pytest.fixture
+def client(app_url: tuple[Any, str]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{app_url[1]}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def _line(body: str, custom_id: str = "a") -> bytes:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions"})[:-1].encode() + (
+        b', "body": ' + body.encode() + b"}\n"
+    )
+
+
+CHAT = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+MANY = b"".join(_line(CHAT, f"line-{i}") for i in range(200))  # 30 KB: more than a page
+METADATA = {f"k{i}": "v" * 512 for i in range(16)}
+
+
+@pytest.mark.parametrize("limit", [0, -1, 10_001])
+def test_a_files_limit_out_of_range_is_a_400(client: openai.OpenAI, app_url: tuple[Any, str], limit: int) -> None:
+    client.files.create(file=("in.jsonl", _line(CHAT)), purpose="batch")  # with a file, limit 0 was a 500
+    listed = httpx.get(f"{app_url[1]}/v1/files", params={"limit": limit})
+    assert listed.status_code == 400, listed.text
+    error = listed.json()["error"]
+    assert error["param"] == "limit" and "between 1 and 10000" in error["message"]
+    assert len(client.files.list(limit=1).data) == 1
+
+
+def test_a_batch_line_nested_too_deeply_is_refused_by_number(client: openai.OpenAI) -> None:
+    deep = '{"model": "tiny", "messages": [], "x": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"
+    for body in (deep, CHAT.replace('"max_tokens"', '"user": ' + "[" * 5000 + "]" * 5000 + ', "max_tokens"')):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.files.create(file=("in.jsonl", _line(CHAT) + _line(body, "b")), purpose="batch")
+        assert "line 2: " in caught.value.message and "nested too deeply" in caught.value.message
+        assert caught.value.body["param"] == "file"  # type: ignore[index]
+
+
+def test_a_full_state_database_is_a_507_and_nothing_is_lost(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
+    """SQLite's own SQLITE_FULL ("database or disk is full"), made real by capping the file's
+    pages at what it holds (PRAGMA max_page_count): what a full disk gives."""
+    app, base = app_url
+    database = app.state.ortserve.database
+    kept = client.responses.create(model="tiny", input="kept", max_output_tokens=1, store=True)
+
+    def cap(pages: str) -> None:
+        database.submit(lambda db: db.execute(f"PRAGMA max_page_count = {pages}")).result()
+
+    pages = database.submit(lambda db: db.execute("PRAGMA page_count").fetchone()[0]).result()
+    cap(str(pages))
+    try:
+        with pytest.raises(openai.APIStatusError) as upload:
+            client.files.create(file=("in.jsonl", MANY), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as stored:
+            client.responses.create(model="tiny", input="hi", max_output_tokens=1, store=True, metadata=METADATA)
+        for caught in (upload, stored):
+            assert caught.value.status_code == 507
+            assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "insufficient_storage"
+            assert "storage is full" in caught.value.message
+        assert client.responses.create(model="tiny", input="hi", max_output_tokens=1).output  # still serving
+        assert client.responses.retrieve(kept.id).id == kept.id  # nothing lost
+    finally:
+        cap("1073741823")
+    assert client.files.create(file=("in.jsonl", MANY), purpose="batch").bytes == len(MANY)
+    client.responses.create(model="tiny", input="hi", max_output_tokens=1, store=True, metadata=METADATA)
+    assert json.loads(httpx.get(f"{base}/health").text)
