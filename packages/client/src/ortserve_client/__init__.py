@@ -34,7 +34,17 @@ if TYPE_CHECKING:
         StreamError,
     )
     from ._reference import HubReference
-    from ._sidecar import Attached, Exited, LocalServer, LogLine, Ready, Restarting, ServerEvent, Spawned
+    from ._sidecar import (
+        Attached,
+        Converting,
+        Exited,
+        LocalServer,
+        LogLine,
+        Ready,
+        Restarting,
+        ServerEvent,
+        Spawned,
+    )
     from ._streaming import AsyncStream
 
 # Imported on first use (PEP 562): a server that needs only `ortserve_client.protocol`
@@ -57,6 +67,7 @@ _WHERE = {
     "HubReference": "._reference",
     "InternalServerError": "._errors",
     "LocalServer": "._sidecar",
+    "Converting": "._sidecar",
     "LogLine": "._sidecar",
     "NotFoundError": "._errors",
     "OrtServeError": "._errors",
@@ -99,6 +110,7 @@ __all__ = [
     "Attached",
     "AuthenticationError",
     "BadRequestError",
+    "Converting",
     "DownloadComplete",
     "DownloadError",
     "DownloadEvent",

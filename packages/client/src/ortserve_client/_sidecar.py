@@ -37,6 +37,7 @@ from .protocol import Model
 
 __all__ = [
     "Attached",
+    "Converting",
     "Exited",
     "LocalServer",
     "LogLine",
@@ -70,6 +71,16 @@ class Attached:
 
 
 @dataclass(frozen=True, slots=True)
+class Converting:
+    """The server, before it is ready, converts model ``model``'s source (a GGUF file, a
+    checkpoint's build): ``progress`` from 0 to 1. Each one also moves the start-up
+    deadline: ``startup_timeout`` bounds the time without progress, not a conversion."""
+
+    model: str
+    progress: float
+
+
+@dataclass(frozen=True, slots=True)
 class LogLine:
     stream: Literal["stdout", "stderr"]
     line: str
@@ -91,7 +102,7 @@ class Restarting:
     delay: float
 
 
-ServerEvent = DownloadEvent | Spawned | Ready | Attached | LogLine | Exited | Restarting
+ServerEvent = DownloadEvent | Spawned | Converting | Ready | Attached | LogLine | Exited | Restarting
 
 
 _PROOF_CHALLENGE = "x-ortserve-challenge"
@@ -102,8 +113,11 @@ _PROOF = "x-ortserve-proof"
 class LocalServer:
     """Attach to or spawn an ortserve server; ``async with`` or ``start()``/``stop()``.
 
-    ``models`` maps names to model folders, GGUF files or ``hf:`` references, which are
-    downloaded first (progress goes to ``on_event``): ``hf:OWNER/REPO[/SUBFOLDER]`` for a
+    ``models`` maps names to model folders, GGUF files, transformers checkpoints or ``hf:``
+    references, which are downloaded first (progress goes to ``on_event``; a GGUF file or a
+    checkpoint is then converted before the server is ready, reported as
+    :class:`Converting`, and ``startup_timeout`` counts from the last progress):
+    ``hf:OWNER/REPO[/SUBFOLDER]`` for a
     folder, ``hf:OWNER/REPO[/SUBFOLDER]/FILE.gguf`` for that one file (every part of a
     split one); see :class:`HubReference`. ``port=0`` always spawns on a free port.
     ``lazy=True`` starts a spawned server with its models configured but not loaded (each
@@ -151,6 +165,8 @@ class LocalServer:
         self.command = list(command) if command else [sys.executable, "-m", "ortserve_server"]
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
+        self._deadline = 0.0
+        """When start-up gives up: ``startup_timeout`` after the spawn or the last progress."""
         self.stop_timeout = stop_timeout
         self.on_event = on_event
         self.log: collections.deque[str] = collections.deque(maxlen=log_lines)
@@ -341,11 +357,11 @@ class LocalServer:
             asyncio.create_task(self._read(self.process.stdout, "stdout", ready)),
             asyncio.create_task(self._read(self.process.stderr, "stderr", None)),
         ]
-        deadline = time.monotonic() + self.startup_timeout
+        self._deadline = time.monotonic() + self.startup_timeout
         try:
-            line = await self._until(ready, deadline)
+            line = await self._until(ready)
             self.port = int(line["port"])
-            await self._wait_healthy(deadline)
+            await self._wait_healthy(self._deadline)
         except BaseException:
             if give_up:
                 await self._abandon()
@@ -409,16 +425,25 @@ class LocalServer:
                     if event.get("event") == "ready":
                         ready.set_result(event)
                         continue
+                    if event.get("event") == "converting":
+                        self._deadline = time.monotonic() + self.startup_timeout  # it is not stuck
+                        self._emit(Converting(str(event.get("model")), float(event.get("progress", 0.0))))
+                        continue
             self.log.append(line)
             self._emit(LogLine(name, line))
 
-    async def _until(self, ready: asyncio.Future[dict[str, Any]], deadline: float) -> dict[str, Any]:
+    async def _until(self, ready: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
+        """The ready line, by ``self._deadline`` (which conversion progress moves)."""
         assert self.process is not None
         exited: asyncio.Future[Any] = asyncio.ensure_future(self.process.wait())
         try:
-            done, _ = await asyncio.wait(
-                [ready, exited], timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
-            )
+            done: set[asyncio.Future[Any]] = set()
+            while not done and time.monotonic() < self._deadline:
+                done, _ = await asyncio.wait(
+                    [ready, exited],
+                    timeout=max(0.0, self._deadline - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
         finally:
             if not exited.done():
                 exited.cancel()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from ._providers import Provider, check_provider
+from .sources._names import CHECKPOINT_PRECISIONS, CheckpointPrecision
 
 __all__ = ["EmbeddingConfig", "EngineName", "KvCacheDtype", "ModelConfig", "RerankConfig"]
 
@@ -166,6 +167,12 @@ class ModelConfig:
     than a batched step saves, measured), og-generator through onnxruntime-genai's own
     n-gram speculation. ``draft:FOLDER`` (ort-cpu): a smaller genai model with the same
     tokenizer drafts greedily. ``None``: only requests carrying a ``prediction`` speculate."""
+    quantize: CheckpointPrecision | None = None
+    """A transformers checkpoint (``config.json`` and safetensors) is built into a genai
+    folder by og's builder at its first load, in this precision: ``int4`` (``None``: the
+    default; k_quant with the most sensitive matrices in int8), ``int8``, ``fp16`` (GPU
+    providers) or ``fp32``. Applies to checkpoints only: a model of another source with
+    its own config saying it is refused."""
     adapters: dict[str, Path] = field(default_factory=dict)
     """LoRA adapters of a generative model: name -> ``.onnx_adapter`` file, made for this
     model's folder (its decoder takes the adapter's weights as inputs). A request picks one
@@ -186,12 +193,14 @@ class ModelConfig:
             raise ValueError(
                 f"the CPU provider takes no provider options (got {', '.join(sorted(self.provider_options))})"
             )
-        if self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
-            )
+        for name, value, choices in (
+            ("engine", self.engine, ENGINES),
+            ("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
+            ("quantize", self.quantize, (None, *CHECKPOINT_PRECISIONS)),
+        ):
+            if value not in choices:
+                named = ", ".join(c for c in choices if c is not None)
+                raise ValueError(f"unknown {name} {value!r}; choose one of {named}")
         if self.speculative not in (None, "ngram") and self.draft_folder in (None, Path()):
             raise ValueError(f"unknown speculative method {self.speculative!r}; choose ngram or draft:FOLDER")
         if self.reproducible and (self.prefill_int8 is not False or self.speculative is not None):

@@ -25,7 +25,7 @@ from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
 from .embeddings import EmbeddingModel, RerankModel
 from .engines import Engine, NotDrivableError, OgEngine, OgGeneratorEngine, OrtCpuEngine
 from .engines._adapters import check_adapters
-from .sources import is_model_file
+from .sources import source_kind
 from .speech import SpeechModel, VoiceModel, find_voice_files
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,8 @@ def detect_model_kind(folder: Path) -> ModelKind:
     """Recognise a model folder, or raise :class:`ModelLoadError` naming the path."""
     if not folder.exists():
         raise ModelLoadError(f"model folder {folder} does not exist", path=folder)
-    if is_model_file(folder):
-        return "generative"  # a GGUF file: converted into a genai folder when it loads
+    if source_kind(folder) is not None:
+        return "generative"  # a GGUF file or a checkpoint: made into a genai folder when it loads
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is neither a model folder nor a GGUF file (.gguf)", path=folder)
     config_path = folder / "genai_config.json"
@@ -67,6 +67,7 @@ def detect_model_kind(folder: Path) -> ModelKind:
         return "voice"
     raise ModelLoadError(
         f"{folder} is not a model folder: expected a GGUF file, genai_config.json (generative or speech model), "
+        "a transformers checkpoint (config.json of a *ForCausalLM with safetensors), "
         "an ONNX encoder with tokenizer.json (embedding model; a *ForSequenceClassification "
         "config.json makes it a rerank model) or a Piper voice (x.onnx with x.onnx.json)",
         path=folder,

@@ -28,7 +28,7 @@ from ._loading import ModelKind, detect_model_kind, measured_load
 from ._residency import Entry, Residency
 from .chat import ChatModel
 from .engines._adapters import check_adapters
-from .sources import GgufError, converted_folder, is_model_file
+from .sources import SourceError, converted_folder, is_model_file, source_kind
 from .speech import VoiceModel
 
 logger = logging.getLogger(__name__)
@@ -220,6 +220,11 @@ class ModelRegistry:
             )
         if kind != "generative" and (config or self.config).adapters:
             raise ValueError(f"model {name!r} is a {kind} model: LoRA adapters apply to generative models only")
+        if config is not None and config.quantize is not None and source_kind(folder) != "checkpoint":
+            raise ValueError(
+                f"model {name!r}: quantize applies to transformers checkpoints (config.json and safetensors) only; "
+                f"{folder} is not one"
+            )
         if config is not None and kind != "generative" and config.prefill_int8:
             raise ValueError(f"model {name!r} is a {kind} model: prefill_int8 applies to generative models only")
         if config is not None and kind != "generative":
@@ -443,14 +448,21 @@ class ModelRegistry:
 
     @staticmethod
     def _converted_and_loaded(entry: Entry) -> tuple[Any, int]:
-        """:func:`measured_load` of the entry's folder: for a model file (GGUF), the
-        cache's converted folder, made first where there is none (state ``converting``)."""
+        """:func:`measured_load` of the entry's folder: for a model file (GGUF) or a
+        checkpoint, the cache's converted folder, made first where there is none (state
+        ``converting``)."""
         if entry.folder is None:
-            if is_model_file(entry.path):
+            kind = source_kind(entry.path)
+            if kind is not None:
                 entry.converting = 0.0
                 try:
-                    entry.folder = converted_folder(entry.path, lambda fraction: setattr(entry, "converting", fraction))
-                except GgufError as exc:
+                    entry.folder = converted_folder(
+                        entry.path,
+                        lambda fraction: setattr(entry, "converting", fraction),
+                        precision=entry.config.quantize if kind == "checkpoint" else None,
+                        provider=entry.config.provider,
+                    )
+                except SourceError as exc:
                     raise ModelLoadError(f"{entry.path}: {exc}", path=entry.path) from exc
                 finally:
                     entry.converting = None

@@ -108,6 +108,7 @@ _MODEL_KEYS = (
     "kv-cache-dtype",
     "prefill-int8",
     "reproducible",
+    "quantize",
     "chat-template",
     "tools-in-system-prompt",
     "speculative",
@@ -131,8 +132,8 @@ def _model_configs(
             provider_options[key.removeprefix("provider-option.")] = value
         elif key == "device-id":
             provider_options["device_id"] = str(_integer(key, value))
-        elif key in ("provider", "engine"):
-            change[key] = value
+        elif key in ("provider", "engine", "quantize"):
+            change[key] = value  # ModelConfig names the choices
         elif key == "kv-cache-dtype":
             change["kv_cache_dtype"] = value  # ModelConfig names the choices
         elif key == "prefill-int8":
@@ -245,7 +246,8 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_parse_model,
         default=[],
         metavar="NAME=PATH",
-        help="a model folder or GGUF file (FILE.gguf; a split one by its first part, NAME-00001-of-0000N.gguf), "
+        help="a model folder, a GGUF file (FILE.gguf; a split one by its first part, NAME-00001-of-0000N.gguf) "
+        "or a transformers checkpoint folder (config.json and safetensors: built by og's builder, see --quantize), "
         "or one on Hugging Face: hf:OWNER/REPO[/SUBFOLDER] (a folder) or hf:OWNER/REPO[/SUBFOLDER]/FILE.gguf "
         "(only that file, every part of a split one); repeatable",
     )
@@ -378,6 +380,15 @@ def _build_parser() -> argparse.ArgumentParser:
         help="ort-cpu: the same tokens for the same request whoever runs beside it, also on CPUs where that costs "
         "(a lone stream of a 4-bit model decodes beside a dummy row on AVX2 CPUs: 13-32%% slower, measured); "
         "per model: --model-option NAME:reproducible=on",
+    )
+    serve.add_argument(
+        "--quantize",
+        choices=["int4", "int8", "fp16", "fp32"],
+        default=None,
+        help="the precision a transformers checkpoint (a folder of config.json and safetensors) is built in by "
+        "og's builder at its first load (default int4: k_quant, the most sensitive matrices in int8; fp16 on GPU "
+        "providers); needs the checkpoints extra (torch, transformers); per model: "
+        "--model-option NAME:quantize=int8",
     )
     serve.add_argument(
         "--lenient",
@@ -595,6 +606,20 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it has no chat")
 
 
+def _check_quantize(quantize: str | None, folders: dict[str, Path]) -> None:
+    """``--quantize`` with no checkpoint among the models is a ``ValueError``, not a
+    setting nothing reads (a model's own ``quantize`` option is checked by the registry)."""
+    if quantize is None:
+        return
+    from ortserve_runtime.sources import source_kind
+
+    if not any(source_kind(folder) == "checkpoint" for folder in folders.values()):
+        raise ValueError(
+            "--quantize applies to transformers checkpoints (a folder of config.json and safetensors); "
+            "no model served is one"
+        )
+
+
 def _mcp_servers(specs: list[str], header_specs: list[str]) -> tuple[McpServer, ...]:
     """``--mcp-server`` and ``--mcp-header`` values as servers (``ValueError`` naming a bad one)."""
     from ._config import McpServer, parse_mcp_server
@@ -642,6 +667,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         resolved = {name: _resolve_model(name, path) for name, path in models.items()}
         _check_chat_options(args.model_option, resolved)
+        _check_quantize(args.quantize, resolved)
         provider_options = dict(args.provider_option)
         if args.device_id is not None:
             provider_options["device_id"] = str(args.device_id)
@@ -657,6 +683,7 @@ def _serve(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             prefill_int8=_prefill_int8(args.prefill_int8),
             reproducible=args.reproducible,
+            quantize=args.quantize,
             chat_template=args.chat_template,
             speculative=_speculative(args.speculative),
         )
@@ -766,7 +793,11 @@ async def _run(server: object, sock: socket.socket, port: int, ready_json: bool,
 
     assert isinstance(server, uvicorn.Server)
     AcceptErrorLog().install(asyncio.get_running_loop())
-    await state.startup()
+    reporter = asyncio.create_task(_report_conversions(state, ready_json))
+    try:
+        await state.startup()
+    finally:
+        reporter.cancel()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     watchdog = asyncio.create_task(_watch_parent(server))
     drain = asyncio.create_task(_drain(server, state, grace))
@@ -787,6 +818,27 @@ async def _run(server: object, sock: socket.socket, port: int, ready_json: bool,
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def _report_conversions(state: OrtServe, as_json: bool) -> None:
+    """While the models load before the server listens, say how far each conversion (a
+    GGUF file, a checkpoint's build) has come: a log line every 10%, and with
+    ``--ready-json`` an event line ``{"event": "converting", "model": ..., "progress": ...}``
+    on stdout for each percent (a sidecar's host shows it, and knows the server is not stuck)."""
+    told: dict[str, tuple[int, int]] = {}  # name -> (percent, tenth) last reported
+    while True:
+        for status in state.registry.status():
+            if status.state != "converting" or status.progress is None:
+                continue
+            percent = int(status.progress * 100)
+            last_percent, last_tenth = told.get(status.name, (-1, -1))
+            if as_json and percent != last_percent:
+                line = {"event": "converting", "model": status.name, "progress": round(status.progress, 3)}
+                print(json.dumps(line), flush=True)
+            if percent // 10 != last_tenth:
+                logger.info("model %s: converting its source, %d%%", status.name, percent)
+            told[status.name] = (percent, percent // 10)
+        await asyncio.sleep(0.2)
 
 
 async def _drain(server: object, state: OrtServe, grace: float) -> None:

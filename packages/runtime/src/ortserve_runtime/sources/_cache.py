@@ -1,5 +1,5 @@
 """Converted folders kept under ``$ORTSERVE_CACHE/converted``, one per source digest and
-converter version.
+converter version (for a checkpoint: precision, provider and og's version too).
 
 A conversion writes into a temporary folder beside its final name and renames it when
 complete, so a crash never leaves a half folder that looks whole; a lock file keeps two
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ._names import CONVERTER_VERSION, split_parts
+from ._names import CONVERTER_VERSION, CheckpointPrecision, SourceError, checkpoint_files, source_kind, split_parts
 
 __all__ = ["cache_root", "converted_folder", "file_digest"]
 
@@ -39,8 +39,9 @@ def cache_root() -> Path:
 
 
 def file_digest(path: Path, progress: Callable[[float], None] = lambda fraction: None) -> str:
-    """SHA-256 of ``path``'s parts, remembered by (path, size, mtime) in the cache's index."""
-    parts = split_parts(path)
+    """SHA-256 of ``path``'s parts (a checkpoint's files), remembered by (path, size,
+    mtime) in the cache's index."""
+    parts = checkpoint_files(path) if path.is_dir() else split_parts(path)
     stats = [part.stat() for part in parts]
     key = "|".join(f"{part.resolve()}:{s.st_size}:{s.st_mtime_ns}" for part, s in zip(parts, stats, strict=True))
     index_path = cache_root() / "digests.json"
@@ -69,12 +70,33 @@ def file_digest(path: Path, progress: Callable[[float], None] = lambda fraction:
     return value
 
 
-def converted_folder(source: Path, progress: Callable[[float], None] = lambda fraction: None) -> Path:
-    """The genai folder of the model file ``source``: from the cache, or converted now
-    (blocks; ``progress`` gets fractions of the work: 0-0.1 reading the digest, then the
-    weights)."""
+def converted_folder(
+    source: Path,
+    progress: Callable[[float], None] = lambda fraction: None,
+    *,
+    precision: CheckpointPrecision | None = None,
+    provider: str = "cpu",
+) -> Path:
+    """The genai folder of the model file or checkpoint ``source``: from the cache, or
+    made now (blocks; ``progress`` gets fractions of the work: 0-0.1 reading the digest,
+    then the weights). ``precision`` (default int4) and ``provider`` apply to a checkpoint
+    (og's builder writes for one provider); a GGUF file keeps its own types."""
+    kind = source_kind(source)
+    if kind is None:
+        raise SourceError(f"{source} is neither a GGUF file nor a transformers checkpoint")
+    if kind == "gguf" and precision is not None:
+        raise SourceError(f"{source.name} is a GGUF file: its weights keep the file's types (no precision applies)")
     digest = file_digest(source, lambda f: progress(0.1 * f))
-    folder = cache_root() / f"{digest[:32]}-v{CONVERTER_VERSION}"
+    if kind == "gguf":
+        name = f"{digest[:32]}-v{CONVERTER_VERSION}"
+    else:
+        import onnxruntime_genai as og  # the builder's version is part of what it wrote
+
+        from ._checkpoint import BUILD_VERSION, builder_provider
+
+        precision = precision or "int4"
+        name = f"{digest[:32]}-{precision}-{builder_provider(provider).lower()}-og{og.__version__}-b{BUILD_VERSION}"
+    folder = cache_root() / name
     if (folder / "genai_config.json").exists():
         progress(1.0)
         return folder
@@ -83,13 +105,19 @@ def converted_folder(source: Path, progress: Callable[[float], None] = lambda fr
         if (folder / "genai_config.json").exists():  # another process converted it meanwhile
             progress(1.0)
             return folder
-        from ._gguf import convert_gguf  # the converter's imports, only when a file converts
-
         started = time.monotonic()
         logger.info("converting %s into %s", source, folder)
         scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
         try:
-            convert_gguf(source, scratch, lambda f: progress(0.1 + 0.9 * f))
+            if kind == "gguf":
+                from ._gguf import convert_gguf  # the converter's imports, only when a file converts
+
+                convert_gguf(source, scratch, lambda f: progress(0.1 + 0.9 * f))
+            else:
+                from ._checkpoint import build_checkpoint
+
+                assert precision is not None
+                build_checkpoint(source, scratch, precision, provider, lambda f: progress(0.1 + 0.9 * f))
             scratch.rename(folder)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -1,23 +1,80 @@
-"""What the rest of the runtime needs to know of model files without loading the
-converter: whether a path is one, its parts, the converter's version and its error.
-(The converter itself imports gguf-py, onnx and the tokenizer tables: 170 ms, measured,
-paid only when a file is converted.)"""
+"""What the rest of the runtime needs to know of model sources without loading a
+converter: whether a path is one (a GGUF file, a transformers checkpoint), its files, the
+converters' versions and their error. (The GGUF converter imports gguf-py, onnx and the
+tokenizer tables: 170 ms, measured, paid only when a file is converted; og's builder runs
+in a child process.)"""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Literal
 
-__all__ = ["CONVERTER_VERSION", "GgufError", "is_model_file", "split_parts"]
+__all__ = [
+    "CHECKPOINT_PRECISIONS",
+    "CONVERTER_VERSION",
+    "CheckpointPrecision",
+    "GgufError",
+    "SourceError",
+    "SourceKind",
+    "checkpoint_files",
+    "is_model_file",
+    "source_kind",
+    "split_parts",
+]
 
 
-class GgufError(ValueError):
+class SourceError(ValueError):
+    """The source is not one ortserve can turn into a model folder (the message says why)."""
+
+
+class GgufError(SourceError):
     """The file is not one this converter can turn into a model (the message says why)."""
+
+
+SourceKind = Literal["gguf", "checkpoint"]
+CheckpointPrecision = Literal["int4", "int8", "fp16", "fp32"]
+CHECKPOINT_PRECISIONS: tuple[CheckpointPrecision, ...] = ("int4", "int8", "fp16", "fp32")
 
 
 def is_model_file(path: Path) -> bool:
     """Whether ``path`` names a model file this package converts (a GGUF file)."""
     return path.suffix.lower() == ".gguf" and not path.is_dir()
+
+
+def source_kind(path: Path) -> SourceKind | None:
+    """What ``path`` is when it is a source rather than a folder an engine drives: a GGUF
+    file, or a transformers checkpoint of a generative model (``config.json`` naming a
+    ``*ForCausalLM`` or ``*ForConditionalGeneration`` with ``*.safetensors`` or
+    ``pytorch_model*.bin`` beside it, and no ONNX model: a folder that has one is served
+    as it is)."""
+    if is_model_file(path):
+        return "gguf"
+    if not path.is_dir() or (path / "genai_config.json").exists():
+        return None
+    if (path / "model.onnx").exists() or (path / "onnx" / "model.onnx").exists():
+        return None
+    try:
+        architectures = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    generative = isinstance(architectures, list) and any(
+        isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures
+    )
+    return "checkpoint" if generative and _weight_files(path) else None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted([*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")])
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The files of a checkpoint that decide what its build is: the weights and every
+    JSON, tokenizer and template file beside them (a changed tokenizer is another model)."""
+    names = ("*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt")
+    found = {p for pattern in names for p in folder.glob(pattern) if p.is_file()}
+    return sorted(found | set(_weight_files(folder)))
 
 
 CONVERTER_VERSION = 6
