@@ -81,6 +81,19 @@ def test_predicted_outputs_and_prompt_lookup_over_http() -> None:
         assert 'ortserve_spec_accepted_tokens_total{model="ngram"}' in metrics
         assert 'ortserve_spec_proposed_tokens_total{model="plain"}' in metrics
 
+        # A prediction none of which is taken still reports both counts, as OpenAI does.
+        for prediction in ("Quantum zebra xylophone", ""):
+            missed = client.chat.completions.create(
+                model="plain",
+                messages=MESSAGES,
+                max_tokens=8,
+                temperature=0,
+                prediction={"type": "content", "content": prediction},
+            )
+            assert missed.usage is not None and missed.usage.completion_tokens_details is not None
+            assert missed.usage.completion_tokens_details.accepted_prediction_tokens == 0
+            assert missed.usage.completion_tokens_details.rejected_prediction_tokens is not None
+
         # An engine that takes no drafts refuses a prediction by name; the server serves on.
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(

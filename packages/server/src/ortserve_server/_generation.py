@@ -153,6 +153,7 @@ class Generation:
         """Per stream, the tokens generated inside its think block (markers included):
         the Responses API's ``reasoning_tokens``."""
         self.plan = started.plan
+        self.predicted = any(options.prediction is not None for options in started.plan.options)
         """The plan that started the streams: names the request's field in errors raised
         mid-generation (a grammar the matcher gave up on: ``response_format``...)."""
         self.prompt_only = started.plan.prompt_only
@@ -239,7 +240,8 @@ class Generation:
                     accepted_prediction_tokens=accepted,
                     rejected_prediction_tokens=rejected,
                 )
-                if self.reasoning_parsers is not None or accepted or rejected
+                # OpenAI reports both prediction counts whenever a prediction is given, 0s too.
+                if self.reasoning_parsers is not None or accepted or rejected or self.predicted
                 else None
             ),
         )
