@@ -163,7 +163,9 @@ def _grammar_text(grammar: Grammar) -> str:
     except InvalidRequestError:
         raise
     except RecursionError:  # json.loads of a deeply nested schema text
-        raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: nested too deeply", param="grammar") from None
+        raise InvalidRequestError(
+            f"invalid {grammar.kind.replace('_', ' ')}: nested too deeply", param="grammar"
+        ) from None
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {exc}", param="grammar") from exc
 
