@@ -1,15 +1,17 @@
 """A real MCP server (the official SDK's MCPServer, once FastMCP) for the MCP tests:
-``python mcp_tools_server.py stdio [MARKER]`` or ``python mcp_tools_server.py http PORT``.
+``python mcp_tools_server.py stdio [MARKER [fragile]]`` or ``python mcp_tools_server.py http PORT``.
 
 Its tools: ``add`` answers; ``fail`` raises a tool error; ``nap`` writes ``MARKER.started``,
 sleeps 3 s, then writes ``MARKER.finished`` (a cancelled call never finishes); ``big``
-returns 200,000 characters; ``lookup`` is read-only (annotated so); ``whoami`` returns the
+returns 200,000 characters; with ``fragile``, ``huge`` returns 2,000,000 and ``quit`` ends
+the process; ``lookup`` is read-only (annotated so); ``whoami`` returns the
 Authorization header the call came with. The tiny test model
 writes random arguments, so the tools the tests force take none, or check what they get."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -65,7 +67,18 @@ def whoami(ctx: Context) -> str:
     return str(headers.get("authorization", "none"))
 
 
+def huge() -> str:
+    return "y" * 2_000_000
+
+
+def quit() -> str:
+    os._exit(0)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "stdio" and sys.argv[3:] == ["fragile"]:  # tools that end the server, or its link
+        server.tool(description="A longer answer than one message may be")(huge)
+        server.tool(description="Exit the server's process")(quit)
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:

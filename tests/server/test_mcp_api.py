@@ -68,6 +68,7 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
         models={"tiny": TINY_MODEL},
         mcp_servers=(
             McpServer("tools", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker))),
+            McpServer("fragile", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker), "fragile")),
             McpServer("web", url=http_mcp),
             McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
             McpServer("gone", command=("/nonexistent/mcp-server",)),
@@ -76,6 +77,7 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
         mcp_start_timeout=3.0,
         mcp_call_timeout=2.0,
         mcp_max_output_bytes=500,  # the tiny model's context is 1024 tokens
+        mcp_max_message_bytes=1_000_000,  # the huge tool's 2 MB is past it; big's 200 KB is not
         mcp_max_tool_calls=2,  # Anthropic requests have no max_tool_calls
     )
     with running(create_app(config)) as base:
@@ -299,6 +301,37 @@ def test_a_long_result_is_cut_with_a_note(client: openai.OpenAI) -> None:
     )
     output = response.output[1].output
     assert output.startswith("x" * 500) and output.endswith(f"[output cut: {200_000 - 500} more bytes]")
+
+
+@pytest.mark.parametrize(
+    ("tool", "says"),
+    [("quit", "process ended"), ("huge", "more than 1000000 bytes")],
+)
+def test_a_stdio_server_that_ends_starts_again_on_next_use(
+    client: openai.OpenAI, url: str, tool: str, says: str
+) -> None:
+    """``quit`` ends the process mid-call (then every later call was "Connection closed"
+    until a restart); ``huge`` sends one message past the bound (80 MB stalled the event loop
+    and wedged the connection for good). The call fails saying why, at once; the next call
+    starts the server again."""
+
+    def force(name: str) -> Any:
+        return client.responses.create(
+            model="tiny",
+            input=f"Use {name}",
+            tools=[_mcp("fragile", require_approval="never", allowed_tools=[name])],
+            tool_choice=_forced("fragile", name),  # type: ignore[arg-type]
+            max_tool_calls=1,
+            max_output_tokens=100,
+        )
+
+    started = time.monotonic()
+    call = force(tool).output[1]
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert call.error.type == "mcp_protocol_error" and says in call.error.message, call.error
+    assert time.monotonic() - started < 10  # not the call timeout's wait
+    assert httpx.get(f"{url}/health", timeout=1).status_code == 200
+    _check_sums(_calls_then_answer(force("add")))
 
 
 def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:

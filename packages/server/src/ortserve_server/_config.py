@@ -94,7 +94,13 @@ def _check_mcp_config(config: ServerConfig) -> None:
         raise ValueError(f"mcp_servers: the label {twice[0]!r} is given twice")
     for prefix in config.mcp_allowed_urls:
         _check_url(prefix, "mcp_allowed_urls")
-    for name in ("mcp_call_timeout", "mcp_start_timeout", "mcp_max_output_bytes", "mcp_max_tool_calls"):
+    for name in (
+        "mcp_call_timeout",
+        "mcp_start_timeout",
+        "mcp_max_output_bytes",
+        "mcp_max_message_bytes",
+        "mcp_max_tool_calls",
+    ):
         if getattr(config, name) <= 0:
             raise ValueError(f"{name} must be positive")
     if config.mcp_servers or config.mcp_allowed_urls:
@@ -247,6 +253,9 @@ class ServerConfig:
     """Seconds a configured server's tool list is kept before it is listed again."""
     mcp_max_output_bytes: int = 64 * 1024
     """A tool result longer than this reaches the model cut, with a note saying so."""
+    mcp_max_message_bytes: int = 8 * 1024 * 1024
+    """The longest message a stdio MCP server may send (a result, a tool list): a longer
+    one stops that server's process (it starts again on next use) and the call fails."""
     mcp_max_tool_calls: int = 16
     """MCP calls one response may make when it does not set ``max_tool_calls`` (at most
     this when it does); then the model must answer without tools."""

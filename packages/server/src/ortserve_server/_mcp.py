@@ -7,8 +7,9 @@ when it is under one of ``--allow-mcp-url``'s prefixes. No request can make the 
 start a process or reach an address that is not named in its configuration.
 
 A configured server is connected on first use and stays connected (a stdio server is one
-process for all requests) until the app stops; one that drops is connected again on next
-use. Its tool list is kept for ``mcp_list_ttl`` seconds. A server a request names by URL is
+process for all requests) until the app stops; one that drops (a stdio server's process
+exited, or was stopped for a message past ``mcp_max_message_bytes``) is connected again on
+next use. Its tool list is kept for ``mcp_list_ttl`` seconds. A server a request names by URL is
 connected for that request only (its headers are the request's) and closed with it.
 
 Every connection lives in a task of its own, since the MCP SDK's client (anyio task
@@ -34,6 +35,7 @@ from ortserve_client import protocol as p
 
 from ._config import url_allowed
 from ._errors import BadRequestError, ServerError
+from ._mcp_stdio import StdioLink
 
 if TYPE_CHECKING:
     from ._config import ServerConfig
@@ -112,7 +114,9 @@ class _Result:
 class _Link:
     """One open MCP connection, owned by a task of its own (see the module's docstring)."""
 
-    def __init__(self, name: str, target: Any, headers: dict[str, str], start_timeout: float) -> None:
+    def __init__(
+        self, name: str, target: Any, headers: dict[str, str], start_timeout: float, max_message_bytes: int = 0
+    ) -> None:
         self.name = name
         self._target = target
         self._headers = headers
@@ -120,10 +124,16 @@ class _Link:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.client: Any = None
+        self._stdio = StdioLink(target, max_message_bytes) if isinstance(target, tuple) else None
+
+    @property
+    def ended(self) -> str | None:
+        """Why a stdio server's connection is over (its process ended...), else ``None``."""
+        return self._stdio.ended if self._stdio is not None else None
 
     @property
     def alive(self) -> bool:
-        return self._task is not None and not self._task.done() and self.client is not None
+        return self._task is not None and not self._task.done() and self.client is not None and self.ended is None
 
     async def open(self) -> None:
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -140,15 +150,15 @@ class _Link:
             raise
 
     async def _own(self, ready: asyncio.Future[None]) -> None:
-        from mcp import Client, StdioServerParameters
+        from mcp import Client
         from mcp.client.streamable_http import streamable_http_client
         from mcp.shared._httpx_utils import create_mcp_http_client
 
         target = self._target
         try:
             async with contextlib.AsyncExitStack() as stack:
-                if isinstance(target, tuple):
-                    server: Any = StdioServerParameters(command=target[0], args=list(target[1:]))
+                if self._stdio is not None:
+                    server: Any = self._stdio.transport()
                 else:
                     http = await stack.enter_async_context(create_mcp_http_client(headers=self._headers))
                     server = streamable_http_client(target, http_client=http)
@@ -195,7 +205,7 @@ class _Link:
         try:
             result = await self.client.call_tool(name, arguments, read_timeout_seconds=timeout)
         except MCPError as exc:
-            raise McpToolError("mcp_protocol_error", exc.code, exc.error.message) from exc
+            raise McpToolError("mcp_protocol_error", exc.code, self.ended or exc.error.message) from exc
         except TimeoutError as exc:
             raise McpToolError("mcp_protocol_error", -32001, f"the tool did not answer within {timeout:g} s") from exc
         except Exception as exc:  # the transport's failures: the model is told
@@ -238,9 +248,12 @@ class McpHub:
         async with lock:
             link = self._links.get(label)
             if link is None or not link.alive:
+                if link is not None:  # ended: its process is stopped before another starts
+                    await link.close()
                 server = self.servers[label]
                 target = server.command if server.command else server.url
-                link = _Link(label, target, server.headers, self.config.mcp_start_timeout)
+                config = self.config
+                link = _Link(label, target, server.headers, config.mcp_start_timeout, config.mcp_max_message_bytes)
                 await link.open()
                 self._links[label] = link
             return link
@@ -253,7 +266,8 @@ class McpHub:
         try:
             tools = await link.list_tools()
         except Exception as exc:
-            raise McpUnavailableError(f"MCP server {label!r} could not list its tools: {_why(exc)}") from exc
+            why = link.ended or _why(exc)
+            raise McpUnavailableError(f"MCP server {label!r} could not list its tools: {why}") from exc
         self._tools[label] = (time.monotonic() + self.config.mcp_list_ttl, tools)
         return tools
 

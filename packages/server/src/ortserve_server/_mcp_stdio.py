@@ -1,0 +1,161 @@
+"""The stdio transport of configured MCP servers: the server's process, newline-delimited
+JSON-RPC on its stdin and stdout, with every message bounded.
+
+The MCP SDK's own stdio client keeps no bound: a tool that printed 80 MB on one line
+grew its buffer by concatenation, chunk after chunk, on the event loop (gaps of 589 ms),
+and the connection answered nothing again. Here a line past ``max_bytes`` ends the
+connection at once (the process is killed, the calls waiting on it fail saying why), a
+large line is parsed on a worker thread, and :attr:`StdioLink.ended` tells the owner
+that the connection is over (the process exited, or was stopped for its output), so the
+next use starts the server again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+__all__ = ["StdioLink"]
+
+logger = logging.getLogger("ortserve.mcp")
+
+_PARSE_INLINE = 64 * 1024
+"""Lines up to this are parsed on the event loop; longer ones on a worker thread."""
+_GRACE = 2.0
+"""Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
+
+
+class StdioLink:
+    """One stdio connection's state: why it ended (``None`` while it lasts)."""
+
+    def __init__(self, command: tuple[str, ...], max_bytes: int) -> None:
+        self.command = command
+        self.max_bytes = max_bytes
+        self.ended: str | None = None
+
+    @contextlib.asynccontextmanager
+    async def transport(self) -> AsyncIterator[tuple[Any, Any]]:
+        """The MCP SDK's transport shape: (read stream, write stream) of its messages,
+        while the process runs; on exit the process is stopped (its whole group)."""
+        from mcp.client.stdio import get_default_environment
+        from mcp.shared.message import SessionMessage
+
+        process = await anyio.open_process(
+            list(self.command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,  # the server's log goes where ours goes
+            env=get_default_environment(),  # not ours: API keys and tokens stay here
+            start_new_session=os.name == "posix",
+        )
+        reading, read_stream = anyio.create_memory_object_stream[Any](0)
+        write_stream, writing = anyio.create_memory_object_stream[SessionMessage](0)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self._read, process, reading)
+            tasks.start_soon(self._write, process, writing)
+            try:
+                yield read_stream, write_stream
+            finally:
+                with anyio.CancelScope(shield=True):
+                    read_stream.close()
+                    write_stream.close()
+                    await _stop(process)
+                    with contextlib.suppress(Exception):
+                        await process.aclose()  # its pipes
+                tasks.cancel_scope.cancel()
+
+    async def _read(self, process: anyio.abc.Process, reading: Any) -> None:
+        assert process.stdout is not None
+        buffer = bytearray()
+        async with reading:
+            try:
+                async for chunk in process.stdout:
+                    start = 0
+                    while (end := chunk.find(b"\n", start)) >= 0:
+                        buffer += chunk[start:end]
+                        start = end + 1
+                        if not await self._deliver(bytes(buffer), reading):
+                            return
+                        buffer.clear()
+                    buffer += chunk[start:]
+                    if len(buffer) > self.max_bytes:
+                        self.ended = (
+                            f"the MCP server sent a message of more than {self.max_bytes} bytes; "
+                            "it was stopped and starts again on next use"
+                        )
+                        logger.warning("MCP server %s: %s", self.command[0], self.ended)
+                        _kill(process)
+                        return
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError):
+                pass
+            finally:
+                if self.ended is None:
+                    self.ended = "the MCP server's process ended; it starts again on next use"
+
+    async def _deliver(self, line: bytes, reading: Any) -> bool:
+        """Hands one message (or its parse error, which the session reports) on; False once
+        nobody reads."""
+        if not line.strip():
+            return True
+        message = _parse(line) if len(line) <= _PARSE_INLINE else await anyio.to_thread.run_sync(_parse, line)
+        try:
+            await reading.send(message)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False
+        return True
+
+    async def _write(self, process: anyio.abc.Process, writing: Any) -> None:
+        assert process.stdin is not None
+        try:
+            async with writing:
+                async for outgoing in writing:
+                    text = outgoing.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    await process.stdin.send(text.encode() + b"\n")
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            pass  # the process is gone: the reader sees its stdout end
+
+
+def _parse(line: bytes) -> Any:
+    import mcp_types
+    from mcp.shared.message import SessionMessage
+
+    try:
+        return SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+    except ValueError as exc:
+        return exc
+
+
+def _kill(process: anyio.abc.Process, signum: int = signal.SIGKILL if os.name == "posix" else 9) -> None:
+    """``signum`` to the server's process group (it may have started others)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.name == "posix":
+            os.killpg(process.pid, signum)
+        elif signum == signal.SIGTERM:
+            process.terminate()
+        else:
+            process.kill()
+
+
+async def _stop(process: anyio.abc.Process) -> None:
+    """Closes stdin (MCP's way to ask a stdio server to exit), then SIGTERM, then SIGKILL."""
+    if process.stdin is not None:
+        with contextlib.suppress(Exception):
+            await process.stdin.aclose()
+    for then in (signal.SIGTERM, None):
+        with anyio.move_on_after(_GRACE):
+            await process.wait()
+            return
+        if then is not None:
+            _kill(process, then)
+    _kill(process)
+    with anyio.move_on_after(_GRACE):
+        await process.wait()
