@@ -1,7 +1,8 @@
 """Issue 14, items 2 and 4: no single request stalls the event loop or floods the queue.
 
 Through a real server: a stream keeps flowing while hostile requests (a 15 MB prompt, a
-15 MB chat message, 50,000 ``guided_choice`` options) are refused, each at once; a
+15 MB chat message, 50,000 ``guided_choice`` options, 200,000 ``logit_bias`` entries, 2,000
+tools) are refused, each at once; a
 request that fans out into more generations than ``max_queued`` is refused before any of
 them starts.
 """
@@ -24,6 +25,8 @@ from serving import TINY_MODEL, running
 pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 
 HUGE = "word " * 3_000_000  # 15 MB
+BIAS = {str(i): -1.0 for i in range(200_000)}  # 3 MB: 130 ms of checks on the event loop
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,16 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
         "guided_regex",
     ),
     ("/v1/tokenize", {"model": "tiny", "prompt": HUGE}, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": BIAS},
+        "logit_bias",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL] * 2000},
+        "tools",
+    ),
 ]
 
 

@@ -27,7 +27,7 @@ from litestar.plugins import OpenAPISchemaPlugin
 from litestar.typing import FieldDefinition
 from ortserve_client import protocol as p
 
-from ._plan import MAX_STOP
+from ._plan import MAX_LOGIT_BIAS, MAX_STOP, MAX_TOOLS
 
 __all__ = [
     "GET_ERRORS",
@@ -145,6 +145,12 @@ class RequestLimits(OpenAPISchemaPlugin):
         for part in _alternatives(properties.get("stop")):
             if part.type == OpenAPIType.ARRAY:
                 part.max_items = MAX_STOP
+        for part in _alternatives(properties.get("tools")):
+            if part.type == OpenAPIType.ARRAY:
+                part.max_items = MAX_TOOLS
+        for part in _alternatives(properties.get("logit_bias")):
+            if part.type == OpenAPIType.OBJECT:
+                part.max_properties = MAX_LOGIT_BIAS
         return schema
 
 

@@ -24,7 +24,7 @@ from .._errors import (
 )
 from .._leases import require_model
 from .._mcp import McpTools
-from .._plan import prepare_chat
+from .._plan import check_tool_count, prepare_chat
 from .._state import OrtServe
 
 __all__ = ["_Mapped", "_add_mcp_servers", "_counted_prompt", "_map", "_named"]
@@ -193,6 +193,7 @@ def _thinking(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) 
 def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: McpTools | None = None) -> _Mapped:
     """The chat completion an Anthropic request means (refusing what it cannot mean);
     ``mcp``: the request's MCP servers, whose tools follow the request's own."""
+    check_tool_count(data.tools)
     template_variables = _thinking(data, model)
     choice, parallel = _tool_choice(data.tool_choice)
     tools: list[p.Tool] | msgspec.UnsetType = msgspec.UNSET

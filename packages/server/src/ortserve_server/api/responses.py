@@ -60,7 +60,7 @@ from .._leases import require_model
 from .._mcp import McpTool as McpToolSpec
 from .._mcp import McpToolError, McpTools
 from .._openapi import GET_ERRORS, error_responses, generation_docs
-from .._plan import start_chat
+from .._plan import check_tool_count, start_chat
 from .._state import OrtServe
 from .._tool_loop import ToolLoop
 from .responses_input import _chat_request, _chat_tools, _input, _messages, _named_as_responses
@@ -85,6 +85,7 @@ class PreviousResponseNotFoundError(NotFoundError):
 
 def _check(data: rp.ResponseCreateRequest, state: OrtServe, model: ChatModel) -> None:
     """Refuse what we cannot honour, naming the field, rather than ignore it."""
+    check_tool_count(data.tools)
     reasoning = data.reasoning
     if isinstance(reasoning, rp.Reasoning) and model.reasoning is None:
         for name in ("effort", "summary"):

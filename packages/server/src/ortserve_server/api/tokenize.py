@@ -16,6 +16,7 @@ from .._errors import (
 from .._leases import require_model
 from .._messages import chat_messages
 from .._openapi import POST_ERRORS, error_responses
+from .._plan import check_tool_count
 from .._state import OrtServe
 
 __all__ = ["detokenize", "tokenize"]
@@ -28,6 +29,7 @@ __all__ = ["detokenize", "tokenize"]
     responses=error_responses(*POST_ERRORS),
 )
 async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.TokenizeResponse:
+    check_tool_count(data.tools)
     model = await require_model(ortserve, data.model)
     has_prompt = not isinstance(data.prompt, msgspec.UnsetType)
     has_messages = not isinstance(data.messages, msgspec.UnsetType)
