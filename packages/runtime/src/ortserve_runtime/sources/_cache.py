@@ -2,7 +2,8 @@
 converter version (for a checkpoint: precision, provider and og's version too).
 
 A conversion writes into a temporary folder beside its final name and renames it when
-complete, so a crash never leaves a half folder that looks whole; a lock file keeps two
+complete, so a crash never leaves a half folder that looks whole (the conversion runs in a
+child process: :mod:`._gguf_process`, :mod:`._checkpoint`); a lock file keeps two
 processes from converting the same file at once (the second waits, then finds the
 folder). The digest is SHA-256 over the file's bytes (every part of a split file), kept in
 a small index by path, size and modification time so that a restart does not read a
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ._gguf_process import convert_in_child
 from ._names import CONVERTER_VERSION, CheckpointPrecision, SourceError, checkpoint_files, source_kind, split_parts
 
 __all__ = ["cache_root", "converted_folder", "file_digest"]
@@ -79,8 +81,9 @@ def converted_folder(
 ) -> Path:
     """The genai folder of the model file or checkpoint ``source``: from the cache, or
     made now (blocks; ``progress`` gets fractions of the work: 0-0.1 reading the digest,
-    then the weights). ``precision`` (default int4) and ``provider`` apply to a checkpoint
-    (og's builder writes for one provider); a GGUF file keeps its own types."""
+    then the weights). Both kinds convert in a child process. ``precision`` (default
+    int4) and ``provider`` apply to a checkpoint (og's builder writes for one provider); a
+    GGUF file keeps its own types."""
     kind = source_kind(source)
     if kind is None:
         raise SourceError(f"{source} is neither a GGUF file nor a transformers checkpoint")
@@ -110,9 +113,7 @@ def converted_folder(
         scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
         try:
             if kind == "gguf":
-                from ._gguf import convert_gguf  # the converter's imports, only when a file converts
-
-                convert_gguf(source, scratch, lambda f: progress(0.1 + 0.9 * f))
+                convert_in_child(source, scratch, lambda f: progress(0.1 + 0.9 * f))
             else:
                 from ._checkpoint import build_checkpoint
 

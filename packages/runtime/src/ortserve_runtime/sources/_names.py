@@ -1,8 +1,8 @@
 """What the rest of the runtime needs to know of model sources without loading a
 converter: whether a path is one (a GGUF file, a transformers checkpoint), its files, the
-converters' versions and their error. (The GGUF converter imports gguf-py, onnx and the
-tokenizer tables: 170 ms, measured, paid only when a file is converted; og's builder runs
-in a child process.)"""
+converters' versions and their error. (Both converters run in child processes: the GGUF
+converter's imports, gguf-py, onnx and the tokenizer tables, are paid only there, and og's
+builder with torch and transformers.)"""
 
 from __future__ import annotations
 

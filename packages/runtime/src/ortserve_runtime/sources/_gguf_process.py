@@ -1,0 +1,128 @@
+"""A GGUF file converted in a child process.
+
+In the server's process the conversion held the server's GIL for seconds (a busy CI run
+saw ``/health`` take 1.08 s while SmolLM2 converted), kept its peak memory there, and a
+crash in numpy or onnx on a hostile file would have ended the server. :func:`convert_in_child`
+runs :func:`._gguf.convert_gguf` in a child Python started by :data:`_BOOTSTRAP`, which
+stubs the ``ortserve_runtime`` and ``ortserve_runtime.sources`` packages so that their
+``__init__`` (every model kind and engine) does not run there: the child imports the
+converter's few modules and nothing else.
+
+The child speaks one line at a time on its standard output (its own prints and those of
+the libraries it calls go to its standard error, kept in a file for a failure's reason):
+``progress F`` as the conversion reads the weights, ``error MESSAGE`` (JSON) for a
+:class:`GgufError`, which the parent raises again with the same message. A child ended by
+a signal (a crash, the kernel's out-of-memory killer) is a :class:`GgufError` naming the
+signal. The child exits when its parent does.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from ._names import GgufError
+
+__all__ = ["convert_in_child", "main"]
+
+_BOOTSTRAP = """
+import sys, types
+for name, path in (("ortserve_runtime", sys.argv[1]), ("ortserve_runtime.sources", sys.argv[1] + "/sources")):
+    module = types.ModuleType(name)
+    module.__path__ = [path]
+    sys.modules[name] = module
+from ortserve_runtime.sources._gguf_process import main
+main(*sys.argv[2:])
+"""
+"""Starts the child without running the packages' ``__init__`` (0.5 s of imports saved)."""
+
+_STEP = 0.002
+"""The smallest change of the fraction the child reports (fewer lines on a big file)."""
+
+
+def convert_in_child(source: Path, folder: Path, progress: Callable[[float], None] = lambda fraction: None) -> None:
+    """Write the genai folder of the GGUF file ``source`` into ``folder`` (which exists)
+    from a child process; ``GgufError`` with the converter's own message when it refuses
+    the file, or naming how the child ended."""
+    package = Path(__file__).resolve().parents[1]
+    errors: list[str] = []
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, str(package), str(source), str(folder), str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+        )
+        try:
+            assert child.stdout is not None
+            for line in child.stdout:
+                word, _, rest = line.rstrip("\n").partition(" ")
+                if word == "progress":
+                    progress(float(rest))
+                elif word == "error":
+                    errors.append(json.loads(rest))
+            code = child.wait()
+        finally:
+            if child.poll() is None:  # the caller's progress raised, or this thread was interrupted
+                child.kill()
+                child.wait()
+            assert child.stdout is not None
+            child.stdout.close()
+        log.seek(0)
+        tail = collections.deque((line.strip() for line in log if line.strip()), maxlen=5)
+    if errors:
+        raise GgufError(errors[-1])
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        raise GgufError(f"converting {source.name} ended with {name}{hint}: its converter crashed or was killed")
+    if code != 0 or not (folder / "genai_config.json").exists():
+        said = tail[-1] if tail else f"it exited with status {code}"
+        raise GgufError(f"{source.name} could not be converted: {said}")
+
+
+def main(source: str, folder: str, parent: str) -> None:
+    """The child: convert ``source`` into ``folder``, reporting on standard output, and
+    exit if the process ``parent`` ends first."""
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints never reach the protocol
+
+    def watch() -> None:  # end with the server rather than convert on alone
+        while os.getppid() == int(parent):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    from ._gguf import convert_gguf  # the converter's imports: numpy, onnx, gguf-py
+
+    reported = -1.0
+
+    def report(fraction: float) -> None:
+        nonlocal reported
+        if fraction - reported >= _STEP or fraction >= 1.0:
+            channel.write(f"progress {fraction:.4f}\n")
+            reported = fraction
+
+    try:
+        convert_gguf(Path(source), Path(folder), report)
+    except GgufError as exc:
+        channel.write(f"error {json.dumps(str(exc))}\n")
+        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - anything else the file provokes, named in the parent
+        traceback.print_exc()
+        said = f"{Path(source).name} could not be converted: {type(exc).__name__}: {exc}"
+        channel.write(f"error {json.dumps(said)}\n")
+        sys.exit(1)
