@@ -7,14 +7,21 @@ so every stop case below really occurs where the test says it does.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_tiny_gguf
 from og_reference import og_greedy
 from ortserve_runtime import (
     ChatModel,
@@ -29,6 +36,8 @@ from ortserve_runtime import (
     PreemptedError,
     load_chat_model,
 )
+from ortserve_runtime.engines._decoder_graph import LOGIT_POSITIONS, open_session
+from ortserve_runtime.sources import converted_folder
 from serving import TINY_MODEL
 
 pytestmark = pytest.mark.anyio
@@ -114,6 +123,55 @@ async def test_full_position_logits_give_the_same_tokens(tiny: ChatModel) -> Non
             == await tiny.generate(prompt, options=GREEDY).collect()
         )
     await registry.close()
+
+
+async def test_a_final_softcap_keeps_the_lm_head_on_the_gathered_positions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 2's final softcap follows the LM head (``Mul``, ``Tanh``, ``Mul`` in a GGUF
+    folder): the positions are gathered in front of the head itself, so its 256k rows run
+    on one position of a prompt, and the logits are the whole graph's at those positions."""
+    monkeypatch.setenv("ORTSERVE_CACHE", str(tmp_path / "cache"))
+    folder = converted_folder(write_tiny_gguf(tmp_path / "gemma2.gguf", arch="gemma2", qtype=Q.Q8_0))
+    model_path = folder / "model.onnx"
+    edited = onnx.load(str(model_path), load_external_data=False)
+    session, last_only = open_session(model_path, edited, ort.SessionOptions(), "logits", last_only=True)
+    assert last_only
+    writers = {output: node for node in edited.graph.node for output in node.output}
+    (gather,) = (node for node in edited.graph.node if LOGIT_POSITIONS in node.input)
+    (head,) = (node for node in edited.graph.node if gather.output[0] in node.input)
+    assert (head.op_type, head.name) == ("MatMulNBits", "/lm_head")
+    chain, name = [], "logits"
+    while writers[name] is not head:
+        chain.append(writers[name].op_type)
+        name = next(i for i in writers[name].input if i in writers)
+    assert chain == ["Mul", "Tanh", "Mul"]  # the softcap, now on the gathered positions only
+
+    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    ids = [258, 104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": np.array([ids], np.int64),
+        "attention_mask": np.ones((1, len(ids)), np.int64),
+    }
+    for i in range(decoder["num_hidden_layers"]):
+        for kind in ("key", "value"):
+            shape = (1, decoder["num_key_value_heads"], len(ids), decoder["head_size"])
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros(shape, np.float32)
+    whole = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    for positions in ([-1], [3, 7, 11]):
+        got = session.run(["logits"], {**feeds, LOGIT_POSITIONS: np.array(positions, np.int64)})[0]
+        expected = whole[:, positions]
+        assert got.shape == expected.shape
+        assert np.abs(got - expected).max() < 1e-4 * np.abs(expected).max()
+
+    registries = [ModelRegistry(ModelConfig(last_position_logits=last)) for last in (True, False)]
+    replies = []
+    for registry in registries:
+        registry.add("gemma2", folder)
+        model: ChatModel = await registry.get("gemma2")
+        replies.append(await model.generate(ids, options=GenerationOptions(max_tokens=12, temperature=0)).collect())
+        await registry.close()
+    assert replies[0] == replies[1]
 
 
 async def test_max_tokens_gives_length_with_exactly_that_many(tiny: ChatModel) -> None:

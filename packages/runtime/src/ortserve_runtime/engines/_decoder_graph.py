@@ -330,14 +330,15 @@ def open_session(
 
     Sampling needs only the last position's logits, yet the builder's graphs project every
     prompt position through the vocabulary-sized LM head (a quarter of the prefill work
-    for a 0.5B model, measured). A Gather of the last position in front of the node that
-    writes the logits removes that work; decode steps (one position) are unchanged.
+    for a 0.5B model, measured). A Gather of the last position in front of the LM head
+    (:func:`_logit_head`: behind a final softcap where there is one) removes that work;
+    decode steps (one position) are unchanged.
     """
     graph = graph_model.graph
     producers = [node for node in graph.node if logits in node.output]
     outputs = [o for o in graph.output if o.name == logits]
     if last_only and len(producers) == 1 and len(outputs) == 1 and len(outputs[0].type.tensor_type.shape.dim) == 3:
-        head = producers[0]
+        head = _logit_head(graph, producers[0])
         hidden_name = LOGIT_POSITIONS + "_hidden"
         # An input, bound by every call: the last position, or every position a speculative
         # check ran. (Not an initializer overridden: an IO binding cannot bind one.)
@@ -351,6 +352,45 @@ def open_session(
     else:
         last_only = False
     return _session_from_graph(model_path, graph_model, options), last_only
+
+
+_HEADS = frozenset({"MatMul", "MatMulNBits"})
+_UNARY = frozenset({"Tanh", "Cast", "Identity"})
+_WITH_CONSTANT = frozenset({"Mul", "Div", "Add", "Sub"})
+
+
+def _logit_head(graph: onnx.GraphProto, writer: onnx.NodeProto) -> onnx.NodeProto:
+    """The node to gather the positions in front of: the LM head's ``MatMul`` or
+    ``MatMulNBits``, found from ``writer`` (the node writing the logits) back through a
+    chain of elementwise nodes whose other inputs are constants (Gemma 2's final softcap:
+    ``Mul``, ``Tanh``, ``Mul`` in a GGUF folder, ``Div``, ``Tanh``, ``Mul`` from og's
+    builder; a ``Cast`` to float32), each the only reader of what it reads. Gathering there
+    keeps the vocabulary-sized head (256k rows on Gemma 2) off every prompt position but
+    the last, as the chain computes position by position. Where the chain ends elsewhere,
+    ``writer`` itself: the gather in front of it is right, only not as early."""
+    producers = {output: node for node in graph.node for output in node.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    constants = {tensor.name: list(tensor.dims) for tensor in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = list(node.attribute[0].t.dims)
+    graph_outputs = {output.name for output in graph.output}
+    node = writer
+    while node.op_type in _UNARY or node.op_type in _WITH_CONSTANT:
+        variable = [name for name in node.input if name not in constants]
+        shapes = [constants[name] for name in node.input if name in constants]
+        # A constant must broadcast over the vocabulary alone (a scalar, or a value per
+        # token id), never along the positions that the gather removes.
+        if len(variable) != 1 or any(d != 1 for shape in shapes for d in shape[:-1]):
+            break
+        source = producers.get(variable[0])
+        if source is None or readers.get(variable[0]) != 1 or variable[0] in graph_outputs:
+            break
+        node = source
+    return node if node.op_type in _HEADS else writer
 
 
 LOGIT_POSITIONS = "ortserve/logit_positions"
