@@ -200,6 +200,9 @@ def test_the_affinity_key_is_the_conversations_opening() -> None:
     assert _key("/v1/embeddings", {"model": "m", "input": "abc"}) is None
     assert affinity_key("/v1/models", b"", 1024) is None
     assert affinity_key(chat, b"{not json", 1024) is None
+    deep = b'{"model": "m", "messages": [{"role": "user", "content": ' + b"[" * 900 + b"]" * 900 + b"}]}"
+    assert affinity_key(chat, deep, 1024) is None  # a RecursionError in the proxy: its 500
+    assert affinity_key(chat, b"[" * 5000 + b"]" * 5000, 1024) is None
     assert _key(chat, ["a list"]) is None
     assert _key(chat, {"model": "m", "messages": []}) is None
 
@@ -297,6 +300,7 @@ def test_response_ids_name_the_replica_that_stores_them() -> None:
     assert response_owner("DELETE", f"/v1/responses/{rid}/", b"") == "ab12cd34"
     assert response_owner("POST", "/v1/responses", b'{"input": "hi"}') is None
     assert response_owner("POST", "/v1/responses", b"not json") is None
+    assert response_owner("POST", "/v1/responses", b"[" * 5000 + b"]" * 5000) is None  # was a RecursionError
     assert response_owner("GET", "/v1/responses/resp_" + "0" * 32, b"") is None  # a plain server's id
     assert response_owner("POST", "/v1/chat/completions", b"{}") is None
 

@@ -29,10 +29,12 @@ def affinity_key(path: str, body: bytes, prefix_chars: int) -> str | None:
         return None
     try:
         request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None  # the replica answers the error
-    if not isinstance(request, dict):
-        return None
+        return _affinity(name, request, prefix_chars) if isinstance(request, dict) else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None  # the replica answers the error (a body nested too deeply, too)
+
+
+def _affinity(name: str, request: dict[str, Any], prefix_chars: int) -> str | None:
     parts: list[str] = []
     if name == "completions":
         prompt = request.get("prompt")
@@ -60,7 +62,7 @@ def response_owner(method: str, path: str, body: bytes) -> str | None:
 
     Stored responses live in the replica that made them, so a follow-up turn
     (``POST /responses`` with ``previous_response_id``) and ``GET``/``DELETE
-    /responses/{id}`` must reach that replica; elsewhere they would be a 400/404.
+    /responses/{id}`` must reach that replica; elsewhere they would be a 404.
     """
     segments = path.rstrip("/").split("/")
     if "responses" not in segments:
@@ -69,7 +71,7 @@ def response_owner(method: str, path: str, body: bytes) -> str | None:
     if method == "POST" and not after:
         try:
             request = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return None
         named = request.get("previous_response_id") if isinstance(request, dict) else None
     else:
