@@ -49,6 +49,9 @@ MALFORMED = [
     ("phi4", '<|tool_call|>[{"name": 3}]<|/tool_call|>'),
     ("mistral", "[TOOL_CALLS] sorry, no JSON here"),
     ("llama3", '{"name": "get_weather", "parameters": {"city": '),
+    # Nested past Python's recursion limit (a RecursionError escaped): output a model can be made to write.
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 1500 + "]" * 1500 + "}</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "' + "[" * 1500 + "]" * 1500 + '"}</tool_call>'),
 ]
 
 

@@ -418,6 +418,8 @@ class McpTools:
                 parsed = json.loads(arguments or "{}")
             except json.JSONDecodeError as exc:
                 raise McpToolError("mcp_protocol_error", -32602, f"the arguments are not JSON: {exc}") from exc
+            except RecursionError:
+                raise McpToolError("mcp_protocol_error", -32602, "the arguments are nested too deeply") from None
             if not isinstance(parsed, dict):
                 raise McpToolError("mcp_protocol_error", -32602, "the arguments are not a JSON object")
             link = use.link if use.link is not None else await hub.link(label)

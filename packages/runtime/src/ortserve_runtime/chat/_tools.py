@@ -223,7 +223,7 @@ class ToolCallParser:
     def _parse(self, body: str) -> list[ToolCall] | None:
         try:
             value = json.loads(body.strip())
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what Python parses
             return None
         items = value if isinstance(value, list) and self._markers.many else [value]
         calls = []
@@ -234,7 +234,7 @@ class ToolCallParser:
             if isinstance(arguments, str):  # some models double-encode
                 try:
                     arguments = json.loads(arguments)
-                except ValueError:
+                except (ValueError, RecursionError):
                     return None
             if not isinstance(arguments, dict):
                 return None

@@ -118,7 +118,7 @@ def _tool_use(call: ToolCall) -> a.ToolUseBlock:
     # yet: its input is then empty (a stream's input_json_delta still carries what was written).
     try:
         arguments = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         arguments = {}
     return a.ToolUseBlock(
         id=f"toolu_{uuid.uuid4().hex[:24]}", name=call.name, input=arguments if isinstance(arguments, dict) else {}
