@@ -80,6 +80,11 @@ def test_a_full_state_database_is_a_507_and_nothing_is_lost(client: openai.OpenA
             assert caught.value.status_code == 507
             assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "insufficient_storage"
             assert "storage is full" in caught.value.message
+        streamed = client.responses.create(
+            model="tiny", input="hi", max_output_tokens=1, store=True, metadata=METADATA, stream=True
+        )
+        last = list(streamed)[-1]  # not response.completed: the response it names was not stored
+        assert last.type == "error" and last.code == "insufficient_storage", last  # type: ignore[union-attr]
         assert client.responses.create(model="tiny", input="hi", max_output_tokens=1).output  # still serving
         assert client.responses.retrieve(kept.id).id == kept.id  # nothing lost
     finally:

@@ -10,7 +10,7 @@ ServerError                  root; carries status_code, type, param, code
 ├── UnsupportedMediaTypeError 415 (a body that is not the route's content type)
 ├── OverloadedError          503 + Retry-After (queue full)
 ├── ShuttingDownError        503 (the grace period of a shutdown ran out)
-├── (a full disk: any error   507 insufficient_storage, from the state database or an upload)
+├── InsufficientStorageError 507 (a full disk or state database: see storage_full)
 └── UnsupportedParameterError 400 for a parameter this server cannot honour
 ```
 
@@ -53,6 +53,7 @@ __all__ = [
     "BadRequestError",
     "ClientDisconnectedError",
     "ForbiddenError",
+    "InsufficientStorageError",
     "ModelNotFoundHTTPError",
     "NotFoundError",
     "OverloadedError",
@@ -64,6 +65,7 @@ __all__ = [
     "error_response",
     "exception_handlers",
     "reshaped_exception_handlers",
+    "storage_full",
     "unavailable_detail",
 ]
 
@@ -223,38 +225,45 @@ def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Resp
     return error_response(exc.status_code, exc.detail, type=kind, headers=exc.headers)
 
 
-def _unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
-    if _storage_full(exc):
-        logger.error("no room to store on %s %s: %s", request.method, request.url.path, exc)
-        return error_response(
-            507,
-            "the server's storage is full: nothing was stored; try again once the operator has made room",
-            type="server_error",
-            code="insufficient_storage",
-        )
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal server error", type="server_error")
-
-
 _DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
-def _storage_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a full disk or quota: an ``OSError`` with
-    ENOSPC or EDQUOT, SQLite's SQLITE_FULL ("database or disk is full"), PostgreSQL's
-    disk_full (53100)."""
+class InsufficientStorageError(ServerError):
+    """A full disk or state database (see :func:`storage_full`): nothing was stored."""
+
+    status_code = 507
+    type = "server_error"
+    code = "insufficient_storage"
+
+    def __init__(self) -> None:
+        super().__init__("the server's storage is full: nothing was stored; try again once the operator has made room")
+
+
+def storage_full(exc: BaseException) -> InsufficientStorageError | None:
+    """``exc`` as the 507 it means where it (or what caused it) is a full disk or quota (an
+    ``OSError`` with ENOSPC or EDQUOT), SQLite's SQLITE_FULL ("database or disk is full") or
+    PostgreSQL's disk_full (53100); else ``None``."""
     seen: BaseException | None = exc
     for _ in range(8):  # a chain of causes, not a loop
         if seen is None:
-            return False
-        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
-            return True
-        if isinstance(seen, sqlite3.Error) and getattr(seen, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-            return True
-        if getattr(seen, "sqlstate", None) == "53100":
-            return True
+            return None
+        if (
+            (isinstance(seen, OSError) and seen.errno in _DISK_FULL)
+            or (isinstance(seen, sqlite3.Error) and getattr(seen, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL)
+            or getattr(seen, "sqlstate", None) == "53100"
+        ):
+            logger.error("no room to store: %s", seen)
+            return InsufficientStorageError()
         seen = seen.__cause__ or seen.__context__
-    return False
+    return None
+
+
+def _unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    full = storage_full(exc)
+    if full is not None:
+        return _server_error(request, full)
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal server error", type="server_error")
 
 
 def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:

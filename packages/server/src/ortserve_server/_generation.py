@@ -25,6 +25,7 @@ from ortserve_runtime import (
 from ._errors import (
     ServerError,
     ShuttingDownError,
+    storage_full,
     unavailable_detail,
 )
 from ._plan import Started
@@ -309,8 +310,9 @@ class Generation:
 def error_detail(exc: Exception) -> p.ErrorDetail:
     """An error in a stream that has started, as OpenAI's error body describes it (the
     message of an unexpected error reveals nothing internal)."""
-    if isinstance(exc, ServerError):
-        return p.ErrorDetail(message=exc.message, type=exc.type, code=exc.code)
+    server_error = exc if isinstance(exc, ServerError) else storage_full(exc)
+    if server_error is not None:
+        return p.ErrorDetail(message=server_error.message, type=server_error.type, code=server_error.code)
     return unavailable_detail(exc) or p.ErrorDetail(message="the generation failed", type="server_error")
 
 

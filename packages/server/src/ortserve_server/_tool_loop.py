@@ -46,6 +46,10 @@ class ToolLoop(abc.ABC):
     def closing(self) -> bytes:
         """The events a stream ends with, once every turn ran."""
 
+    async def last_events(self) -> bytes:
+        """:meth:`closing`, once what it needs is done (a stored response written)."""
+        return self.closing()
+
     @abc.abstractmethod
     def error_event(self, exc: Exception) -> bytes:
         """``exc`` as the API's in-band error event."""
@@ -86,6 +90,6 @@ class ToolLoop(abc.ABC):
             except Exception as exc:  # noqa: BLE001  # a later turn that could not start: in-band
                 yield self.failure(exc)
             if not self.failed:
-                yield self.closing()
+                yield await self.last_events()
         finally:
             await self.mcp.close()

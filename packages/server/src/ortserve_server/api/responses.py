@@ -227,7 +227,7 @@ async def create_response(
         return stream_response(loop.stream())
     await loop.finish()
     response = exchange.finished(loop.output.items, loop.reason, loop.usage, loop.reasoning_tokens)
-    if exchange.saving is not None:  # on disk before the client learns its id (a streamed one: as it is sent)
+    if exchange.saving is not None:  # on disk before the client learns its id (a streamed one: see last_events)
         await asyncio.wrap_future(exchange.saving)
     return Response(response)
 
@@ -511,6 +511,17 @@ class _Loop(ToolLoop):
         response = self.exchange.finished(self.output.items, self.reason, self.usage, self.reasoning_tokens)
         kind = rp.ResponseIncompleteEvent if response.status == "incomplete" else rp.ResponseCompletedEvent
         return self.output.event(kind, response=response)
+
+    async def last_events(self) -> bytes:
+        """The closing events once the response is stored (asked to be): a store that
+        failed (a full disk) ends the stream with an error event instead."""
+        events = self.closing()
+        if self.exchange.saving is not None:
+            try:
+                await asyncio.wrap_future(self.exchange.saving)
+            except Exception as exc:  # noqa: BLE001  # in-band, as any failure after the stream started
+                return self.failure(exc)
+        return events
 
 
 @get(
