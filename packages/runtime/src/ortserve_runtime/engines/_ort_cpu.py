@@ -173,6 +173,11 @@ class OrtCpuEngine(OwnerThread):
         self._pad_lone_row = lone_row_differs and config.reproducible
         """Decode a lone row beside a dummy (see :meth:`_decode_rows`); only on request
         (``ModelConfig.reproducible``), it costs a row's work every step."""
+        self._keep_decoded = not config.reproducible
+        """A finished request's reply rows, written by decode steps, go to the prefix cache
+        as they are: a next turn sent at once finds its whole history there. Decode steps
+        round differently from a prefill, so with ``reproducible`` on only prefilled rows
+        are kept, and replies are prefilled again while the engine is idle (:meth:`_refill_step`)."""
         if config.prefill_int8 and not convertible:
             raise ModelLoadError(
                 f"{folder.path}: prefill_int8 (--prefill-int8 on) needs an int4 model (4-bit MatMulNBits) whose "
@@ -215,15 +220,12 @@ class OrtCpuEngine(OwnerThread):
                 )
         else:
             del graph.int8_source
-        if (
-            self.prefill_session is not None
-            or config.speculative is not None
-            or (lone_row_differs and not config.reproducible)
-        ):
+        if self.prefill_session is not None or config.speculative is not None or self._keep_decoded:
             # int8 prefill: one activation scale per call, a row's rounding depends on the rows
             # beside it. Speculation: a request checks drafts while it runs alone, and a
-            # draft's rows round as a prompt's do, a decode step's otherwise. A lone row
-            # without its dummy: rounded apart from the same row among others.
+            # draft's rows round as a prompt's do, a decode step's otherwise. Without
+            # ``reproducible``: decode-written rows serve later prompts, and (where the CPU
+            # rounds a lone int4 row apart) a lone row runs without its dummy.
             self.capabilities = dataclasses.replace(self.capabilities, reproducible=False)
         self._start_thread()
 
@@ -489,11 +491,14 @@ class OrtCpuEngine(OwnerThread):
         length = len(request.prompt)
         return length % 2 == 1 and self._past_window(length) and not self._past_window(length - 1)
 
-    def _remember(self, request: Request | _Refill, count: int | None = None) -> None:
+    def _remember(
+        self, request: Request | _Refill, count: int | None = None, *, tokens: list[int] | None = None
+    ) -> None:
         """Keep the key/values of ``request``'s prompt (its first ``count`` tokens; the start
-        of its row) in the cache, in its group (LongRoPE: a prompt past the window was
-        computed with the long factors throughout, one within it with the short ones)."""
-        tokens = request.prompt[:count]
+        of its row; or ``tokens``, which its row holds) in the cache, in its group (LongRoPE:
+        a prompt past the window was computed with the long factors throughout, one within
+        it with the short ones)."""
+        tokens = request.prompt[:count] if tokens is None else tokens
         group = self._cache_group(request)
         if self._odd_long_rope(request):
             tokens = tokens[:-1]
@@ -739,17 +744,18 @@ class OrtCpuEngine(OwnerThread):
         if row < 0:
             return
         if keep:
-            # Only the prompt's rows: the reply's were written by decode steps (see
-            # _prefix_cache). Its prefill stored them already; this marks them recently used.
-            self._remember(request)
             history = request.prompt + request.tokens
-            if (
-                request.tokens
-                and not request.cancelled
-                and self._graph.rope_window is None
-                and len(history) <= self.prefix_cache.budget_tokens
-            ):
-                self._refills.append(_Refill(history, request.adapter, request.options.cache_salt))
+            whole = request.tokens and not request.cancelled and self._graph.rope_window is None
+            if whole and self._keep_decoded:
+                # The reply's rows as decode steps wrote them: all but the last token's,
+                # which no step has fed yet.
+                self._remember(request, tokens=history[: request.length - 1])
+            else:
+                # Only the prompt's rows (the reply's were written by decode steps, see
+                # _prefix_cache): its prefill stored them already; this marks them recently used.
+                self._remember(request)
+                if whole and len(history) <= self.prefix_cache.budget_tokens:
+                    self._refills.append(_Refill(history, request.adapter, request.options.cache_salt))
         last = self._rows.pop()
         if last is not request:
             self._copy_row(last.row, row, last.length)
