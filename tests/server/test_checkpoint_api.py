@@ -8,6 +8,7 @@ naming the extra; each environment runs the test that applies to it."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import threading
@@ -104,3 +105,17 @@ def test_quantize_is_refused_where_nothing_would_read_it() -> None:
         check=False,
     )
     assert cli.returncode == 2 and "--quantize applies to transformers checkpoints" in cli.stderr
+
+
+def test_an_onnx_export_beside_a_checkpoint_does_not_make_it_an_embedding_model(tmp_path: Path) -> None:
+    """Many Hub repos of a causal LM carry transformers.js's ``onnx/model.onnx`` beside the
+    safetensors: that is still a checkpoint to build, not an ONNX encoder to embed with."""
+    from ortserve_runtime import detect_model_kind
+    from ortserve_runtime.sources import source_kind
+
+    folder = tmp_path / "repo"
+    shutil.copytree(CHECKPOINT, folder)
+    (folder / "onnx").mkdir()
+    (folder / "onnx" / "model.onnx").write_bytes(b"a decoder exported for transformers.js")
+    assert source_kind(folder) == "checkpoint" and detect_model_kind(folder) == "generative"
+    assert source_kind(TINY_MODEL) is None  # a genai folder is served as it is

@@ -47,13 +47,12 @@ def source_kind(path: Path) -> SourceKind | None:
     """What ``path`` is when it is a source rather than a folder an engine drives: a GGUF
     file, or a transformers checkpoint of a generative model (``config.json`` naming a
     ``*ForCausalLM`` or ``*ForConditionalGeneration`` with ``*.safetensors`` or
-    ``pytorch_model*.bin`` beside it, and no ONNX model: a folder that has one is served
-    as it is)."""
+    ``pytorch_model*.bin`` beside it, and no ``genai_config.json``: a genai folder is
+    served as it is). An ``onnx/`` export beside the weights (transformers.js's, in many
+    Hub repos) does not make such a folder an embedding model."""
     if is_model_file(path):
         return "gguf"
     if not path.is_dir() or (path / "genai_config.json").exists():
-        return None
-    if (path / "model.onnx").exists() or (path / "onnx" / "model.onnx").exists():
         return None
     try:
         architectures = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures")
