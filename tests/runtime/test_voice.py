@@ -101,3 +101,25 @@ async def test_the_registry_recognises_a_voice_folder() -> None:
     model = await registry.load("joe")
     assert isinstance(model, VoiceModel) and registry.status_of("joe").voices == ("joe",)
     await registry.close()
+
+
+def test_a_sentence_too_long_for_one_call_is_cut_between_words(joe: VoiceModel) -> None:
+    """Issue 45: 200 ZWJ emoji with no sentence break were 4,425 ids in one call of the
+    graph (+1.5 GiB). A sentence past the call's limit is cut into pieces that hold it,
+    between words; one under it stays whole, as piper-tts speaks it."""
+    assert joe.phonemize(TEXT) == joe.phonemize(TEXT, max_ids=10**9)
+    bos, pad, eos, space = (joe.id_map[marker][0] for marker in ("^", "_", "$", " "))
+    text = "\U0001f468\u200d\U0001f469" * 200
+    (whole,) = joe.phonemize(text, max_ids=10**9)
+    for speed, limit in ((1.0, 400), (0.25, 100)):
+        assert joe.call_ids(speed) == limit
+        pieces = joe.phonemize(text, joe.call_ids(speed))
+        assert len(pieces) >= len(whole) // limit and all(len(piece) <= limit for piece in pieces)
+        assert all(piece[:2] == [bos, pad] and piece[-1] == eos for piece in pieces)
+        assert [i for piece in pieces for i in piece[2:-1]] == whole[2:-1]  # nothing lost, nothing added
+        assert all(piece[-3:-1] == [space, pad] for piece in pieces[:-1])  # after a word
+    # No word break at all (espeak reads 300 x's as one word): cut at the limit.
+    (whole,) = joe.phonemize("x" * 300, max_ids=10**9)
+    pieces = joe.phonemize("x" * 300, max_ids=64)
+    assert [len(piece) for piece in pieces] == [63] * 5 + [15]  # markers and 30 phonemes a piece
+    assert [i for piece in pieces for i in piece[2:-1]] == whole[2:-1]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import openai
 import pytest
 import soundfile
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, rss_growth, running
 from voices import TEXT, quiet_voice
 
 
@@ -130,3 +132,64 @@ def test_models_list_the_voices_and_chat_routes_send_voices_here(client: openai.
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="joe", messages=[{"role": "user", "content": "Hi"}])
     assert "is a voice model; use /v1/audio/speech" in caught.value.message
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_MANY_PHONEMES = {
+    "zwj-emoji": "\U0001f468\u200d\U0001f469" * 200,
+    "digits": "123456789012345678901234567890 " * 20,
+    "arabic": ("مرحبا بالعالم " * 25)[:300],
+}
+"""Text with no sentence break that espeak makes thousands of phoneme ids of (4,425, 2,831
+and 2,683): each was one call of the voice's graph that took +1.4 to +1.6 GiB and kept it
+(4,096 characters of the same went past 22 GB)."""
+
+
+def _resident() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * _PAGE
+
+
+@pytest.mark.parametrize("text", _MANY_PHONEMES.values(), ids=_MANY_PHONEMES.keys())
+def test_text_espeak_makes_many_phonemes_of_is_spoken_in_bounded_memory(url: str, text: str) -> None:
+    """Issue 45, item 2: a long sentence is spoken a piece at a time. Its audio starts
+    after the first piece, the process (the server runs in it) grows by less than 512 MiB,
+    gives the memory back once the client has gone, and ``/health`` answers throughout."""
+    health: list[float] = []
+    stop = threading.Event()
+
+    def poll(client: httpx.Client) -> None:
+        while not stop.wait(0.05):
+            sent = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            health.append(time.perf_counter() - sent)
+
+    body = {"model": "joe", "input": TEXT, "response_format": "pcm"}
+    with httpx.Client(timeout=120) as client, httpx.Client(timeout=30) as poller_client:
+        client.post(f"{url}/v1/audio/speech", json=body).raise_for_status()  # first-use allocations
+        poller_client.get(f"{url}/health").raise_for_status()
+        start = _resident()
+        poller = threading.Thread(target=poll, args=(poller_client,), daemon=True)
+        with rss_growth() as grown:
+            poller.start()
+            received = 0
+            with client.stream("POST", f"{url}/v1/audio/speech", json={**body, "input": text}) as response:
+                assert response.status_code == 200
+                for chunk in response.iter_bytes():
+                    received += len(chunk)
+                    if received >= 1_500_000:  # some three pieces' audio (31 s of 16-bit 24 kHz)
+                        break
+            # The client has gone: the piece being spoken finishes, the rest are dropped; then
+            # the process stays within 64 MiB of where it started (2 s on end).
+            deadline, calm = time.monotonic() + 30, time.monotonic()
+            while time.monotonic() < deadline and time.monotonic() - calm < 2:
+                if _resident() - start > 64 * 2**20:
+                    calm = time.monotonic()
+                time.sleep(0.05)
+            left = _resident() - start
+            stop.set()
+            poller.join(timeout=30)
+    assert received >= 1_500_000
+    assert grown[0] < 512 * 2**20 and left < 64 * 2**20, (grown[0] >> 20, left >> 20)
+    assert health and max(health) < 1.0, max(health, default=None)
+    print(f"+{grown[0] >> 20} MiB at most, +{left >> 20} MiB after; /health at most {max(health) * 1000:.0f} ms")

@@ -7,6 +7,15 @@ optional), sentence by sentence; each sentence's phoneme ids run through the voi
 graph and its audio is handed back as soon as it is ready, so the first audio of a long
 text leaves after its first sentence.
 
+One call of the graph takes memory in proportion to the frames it speaks (its decoder's
+activations, some 0.3 MiB a frame), and espeak makes tens of thousands of phonemes of
+4,096 characters with no sentence break (emoji, long numbers, Arabic spelled out: 30,000
+ids in one call took the process past 22 GB). So a sentence longer than
+:data:`MAX_CALL_IDS` (fewer at slower speeds) is spoken in pieces, cut after a clause pause
+or between words where it can be, and the pieces take turns as sentences do; a sentence
+under it is spoken whole, as piper-tts speaks it. The session has no memory arena and the
+C heap is trimmed after each call, so a call leaves no memory behind.
+
 One worker thread runs the voice's session. The graph returns one waveform per batch with
 no per-row lengths, so sentences run one at a time; concurrent requests take turns a
 sentence each, so that a short request is not stuck behind a long one. A caller that
@@ -31,12 +40,21 @@ import numpy.typing as npt
 from .._config import ModelConfig
 from .._errors import EngineClosedError, InvalidRequestError, ModelLoadError
 from ..embeddings._encoder import create_session, read_json
+from ..engines._host_memory import release_freed_memory
 
 __all__ = ["SpeechChunk", "VoiceModel", "find_voice_files"]
 
 MAX_INPUT_CHARS = 4096
 """Characters a request may hold (OpenAI's limit for ``/v1/audio/speech``)."""
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range
+MAX_CALL_IDS = 400
+"""Phoneme ids one call of a voice's graph takes at length_scale 1: a sentence of about 200
+phonemes, some 230 characters of English. An id lasts 1 to 3.3 frames (Arabic spelled out
+2.7, numbers between commas 3.3) and a frame costs the decoder some 0.3 MiB, so a call
+peaks at +150 to +400 MiB (measured with en_US-joe-medium). At a larger length_scale (a
+slower speed) proportionally fewer, as each id then lasts more frames."""
+_MIN_CALL_IDS = 64
+_CLAUSE_PAUSES = frozenset(",:;")
 _BOS, _EOS, _PAD = "^", "$", "_"  # the markers of Piper's phoneme id maps
 _ESPEAK_LOCK = threading.Lock()
 
@@ -51,7 +69,8 @@ def find_voice_files(folder: Path) -> tuple[Path, Path] | None:
 
 @dataclass(frozen=True, slots=True)
 class SpeechChunk:
-    """One sentence's audio: float samples in [-1, 1] at the voice's ``sample_rate``."""
+    """One sentence's audio (or one piece's of a sentence too long for one call): float
+    samples in [-1, 1] at the voice's ``sample_rate``."""
 
     samples: npt.NDArray[np.float32]
     phonemes: int
@@ -60,7 +79,7 @@ class SpeechChunk:
 
 @dataclass(eq=False)
 class _Job:
-    sentences: list[list[int]]
+    pieces: list[list[int]]
     speaker: int | None
     scales: npt.NDArray[np.float32]
     loop: asyncio.AbstractEventLoop
@@ -104,7 +123,11 @@ class VoiceModel:
         self.voices = sorted(self.speakers) if int(settings.get("num_speakers", 1)) > 1 else [self.default_voice]
         self.max_input_chars = MAX_INPUT_CHARS
         self._bridge = _espeak_bridge(folder)
-        self.session = create_session(self.model_path, folder, config)
+        # No arena: it keeps what the largest call needed (200 emoji left +1.5 GiB behind),
+        # and shrinking it after each call still kept the region holding the call's output
+        # until the next call (+500 MiB peaks where the C heap, trimmed, peaks at +400 MiB,
+        # no slower).
+        self.session = create_session(self.model_path, folder, config, cpu_arena=False)
         self._has_sid = any(i.name == "sid" for i in self.session.get_inputs())
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._waiting = 0
@@ -124,8 +147,14 @@ class VoiceModel:
     def active(self) -> int:
         return self._serving
 
-    def phonemize(self, text: str) -> list[list[int]]:
-        """The phoneme ids of each sentence of ``text`` (empty sentences left out)."""
+    def call_ids(self, speed: float = 1.0) -> int:
+        """Phoneme ids one call of the graph takes at ``speed`` (see :data:`MAX_CALL_IDS`)."""
+        length_scale = self.length_scale / speed
+        return max(_MIN_CALL_IDS, int(MAX_CALL_IDS / max(1.0, length_scale)))
+
+    def phonemize(self, text: str, max_ids: int = MAX_CALL_IDS) -> list[list[int]]:
+        """The phoneme ids of each sentence of ``text`` (empty sentences left out), a
+        sentence longer than ``max_ids`` ids cut into pieces that are not."""
         with _ESPEAK_LOCK:
             self._bridge.set_voice(self.espeak_voice)
             clauses = self._bridge.get_phonemes(text)
@@ -138,22 +167,41 @@ class VoiceModel:
                 phonemes += " "  # a pause within the sentence
             current.extend(unicodedata.normalize("NFD", phonemes))
             if end_of_sentence:
-                sentences.append(self._ids(current))
+                sentences += self._ids(current, max_ids)
                 current = []
         if current:
-            sentences.append(self._ids(current))
-        return [ids for ids in sentences if len(ids) > 3]  # more than the markers alone
+            sentences += self._ids(current, max_ids)
+        return sentences
 
-    def _ids(self, phonemes: list[str]) -> list[int]:
+    def _ids(self, phonemes: list[str], max_ids: int) -> list[list[int]]:
         """Piper's id layout: BOS, then each phoneme followed by PAD, then EOS; phonemes
-        the voice does not know are left out."""
+        the voice does not know are left out (none known: no piece). More than ``max_ids``
+        ids are cut into pieces, each with its markers: after the window's last clause pause
+        if it lies in the window's later half, else after its last word, else at the limit."""
         pad = self.id_map.get(_PAD, [])
-        ids = [*self.id_map.get(_BOS, []), *pad]
-        for phoneme in phonemes:
-            known = self.id_map.get(phoneme)
-            if known is not None:
-                ids += [*known, *pad]
-        return ids + self.id_map.get(_EOS, [])
+        head = [*self.id_map.get(_BOS, []), *pad]
+        tail = self.id_map.get(_EOS, [])
+        room = max(max_ids - len(head) - len(tail), 1)
+        steps = [(phoneme, [*known, *pad]) for phoneme in phonemes if (known := self.id_map.get(phoneme)) is not None]
+        pieces: list[list[int]] = []
+        start = 0
+        while start < len(steps):
+            end, size, word, clause = start, 0, 0, 0
+            while end < len(steps) and (end == start or size + len(steps[end][1]) <= room):
+                size += len(steps[end][1])
+                if steps[end][0] == " " and end > start:
+                    word = end + 1
+                    if steps[end - 1][0] in _CLAUSE_PAUSES:
+                        clause = end + 1
+                end += 1
+            if end < len(steps):  # cut: a clause's end late in the window, else a word's
+                if clause > start + (end - start) // 2:
+                    end = clause
+                elif word:
+                    end = word
+            pieces.append([*head, *(i for _, ids in steps[start:end] for i in ids), *tail])
+            start = end
+        return pieces
 
     def check(self, text: str, voice: str | None, speed: float) -> int | None:
         """Refuse what cannot be spoken, naming the field; the speaker id of ``voice``."""
@@ -189,8 +237,8 @@ class VoiceModel:
         speaker = self.check(text, voice, speed)
         if self._closed:
             raise EngineClosedError(f"model {self.name!r} is closed")
-        sentences = await asyncio.to_thread(self.phonemize, text)
-        if not sentences:
+        pieces = await asyncio.to_thread(self.phonemize, text, self.call_ids(speed))
+        if not pieces:
             raise InvalidRequestError("input has nothing to speak", param="input")
         scales = np.array(
             [
@@ -203,7 +251,7 @@ class VoiceModel:
         if speaker is None and self.speakers:
             speaker = 0
         loop = asyncio.get_running_loop()
-        job = _Job(sentences, speaker, scales, loop, asyncio.Queue())
+        job = _Job(pieces, speaker, scales, loop, asyncio.Queue())
         self._waiting += 1
         self._queue.put(job)
         try:
@@ -246,13 +294,13 @@ class VoiceModel:
                     self._waiting -= 1
                 self._serving = len(active)
                 try:
-                    chunk = self._speak(job, job.sentences.pop(0))
+                    chunk = self._speak(job, job.pieces.pop(0))
                 except Exception as exc:  # noqa: BLE001  # an onnxruntime failure fails this request only
-                    job.sentences.clear()
+                    job.pieces.clear()
                     self._hand(job, exc)
                 else:
                     self._hand(job, chunk)
-                if not job.sentences:
+                if not job.pieces:
                     self._hand(job, None)
                     active.remove(job)
             self._serving = 0
@@ -280,6 +328,8 @@ class VoiceModel:
             feeds["sid"] = np.array([job.speaker or 0], dtype=np.int64)
         (audio, *_) = self.session.run(None, feeds)
         samples = np.clip(np.asarray(audio, dtype=np.float32).reshape(-1), -1.0, 1.0)
+        del audio
+        release_freed_memory()  # what the call freed stays in the C heap otherwise (2-4 ms a call)
         return SpeechChunk(samples=samples, phonemes=len(ids))
 
     @staticmethod
