@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,6 +93,29 @@ async def test_a_listener_that_leaves_drops_the_rest(joe: VoiceModel) -> None:
             break
         await asyncio.sleep(0.05)
     assert joe.active == 0 and joe.queued == 0
+
+
+async def test_a_listener_that_stops_reading_holds_the_voice_back(
+    joe: VoiceModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker speaks at most two pieces beyond those its caller has taken: a client that
+    stops reading holds those, not its whole text's audio (80 MB of samples for 4,096
+    characters), and the voice's time goes to others."""
+    spoken: list[int] = []
+    speak = joe._speak
+
+    def counted(job: Any, ids: list[int]) -> Any:
+        spoken.append(len(ids))
+        return speak(job, ids)
+
+    monkeypatch.setattr(joe, "_speak", counted)
+    stream = joe.synthesize(" ".join(["This sentence is one of many."] * 12))
+    await anext(stream)
+    for expected in (3, 4):  # the one taken and two ahead; then one more per piece taken
+        await asyncio.sleep(1.5)  # 12 such sentences are spoken in about 2 s
+        assert len(spoken) == expected
+        await anext(stream)
+    await stream.aclose()
 
 
 async def test_the_registry_recognises_a_voice_folder() -> None:

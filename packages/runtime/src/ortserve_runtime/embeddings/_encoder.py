@@ -313,17 +313,12 @@ class BatchedEncoder:
         return self._reduce(np.asarray(output, dtype=np.float32), mask)
 
 
-def create_session(
-    model_path: Path, folder: Path, config: ModelConfig, *, cpu_arena: bool = True
-) -> ort.InferenceSession:
+def create_session(model_path: Path, folder: Path, config: ModelConfig) -> ort.InferenceSession:
     """An ``InferenceSession`` on ``config.provider``, or :class:`ModelLoadError`: a provider
     this onnxruntime lacks, or one the session was built without (OpenVINO drops itself on
-    an option it rejects and leaves a CPU-only session), never runs silently on the CPU.
-    ``cpu_arena=False``: host tensors come from the C heap, not onnxruntime's arena (which
-    keeps what its largest call needed)."""
+    an option it rejects and leaves a CPU-only session), never runs silently on the CPU."""
     providers = ort_providers(config.provider, config.provider_options, folder)
     options = ort.SessionOptions()
-    options.enable_cpu_mem_arena = cpu_arena
     if config.intra_op_threads is not None:
         options.intra_op_num_threads = config.intra_op_threads
     entries = dict(config.session_options)

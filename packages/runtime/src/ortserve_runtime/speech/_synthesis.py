@@ -8,18 +8,20 @@ graph and its audio is handed back as soon as it is ready, so the first audio of
 text leaves after its first sentence.
 
 One call of the graph takes memory in proportion to the frames it speaks (its decoder's
-activations, some 0.3 MiB a frame), and espeak makes tens of thousands of phonemes of
+activations, some 0.25 MiB a frame), and espeak makes tens of thousands of phonemes of
 4,096 characters with no sentence break (emoji, long numbers, Arabic spelled out: 30,000
 ids in one call took the process past 22 GB). So a sentence longer than
 :data:`MAX_CALL_IDS` (fewer at slower speeds) is spoken in pieces, cut after a clause pause
 or between words where it can be, and the pieces take turns as sentences do; a sentence
-under it is spoken whole, as piper-tts speaks it. The session has no memory arena and the
-C heap is trimmed after each call, so a call leaves no memory behind.
+under it is spoken whole, as piper-tts speaks it. A long piece's call gives back what it
+took (the arena shrinks, the C heap is trimmed), so a request leaves no more behind than
+the working set of short sentences.
 
 One worker thread runs the voice's session. The graph returns one waveform per batch with
 no per-row lengths, so sentences run one at a time; concurrent requests take turns a
 sentence each, so that a short request is not stuck behind a long one. A caller that
-stops listening (a client gone) has its remaining sentences dropped. espeak-ng keeps
+stops listening (a client gone) has its remaining sentences dropped; one that reads slowly
+holds its request back, two pieces ahead of what it has taken. espeak-ng keeps
 global state, so phonemizing is serialized across voices by one lock.
 """
 
@@ -32,10 +34,11 @@ import unicodedata
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+import onnxruntime as ort
 
 from .._config import ModelConfig
 from .._errors import EngineClosedError, InvalidRequestError, ModelLoadError
@@ -50,11 +53,19 @@ MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range
 MAX_CALL_IDS = 400
 """Phoneme ids one call of a voice's graph takes at length_scale 1: a sentence of about 200
 phonemes, some 230 characters of English. An id lasts 1 to 3.3 frames (Arabic spelled out
-2.7, numbers between commas 3.3) and a frame costs the decoder some 0.3 MiB, so a call
-peaks at +150 to +400 MiB (measured with en_US-joe-medium). At a larger length_scale (a
+2.7, numbers between commas 3.3) and a frame costs the decoder some 0.25 MiB, so a call
+peaks at +150 to +300 MiB (measured with en_US-joe-medium). At a larger length_scale (a
 slower speed) proportionally fewer, as each id then lasts more frames."""
 _MIN_CALL_IDS = 64
 _CLAUSE_PAUSES = frozenset(",:;")
+_SHRINK_ABOVE_IDS = 200
+"""Calls of more phoneme ids than this (at length_scale 1; proportionally fewer at a larger
+one) give back the memory they took; the arena keeps what shorter sentences need, some
+100 MiB, as a working set."""
+_AHEAD = 2
+"""Pieces the worker speaks for a request beyond those its caller has taken."""
+_WAKE: Literal["wake"] = "wake"
+"""Put in the worker's queue when a request it may have skipped can go on."""
 _BOS, _EOS, _PAD = "^", "$", "_"  # the markers of Piper's phoneme id maps
 _ESPEAK_LOCK = threading.Lock()
 
@@ -86,6 +97,17 @@ class _Job:
     chunks: asyncio.Queue[SpeechChunk | BaseException | None]
     cancelled: bool = False
     started: bool = field(default=False)
+    handed: int = 0
+    """Chunks the worker has handed over (written by the worker only)."""
+    taken: int = 0
+    """Chunks the caller has taken (written by the caller only)."""
+
+    @property
+    def ahead(self) -> bool:
+        """Whether the caller has not taken enough of what it was handed for the worker to
+        speak more: a caller that stops reading holds :data:`_AHEAD` pieces' audio, not
+        its whole text's (up to 80 MB of float samples for 4,096 characters)."""
+        return self.handed - self.taken >= _AHEAD
 
 
 class VoiceModel:
@@ -123,13 +145,17 @@ class VoiceModel:
         self.voices = sorted(self.speakers) if int(settings.get("num_speakers", 1)) > 1 else [self.default_voice]
         self.max_input_chars = MAX_INPUT_CHARS
         self._bridge = _espeak_bridge(folder)
-        # No arena: it keeps what the largest call needed (200 emoji left +1.5 GiB behind),
-        # and shrinking it after each call still kept the region holding the call's output
-        # until the next call (+500 MiB peaks where the C heap, trimmed, peaks at +400 MiB,
-        # no slower).
-        self.session = create_session(self.model_path, folder, config, cpu_arena=False)
+        self.session = create_session(self.model_path, folder, config)
         self._has_sid = any(i.name == "sid" for i in self.session.get_inputs())
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        # The arena keeps what the largest call needed (200 emoji left +1.5 GiB behind): a
+        # long piece's call hands it back. Not every call's: that made short sentences 15%
+        # slower and doubled the peaks (+500 MiB: a region stayed until the next call);
+        # without the arena calls were 10% slower.
+        self._shrink: ort.RunOptions | None = None
+        if self.session.get_session_options().enable_cpu_mem_arena:
+            self._shrink = ort.RunOptions()
+            self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self._queue: queue.Queue[_Job | Literal["wake"] | None] = queue.Queue()
         self._waiting = 0
         self._serving = 0
         self._closed = False
@@ -261,9 +287,13 @@ class VoiceModel:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                job.taken += 1
+                if job.handed - job.taken == _AHEAD - 1:
+                    self._queue.put(_WAKE)  # the worker may have skipped this request
                 yield item
         finally:
             job.cancelled = True
+            self._queue.put(_WAKE)  # dropped at once, even while the worker waits
 
     async def close(self) -> None:
         self._closed = True
@@ -276,32 +306,18 @@ class VoiceModel:
         active: list[_Job] = []
         while True:
             try:
-                arrived = self._queue.get(block=not active)
+                # Wait while no request can go on (none, or all ahead of their callers).
+                arrived = self._queue.get(block=all(job.ahead and not job.cancelled for job in active))
             except queue.Empty:
-                arrived = None
+                pass
             else:
                 if arrived is None:
                     break
-                active.append(arrived)
+                if isinstance(arrived, _Job):
+                    active.append(arrived)
                 continue  # take all that arrived before the next round
             for job in list(active):
-                if job.cancelled:
-                    active.remove(job)
-                    self._leave(job)
-                    continue
-                if not job.started:
-                    job.started = True
-                    self._waiting -= 1
-                self._serving = len(active)
-                try:
-                    chunk = self._speak(job, job.pieces.pop(0))
-                except Exception as exc:  # noqa: BLE001  # an onnxruntime failure fails this request only
-                    job.pieces.clear()
-                    self._hand(job, exc)
-                else:
-                    self._hand(job, chunk)
-                if not job.pieces:
-                    self._hand(job, None)
+                if not self._step(job, len(active)):
                     active.remove(job)
             self._serving = 0
         for job in active:
@@ -309,9 +325,33 @@ class VoiceModel:
             self._hand(job, EngineClosedError(f"model {self.name!r} was closed"))
         while not self._queue.empty():
             late = self._queue.get_nowait()
-            if late is not None:
+            if isinstance(late, _Job):
                 self._leave(late)
                 self._hand(late, EngineClosedError(f"model {self.name!r} was closed"))
+
+    def _step(self, job: _Job, serving: int) -> bool:
+        """Speak ``job``'s next piece unless it is ahead of its caller; whether it goes on."""
+        if job.cancelled:
+            self._leave(job)
+            return False
+        if job.ahead:
+            return True
+        if not job.started:
+            job.started = True
+            self._waiting -= 1
+        self._serving = serving
+        try:
+            chunk = self._speak(job, job.pieces.pop(0))
+        except Exception as exc:  # noqa: BLE001  # an onnxruntime failure fails this request only
+            job.pieces.clear()
+            self._hand(job, exc)
+        else:
+            job.handed += 1
+            self._hand(job, chunk)
+        if not job.pieces:
+            self._hand(job, None)
+            return False
+        return True
 
     def _leave(self, job: _Job) -> None:
         if not job.started:
@@ -326,10 +366,12 @@ class VoiceModel:
         }
         if self._has_sid:
             feeds["sid"] = np.array([job.speaker or 0], dtype=np.int64)
-        (audio, *_) = self.session.run(None, feeds)
+        long = len(ids) * float(job.scales[1]) > _SHRINK_ABOVE_IDS  # frames, as at length_scale 1
+        (audio, *_) = self.session.run(None, feeds, self._shrink if long else None)
         samples = np.clip(np.asarray(audio, dtype=np.float32).reshape(-1), -1.0, 1.0)
         del audio
-        release_freed_memory()  # what the call freed stays in the C heap otherwise (2-4 ms a call)
+        if long:
+            release_freed_memory()  # what the arena handed back stays in the C heap otherwise  # what the call freed stays in the C heap otherwise (2-4 ms a call)
         return SpeechChunk(samples=samples, phonemes=len(ids))
 
     @staticmethod
