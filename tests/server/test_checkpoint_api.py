@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from ortserve_runtime import ModelConfig
+from ortserve_runtime.sources import SourceError, converted_folder
 from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, running
 
@@ -104,7 +105,13 @@ def test_quantize_is_refused_where_nothing_would_read_it() -> None:
         timeout=60,
         check=False,
     )
-    assert cli.returncode == 2 and "--quantize applies to transformers checkpoints" in cli.stderr
+    assert cli.returncode == 2 and "quantize (--quantize) applies to transformers checkpoints" in cli.stderr
+    with pytest.raises(ValueError, match="no model served with the default config is one"):
+        create_app(ServerConfig(models={"folder": TINY_MODEL}, model_config=ModelConfig(quantize="int8")))
+    # A pair og's builder writes into a folder that does not run (fp16 on the CPU) is
+    # refused before the checkpoint's files are read.
+    with pytest.raises(SourceError, match="no fp16 folders for the cpu provider"):
+        converted_folder(CHECKPOINT, precision="fp16", provider="cpu")
 
 
 def test_an_onnx_export_beside_a_checkpoint_does_not_make_it_an_embedding_model(tmp_path: Path) -> None:

@@ -607,20 +607,6 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it has no chat")
 
 
-def _check_quantize(quantize: str | None, folders: dict[str, Path]) -> None:
-    """``--quantize`` with no checkpoint among the models is a ``ValueError``, not a
-    setting nothing reads (a model's own ``quantize`` option is checked by the registry)."""
-    if quantize is None:
-        return
-    from ortserve_runtime.sources import source_kind
-
-    if not any(source_kind(folder) == "checkpoint" for folder in folders.values()):
-        raise ValueError(
-            "--quantize applies to transformers checkpoints (a folder of config.json and safetensors); "
-            "no model served is one"
-        )
-
-
 def _mcp_servers(specs: list[str], header_specs: list[str]) -> tuple[McpServer, ...]:
     """``--mcp-server`` and ``--mcp-header`` values as servers (``ValueError`` naming a bad one)."""
     from ._config import McpServer, parse_mcp_server
@@ -668,7 +654,6 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         resolved = {name: _resolve_model(name, path) for name, path in models.items()}
         _check_chat_options(args.model_option, resolved)
-        _check_quantize(args.quantize, resolved)
         provider_options = dict(args.provider_option)
         if args.device_id is not None:
             provider_options["device_id"] = str(args.device_id)

@@ -297,6 +297,17 @@ def model_registry(config: ServerConfig) -> ModelRegistry:
     )
     for name, path in config.models.items():
         registry.add(name, path, config.model_configs.get(name))
+    if config.model_config.quantize is not None:
+        # A model's own config says quantize only of a checkpoint (the registry checks);
+        # the default's is read by the checkpoints among the models that take it.
+        from ortserve_runtime.sources import source_kind
+
+        takers = [name for name in config.models if name not in config.model_configs]
+        if not any(source_kind(registry.status_of(name).path) == "checkpoint" for name in takers):
+            raise ValueError(
+                "quantize (--quantize) applies to transformers checkpoints (a folder of config.json and "
+                "safetensors); no model served with the default config is one"
+            )
     return registry
 
 

@@ -89,16 +89,18 @@ def converted_folder(
         raise SourceError(f"{source} is neither a GGUF file nor a transformers checkpoint")
     if kind == "gguf" and precision is not None:
         raise SourceError(f"{source.name} is a GGUF file: its weights keep the file's types (no precision applies)")
+    if kind == "checkpoint":
+        from ._checkpoint import BUILD_VERSION, builder_provider
+
+        precision = precision or "int4"
+        target = builder_provider(precision, provider)  # refused before the files are read
     digest = file_digest(source, lambda f: progress(0.1 * f))
     if kind == "gguf":
         name = f"{digest[:32]}-v{CONVERTER_VERSION}"
     else:
         import onnxruntime_genai as og  # the builder's version is part of what it wrote
 
-        from ._checkpoint import BUILD_VERSION, builder_provider
-
-        precision = precision or "int4"
-        name = f"{digest[:32]}-{precision}-{builder_provider(provider).lower()}-og{og.__version__}-b{BUILD_VERSION}"
+        name = f"{digest[:32]}-{precision}-{target.lower()}-og{og.__version__}-b{BUILD_VERSION}"
     folder = cache_root() / name
     if (folder / "genai_config.json").exists():
         progress(1.0)

@@ -66,16 +66,30 @@ _LAYER = re.compile(r"Reading (?:decoder )?layer (\d+)")
 _QUANTIZED = "complete quantization of"
 
 
-def builder_provider(provider: str) -> str:
-    """The builder's ``-e`` for one of ortserve's providers (``SourceError`` for one it
-    does not build for)."""
-    try:
-        return _PROVIDERS[provider]
-    except KeyError:
+_BUILDS: dict[CheckpointPrecision, tuple[str, ...]] = {
+    "int4": ("cpu", "cuda", "dml", "webgpu"),
+    "int8": ("cpu", "cuda", "webgpu"),
+    "fp16": ("cuda", "dml", "trt-rtx"),
+    "fp32": ("cpu", "cuda"),
+}
+"""The providers og 0.18's builder writes each precision for (its own table): other pairs
+it builds without complaint into folders that do not run (fp16 on the CPU, measured)."""
+
+
+def builder_provider(precision: CheckpointPrecision, provider: str) -> str:
+    """The builder's ``-e`` for ``precision`` on one of ortserve's providers;
+    ``SourceError`` for a pair it does not build."""
+    if provider not in _PROVIDERS:
         raise SourceError(
             f"og's model builder writes no folders for the {provider} provider "
             f"(it builds for {', '.join(_PROVIDERS)}); build one elsewhere and serve the folder"
-        ) from None
+        )
+    if provider not in _BUILDS[precision]:
+        raise SourceError(
+            f"og's model builder writes no {precision} folders for the {provider} provider "
+            f"({precision} is built for {', '.join(_BUILDS[precision])}); choose another quantize"
+        )
+    return _PROVIDERS[provider]
 
 
 def build_checkpoint(
@@ -109,7 +123,7 @@ def build_checkpoint(
         "-p",
         precision,
         "-e",
-        builder_provider(provider),
+        builder_provider(precision, provider),
         "-c",
         str(scratch),
     ]
@@ -151,7 +165,7 @@ def build_checkpoint(
                 "source": str(source),
                 "builder": "onnxruntime_genai.models.builder",
                 "precision": precision,
-                "execution_provider": builder_provider(provider),
+                "execution_provider": builder_provider(precision, provider),
                 "extra_options": list(BUILDER_OPTIONS[precision]),
             },
             indent=2,
