@@ -71,6 +71,14 @@ class OgEngine(OwnerThread):
         dynamic: bool,
         shortest_sequence: int = 0,
     ) -> None:
+        if config.reproducible and dynamic:
+            # og schedules a paged-attention folder's requests into shared batches as they
+            # come: a request's rounding depends on its neighbours (refused, not left unkept).
+            raise ModelLoadError(
+                f"{folder}: reproducible cannot be kept on og-engine's dynamic batches (a paged-attention "
+                "folder); turn it off for this model, or use engine og-generator",
+                path=folder,
+            )
         super().__init__(model_name)
         self._shortest = shortest_sequence
         """og's least session length for this folder (see GenaiFolder.shortest_sequence)."""
