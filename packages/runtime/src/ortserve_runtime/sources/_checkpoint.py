@@ -18,13 +18,12 @@ import logging
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ._child import ended_by, run_child
 from ._names import CheckpointPrecision, SourceError
 
 __all__ = ["BUILDER_OPTIONS", "BUILD_VERSION", "build_checkpoint", "builder_provider"]
@@ -131,30 +130,22 @@ def build_checkpoint(
         command += ["--extra_options", *BUILDER_OPTIONS[precision]]
     logger.info("building %s (%s, %s) with og's builder", source, precision, provider)
     tail: collections.deque[str] = collections.deque(maxlen=60)
+    quantized = 0
+
+    def on_line(line: str) -> None:
+        nonlocal quantized
+        tail.append(line.rstrip())
+        logger.debug("builder: %s", line)
+        if match := _LAYER.search(line):
+            progress(0.5 * (int(match[1]) + 1) / layers)
+        elif _QUANTIZED in line:
+            quantized += 1  # about seven matrices a layer, and the LM head
+            progress(0.5 + 0.45 * min(1.0, quantized / (7 * layers + 1)))
+        elif line.startswith("Saving GenAI config"):
+            progress(0.97)
+
     try:
-        with subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"},
-        ) as child:
-            assert child.stdout is not None
-            quantized = 0
-            for line in child.stdout:
-                line = line.rstrip()
-                tail.append(line)
-                logger.debug("builder: %s", line)
-                if match := _LAYER.search(line):
-                    progress(0.5 * (int(match[1]) + 1) / layers)
-                elif _QUANTIZED in line:
-                    quantized += 1  # about seven matrices a layer, and the LM head
-                    progress(0.5 + 0.45 * min(1.0, quantized / (7 * layers + 1)))
-                elif line.startswith("Saving GenAI config"):
-                    progress(0.97)
-            code = child.wait()
+        code = run_child(command, on_line, env={**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if code != 0 or not (folder / "genai_config.json").exists():
@@ -191,6 +182,7 @@ def _reason(tail: collections.deque[str], code: int) -> str:
     for line in reversed(lines):
         if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line):
             return line
-    if code < 0:
-        return f"it was ended by signal {-code}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    ended = ended_by(code)
+    if ended is not None:
+        return f"it was ended by {ended}"
     return " / ".join(lines[-3:]) or f"it exited with status {code}"

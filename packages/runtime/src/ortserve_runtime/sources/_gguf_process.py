@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from ._child import ended_by, run_child
 from ._names import GgufError
 
 __all__ = ["convert_in_child", "main"]
@@ -57,38 +56,26 @@ def convert_in_child(source: Path, folder: Path, progress: Callable[[float], Non
     package = Path(__file__).resolve().parents[1]
     errors: list[str] = []
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
-        child = subprocess.Popen(
+
+        def on_line(line: str) -> None:
+            word, _, rest = line.partition(" ")
+            if word == "progress":
+                progress(float(rest))
+            elif word == "error":
+                errors.append(json.loads(rest))
+
+        code = run_child(
             [sys.executable, "-c", _BOOTSTRAP, str(package), str(source), str(folder), str(os.getpid())],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            on_line,
             stderr=log,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
         )
-        try:
-            assert child.stdout is not None
-            for line in child.stdout:
-                word, _, rest = line.rstrip("\n").partition(" ")
-                if word == "progress":
-                    progress(float(rest))
-                elif word == "error":
-                    errors.append(json.loads(rest))
-            code = child.wait()
-        finally:
-            if child.poll() is None:  # the caller's progress raised, or this thread was interrupted
-                child.kill()
-                child.wait()
-            assert child.stdout is not None
-            child.stdout.close()
         log.seek(0)
         tail = collections.deque((line.strip() for line in log if line.strip()), maxlen=5)
     if errors:
         raise GgufError(errors[-1])
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-        raise GgufError(f"converting {source.name} ended with {name}{hint}: its converter crashed or was killed")
+    ended = ended_by(code)
+    if ended is not None:
+        raise GgufError(f"converting {source.name} ended with {ended}: its converter crashed or was killed")
     if code != 0 or not (folder / "genai_config.json").exists():
         said = tail[-1] if tail else f"it exited with status {code}"
         raise GgufError(f"{source.name} could not be converted: {said}")
