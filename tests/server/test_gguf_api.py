@@ -134,9 +134,11 @@ def test_status_says_converting_and_health_stays_fast(tmp_path: Path, monkeypatc
     assert len(set(fractions)) > 2 and fractions == sorted(fractions) and 0 <= fractions[0] <= fractions[-1] <= 1
     # Seconds. The conversion takes 2-6 s: on the loop, /health would wait that long; in a
     # thread of the server it shared the GIL, which a CI run with two busy workers stretched
-    # to 1.08 s. In a child process only the machine's load is left (measured at most 0.32 s
-    # with the load average at 6.7 on 2 cores), as for a checkpoint (test_checkpoint_api.py).
-    assert slowest["converting"] < 0.5, slowest
+    # to 1.08 s. In a child process only the machine's load is left: at most 0.32 s measured
+    # with the load average at 6.7 on 2 cores, but 0.72 s in a CI run (the child converting,
+    # the other test worker, the server: three busy processes on 2 cores). 1.5 s still tells
+    # a conversion off the loop from one on it; as for a checkpoint (test_checkpoint_api.py).
+    assert slowest["converting"] < 1.5, slowest
     # The converted folder then loads in a thread of the server (graph and tokenizer read
     # in Python), which still shares its GIL: measured at most 0.45 s on the same machine.
     assert slowest["loading"] < 2.5, slowest
