@@ -65,6 +65,33 @@ def test_ready_line_and_chat(server: tuple[subprocess.Popen[str], str]) -> None:
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
+def mapped_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the server's mapped libraries from /proc")
+def test_start_up_loads_no_library_a_plain_chat_does_not_use(server: tuple[subprocess.Popen[str], str]) -> None:
+    """Start-up is bound by imports: onnxruntime-genai (og-engine only), llguidance (the first
+    grammar) and pydantic (Litestar's plugin for routes no ortserve route has) wait for their
+    first use. Their compiled libraries show in the server's memory map once imported."""
+    process, url = server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        maps = mapped_libraries(process.pid)
+        assert "onnxruntime/capi" in maps  # the check sees what was imported
+        for library in ("onnxruntime_genai", "llguidance", "pydantic_core"):
+            assert library not in maps, library
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        )
+        assert reply.choices[0].message.content
+    assert "llguidance" in mapped_libraries(process.pid)
+
+
 def test_sigterm_finishes_in_flight_work_and_exits_zero(server: tuple[subprocess.Popen[str], str]) -> None:
     process, url = server
     result: dict[str, object] = {}

@@ -23,7 +23,7 @@ from ._folder import GenaiFolder, check_og_runs, load_og_model
 from ._og_process import OgProcess
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
 from .embeddings import EmbeddingModel, RerankModel
-from .engines import Engine, NotDrivableError, OgEngine, OgGeneratorEngine, OrtCpuEngine
+from .engines import Engine, NotDrivableError, OgGeneratorEngine, OrtCpuEngine
 from .engines._adapters import check_adapters
 from .sources import source_kind
 from .speech import SpeechModel, VoiceModel, find_voice_files
@@ -157,6 +157,8 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
         _check_og_speculation(folder, config, choice, refusal)
         speculative = config.speculative is not None
         if choice == "og-engine":  # og.Engine.run releases the GIL: it stays in this process
+            from .engines import OgEngine
+
             og_model = load_og_model(path, config)
             _checked_og(
                 lambda: check_og_runs(og_model, folder, config.provider, speculative=speculative), refusal, path

@@ -19,7 +19,7 @@ from litestar.config.cors import CORSConfig
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
-from litestar.plugins import InitPlugin
+from litestar.plugins import InitPlugin, PluginProtocol
 from litestar.types import ExceptionHandlersMap, Guard
 
 from ._auth import make_auth_guard
@@ -174,6 +174,22 @@ class OrtServePlugin(InitPlugin, RequestLimits):
         return app_config
 
 
+class _StandaloneApp(Litestar):
+    """Litestar with only the plugin its own routes use: no ortserve route takes a pydantic
+    model or an attrs class, yet Litestar loads its pydantic and attrs plugins whenever those
+    libraries are installed (pydantic is, wherever FastAPI or an MCP SDK is), and those
+    imports were the largest part of building the app: 0.09 s of a 0.15 s ``create_app``
+    on a 2-core EPYC.
+    A host's own Litestar app, with the plugin, keeps Litestar's defaults."""
+
+    @staticmethod
+    def _get_default_plugins(plugins: list[PluginProtocol]) -> list[PluginProtocol]:
+        from litestar.plugins.core import MsgspecDIPlugin
+
+        plugins.append(MsgspecDIPlugin())
+        return plugins
+
+
 def create_app(config: ServerConfig, *, debug: bool = False, state: OrtServe | None = None) -> Litestar:
     """A standalone ASGI app serving only ortserve (what ``ortserve serve`` runs).
 
@@ -182,7 +198,7 @@ def create_app(config: ServerConfig, *, debug: bool = False, state: OrtServe | N
     makes it first, to start loading models while this module's imports run).
     """
     plugin = OrtServePlugin(config, state=state)
-    app = Litestar(
+    app = _StandaloneApp(
         plugins=[plugin],
         exception_handlers=exception_handlers,
         request_max_body_size=config.max_body_size,

@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import llguidance
 import numpy as np
 import numpy.typing as npt
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .._errors import InvalidRequestError
 from ._grammar_depth import MAX_GRAMMAR_DEPTH, json_schema_depth, lark_depth
 from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
+
+if TYPE_CHECKING:
+    # Imported where a grammar is first used: 25-60 ms of every server's start-up otherwise.
+    import llguidance
 
 __all__ = ["Constraint", "Grammar", "GrammarCompiler", "closed_schema"]
 
@@ -50,13 +52,16 @@ class Constraint:
     """One request's matcher: masks logits, follows the tokens actually chosen."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
         self._matcher = matcher
         self._vocab = vocab_size
         self._bitmask = allocate_token_bitmask(1, vocab_size)
+        self._fill = fill_next_token_bitmask
 
     def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """A copy of ``logits`` where every token the grammar forbids is -inf."""
-        fill_next_token_bitmask(self._matcher, self._bitmask)
+        self._fill(self._matcher, self._bitmask)
         allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
         return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
@@ -84,6 +89,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
         with self._lock:  # built on first use: about a second for a large vocabulary
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
@@ -93,6 +100,8 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar) -> Constraint:
         """A fresh matcher for ``grammar``; an invalid one raises :class:`InvalidRequestError`."""
+        import llguidance
+
         text = _grammar_text(grammar)
         tokenizer = self._llg_tokenizer()
         error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
@@ -139,6 +148,8 @@ def closed_schema(schema: Any) -> Any:
 
 
 def _grammar_text(grammar: Grammar) -> str:
+    import llguidance
+
     if grammar.after_reasoning is not None:
         # llguidance nests grammars: the think block, then the asked-for grammar by name.
         inner = _grammar_text(Grammar(grammar.kind, grammar.source))

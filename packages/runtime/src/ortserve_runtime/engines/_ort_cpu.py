@@ -171,8 +171,8 @@ class OrtCpuEngine(OwnerThread):
         """The int8 prefill session, where ``ModelConfig.prefill_int8`` asks for one."""
         int4 = has_int4_matrices(graph.int8_source)
         convertible = graph.last_only and int4
-        lone_row_differs = int4 and _lone_row_rounds_differently()
-        self._pad_lone_row = lone_row_differs and config.reproducible
+        # The probe builds a session of its own (10 ms): asked only where its answer is used.
+        self._pad_lone_row = config.reproducible and int4 and _lone_row_rounds_differently()
         """Decode a lone row beside a dummy (see :meth:`_decode_rows`); only on request
         (``ModelConfig.reproducible``), it costs a row's work every step."""
         self._keep_decoded = not config.reproducible

@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from filelock import FileLock
-
 from ._gguf_process import convert_in_child
 from ._names import CONVERTER_VERSION, CheckpointPrecision, SourceError, checkpoint_files, source_kind, split_parts
 
@@ -106,6 +104,8 @@ def converted_folder(
         progress(1.0)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock  # here: a folder already converted needs no lock (20 ms of every start-up)
+
     with FileLock(folder.with_name(folder.name + ".lock")):
         if (folder / "genai_config.json").exists():  # another process converted it meanwhile
             progress(1.0)
