@@ -58,7 +58,8 @@ def make_auth_guard(api_keys: Sequence[str], *, x_api_key: bool = False, scoped:
                 found = digest
         return found
 
-    def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    async def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        # async (see SiteGuard.__call__): comparing a few keys needs no worker thread.
         given_key = connection.headers.get("x-api-key") if x_api_key else None
         digest = matching(given_key) if given_key is not None else None
         if digest is None:

@@ -73,7 +73,9 @@ class SiteGuard:
         self.any_origin = "*" in origins
         self.origins = frozenset(origins - {"*"})
 
-    def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    async def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        # async, though it awaits nothing: Litestar runs a sync guard on a worker thread,
+        # a thread hop on every request for a few dictionary lookups.
         host = connection.headers.get("host")
         if host is not None and self._checks_host(connection) and not self._host_allowed(host):
             raise ForbiddenError(
