@@ -437,6 +437,8 @@ def test_server_cli_serves_a_gguf_file_from_the_hub(tmp_path: Path) -> None:
         try:
             assert process.stdout is not None
             line = process.stdout.readline()
+            while '"converting"' in line:  # progress while the file converts (a slow box prints some)
+                line = process.stdout.readline()
             if not line:
                 _, err = process.communicate(timeout=30)
                 raise AssertionError(f"server exited {process.returncode}: {err}")
@@ -479,3 +481,50 @@ def test_cli_pulls_a_gguf_file_and_lists_it(tmp_path: Path) -> None:
     ).stdout
     assert f"acme/tiny-GGUF/big/big-00001-of-00003.gguf\t{pulled}" in listing
     assert "00002-of-00003" not in listing  # a split file is listed once, by its first part
+
+
+# Contents differ: the hub library fetches a blob once, however many names it has.
+CHECKPOINT = {
+    "config.json": b'{"architectures": ["LlamaForCausalLM"]}',
+    "generation_config.json": b'{"do_sample": false}',
+    "model.safetensors": BIG,
+    "tokenizer.json": b'{"model": {}}',
+    "tokenizer_config.json": b'{"bos_token": null}',
+    "chat_template.jinja": b"{{ messages }}",
+    "merges.txt": b"#version: 0.2",
+    "README.md": b"# a model",
+    "pytorch_model.bin": b"the same weights for PyTorch",
+    "flax_model.msgpack": b"and for Flax",
+    "model.Q4_K_M.gguf": b"GGUF",
+    "onnx/model.onnx": b"an export",
+    "onnx/model_q4.onnx": b"another",
+    "runs/events.out": b"training logs",
+}
+
+
+def test_a_checkpoint_repo_comes_without_its_other_formats(endpoint: str, hub: FakeHub, tmp_path: Path) -> None:
+    """A transformers checkpoint's repo often carries ONNX exports, GGUF files and copies of
+    the weights for other frameworks: serving it needs the safetensors, config and
+    tokenizer, and only those are downloaded."""
+    hub.repos["acme/checkpoint"] = dict(CHECKPOINT)
+    hub.repos["acme/nested"] = {f"v2/{name}": data for name, data in CHECKPOINT.items()} | {"other.bin": b"x"}
+    needed = [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "merges.txt",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    path = pull("acme/checkpoint", cache_dir=tmp_path)
+    assert sorted(p.name for p in path.iterdir()) == needed
+    assert (path / "model.safetensors").read_bytes() == BIG
+    assert {p for p, _ in hub.ranges} == set(needed)
+    nested = pull("acme/nested", subfolder="v2", cache_dir=tmp_path)
+    assert sorted(p.name for p in nested.iterdir()) == needed
+    # Without safetensors the PyTorch weights are the checkpoint's.
+    hub.repos["acme/bin"] = {k: v for k, v in CHECKPOINT.items() if k != "model.safetensors"}
+    assert "pytorch_model.bin" in {p.name for p in pull("acme/bin", cache_dir=tmp_path).iterdir()}
+    # A genai folder, or a repo without config.json, comes whole, as before.
+    assert len(list(pull("acme/tiny", cache_dir=tmp_path).rglob("*.onnx"))) == 2

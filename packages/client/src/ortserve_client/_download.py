@@ -69,6 +69,9 @@ def pull(
     """Download a model (or one ``subfolder`` of a repo) and return its local folder.
 
     ``allow_patterns`` are fnmatch patterns, relative to ``subfolder`` when one is given.
+    Without them the folder comes whole, except a transformers checkpoint: its weights in
+    one format, config and tokenizer files, not the ONNX, GGUF or other copies published
+    beside them.
     For an ``hf:OWNER/REPO[/PATH]`` reference (a folder or one GGUF file), see
     :class:`HubReference`: it gives these arguments and the path to serve.
     ``endpoint`` defaults to ``HF_ENDPOINT`` read now, not when ``huggingface_hub``
@@ -180,6 +183,8 @@ def _pull(
     if not files:
         what = f"files matching {patterns}" if patterns else "files"
         raise DownloadError(f"{where} has no {what}", repo_id=repo_id, revision=revision)
+    if allow_patterns is None:
+        files = _checkpoint_files(files, f"{subfolder.strip('/')}/" if subfolder else "")
     snapshot = ""
     for filename in files:
         with _translate(repo_id, revision, filename):
@@ -194,6 +199,33 @@ def _pull(
             )
         snapshot = str(Path(str(local)).parents[len(Path(filename).parts) - 1])
     return _done(repo_id, folder_of(snapshot), on_progress)
+
+
+_CHECKPOINT_EXTRAS = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+"""What a transformers checkpoint needs beside its weights: config, generation config,
+tokenizer (tokenizer.json, SentencePiece ``.model``, vocab and merges ``.txt``, tiktoken),
+chat template, and the weights' index."""
+
+
+def _checkpoint_files(files: Sequence[str], folder: str) -> list[str]:
+    """Of a repo's ``files``, what serving the transformers checkpoint in ``folder`` needs,
+    or ``files`` unchanged where ``folder`` holds no checkpoint.
+
+    A checkpoint (``config.json`` with safetensors, else ``pytorch_model*.bin``, and no
+    ``genai_config.json``; onnxruntime-genai's builder turns it into a model) is often
+    published beside other forms of the same weights: ``onnx/`` exports, GGUF files, Flax,
+    TensorFlow and PyTorch copies, several times its size. Only the files directly in the
+    folder with the weights in one format are taken, as vLLM's loader does.
+    """
+    top = {name[len(folder) :]: name for name in files if name.startswith(folder) and "/" not in name[len(folder) :]}
+    if "genai_config.json" in top or "config.json" not in top:
+        return list(files)
+    weights = [name for name in top if name.endswith(".safetensors")]
+    weights = weights or [name for name in top if fnmatch.fnmatch(name, "pytorch_model*.bin")]
+    if not weights:
+        return list(files)
+    wanted = [name for name in top if name in weights or any(fnmatch.fnmatch(name, p) for p in _CHECKPOINT_EXTRAS)]
+    return [top[name] for name in sorted(wanted)]
 
 
 def _where(repo_id: str, revision: str | None, filename: str | None = None) -> str:
