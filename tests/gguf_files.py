@@ -79,17 +79,31 @@ SLIDING_WINDOW = 8
 _LAYERS = {"gemma3": 6}  # Gemma 3's first global layer is its sixth
 _HEAD = {"gemma3": 32}  # a head size other than hidden / heads (queries of 128, not 256)
 _POST_NORMS = ("gemma2", "gemma3", "olmo2")
+_LAYER_NORMS = ("olmo", "nemotron")
+"""LayerNorm rather than RMS norms: OLMo 1's without weights, Nemotron's with weight and bias."""
+OLMO_CLAMP_KQV = 1.5
+"""Below the tiny file's projections' largest values, so the clamp changes queries, keys and values."""
+NEMOTRON_ROTARY = HEAD // 2
+"""Nemotron rotates half of each head (its partial_rotary_factor 0.5)."""
+_SEEDS = {"nemotron": 3}
+"""Seeds other than 0: seed 0's Nemotron file has a tie in llama.cpp's own greedy choice
+(two tokens 0.001 apart at the third step), which no comparison can hold to."""
 GRANITE_SCALES = {"embedding": 6.0, "residual": 0.5, "attention": 0.1, "logit": 2.0}
 GEMMA2_SOFTCAPS = {"attention": 2.0, "final": 4.0}
 """Far below Gemma 2's own (50, 30), where tanh bends random weights' scores and logits."""
 
 
-def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed: int = 0, tied: bool = True) -> Path:
+def write_tiny_gguf(
+    path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed: int | None = None, tied: bool = True
+) -> Path:
     """A tiny decoder of ``arch`` (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, granite,
-    olmo2) whose matrices are ``qtype``, each with what its architecture adds: Gemma 2's
-    softcaps, post-norms and sliding window on alternate layers, Gemma 3's per-head norms and
-    local/global rope, Phi-3's fused matrices, Granite's multipliers, OLMo 2's post-norms."""
-    rng = np.random.default_rng(seed)
+    olmo, olmo2, nemotron) whose matrices are ``qtype``, each with what its architecture adds:
+    Gemma 2's softcaps, post-norms and sliding window on alternate layers, Gemma 3's per-head
+    norms and local/global rope, Phi-3's fused matrices, Granite's multipliers, OLMo 1's
+    weightless LayerNorms and query/key/value clamp, OLMo 2's post-norms, Nemotron's
+    LayerNorms with biases, squared-ReLU feed-forward, partial rotary embeddings and biases
+    on every projection."""
+    rng = np.random.default_rng(_SEEDS.get(arch, 0) if seed is None else seed)
     tokens, types = _vocabulary()
     if arch == "phi3":  # llama.cpp's Phi-3 vocabulary loader looks these up by text (unordered_map::at)
         tokens, types = [*tokens, "<unk>", "<s>", "</s>"], [*types, 2, 3, 3]
@@ -103,9 +117,12 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed:
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(head)
+    writer.add_rope_dimension_count(NEMOTRON_ROTARY if arch == "nemotron" else head)
     writer.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    if arch in _LAYER_NORMS:
+        writer.add_layer_norm_eps(1e-5)
+    else:
+        writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -130,10 +147,10 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed:
         writer.add_value_length(head)
     for i in range(layers):
         _write_layer(writer, arch, f"blk.{i}", head, vector, matrix)
-    writer.add_tensor("output_norm.weight", vector(HIDDEN))
+    _add_norm(writer, arch, "output_norm", vector)
     if not tied:
         _add(writer, "output.weight", random_matrix(rng, vocab, HIDDEN, Q.Q6_K), Q.Q6_K)
-    elif arch == "olmo2":  # llama.cpp requires OLMo 2's own head
+    elif arch in ("olmo2", "nemotron"):  # llama.cpp requires their own head
         _add(writer, "output.weight", random_matrix(rng, vocab, HIDDEN, embedding_type), embedding_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -151,6 +168,8 @@ def _architecture_keys(writer: gguf.GGUFWriter, arch: str) -> None:
     if arch == "gemma3":  # global layers: their own base, scaled 8x; local ones: 10000, unscaled
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(8.0)
+    if arch == "olmo":
+        writer.add_clamp_kqv(OLMO_CLAMP_KQV)
     if arch == "granite":
         writer.add_embedding_scale(GRANITE_SCALES["embedding"])
         writer.add_residual_scale(GRANITE_SCALES["residual"])
@@ -167,14 +186,15 @@ def _write_layer(
     matrix: Callable[[str, int, int], None],
 ) -> None:
     q_size, kv_size = HEADS * head, KV_HEADS * head
+    biases = arch == "nemotron"  # optional in llama.cpp: the tiny file has every one
     if arch != "olmo2":  # OLMo 2 norms after attention and feed-forward only
-        writer.add_tensor(f"{p}.attn_norm.weight", vector(HIDDEN))
+        _add_norm(writer, arch, f"{p}.attn_norm", vector)
     if arch == "phi3":  # query, key and value rows in one matrix
         matrix(f"{p}.attn_qkv.weight", q_size + 2 * kv_size, HIDDEN)
     else:
         for name, out_features in (("attn_q", q_size), ("attn_k", kv_size), ("attn_v", kv_size)):
             matrix(f"{p}.{name}.weight", out_features, HIDDEN)
-            if arch == "qwen2":
+            if arch == "qwen2" or biases:
                 writer.add_tensor(f"{p}.{name}.bias", vector(out_features, 0.0))
     if arch in ("qwen3", "gemma3"):
         writer.add_tensor(f"{p}.attn_q_norm.weight", vector(head))
@@ -183,18 +203,34 @@ def _write_layer(
         writer.add_tensor(f"{p}.attn_q_norm.weight", vector(q_size))
         writer.add_tensor(f"{p}.attn_k_norm.weight", vector(kv_size))
     matrix(f"{p}.attn_output.weight", HIDDEN, q_size)
+    if biases:
+        writer.add_tensor(f"{p}.attn_output.bias", vector(HIDDEN, 0.0))
     if arch in _POST_NORMS:
         writer.add_tensor(f"{p}.post_attention_norm.weight", vector(HIDDEN))
     if arch != "olmo2":
-        writer.add_tensor(f"{p}.ffn_norm.weight", vector(HIDDEN))
+        _add_norm(writer, arch, f"{p}.ffn_norm", vector)
     if arch == "phi3":  # gate rows, then up rows
         matrix(f"{p}.ffn_up.weight", 2 * FFN, HIDDEN)
     else:
-        matrix(f"{p}.ffn_gate.weight", FFN, HIDDEN)
+        if arch != "nemotron":  # Nemotron's feed-forward has no gate
+            matrix(f"{p}.ffn_gate.weight", FFN, HIDDEN)
         matrix(f"{p}.ffn_up.weight", FFN, HIDDEN)
+    if biases:
+        writer.add_tensor(f"{p}.ffn_up.bias", vector(FFN, 0.0))
     matrix(f"{p}.ffn_down.weight", HIDDEN, FFN)
+    if biases:
+        writer.add_tensor(f"{p}.ffn_down.bias", vector(HIDDEN, 0.0))
     if arch in _POST_NORMS:
         writer.add_tensor(f"{p}.post_ffw_norm.weight", vector(HIDDEN))
+
+
+def _add_norm(writer: gguf.GGUFWriter, arch: str, name: str, vector: Callable[..., np.ndarray]) -> None:
+    """A block norm's parameters: none for OLMo 1, a weight (and a bias for Nemotron)."""
+    if arch == "olmo":
+        return
+    writer.add_tensor(f"{name}.weight", vector(HIDDEN))
+    if arch == "nemotron":
+        writer.add_tensor(f"{name}.bias", vector(HIDDEN, 0.0))
 
 
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:
@@ -211,7 +247,7 @@ def reference_logits(path: Path, ids: list[int]) -> np.ndarray:
     for i in range(model.layers):
         x = model.layer(x, i)
     head = "output.weight" if "output.weight" in model.tensors else "token_embd.weight"
-    logits = model.rms(x, model.weight("output_norm.weight")) @ model.weight(head).T / model.logit_scale
+    logits = model.norm(x, "output_norm") @ model.weight(head).T / model.logit_scale
     if model.final_softcap:
         logits = model.final_softcap * np.tanh(logits / model.final_softcap)
     return logits
@@ -227,7 +263,10 @@ class _Reference:
         hidden, self.heads = int(self.key("embedding_length")), int(self.key("attention.head_count"))
         self.kv_heads, self.layers = int(self.key("attention.head_count_kv")), int(self.key("block_count"))
         self.head = int(self.key("attention.key_length", hidden // self.heads))
-        self.eps = self.key("attention.layer_norm_rms_epsilon")
+        self.rotary = int(self.key("rope.dimension_count", self.head))
+        self.layer_norms = arch in ("olmo", "nemotron")  # LayerNorm, not RMS
+        self.eps = self.key("attention.layer_norm_epsilon" if self.layer_norms else "attention.layer_norm_rms_epsilon")
+        self.clamp = self.key("attention.clamp_kqv", 0.0) if arch == "olmo" else 0.0
         self.gemma = arch in ("gemma", "gemma2", "gemma3")
         # Sliding windows: llama.cpp's layer patterns (local unless the last of each period);
         # it ignores Phi-3's window. Local layers of Gemma 3 rotate with base 10000, unscaled.
@@ -264,28 +303,43 @@ class _Reference:
     def rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.eps) * w
 
+    def norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """The block norm ``name``: RMS by its weight, or LayerNorm (ggml_norm) times the
+        weight plus the bias where the file has them (none: OLMo 1)."""
+        if not self.layer_norms:
+            return self.rms(x, self.weight(f"{name}.weight"))
+        centred = x - x.mean(-1, keepdims=True)
+        out = centred / np.sqrt((centred * centred).mean(-1, keepdims=True) + self.eps)
+        if f"{name}.weight" in self.tensors:
+            out = out * self.weight(f"{name}.weight")
+        return out + self.bias(name)
+
+    def bias(self, name: str) -> np.ndarray | float:
+        return self.weight(f"{name}.bias") if f"{name}.bias" in self.tensors else 0.0
+
     def _rotation(self, base: float, factor: float) -> tuple[np.ndarray, np.ndarray]:
-        angles = np.outer(np.arange(self.count) / factor, 1.0 / base ** (np.arange(0, self.head, 2) / self.head))
+        angles = np.outer(np.arange(self.count) / factor, 1.0 / base ** (np.arange(0, self.rotary, 2) / self.rotary))
         return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
     def rope(self, x: np.ndarray, local: bool) -> np.ndarray:
         cos, sin = self.rotations[local]
-        out, half = np.empty_like(x), self.head // 2
-        if self.arch in ("llama", "granite"):  # NORM: adjacent pairs
+        out, half = x.copy(), self.rotary // 2  # past rope.dimension_count: not rotated (Nemotron)
+        x = x[..., : self.rotary]
+        if self.arch in ("llama", "granite", "olmo"):  # NORM: adjacent pairs
             a, b = x[..., 0::2], x[..., 1::2]
-            out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+            out[..., 0 : self.rotary : 2], out[..., 1 : self.rotary : 2] = a * cos - b * sin, a * sin + b * cos
         else:  # NEOX: halves
             a, b = x[..., :half], x[..., half:]
-            out[..., :half], out[..., half:] = a * cos - b * sin, a * sin + b * cos
+            out[..., :half], out[..., half : self.rotary] = a * cos - b * sin, a * sin + b * cos
         return out
 
     def layer(self, x: np.ndarray, i: int) -> np.ndarray:
         p, olmo2 = f"blk.{i}", self.arch == "olmo2"  # OLMo 2: no norm in front of the blocks
-        out = self.attention(x if olmo2 else self.rms(x, self.weight(f"{p}.attn_norm.weight")), i)
+        out = self.attention(x if olmo2 else self.norm(x, f"{p}.attn_norm"), i)
         if f"{p}.post_attention_norm.weight" in self.tensors:
             out = self.rms(out, self.weight(f"{p}.post_attention_norm.weight"))
         x = x + out * self.residual_scale
-        out = self.feed_forward(x if olmo2 else self.rms(x, self.weight(f"{p}.ffn_norm.weight")), p)
+        out = self.feed_forward(x if olmo2 else self.norm(x, f"{p}.ffn_norm"), p)
         if f"{p}.post_ffw_norm.weight" in self.tensors:
             out = self.rms(out, self.weight(f"{p}.post_ffw_norm.weight"))
         return x + out * self.residual_scale
@@ -296,8 +350,9 @@ class _Reference:
             q, k, v = np.split(h @ self.weight(f"{p}.attn_qkv.weight").T, [heads * head, (heads + kv_heads) * head], -1)
         else:
             q, k, v = (h @ self.weight(f"{p}.attn_{n}.weight").T for n in "qkv")
-        if f"{p}.attn_q.bias" in self.tensors:
-            q, k, v = (y + self.weight(f"{p}.attn_{n}.bias") for y, n in zip((q, k, v), "qkv", strict=True))
+        q, k, v = (y + self.bias(f"{p}.attn_{n}") for y, n in zip((q, k, v), "qkv", strict=True))
+        if self.clamp:  # OLMo 1
+            q, k, v = (np.clip(y, -self.clamp, self.clamp) for y in (q, k, v))
         if self.arch == "olmo2":  # over the whole projection
             q, k = (
                 self.rms(q, self.weight(f"{p}.attn_q_norm.weight")),
@@ -319,11 +374,14 @@ class _Reference:
         scores = scores + np.where(masked, -np.inf, 0.0)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        return (
-            np.einsum("hst,thd->shd", probs, v).reshape(count, heads * head) @ self.weight(f"{p}.attn_output.weight").T
-        )
+        mixed = np.einsum("hst,thd->shd", probs, v).reshape(count, heads * head)
+        return mixed @ self.weight(f"{p}.attn_output.weight").T + self.bias(f"{p}.attn_output")
 
     def feed_forward(self, h: np.ndarray, p: str) -> np.ndarray:
+        down = self.weight(f"{p}.ffn_down.weight").T
+        if self.arch == "nemotron":  # squared ReLU of up, no gate
+            up = h @ self.weight(f"{p}.ffn_up.weight").T + self.bias(f"{p}.ffn_up")
+            return np.maximum(up, 0.0) ** 2 @ down + self.bias(f"{p}.ffn_down")
         if f"{p}.ffn_gate.weight" in self.tensors:
             gate, up = h @ self.weight(f"{p}.ffn_gate.weight").T, h @ self.weight(f"{p}.ffn_up.weight").T
         else:  # Phi-3: gate and up in one matrix
@@ -332,4 +390,4 @@ class _Reference:
             activated = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
         else:
             activated = gate / (1 + np.exp(-gate))
-        return (activated * up) @ self.weight(f"{p}.ffn_down.weight").T
+        return (activated * up) @ down

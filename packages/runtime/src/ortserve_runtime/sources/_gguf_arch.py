@@ -37,10 +37,26 @@ class Architecture:
     """A norm in front of attention and feed-forward (all but OLMo 2)."""
     post_norms: bool = False
     """A norm of attention's and feed-forward's outputs before the residual add (Gemma 2/3, OLMo 2)."""
+    norm: str = "rms"
+    """``"rms"``: RMS norms by the file's weights; ``"layer"``: LayerNorm by the file's
+    weight and bias (Nemotron, whose layernorm1p's 1 llama.cpp's converter already added to
+    the weights); ``"plain"``: LayerNorm without weight or bias (OLMo 1). The file's epsilon
+    is ``attention.layer_norm_rms_epsilon`` for the first, ``attention.layer_norm_epsilon``
+    for the others."""
+    clamp_kqv: bool = False
+    """Queries, keys and values clamped to the file's ``attention.clamp_kqv`` where it names
+    one above 0 (OLMo 1)."""
+    partial_rotary: bool = False
+    """``rope.dimension_count`` may be below the head size: the rest of each head is not
+    rotated (Nemotron)."""
     fused_gate_up: bool = False
     """``ffn_up`` holds the gate's rows, then the up projection's (Phi-3)."""
-    gelu: bool = False
-    """GELU (tanh form, as ggml's) gates the feed-forward rather than SiLU (Gemma)."""
+    activation: str = "silu"
+    """The feed-forward's activation: ``"silu"``, ``"gelu"`` (tanh form, as ggml's: Gemma)
+    or ``"relu2"`` (squared ReLU: Nemotron)."""
+    gated: bool = True
+    """The activation multiplies ``ffn_up``'s output (SwiGLU, GeGLU); Nemotron's feed-forward
+    is ``ffn_down(act(ffn_up(x)))``, without a gate."""
     scaled_embedding: bool = False
     """Embeddings times sqrt(hidden size) (Gemma)."""
     gemma_query_scale: bool = False
@@ -63,12 +79,12 @@ ARCHITECTURES: Mapping[str, Architecture] = {
     "llama": Architecture("llama", rope_interleaved=True),
     "qwen2": Architecture("qwen2", rope_interleaved=False, qkv_bias=True),
     "qwen3": Architecture("qwen3", rope_interleaved=False, qk_norm="head"),
-    "gemma": Architecture("gemma", rope_interleaved=False, gelu=True, scaled_embedding=True),
+    "gemma": Architecture("gemma", rope_interleaved=False, activation="gelu", scaled_embedding=True),
     "gemma2": Architecture(
         "gemma2",
         rope_interleaved=False,
         post_norms=True,
-        gelu=True,
+        activation="gelu",
         scaled_embedding=True,
         gemma_query_scale=True,
         large_model_layers=46,
@@ -81,7 +97,7 @@ ARCHITECTURES: Mapping[str, Architecture] = {
         rope_interleaved=False,
         qk_norm="head",
         post_norms=True,
-        gelu=True,
+        activation="gelu",
         scaled_embedding=True,
         gemma_query_scale=True,
         large_model_layers=62,
@@ -90,7 +106,11 @@ ARCHITECTURES: Mapping[str, Architecture] = {
     ),
     "phi3": Architecture("phi3", rope_interleaved=False, fused_gate_up=True),
     "granite": Architecture("granite", rope_interleaved=True, multipliers=True),
+    "olmo": Architecture("olmo", rope_interleaved=True, norm="plain", clamp_kqv=True),
     "olmo2": Architecture("olmo", rope_interleaved=False, qk_norm="whole", pre_norms=False, post_norms=True),
+    "nemotron": Architecture(
+        "nemotron", rope_interleaved=False, norm="layer", partial_rotary=True, activation="relu2", gated=False
+    ),
 }
 """The architectures both llama.cpp's GGUF and og's engines know that this converter
 writes, each held to llama-server on a tiny file (tests/fixtures/gguf): llama (Mistral's
@@ -99,8 +119,12 @@ and final softcaps, post-norms, a sliding window on alternate layers); gemma3 (p
 query/key norms, five sliding-window layers in six with their own rope base, linear rope
 scaling on the global ones); phi3 (fused query/key/value and gate/up matrices; LongRoPE is
 refused, and its sliding window is not applied, as llama.cpp does not); granite (its four
-multipliers); olmo2 (norms after attention and feed-forward only, query/key norms over the
-whole projection). Any other is refused, naming it."""
+multipliers); olmo (OLMo 1: LayerNorms without weights, queries, keys and values clamped
+where the file says); olmo2 (norms after attention and feed-forward only, query/key norms
+over the whole projection); nemotron (LayerNorms with weight and bias, a squared-ReLU
+feed-forward without a gate, rotary embeddings over part of each head). Biases of the
+projections and the feed-forward are added wherever the file has them. Any other is
+refused, naming it."""
 
 _MAX_DIMENSION = 1 << 20
 """Larger hidden sizes, heads or vocabularies are a lying header, not a model."""
@@ -123,6 +147,8 @@ class Hyperparameters:
     epsilon: float
     rope_base: float
     vocab_size: int
+    clamp_kqv: float = 0.0
+    """Queries, keys and values are clamped to +-this (0: not clamped)."""
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     attention_scale: float = 0.0
@@ -192,6 +218,7 @@ class Hyperparameters:
             raise GgufError("olmo2: sliding-window attention (OLMo 3) is not supported")
         # phi3: llama.cpp ignores attention.sliding_window ("Phi SWA is currently disabled"); so does this.
 
+        epsilon_key = "attention.layer_norm_rms_epsilon" if spec.norm == "rms" else "attention.layer_norm_epsilon"
         embedding_scale = math.sqrt(hidden) if spec.scaled_embedding else 1.0
         residual_scale = logit_scale = 1.0
         if spec.multipliers:
@@ -211,9 +238,10 @@ class Hyperparameters:
             rotary_dim=int(number("rope.dimension_count", head_size)),
             feed_forward=int(number("feed_forward_length")),
             context_length=int(number("context_length")),
-            epsilon=float(number("attention.layer_norm_rms_epsilon")),
+            epsilon=float(number(epsilon_key)),
             rope_base=float(number("rope.freq_base", 10000.0)),
             vocab_size=vocab,
+            clamp_kqv=float(number("attention.clamp_kqv", 0.0)) if spec.clamp_kqv else 0.0,
             rope_scaling=scaling,
             rope_factor=float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0),
             attention_scale=scale or (1 / math.sqrt(head_size) if head_size > 0 else 1.0),
@@ -239,11 +267,7 @@ class Hyperparameters:
             raise GgufError(f"context_length = {self.context_length} is out of range (1 to {_MAX_CONTEXT})")
         if self.heads % self.kv_heads:
             raise GgufError(f"{self.heads} attention heads do not divide into {self.kv_heads} key/value heads")
-        if self.rotary_dim != self.head_size:  # llama.cpp asserts it for these architectures too
-            raise GgufError(
-                f"rope.dimension_count = {self.rotary_dim} is not the head size {self.head_size}: "
-                "partial rotary embeddings are not supported"
-            )
+        self._check_rotary()
         if self.rope_scaling not in ("none", "linear"):
             raise GgufError(f"rope scaling {self.rope_scaling!r} is not supported (none, linear)")
         if not (self.epsilon > 0 and math.isfinite(self.rope_base) and self.rope_base > 1):
@@ -261,6 +285,23 @@ class Hyperparameters:
         for name, value in numbers.items():
             if not (math.isfinite(value) and value > 0):
                 raise GgufError(f"the {name} {value} is not a positive number")
+        if not (math.isfinite(self.clamp_kqv) and self.clamp_kqv >= 0):
+            raise GgufError(f"attention.clamp_kqv {self.clamp_kqv} is not a number >= 0")
         for name, value in (("attention", self.attention_softcap), ("final logit", self.final_softcap)):
             if not (math.isfinite(value) and value >= 0):
                 raise GgufError(f"the {name} softcap {value} is not a number >= 0")
+
+    def _check_rotary(self) -> None:
+        """Rotary embeddings over the whole head, or over an even part of it where the
+        architecture rotates part of each head (Nemotron)."""
+        if ARCHITECTURES[self.architecture].partial_rotary:
+            if not (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0):
+                raise GgufError(
+                    f"rope.dimension_count = {self.rotary_dim} is not an even number from 2 to "
+                    f"the head size {self.head_size}"
+                )
+        elif self.rotary_dim != self.head_size:  # llama.cpp asserts it for these architectures too
+            raise GgufError(
+                f"rope.dimension_count = {self.rotary_dim} is not the head size {self.head_size}: "
+                "partial rotary embeddings are not supported"
+            )

@@ -11,13 +11,17 @@ position in front of it), followed only by Gemma 2's final softcap (``Mul``, ``T
 
 What differs between architectures is a short list (:mod:`._gguf_arch`): llama.cpp's
 rotary style (``NORM``: adjacent pairs, which is how its converter permuted llama's
-query/key rows; ``NEOX``: halves), biases on the query/key/value projections (Qwen 2),
-norms of queries and keys per head (Qwen 3, Gemma 3) or whole (OLMo 2), norms after the
-blocks (Gemma 2/3, OLMo 2) or none before them (OLMo 2), fused matrices (Phi-3: cut into
-their parts, which go back together where they share a form), attention softcap and
-sliding windows (GroupQueryAttention's ``softcap`` and ``local_window_size``, the local
-layers with cos/sin caches of their own on Gemma 3), and the scales of embeddings,
-residual adds, queries and logits (Gemma, Granite).
+query/key rows; ``NEOX``: halves) and over how much of each head (part of it: Nemotron),
+RMS norms or LayerNorms (``LayerNormalization``, ``SkipLayerNormalization``: with the
+file's weight and bias on Nemotron, with ones and no bias on OLMo 1, as the builder writes
+them), biases wherever the file has them (required on Qwen 2's query/key/value), OLMo 1's
+clamp of queries, keys and values (``Clip``), norms of queries and keys per head (Qwen 3,
+Gemma 3) or whole (OLMo 2), norms after the blocks (Gemma 2/3, OLMo 2) or none before them
+(OLMo 2), fused matrices (Phi-3: cut into their parts, which go back together where they
+share a form), the feed-forward's activation (SiLU, GELU, Nemotron's squared ReLU without a
+gate), attention softcap and sliding windows (GroupQueryAttention's ``softcap`` and
+``local_window_size``, the local layers with cos/sin caches of their own on Gemma 3), and
+the scales of embeddings, residual adds, queries and logits (Gemma, Granite).
 
 Weights are written tensor by tensor into ``model.onnx.data`` (page aligned, so
 onnxruntime maps what it does not repack): peak memory stays near one tensor, not the model.
@@ -292,7 +296,7 @@ def _write_nodes(
     tensors: Mapping[str, GgufTensor],
     progress: Callable[[float], None],
 ) -> None:
-    weights = _Weights(graph, params, tensors, progress)
+    weights = _Weights(graph, params, arch, tensors, progress)
     # attention_mask -> what GroupQueryAttention takes: each row's last position and the width.
     one = graph.constant("/constants/one", np.array([1], np.int64))
     (mask_sum,) = graph.node("ReduceSum", ["attention_mask", one], "/mask/sum", keepdims=0)
@@ -322,7 +326,7 @@ def _write_nodes(
     residual, pending = hidden, ""
     for i in range(params.layers):
         prefix = f"blk.{i}"
-        normed, residual = weights.pre_norm(arch, residual, pending, f"{prefix}.attn_norm")
+        normed, residual = weights.pre_norm(residual, pending, f"{prefix}.attn_norm")
         query, key, value = _attention_inputs(graph, weights, arch, params, normed, prefix)
         attributes: dict[str, Any] = {}
         if params.attention_softcap:
@@ -358,22 +362,21 @@ def _write_nodes(
         out = graph.linear(
             attention, weights.matrix(f"{prefix}.attn_output.weight", params.hidden, q_size), f"/{prefix}/attn_output"
         )
-        pending = weights.post_norm(arch, out, f"{prefix}.post_attention_norm")
-        normed, residual = weights.pre_norm(arch, residual, pending, f"{prefix}.ffn_norm")
-        product = _gated(graph, arch, params, normed, prefix, weights)
+        out = weights.biased(out, f"{prefix}.attn_output", params.hidden)
+        pending = weights.post_norm(out, f"{prefix}.post_attention_norm")
+        normed, residual = weights.pre_norm(residual, pending, f"{prefix}.ffn_norm")
+        product = _feed_forward_inner(graph, arch, params, normed, prefix, weights)
         out = graph.linear(
             product,
             weights.matrix(f"{prefix}.ffn_down.weight", params.hidden, params.feed_forward),
             f"/{prefix}/ffn_down",
         )
-        pending = weights.post_norm(arch, out, f"{prefix}.post_ffw_norm")
+        out = weights.biased(out, f"{prefix}.ffn_down", params.hidden)
+        pending = weights.post_norm(out, f"{prefix}.post_ffw_norm")
     # Granite's logits are divided by its logit scale: folded into the last norm's weights.
-    output_norm = graph.constant(
-        "output_norm.weight", weights.vector("output_norm.weight", params.hidden) / np.float32(params.logit_scale)
-    )
     (normed,) = graph.node(
-        "SkipSimplifiedLayerNormalization",
-        [residual, pending, output_norm],
+        "SkipSimplifiedLayerNormalization" if arch.norm == "rms" else "SkipLayerNormalization",
+        [residual, pending, *weights.norm_parameters("output_norm", params.logit_scale)],
         "/output_norm",
         domain="com.microsoft",
         epsilon=params.epsilon,
@@ -404,10 +407,11 @@ class _Weights:
         self,
         graph: _Graph,
         params: Hyperparameters,
+        arch: Architecture,
         tensors: Mapping[str, GgufTensor],
         progress: Callable[[float], None],
     ) -> None:
-        self.graph, self.params, self.tensors, self.progress = graph, params, tensors, progress
+        self.graph, self.params, self.arch, self.tensors, self.progress = graph, params, arch, tensors, progress
         self.total = sum(int(t.n_bytes) for t in tensors.values()) or 1
         self.done = 0
 
@@ -440,6 +444,43 @@ class _Weights:
         _check_shape(t, (size,))
         return dequantize(t.data, t.tensor_type, (size,))
 
+    def biased(self, x: str, name: str, size: int) -> str:
+        """``x`` plus the file's ``name.bias`` (``size`` values) where it has one: llama.cpp
+        adds every projection's bias it finds, and refuses a file with tensors it does not read."""
+        if f"{name}.bias" not in self.tensors:
+            return x
+        bias = self.graph.constant(f"{name}.bias", self.vector(f"{name}.bias", size))
+        return self.graph.node("Add", [x, bias], f"{_node_name(name)}/bias")[0]
+
+    def norm_parameters(self, name: str, divisor: float = 1.0) -> list[str]:
+        """The scale (and bias) of the block norm ``name`` as the architecture's norm takes
+        them, divided by ``divisor``: the file's weight (and bias, for LayerNorm), or ones
+        where its LayerNorms have none (OLMo 1, as og's builder writes them)."""
+        size = self.params.hidden
+        if self.arch.norm == "plain":
+            values = [np.ones(size, np.float32)]
+        else:
+            values = [self.vector(f"{name}.weight", size)]
+            if self.arch.norm == "layer":
+                values.append(self.vector(f"{name}.bias", size))
+        return [
+            self.graph.constant(f"{name}.{kind}", value / np.float32(divisor))
+            for kind, value in zip(("weight", "bias"), values, strict=False)
+        ]
+
+    def block_norm(self, x: str, name: str) -> str:
+        """The architecture's norm of the residual stream ``x`` by the parameters ``name``."""
+        if self.arch.norm == "rms":
+            return self.norm(x, name, self.params.hidden)
+        return self.graph.node(
+            "LayerNormalization",
+            [x, *self.norm_parameters(name)],
+            _node_name(name),
+            epsilon=self.params.epsilon,
+            axis=-1,
+            stash_type=1,
+        )[0]
+
     def norm(self, x: str, name: str, size: int) -> str:
         """RMS norm of ``x`` by the file's ``name.weight`` (``size`` values)."""
         weight = self.graph.constant(f"{name}.weight", self.vector(f"{name}.weight", size))
@@ -452,19 +493,18 @@ class _Weights:
             stash_type=1,
         )[0]
 
-    def pre_norm(self, arch: Architecture, residual: str, pending: str, name: str) -> tuple[str, str]:
+    def pre_norm(self, residual: str, pending: str, name: str) -> tuple[str, str]:
         """The residual stream with ``pending`` added, and its norm by ``name`` (the block's
         input); OLMo 2's blocks take the stream as it is."""
-        if not arch.pre_norms:
+        if not self.arch.pre_norms:
             if pending:
                 (residual,) = self.graph.node("Add", [residual, pending], f"{_node_name(name)}/residual")
             return residual, residual
         if not pending:
-            return self.norm(residual, name, self.params.hidden), residual
-        weight = self.graph.constant(f"{name}.weight", self.vector(f"{name}.weight", self.params.hidden))
+            return self.block_norm(residual, name), residual
         normed, _, _, residual = self.graph.node(
-            "SkipSimplifiedLayerNormalization",
-            [residual, pending, weight],
+            "SkipSimplifiedLayerNormalization" if self.arch.norm == "rms" else "SkipLayerNormalization",
+            [residual, pending, *self.norm_parameters(name)],
             _node_name(name),
             outputs=4,
             domain="com.microsoft",
@@ -472,11 +512,11 @@ class _Weights:
         )
         return normed, residual
 
-    def post_norm(self, arch: Architecture, out: str, name: str) -> str:
+    def post_norm(self, out: str, name: str) -> str:
         """A block's output as the residual stream adds it: normed (Gemma 2/3, OLMo 2) and
         scaled (Granite)."""
-        if arch.post_norms:
-            out = self.norm(out, name, self.params.hidden)
+        if self.arch.post_norms:
+            out = self.block_norm(out, name)
         if self.params.residual_scale != 1.0:
             scale = self.graph.constant(f"{_node_name(name)}/scale", np.array(self.params.residual_scale, np.float32))
             (out,) = self.graph.node("Mul", [out, scale], f"{_node_name(name)}/scaled")
@@ -495,21 +535,23 @@ def _attention_inputs(
         q = weights.matrix(f"{prefix}.attn_q.weight", q_size, params.hidden)
         k = weights.matrix(f"{prefix}.attn_k.weight", kv_size, params.hidden)
         v = weights.matrix(f"{prefix}.attn_v.weight", kv_size, params.hidden)
-    fused = None if arch.qkv_bias or arch.qk_norm else _fused([q, k, v])
+    if arch.qkv_bias:  # Qwen 2's are not optional
+        for n in "qkv":
+            weights.tensor(f"{prefix}.attn_{n}.bias")
+    biases = any(f"{prefix}.attn_{n}.bias" in weights.tensors for n in "qkv")
+    fused = None if biases or arch.qk_norm else _fused([q, k, v])
     if fused is not None:
-        return graph.linear(normed, fused, f"/{prefix}/attn_qkv"), "", ""
-    query = graph.linear(normed, q, f"/{prefix}/attn_q")
-    key = graph.linear(normed, k, f"/{prefix}/attn_k")
-    value = graph.linear(normed, v, f"/{prefix}/attn_v")
-    if arch.qkv_bias:
-        query, key, value = (
-            graph.node(
-                "Add",
-                [x, graph.constant(f"{prefix}.attn_{n}.bias", weights.vector(f"{prefix}.attn_{n}.bias", s))],
-                f"/{prefix}/attn_{n}/bias",
-            )[0]
-            for x, n, s in ((query, "q", q_size), (key, "k", kv_size), (value, "v", kv_size))
+        packed = graph.linear(normed, fused, f"/{prefix}/attn_qkv")
+        return _clamped(graph, params, packed, f"/{prefix}/attn_qkv"), "", ""
+    query, key, value = (
+        _clamped(
+            graph,
+            params,
+            weights.biased(graph.linear(normed, m, f"/{prefix}/attn_{n}"), f"{prefix}.attn_{n}", size),
+            f"/{prefix}/attn_{n}",
         )
+        for m, n, size in ((q, "q", q_size), (k, "k", kv_size), (v, "v", kv_size))
+    )
     if arch.qk_norm == "whole":  # OLMo 2: over the whole projection
         query = weights.norm(query, f"{prefix}.attn_q_norm", q_size)
         key = weights.norm(key, f"{prefix}.attn_k_norm", kv_size)
@@ -527,7 +569,16 @@ def _attention_inputs(
     return query, key, value
 
 
-def _gated(
+def _clamped(graph: _Graph, params: Hyperparameters, x: str, name: str) -> str:
+    """``x`` clamped to +-``clamp_kqv`` where the file sets one (OLMo 1's ``clip_qkv``)."""
+    if not params.clamp_kqv:
+        return x
+    low = graph.constant(f"{name}/clamp_low", np.array(-params.clamp_kqv, np.float32))
+    high = graph.constant(f"{name}/clamp_high", np.array(params.clamp_kqv, np.float32))
+    return graph.node("Clip", [x, low, high], f"{name}/clamp")[0]
+
+
+def _feed_forward_inner(
     graph: _Graph,
     arch: Architecture,
     params: Hyperparameters,
@@ -535,20 +586,30 @@ def _gated(
     prefix: str,
     weights: _Weights,
 ) -> str:
-    """The feed-forward's gated product, ``act(gate) * up``, before its down projection."""
+    """The feed-forward before its down projection: ``act(gate) * up`` (gated), or
+    ``act(up)`` (Nemotron)."""
     ff, hidden = params.feed_forward, params.hidden
+    gate_matrix: PackedMatrix | None
     if arch.fused_gate_up:  # Phi-3: the gate's rows, then up's, in ffn_up
         gate_matrix, up_matrix = weights.rows(f"{prefix}.ffn_up.weight", [ff, ff], hidden)
     else:
-        gate_matrix = weights.matrix(f"{prefix}.ffn_gate.weight", ff, hidden)
+        gate_matrix = weights.matrix(f"{prefix}.ffn_gate.weight", ff, hidden) if arch.gated else None
         up_matrix = weights.matrix(f"{prefix}.ffn_up.weight", ff, hidden)
-    gate = graph.linear(normed, gate_matrix, f"/{prefix}/ffn_gate")
-    up = graph.linear(normed, up_matrix, f"/{prefix}/ffn_up")
-    if arch.gelu:
-        (activated,) = graph.node("Gelu", [gate], f"/{prefix}/ffn_gelu", approximate="tanh")
+    gate = ""
+    if gate_matrix is not None:
+        gate = weights.biased(graph.linear(normed, gate_matrix, f"/{prefix}/ffn_gate"), f"{prefix}.ffn_gate", ff)
+    up = weights.biased(graph.linear(normed, up_matrix, f"/{prefix}/ffn_up"), f"{prefix}.ffn_up", ff)
+    x = gate or up
+    if arch.activation == "gelu":
+        (activated,) = graph.node("Gelu", [x], f"/{prefix}/ffn_gelu", approximate="tanh")
+    elif arch.activation == "relu2":
+        (relu,) = graph.node("Relu", [x], f"/{prefix}/ffn_relu")
+        (activated,) = graph.node("Mul", [relu, relu], f"/{prefix}/ffn_relu2")
     else:
-        (sigmoid,) = graph.node("Sigmoid", [gate], f"/{prefix}/ffn_sigmoid")
-        (activated,) = graph.node("Mul", [gate, sigmoid], f"/{prefix}/ffn_silu")
+        (sigmoid,) = graph.node("Sigmoid", [x], f"/{prefix}/ffn_sigmoid")
+        (activated,) = graph.node("Mul", [x, sigmoid], f"/{prefix}/ffn_silu")
+    if not gate:
+        return activated
     return graph.node("Mul", [activated, up], f"/{prefix}/ffn_product")[0]
 
 

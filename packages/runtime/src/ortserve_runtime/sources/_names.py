@@ -76,7 +76,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return sorted(found | set(_weight_files(folder)))
 
 
-CONVERTER_VERSION = 6
+CONVERTER_VERSION = 7
 """Part of every converted folder's cache key: raise it when the folders it writes change."""
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
