@@ -1,0 +1,497 @@
+// The page: chat with the server's models, conversations kept on the server, the server at
+// a glance. It calls only the public HTTP API (api.js), with the key the user gives it.
+import { API, NEEDS, ApiError, call, conversations, events, getJSON, keys, onKeyNeeded } from "./api.js";
+import { renderMarkdown } from "./markdown.js";
+import { contentPart, record, speak, transcribe } from "./media.js";
+import { sampleMetrics, showModels } from "./dashboard.js";
+
+const $ = (selector) => document.querySelector(selector);
+const SETTINGS = ["temperature", "top_p", "max_tokens", "min_tokens", "seed"];
+
+const state = {
+  models: [], // /v1/models
+  chat: emptyChat(), // the conversation shown
+  attachments: [], // content parts waiting to be sent
+  streaming: null, // the AbortController of the reply under way
+};
+
+function emptyChat() {
+  return { id: null, title: "", model: "", system: "", settings: {}, messages: [] };
+}
+
+const status = (text) => ($("#status").textContent = text);
+
+// -- keys ------------------------------------------------------------------------------
+
+function askKey(kind, rejected) {
+  const dialog = $("#key-dialog");
+  $("#key-title").textContent = kind === "admin" ? "Admin key" : "API key";
+  $("#key-why").textContent = rejected
+    ? `The server refused ${keys.get(kind) ? "this" : "the missing"} ${kind === "admin" ? "admin" : "API"} key. It is kept for this tab only.`
+    : `This server needs ${kind === "admin" ? "its admin key to load and unload models" : "an API key"}. It is kept for this tab only.`;
+  $("#key-input").value = "";
+  dialog.showModal();
+  return new Promise((resolve) => {
+    const done = (given) => {
+      $("#key-form").onsubmit = $("#key-cancel").onclick = null;
+      dialog.close();
+      resolve(given);
+    };
+    $("#key-form").onsubmit = (event) => {
+      event.preventDefault();
+      keys.set(kind, $("#key-input").value.trim());
+      done(true);
+    };
+    $("#key-cancel").onclick = () => done(false);
+  });
+}
+onKeyNeeded(askKey);
+$("#key-button").addEventListener("click", async () => (await askKey("api", false)) && start());
+
+// -- models ----------------------------------------------------------------------------
+
+const model = (id) => state.models.find((m) => m.id === id);
+const takes = (m) => new Set(m?.input_modalities ?? ["text"]);
+
+function describe(m) {
+  if (!m) return "";
+  const what = [...takes(m)].filter((t) => t !== "text");
+  if (m.tool_format) what.push("tools");
+  if (m.reasoning) what.push("reasoning");
+  if (m.status !== "ready") what.push(m.status);
+  return what.length ? `takes text, ${what.join(", ")}` : "takes text";
+}
+
+async function loadModels() {
+  state.models = (await getJSON(`${API}/models`)).data;
+  const select = $("#model");
+  const chosen = select.value || state.chat.model;
+  select.replaceChildren(
+    ...state.models
+      .filter((m) => m.kind === "generative" || m.kind == null)
+      .map((m) => new Option(`${m.id}${m.status === "ready" ? "" : ` (${m.status})`}`, m.id)),
+  );
+  if (model(chosen)) select.value = chosen;
+  showTakes();
+  $("#mic").hidden = !state.models.some((m) => m.kind === "speech");
+}
+
+function showTakes() {
+  const m = model($("#model").value);
+  $("#model-takes").textContent = describe(m);
+  const accept = [...takes(m)].filter((t) => t !== "text").map((t) => `${t}/*`);
+  $("#attach").accept = accept.join(",");
+  $("#attach-label").hidden = !accept.length;
+}
+$("#model").addEventListener("change", showTakes);
+
+// -- messages --------------------------------------------------------------------------
+
+const textOf = (content) =>
+  typeof content === "string" ? content : content.filter((p) => p.type === "text").map((p) => p.text).join("\n");
+
+function button(label, onClick, aria) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.textContent = label;
+  if (aria) b.setAttribute("aria-label", aria);
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+function statsLine(stats) {
+  if (!stats) return "";
+  const parts = [];
+  if (stats.tokens != null) parts.push(`${stats.tokens} tokens`);
+  if (stats.tokens_per_second != null) parts.push(`${stats.tokens_per_second.toFixed(1)} tokens/s`);
+  if (stats.ttft_ms != null) parts.push(`first token ${Math.round(stats.ttft_ms)} ms`);
+  if (stats.cached_tokens != null) parts.push(`${stats.cached_tokens} cached`);
+  if (stats.stopped) parts.push("stopped");
+  return parts.join(" · ");
+}
+
+// One message's element; for a reply under way, its parts are updated in place.
+function messageElement(message, index) {
+  const item = document.createElement("li");
+  item.className = `message ${message.role}`;
+  item.dataset.index = index;
+  const who = document.createElement("div");
+  who.className = "who";
+  who.textContent = message.role === "user" ? "You" : message.model || "Assistant";
+  const reasoning = document.createElement("details");
+  reasoning.className = "reasoning";
+  reasoning.append(Object.assign(document.createElement("summary"), { textContent: "Reasoning" }));
+  reasoning.append(Object.assign(document.createElement("div"), { className: "reasoning-text" }));
+  const media = document.createElement("div");
+  media.className = "media";
+  for (const part of Array.isArray(message.content) ? message.content : []) {
+    if (part.type === "image_url") media.append(Object.assign(new Image(), { src: part.image_url.url, alt: "attached image" }));
+    if (part.type === "input_audio") media.append(Object.assign(document.createElement("span"), { textContent: `audio (${part.input_audio.format})` }));
+  }
+  const body = document.createElement("div");
+  body.className = "content";
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  const actions = document.createElement("div");
+  actions.className = "actions";
+  if (message.role === "user") actions.append(button("Edit", () => editMessage(index, item), "Edit this message"));
+  if (message.role === "assistant") {
+    actions.append(button("Regenerate", () => regenerate(index), "Regenerate this reply"));
+    const voice = state.models.find((m) => m.kind === "voice");
+    if (voice) actions.append(button("Read aloud", () => speak(voice.id, textOf(message.content)).catch(showError), "Read this reply aloud"));
+  }
+  item.append(who, reasoning, media, body, stats, actions);
+  updateMessage(item, message);
+  return item;
+}
+
+function updateMessage(item, message) {
+  const reasoning = item.querySelector(".reasoning");
+  reasoning.hidden = !message.reasoning;
+  reasoning.querySelector(".reasoning-text").textContent = message.reasoning ?? "";
+  const body = item.querySelector(".content");
+  if (message.role === "assistant") renderMarkdown(body, textOf(message.content));
+  else body.textContent = textOf(message.content);
+  item.querySelector(".stats").textContent = statsLine(message.stats);
+}
+
+function showMessages() {
+  $("#messages").replaceChildren(...state.chat.messages.map(messageElement));
+  $("#messages").lastElementChild?.scrollIntoView({ block: "end" });
+}
+
+function editMessage(index, item) {
+  if (state.streaming) return;
+  const message = state.chat.messages[index];
+  const editor = document.createElement("textarea");
+  editor.value = textOf(message.content);
+  editor.setAttribute("aria-label", "Edit the message");
+  const save = button("Send edited", async () => {
+    const text = editor.value.trim();
+    if (!text) return;
+    const media = Array.isArray(message.content) ? message.content.filter((p) => p.type !== "text") : [];
+    state.chat.messages = state.chat.messages.slice(0, index);
+    state.chat.messages.push({ role: "user", content: media.length ? [{ type: "text", text }, ...media] : text });
+    showMessages();
+    await reply();
+  });
+  item.querySelector(".content").replaceChildren(editor, save, button("Cancel", showMessages));
+  editor.focus();
+}
+
+async function regenerate(index) {
+  if (state.streaming) return;
+  state.chat.messages = state.chat.messages.slice(0, index);
+  showMessages();
+  await reply();
+}
+
+// -- sending ---------------------------------------------------------------------------
+
+function settingsFromForm() {
+  const settings = {};
+  for (const name of SETTINGS) {
+    const value = $(`#${name}`).value;
+    if (value !== "") settings[name] = Number(value);
+  }
+  return settings;
+}
+
+function showError(error) {
+  status(error instanceof ApiError || error instanceof Error ? error.message : String(error));
+}
+
+async function send() {
+  const text = $("#prompt").value.trim();
+  if (state.streaming || (!text && !state.attachments.length)) return;
+  const content = state.attachments.length ? [...(text ? [{ type: "text", text }] : []), ...state.attachments] : text;
+  state.chat.messages.push({ role: "user", content });
+  $("#prompt").value = "";
+  state.attachments = [];
+  showAttachments();
+  showMessages();
+  await reply();
+}
+
+async function save() {
+  const chat = state.chat;
+  const body = { title: chat.title, model: chat.model, system: chat.system, settings: chat.settings, messages: chat.messages };
+  if (chat.id) await conversations.update(chat.id, body);
+  else {
+    body.title ||= textOf(chat.messages[0]?.content ?? "").slice(0, 60) || "New chat";
+    const made = await conversations.create(body);
+    if (state.chat === chat) Object.assign(chat, { id: made.id, title: made.title });
+    history.replaceState(null, "", `#${made.id}`);
+  }
+  await showConversations();
+}
+
+// Streams a reply to the conversation as it stands, then saves the conversation.
+async function reply() {
+  const chat = state.chat;
+  chat.model = $("#model").value;
+  chat.system = $("#system").value;
+  chat.settings = settingsFromForm();
+  const message = { role: "assistant", content: "", model: chat.model };
+  const sent = [...(chat.system ? [{ role: "system", content: chat.system }] : [])];
+  for (const m of chat.messages) sent.push({ role: m.role, content: m.content });
+  chat.messages.push(message);
+  const item = messageElement(message, chat.messages.length - 1);
+  item.classList.add("streaming");
+  $("#messages").append(item);
+  const controller = new AbortController();
+  state.streaming = controller;
+  $("#send").hidden = true;
+  $("#stop").hidden = false;
+  status("");
+  const started = performance.now();
+  let first = null;
+  let usage = null;
+  let frame = 0;
+  try {
+    const response = await call(`${API}/chat/completions`, {
+      json: { model: chat.model, messages: sent, stream: true, stream_options: { include_usage: true }, ...chat.settings },
+      signal: controller.signal,
+    });
+    for await (const chunk of events(response)) {
+      if (chunk.usage) usage = chunk.usage;
+      if (chunk.error) throw new Error(chunk.error.message);
+      const delta = chunk.choices?.[0]?.delta;
+      if (!delta) continue;
+      const piece = delta.content ?? "";
+      const thought = delta.reasoning_content ?? "";
+      if (!piece && !thought) continue;
+      first ??= performance.now();
+      message.content += piece;
+      if (thought) message.reasoning = (message.reasoning ?? "") + thought;
+      // One render per frame, of this message only.
+      frame ||= requestAnimationFrame(() => {
+        frame = 0;
+        updateMessage(item, message);
+        item.scrollIntoView({ block: "end" });
+      });
+    }
+  } catch (error) {
+    if (error.name !== "AbortError") showError(error);
+  } finally {
+    cancelAnimationFrame(frame);
+    state.streaming = null;
+    $("#send").hidden = false;
+    $("#stop").hidden = true;
+  }
+  const end = performance.now();
+  message.stats = {
+    tokens: usage?.completion_tokens ?? null,
+    tokens_per_second: usage && first && end > first ? usage.completion_tokens / ((end - first) / 1000) : null,
+    ttft_ms: first ? first - started : null,
+    cached_tokens: usage?.prompt_tokens_details?.cached_tokens ?? null,
+    stopped: controller.signal.aborted || null,
+  };
+  item.classList.remove("streaming");
+  if (state.chat === chat) updateMessage(item, message);
+  try {
+    await save();
+  } catch (error) {
+    showError(error);
+  }
+  item.classList.add("done"); // shown, and kept on the server
+}
+
+$("#stop").addEventListener("click", () => state.streaming?.abort());
+$("#composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  send().catch(showError);
+});
+$("#prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    send().catch(showError);
+  }
+});
+
+// -- attachments and the microphone ------------------------------------------------------
+
+function showAttachments() {
+  $("#attachments").replaceChildren(
+    ...state.attachments.map((part, i) => {
+      const chip = document.createElement("span");
+      chip.className = "attachment";
+      if (part.type === "image_url") chip.append(Object.assign(new Image(), { src: part.image_url.url, alt: "image to send" }));
+      else chip.append(`audio (${part.input_audio.format})`);
+      chip.append(button("×", () => (state.attachments.splice(i, 1), showAttachments()), "Remove this attachment"));
+      return chip;
+    }),
+  );
+}
+
+async function attach(files) {
+  const can = takes(model($("#model").value));
+  for (const file of files) {
+    const part = await contentPart(file, can);
+    if (part instanceof Error) showError(part);
+    else state.attachments.push(part);
+  }
+  showAttachments();
+}
+$("#attach").addEventListener("change", (event) => attach([...event.target.files]).finally(() => (event.target.value = "")));
+$("#prompt").addEventListener("paste", (event) => {
+  const files = [...event.clipboardData.files];
+  if (files.length) {
+    event.preventDefault();
+    attach(files).catch(showError);
+  }
+});
+$("#composer").addEventListener("dragover", (event) => event.preventDefault());
+$("#composer").addEventListener("drop", (event) => {
+  event.preventDefault();
+  attach([...event.dataTransfer.files]).catch(showError);
+});
+
+let recording = null;
+$("#mic").addEventListener("click", async () => {
+  const mic = $("#mic");
+  try {
+    if (!recording) {
+      recording = await record();
+      mic.setAttribute("aria-pressed", "true");
+      mic.textContent = "Stop dictating";
+      return;
+    }
+    const audio = await recording.stop();
+    recording = null;
+    mic.setAttribute("aria-pressed", "false");
+    mic.textContent = "Dictate";
+    status("transcribing…");
+    const speech = state.models.find((m) => m.kind === "speech");
+    $("#prompt").value += (await transcribe(speech.id, audio)).trim();
+    status("");
+    $("#prompt").focus();
+  } catch (error) {
+    recording = null;
+    showError(error);
+  }
+});
+
+// -- conversations ---------------------------------------------------------------------
+
+async function showConversations() {
+  const { data } = await conversations.list($("#search").value.trim());
+  $("#conversations").replaceChildren(
+    ...data.map((c) => {
+      const item = document.createElement("li");
+      item.dataset.id = c.id;
+      if (c.id === state.chat.id) item.setAttribute("aria-current", "true");
+      const open = button(c.title || "Untitled", () => openConversation(c.id));
+      open.className = "open";
+      const rename = button("Rename", () => {
+        const input = Object.assign(document.createElement("input"), { value: c.title, type: "text" });
+        input.setAttribute("aria-label", "New title");
+        input.addEventListener("keydown", async (event) => {
+          if (event.key === "Escape") return showConversations();
+          if (event.key !== "Enter") return;
+          await conversations.update(c.id, { title: input.value.trim() || c.title });
+          if (state.chat.id === c.id) state.chat.title = input.value.trim();
+          await showConversations();
+        });
+        item.replaceChildren(input);
+        input.focus();
+      }, `Rename ${c.title}`);
+      const remove = button("Delete", async () => {
+        await conversations.remove(c.id);
+        if (state.chat.id === c.id) newChat();
+        await showConversations();
+      }, `Delete ${c.title}`);
+      item.append(open, rename, remove);
+      return item;
+    }),
+  );
+}
+
+let searchTimer = 0;
+$("#search").addEventListener("input", () => {
+  clearTimeout(searchTimer);
+  searchTimer = setTimeout(() => showConversations().catch(showError), 200);
+});
+
+async function openConversation(id) {
+  if (state.streaming) state.streaming.abort();
+  const c = await conversations.get(id);
+  state.chat = { id: c.id, title: c.title, model: c.model, system: c.system, settings: c.settings, messages: c.messages };
+  $("#system").value = c.system;
+  for (const name of SETTINGS) $(`#${name}`).value = c.settings[name] ?? "";
+  if (model(c.model)) $("#model").value = c.model;
+  showTakes();
+  history.replaceState(null, "", `#${c.id}`);
+  showMessages();
+  await showConversations();
+}
+
+function newChat() {
+  if (state.streaming) state.streaming.abort();
+  state.chat = emptyChat();
+  history.replaceState(null, "", location.pathname);
+  showMessages();
+  showConversations().catch(showError);
+  $("#prompt").focus();
+}
+$("#new-chat").addEventListener("click", newChat);
+
+$("#export").addEventListener("click", async () => {
+  const data = await conversations.exportAll();
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(new Blob([JSON.stringify(data, null, 1)], { type: "application/json" }));
+  link.download = "ortserve-conversations.json";
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
+});
+$("#import-file").addEventListener("change", async (event) => {
+  const file = event.target.files[0];
+  event.target.value = "";
+  if (!file) return;
+  try {
+    const made = await conversations.importAll(JSON.parse(await file.text()));
+    status(`imported ${made.data.length} conversation${made.data.length === 1 ? "" : "s"}`);
+    await showConversations();
+  } catch (error) {
+    showError(error);
+  }
+});
+
+// -- views -----------------------------------------------------------------------------
+
+let metricsTimer = 0;
+function showView(name) {
+  $("#chat-view").hidden = name !== "chat";
+  $("#server-view").hidden = name !== "server";
+  $("#tab-chat").setAttribute("aria-pressed", String(name === "chat"));
+  $("#tab-server").setAttribute("aria-pressed", String(name === "server"));
+  clearInterval(metricsTimer);
+  if (name === "server") {
+    const tick = () => sampleMetrics().catch(showError);
+    showModels(loadModels).catch(showError);
+    tick();
+    metricsTimer = setInterval(() => {
+      tick();
+      showModels().catch(showError);
+    }, 1000);
+  }
+}
+$("#tab-chat").addEventListener("click", () => showView("chat"));
+$("#tab-server").addEventListener("click", () => showView("server"));
+
+async function start() {
+  try {
+    await loadModels();
+    await showConversations();
+    const id = location.hash.slice(1);
+    if (id) await openConversation(id).catch(() => history.replaceState(null, "", location.pathname));
+    status("");
+  } catch (error) {
+    showError(error);
+  }
+  document.body.dataset.ready = "true"; // for tests: the first load is over
+}
+
+if (NEEDS.has("api") && !keys.get("api")) askKey("api", false).then(start);
+else start();
+$("#prompt").focus();

@@ -1,0 +1,267 @@
+"""The web page in a real browser: Playwright driving Debian's chromium headless (``.ci/run``
+installs it; without it these tests skip). One browser for the module; every page fails
+its test on any console error, uncaught exception or Content-Security-Policy violation.
+
+``ORTSERVE_SCREENSHOTS=1`` writes the guide's screenshots to docs/images/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from images import TINY_PHI3V, image_bytes
+from ortserve_server import ServerConfig, create_app
+from playwright.sync_api import expect
+from serving import TINY_MODEL, running
+from test_cli import start_server, stop
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium to drive: apt-get install chromium (.ci/run installs it)"
+)
+
+# Reports CSP violations as console errors, which the page fixture fails on (Playwright's
+# init scripts run outside the page's CSP).
+WATCH_CSP = """
+document.addEventListener("securitypolicyviolation", (e) =>
+  console.error(`CSP violation: ${e.violatedDirective} ${e.blockedURI}`));
+"""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    config = ServerConfig(
+        models={"tiny": TINY_MODEL, "vision": TINY_PHI3V}, ui=True, state_dir=tmp_path_factory.mktemp("state")
+    )
+    with running(create_app(config)) as base:
+        yield base
+
+
+class Tab:
+    """A browser context (its own sessionStorage) and page, with the errors it logged."""
+
+    def __init__(self, browser: Any) -> None:
+        self.context = browser.new_context(viewport={"width": 1200, "height": 800})
+        self.context.add_init_script(WATCH_CSP)
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+
+    def _console(self, message: Any) -> None:
+        if message.type == "error":
+            self.errors.append(f"{message.text} ({message.location.get('url')})")
+
+    def open(self, url: str, key: str | None = None) -> Any:
+        page = self.page
+        page.goto(url)
+        if key is not None:
+            page.get_by_label("Key", exact=True).fill(key)
+            page.get_by_role("button", name="Use this key").click()
+        page.wait_for_selector("body[data-ready]", state="attached")
+        return page
+
+
+@pytest.fixture
+def tab(browser: Any) -> Iterator[Tab]:
+    opened = Tab(browser)
+    yield opened
+    opened.context.close()
+    assert opened.errors == []
+
+
+def send(page: Any, text: str, *, model: str = "tiny", tokens: int | None = None) -> Any:
+    """Type ``text`` and press Enter; the reply's element once it is complete."""
+    page.get_by_label("Model", exact=True).select_option(model)
+    if tokens is not None:
+        if not page.locator("#settings").get_attribute("open"):
+            page.get_by_text("System prompt and sampling").click()
+        page.get_by_label("Max tokens").fill(str(tokens))
+        page.get_by_label("Min tokens").fill(str(tokens))
+    page.get_by_label("Message", exact=True).fill(text)
+    page.get_by_label("Message", exact=True).press("Enter")
+    reply = page.locator(".message.assistant").last
+    expect(reply).to_have_class(re.compile(r"\bdone\b"), timeout=30_000)
+    return reply
+
+
+def _card(url: str, model: str) -> Any:
+    return httpx.get(f"{url}/v1/models/{model}").json()
+
+
+def screenshot(page: Any, name: str) -> None:
+    if os.environ.get("ORTSERVE_SCREENSHOTS"):
+        DOCS_IMAGES.mkdir(exist_ok=True)
+        page.screenshot(path=str(DOCS_IMAGES / name))
+
+
+def test_a_reply_streams_and_the_conversation_is_there_after_a_reload(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    # The reply's text, each time the page changes it: it must grow in steps, not arrive whole.
+    page.evaluate(
+        """() => { window.lengths = [];
+        new MutationObserver(() => {
+          const reply = document.querySelector(".message.assistant .content");
+          if (reply) window.lengths.push(reply.textContent.length);
+        }).observe(document.querySelector("#messages"), {subtree: true, childList: true, characterData: true}); }"""
+    )
+    prompt = page.get_by_label("Message", exact=True)
+    prompt.fill("first line")
+    prompt.press("Shift+Enter")  # a new line, not a send
+    prompt.type("second line")
+    assert prompt.input_value() == "first line\nsecond line"
+    assert page.locator(".message").count() == 0
+    reply = send(page, prompt.input_value(), tokens=900)
+    lengths = sorted(set(page.evaluate("window.lengths")) - {0})
+    assert len(lengths) >= 3, f"the reply did not stream: lengths seen {lengths}"
+    stats = reply.locator(".stats").inner_text()
+    assert "900 tokens" in stats and "tokens/s" in stats and "first token" in stats and "cached" in stats
+    answer = reply.locator(".content").inner_text()
+    assert page.locator(".message.user .content").inner_text() == "first line\nsecond line"
+    screenshot(page, "web-page-chat.png")
+
+    page.reload()
+    page.wait_for_selector("body[data-ready]", state="attached")
+    listed = page.locator("#conversations li")
+    assert listed.count() >= 1
+    assert "first line" in listed.first.inner_text()
+    page.get_by_role("button", name="New chat").click()
+    assert page.locator(".message").count() == 0
+    listed.first.get_by_role("button").first.click()
+    page.locator(".message.assistant").wait_for()
+    assert page.locator(".message.assistant .content").inner_text() == answer
+    assert page.locator(".message.user .content").inner_text() == "first line\nsecond line"
+
+
+def test_stop_ends_the_reply_and_the_server_frees_the_model(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    page.get_by_label("Model", exact=True).select_option("vision")
+    page.get_by_text("System prompt and sampling").click()
+    page.get_by_label("Max tokens").fill("3000")
+    page.get_by_label("Min tokens").fill("3000")
+    page.get_by_label("Message", exact=True).fill("tell me a long story")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".message.assistant .content")).not_to_have_text("")
+    page.get_by_role("button", name="Stop").click()
+    reply = page.locator(".message.assistant.done")
+    reply.wait_for()
+    stats = reply.locator(".stats").inner_text()
+    assert "stopped" in stats
+    assert page.get_by_role("button", name="Send").is_visible()
+    deadline = time.monotonic() + 5
+    while _card(url, "vision")["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _card(url, "vision")["in_flight"] == 0
+
+
+def test_an_image_goes_to_the_vision_model(tab: Tab, url: str, tmp_path: Path) -> None:
+    page = tab.open(url)
+    page.get_by_label("Model", exact=True).select_option("vision")
+    assert "image" in page.locator("#model-takes").inner_text()
+    picture = tmp_path / "red.png"
+    picture.write_bytes(image_bytes())
+    page.locator("#attach").set_input_files(str(picture))
+    page.locator("#attachments img").wait_for()
+    send(page, "what is in this picture?", model="vision", tokens=8)
+    assert page.locator(".message.user img").count() == 1
+    conversation_id = page.evaluate("location.hash.slice(1)")
+    kept = httpx.get(f"{url}/v1/ui/conversations/{conversation_id}").json()
+    parts = kept["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url"]
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
+
+    # A text-only model refuses the file before anything is sent.
+    page.get_by_label("Model", exact=True).select_option("tiny")
+    page.locator("#attach").set_input_files(str(picture))
+    assert "does not take images" in page.get_by_role("status").inner_text()
+
+
+def test_the_server_view_lists_models_loads_and_plots(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    page.get_by_role("button", name="Server").click()
+    row = page.locator("#models tr[data-model=tiny]")
+    row.wait_for()
+    assert "ready" in row.inner_text() and "ort-cpu" in row.inner_text()
+    expect(page.locator("#plot-now")).to_contain_text("tokens/s")
+    state = page.locator("#models tr[data-model=tiny] td").nth(2)
+    row.get_by_role("button", name="Unload tiny").click()
+    expect(state).to_have_text("unloaded")
+    assert _card(url, "tiny")["status"] == "unloaded"
+    page.locator("#models tr[data-model=tiny]").get_by_role("button", name="Load tiny").click()
+    expect(state).to_have_text("ready", timeout=20_000)
+    screenshot(page, "web-page-server.png")
+
+
+def test_the_csp_violation_check_can_fail(browser: Any, url: str) -> None:
+    """What the page fixture relies on: an inline script is refused, and the refusal is seen."""
+    tab = Tab(browser)
+    try:
+        page = tab.open(url)
+        page.evaluate(
+            "() => { const s = document.createElement('script'); s.textContent = 'window.ran = 1';"
+            " document.body.append(s); }"
+        )
+        assert page.evaluate("window.ran") is None
+        assert any("CSP violation: script-src" in error for error in tab.errors)
+    finally:
+        tab.context.close()
+
+
+def _cli(*args: str) -> tuple[subprocess.Popen[str], str]:
+    process, ready = start_server("--model", f"tiny={TINY_MODEL}", *args)
+    return process, f"http://127.0.0.1:{ready['port']}"
+
+
+def test_a_keyed_server_keeps_each_keys_conversations_across_a_restart(browser: Any, tab: Tab, tmp_path: Path) -> None:
+    keyed = ("--api-key", "alice-key", "--api-key", "bob-key", "--state-dir", str(tmp_path))
+    process, url = _cli(*keyed)
+    try:
+        page = tab.open(url, key="alice-key")
+        send(page, "alice's question", tokens=4)
+        expect(page.locator("#conversations")).to_contain_text("alice's question")
+        bob = Tab(browser)  # another tab: sessionStorage is per tab
+        try:
+            bob_page = bob.open(url, key="bob-key")
+            assert bob_page.locator("#conversations li").count() == 0
+            assert bob.errors == []
+        finally:
+            bob.context.close()
+    finally:
+        stop(process)
+
+    process, url = _cli(*keyed)
+    try:
+        page = tab.open(url, key="alice-key")  # a new port: a new origin, the key asked again
+        expect(page.locator("#conversations")).to_contain_text("alice's question")
+    finally:
+        stop(process)
+
+
+def test_no_ui_serves_nothing_at_the_root() -> None:
+    for args, status in (((), 200), (("--no-ui",), 404)):
+        process, url = _cli("--state-dir", "none", *args)
+        try:
+            assert httpx.get(f"{url}/").status_code == status
+            assert httpx.get(f"{url}/v1/ui/conversations").status_code == status
+        finally:
+            stop(process)
