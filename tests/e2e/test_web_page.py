@@ -18,13 +18,16 @@ from typing import Any
 
 import httpx
 import pytest
+from audio import TINY_WHISPER, tone_wav
 from images import TINY_PHI3V, image_bytes
 from ortserve_server import ServerConfig, create_app
 from playwright.sync_api import expect
 from serving import TINY_MODEL, running
 from test_cli import start_server, stop
+from voices import JOE
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium to drive: apt-get install chromium (.ci/run installs it)"
@@ -43,7 +46,9 @@ def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        # A fake microphone (a tone), granted without a prompt: the dictation test records it.
+        fake_microphone = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=fake_microphone)
         yield browser
         browser.close()
 
@@ -225,6 +230,40 @@ def test_the_csp_violation_check_can_fail(browser: Any, url: str) -> None:
         assert any("CSP violation: script-src" in error for error in tab.errors)
     finally:
         tab.context.close()
+
+
+def test_audio_files_dictation_and_reading_aloud(tab: Tab, tmp_path: Path) -> None:
+    models = {"gemma4": FIXTURES / "tiny-gemma4-mm", "whisper": TINY_WHISPER, "joe": JOE}
+    with running(create_app(ServerConfig(models=models, ui=True))) as url:
+        page = tab.open(url)
+        assert "audio" in page.locator("#model-takes").inner_text()
+        sound = tmp_path / "tone.wav"
+        sound.write_bytes(tone_wav(0.5))
+        page.locator("#attach").set_input_files(str(sound))
+        expect(page.locator("#attachments")).to_contain_text("audio (wav)")
+        send(page, "what do you hear?", model="gemma4", tokens=4)
+        assert "audio (wav)" in page.locator(".message.user").inner_text()
+        kept = httpx.get(f"{url}/v1/ui/conversations/{page.evaluate('location.hash.slice(1)')}").json()
+        assert kept["messages"][0]["content"][1]["input_audio"]["format"] == "wav"
+
+        # Dictation: the fake microphone, recorded as WAV (the server decodes it or answers
+        # 400), through the speech model, into the message box.
+        with page.expect_response("**/v1/audio/transcriptions") as heard:
+            page.get_by_role("button", name="Dictate").click()
+            expect(page.get_by_role("button", name="Stop dictating")).to_be_visible()
+            page.wait_for_timeout(500)
+            page.get_by_role("button", name="Stop dictating").click()
+        assert heard.value.status == 200
+        text = heard.value.json()["text"].strip()
+        expect(page.get_by_role("button", name="Dictate")).to_be_visible()
+        expect(page.get_by_label("Message", exact=True)).to_have_value(text)
+
+        # Reading aloud: the voice model's WAV, played.
+        with page.expect_response("**/v1/audio/speech") as spoken:
+            page.get_by_role("button", name="Read this reply aloud").click()
+        assert spoken.value.status == 200 and spoken.value.headers["content-type"].startswith("audio/wav")
+        page.wait_for_timeout(200)
+        assert page.get_by_role("status").inner_text() == ""  # play() was not refused
 
 
 def _cli(*args: str) -> tuple[subprocess.Popen[str], str]:
