@@ -143,7 +143,6 @@ def test_a_reply_streams_and_the_conversation_is_there_after_a_reload(tab: Tab, 
     assert "900 tokens" in stats and "tokens/s" in stats and "first token" in stats and "cached" in stats
     answer = reply.locator(".content").inner_text()
     assert page.locator(".message.user .content").inner_text() == "first line\nsecond line"
-    screenshot(page, "web-page-chat.png")
 
     page.reload()
     page.wait_for_selector("body[data-ready]", state="attached")
@@ -189,6 +188,8 @@ def test_an_image_goes_to_the_vision_model(tab: Tab, url: str, tmp_path: Path) -
     page.locator("#attachments img").wait_for()
     send(page, "what is in this picture?", model="vision", tokens=8)
     assert page.locator(".message.user img").count() == 1
+    page.get_by_text("System prompt and sampling").click()  # closed again, for the screenshot
+    screenshot(page, "web-page-chat.png")
     conversation_id = page.evaluate("location.hash.slice(1)")
     kept = httpx.get(f"{url}/v1/ui/conversations/{conversation_id}").json()
     parts = kept["messages"][0]["content"]
@@ -208,6 +209,10 @@ def test_the_server_view_lists_models_loads_and_plots(tab: Tab, url: str) -> Non
     row.wait_for()
     assert "ready" in row.inner_text() and "ort-cpu" in row.inner_text()
     expect(page.locator("#plot-now")).to_contain_text("tokens/s")
+    # Traffic shows on the plot: its peak is read from /metrics' token counter.
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "min_tokens": 900}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+    expect(page.locator("#plot-now")).to_contain_text(re.compile(r"peak [1-9]\d*\.\d tokens/s"))
     state = page.locator("#models tr[data-model=tiny] td").nth(2)
     row.get_by_role("button", name="Unload tiny").click()
     expect(state).to_have_text("unloaded")

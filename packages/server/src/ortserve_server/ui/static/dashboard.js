@@ -79,7 +79,8 @@ export async function sampleMetrics() {
   lastTokens = { t: now, tokens };
   samples.push({ t: now, tps, queue: sums.ortserve_queue_depth ?? 0 });
   while (samples.length && samples[0].t < now - WINDOW) samples.shift();
-  $("#plot-now").textContent = `now: ${tps.toFixed(1)} tokens/s, ${samples.at(-1).queue} queued`;
+  const peak = Math.max(...samples.map((s) => s.tps));
+  $("#plot-now").textContent = `now: ${tps.toFixed(1)} tokens/s, ${samples.at(-1).queue} queued; peak ${peak.toFixed(1)} tokens/s`;
   draw();
 }
 
