@@ -7,6 +7,7 @@ its test on any console error, uncaught exception or Content-Security-Policy vio
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -56,7 +57,9 @@ def browser() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = ServerConfig(
-        models={"tiny": TINY_MODEL, "vision": TINY_PHI3V}, ui=True, state_dir=tmp_path_factory.mktemp("state")
+        models={"tiny": TINY_MODEL, "vision": TINY_PHI3V, "think": FIXTURES / "tiny-qwen3-think"},
+        ui=True,
+        state_dir=tmp_path_factory.mktemp("state"),
     )
     with running(create_app(config)) as base:
         yield base
@@ -110,6 +113,19 @@ def send(page: Any, text: str, *, model: str = "tiny", tokens: int | None = None
     return reply
 
 
+# A PNG (bytes as a list) pasted into the message box, or dropped on the composer, as a
+# browser's clipboard or drag and drop hands it over.
+PUT_IMAGE = """([kind, bytes]) => {
+  const data = new DataTransfer();
+  data.items.add(new File([new Uint8Array(bytes)], "blue.png", {type: "image/png"}));
+  const target = document.querySelector(kind === "paste" ? "#prompt" : "#composer");
+  const event = kind === "paste"
+    ? new ClipboardEvent("paste", {clipboardData: data, bubbles: true, cancelable: true})
+    : new DragEvent("drop", {dataTransfer: data, bubbles: true, cancelable: true});
+  target.dispatchEvent(event);
+}"""
+
+
 def _card(url: str, model: str) -> Any:
     return httpx.get(f"{url}/v1/models/{model}").json()
 
@@ -136,11 +152,11 @@ def test_a_reply_streams_and_the_conversation_is_there_after_a_reload(tab: Tab, 
     prompt.type("second line")
     assert prompt.input_value() == "first line\nsecond line"
     assert page.locator(".message").count() == 0
-    reply = send(page, prompt.input_value(), tokens=900)
+    reply = send(page, prompt.input_value(), model="vision", tokens=300)  # og-generator: slow enough to watch
     lengths = sorted(set(page.evaluate("window.lengths")) - {0})
     assert len(lengths) >= 3, f"the reply did not stream: lengths seen {lengths}"
     stats = reply.locator(".stats").inner_text()
-    assert "900 tokens" in stats and "tokens/s" in stats and "first token" in stats and "cached" in stats
+    assert "300 tokens" in stats and "tokens/s" in stats and "first token" in stats and "cached" in stats
     answer = reply.locator(".content").inner_text()
     assert page.locator(".message.user .content").inner_text() == "first line\nsecond line"
 
@@ -184,16 +200,22 @@ def test_an_image_goes_to_the_vision_model(tab: Tab, url: str, tmp_path: Path) -
     assert "image" in page.locator("#model-takes").inner_text()
     picture = tmp_path / "red.png"
     picture.write_bytes(image_bytes())
+    # Pasted and dropped files are attached too; then one is removed again.
+    for event in ("paste", "drop"):
+        page.evaluate(PUT_IMAGE, [event, list(image_bytes(colour=(20, 20, 200)))])
+    expect(page.locator("#attachments img")).to_have_count(2)
+    page.get_by_role("button", name="Remove this attachment").first.click()
     page.locator("#attach").set_input_files(str(picture))
-    page.locator("#attachments img").wait_for()
+    expect(page.locator("#attachments img")).to_have_count(2)
     send(page, "what is in this picture?", model="vision", tokens=8)
-    assert page.locator(".message.user img").count() == 1
+    assert page.locator(".message.user img").count() == 2
+    assert page.locator("#attachments img").count() == 0
     page.get_by_text("System prompt and sampling").click()  # closed again, for the screenshot
     screenshot(page, "web-page-chat.png")
     conversation_id = page.evaluate("location.hash.slice(1)")
     kept = httpx.get(f"{url}/v1/ui/conversations/{conversation_id}").json()
     parts = kept["messages"][0]["content"]
-    assert [p["type"] for p in parts] == ["text", "image_url"]
+    assert [p["type"] for p in parts] == ["text", "image_url", "image_url"]
     assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
 
     # A text-only model refuses the file before anything is sent.
@@ -220,6 +242,86 @@ def test_the_server_view_lists_models_loads_and_plots(tab: Tab, url: str) -> Non
     page.locator("#models tr[data-model=tiny]").get_by_role("button", name="Load tiny").click()
     expect(state).to_have_text("ready", timeout=20_000)
     screenshot(page, "web-page-server.png")
+
+
+def test_edit_regenerate_rename_search_export_delete_import(tab: Tab, url: str, tmp_path: Path) -> None:
+    page = tab.open(url)
+    send(page, "alpha question", tokens=4)
+    conversation_id = page.evaluate("location.hash.slice(1)")
+
+    def kept() -> Any:
+        return httpx.get(f"{url}/v1/ui/conversations/{conversation_id}").json()
+
+    first_reply = kept()["messages"][1]
+    page.get_by_role("button", name="Regenerate this reply").click()
+    expect(page.locator(".message.assistant")).to_have_class(re.compile(r"\bdone\b"))
+    assert page.locator(".message").count() == 2
+    assert len(kept()["messages"]) == 2 and kept()["messages"][1]["stats"] != first_reply["stats"]
+
+    page.get_by_role("button", name="Edit this message").click()
+    page.get_by_label("Edit the message").fill("beta question")
+    page.get_by_role("button", name="Send edited").click()
+    expect(page.locator(".message.assistant")).to_have_class(re.compile(r"\bdone\b"))
+    assert kept()["messages"][0]["content"] == "beta question" and len(kept()["messages"]) == 2
+
+    item = page.locator(f"#conversations li[data-id={conversation_id}]")
+    item.get_by_role("button", name="Rename").click()
+    page.get_by_label("New title").fill("Renamed chat")
+    page.get_by_label("New title").press("Enter")
+    expect(item).to_contain_text("Renamed chat")
+    assert kept()["title"] == "Renamed chat"
+
+    search = page.get_by_label("Search conversations")
+    search.fill("BETA")
+    expect(page.locator("#conversations li")).to_have_count(1)
+    search.fill("no such words")
+    expect(page.locator("#conversations li")).to_have_count(0)
+    search.fill("")
+    expect(item).to_be_visible()
+
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Export").click()
+    exported = tmp_path / "export.json"
+    download.value.save_as(exported)
+    assert "Renamed chat" in [c["title"] for c in json.loads(exported.read_text())["data"]]
+
+    item.get_by_role("button", name="Delete").click()
+    expect(item).to_have_count(0)
+    assert httpx.get(f"{url}/v1/ui/conversations/{conversation_id}").status_code == 404
+    count = len(json.loads(exported.read_text())["data"])
+    page.locator("#import-file").set_input_files(str(exported))
+    expect(page.get_by_role("status")).to_have_text(f"imported {count} conversation{'s' if count > 1 else ''}")
+    expect(page.locator("#conversations")).to_contain_text("Renamed chat")
+
+
+def test_reasoning_shows_in_its_own_block(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    page.get_by_label("Model", exact=True).select_option("think")
+    assert "reasoning" in page.locator("#model-takes").inner_text()
+    reply = send(page, "think about it", model="think", tokens=6)
+    block = reply.locator("details.reasoning")
+    expect(block).to_be_visible()
+    assert not block.get_attribute("open")  # folded until asked
+    block.locator("summary").click()
+    assert block.locator(".reasoning-text").inner_text().strip()
+
+
+def test_controls_have_labels_and_focus_shows(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    page.get_by_role("button", name="Server").click()
+    page.locator("#models tbody tr").first.wait_for()
+    page.get_by_role("button", name="Chat").click()
+    unlabelled = page.evaluate(
+        """() => [...document.querySelectorAll("input, select, textarea, button")]
+        .filter((e) => !e.closest("[hidden]") && !(e.labels?.length || e.getAttribute("aria-label")
+                       || (e.tagName === "BUTTON" && e.textContent.trim())))
+        .map((e) => e.outerHTML)"""
+    )
+    assert unlabelled == []
+    page.get_by_role("button", name="New chat").focus()
+    page.keyboard.press("Tab")
+    focused = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+    assert focused != "none"
 
 
 def test_the_csp_violation_check_can_fail(browser: Any, url: str) -> None:
@@ -277,12 +379,20 @@ def _cli(*args: str) -> tuple[subprocess.Popen[str], str]:
 
 
 def test_a_keyed_server_keeps_each_keys_conversations_across_a_restart(browser: Any, tab: Tab, tmp_path: Path) -> None:
-    keyed = ("--api-key", "alice-key", "--api-key", "bob-key", "--state-dir", str(tmp_path))
+    keyed = ("--api-key", "alice-key", "--api-key", "bob-key", "--admin-key", "root-key", "--state-dir", str(tmp_path))
     process, url = _cli(*keyed)
     try:
         page = tab.open(url, key="alice-key")
         send(page, "alice's question", tokens=4)
         expect(page.locator("#conversations")).to_contain_text("alice's question")
+        # Unloading asks for the admin key (the API key is not enough).
+        page.get_by_role("button", name="Server").click()
+        page.get_by_role("button", name="Unload tiny").click()
+        expect(page.get_by_role("heading", name="Admin key")).to_be_visible()
+        page.get_by_label("Key", exact=True).fill("root-key")
+        page.get_by_role("button", name="Use this key").click()
+        expect(page.locator("#models tr[data-model=tiny] td").nth(2)).to_have_text("unloaded")
+        page.get_by_role("button", name="Chat").click()  # the server view polls; the server stops below
         bob = Tab(browser)  # another tab: sessionStorage is per tab
         try:
             bob_page = bob.open(url, key="bob-key")
@@ -302,10 +412,12 @@ def test_a_keyed_server_keeps_each_keys_conversations_across_a_restart(browser: 
 
 
 def test_no_ui_serves_nothing_at_the_root() -> None:
-    for args, status in (((), 200), (("--no-ui",), 404)):
-        process, url = _cli("--state-dir", "none", *args)
-        try:
-            assert httpx.get(f"{url}/").status_code == status
-            assert httpx.get(f"{url}/v1/ui/conversations").status_code == status
-        finally:
-            stop(process)
+    """(The keyed test above has the page served by a plain ``ortserve serve``.)"""
+    process, url = _cli("--state-dir", "none", "--no-ui")
+    try:
+        assert httpx.get(f"{url}/").status_code == 404
+        assert httpx.get(f"{url}/assets/app.js").status_code == 404
+        assert httpx.get(f"{url}/v1/ui/conversations").status_code == 404
+        assert httpx.get(f"{url}/v1/models").status_code == 200
+    finally:
+        stop(process)

@@ -203,3 +203,15 @@ def test_a_mounted_server_serves_the_page_only_when_asked() -> None:
         assert page.status_code == 200 and 'src="/playground/assets/app.js"' in page.text
         assert httpx.get(f"{base}/playground/assets/app.js").status_code == 200
         assert httpx.get(f"{base}/").status_code == 404
+
+
+def test_under_a_starlette_mount_the_page_names_the_prefixed_paths() -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    inner = create_app(ServerConfig(models={"tiny": TINY_MODEL}, ui=True, load_on_startup=False))
+    with running(Starlette(routes=[Mount("/llm", app=inner)])) as base:
+        page = httpx.get(f"{base}/llm/").text
+        assert '<meta name="ortserve-api" content="/llm/v1">' in page
+        assert '<script type="module" src="/llm/assets/app.js">' in page
+        assert httpx.get(f"{base}/llm/assets/app.js").status_code == 200

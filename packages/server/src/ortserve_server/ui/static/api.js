@@ -25,6 +25,7 @@ export function onKeyNeeded(ask) {
 
 // fetch() with the key; a 401 asks for a (new) key once and tries again.
 export async function call(path, { kind = "api", json, ...init } = {}) {
+  if (NEEDS.has(kind) && !keys.get(kind) && !(await askKey(kind, false))) throw new ApiError(401, `no ${kind} key given`);
   for (let attempt = 0; ; attempt++) {
     const headers = new Headers(init.headers);
     const key = keys.get(kind) || (kind === "admin" ? keys.get("api") : "");

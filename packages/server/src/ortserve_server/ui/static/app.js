@@ -1,6 +1,6 @@
 // The page: chat with the server's models, conversations kept on the server, the server at
 // a glance. It calls only the public HTTP API (api.js), with the key the user gives it.
-import { API, NEEDS, ApiError, call, conversations, events, getJSON, keys, onKeyNeeded } from "./api.js";
+import { API, ApiError, call, conversations, events, getJSON, keys, onKeyNeeded } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
 import { contentPart, record, speak, transcribe } from "./media.js";
 import { sampleMetrics, showModels } from "./dashboard.js";
@@ -492,6 +492,5 @@ async function start() {
   document.body.dataset.ready = "true"; // for tests: the first load is over
 }
 
-if (NEEDS.has("api") && !keys.get("api")) askKey("api", false).then(start);
-else start();
+start(); // its first call asks for the key where the server needs one
 $("#prompt").focus();
