@@ -102,7 +102,7 @@ def send(page: Any, text: str, *, model: str = "tiny", tokens: int | None = None
     """Type ``text`` and press Enter; the reply's element once it is complete."""
     page.get_by_label("Model", exact=True).select_option(model)
     if tokens is not None:
-        if not page.locator("#settings").get_attribute("open"):
+        if page.locator("#settings").get_attribute("open") is None:
             page.get_by_text("System prompt and sampling").click()
         page.get_by_label("Max tokens").fill(str(tokens))
         page.get_by_label("Min tokens").fill(str(tokens))
@@ -301,7 +301,7 @@ def test_reasoning_shows_in_its_own_block(tab: Tab, url: str) -> None:
     reply = send(page, "think about it", model="think", tokens=6)
     block = reply.locator("details.reasoning")
     expect(block).to_be_visible()
-    assert not block.get_attribute("open")  # folded until asked
+    assert block.get_attribute("open") is None  # folded until asked
     block.locator("summary").click()
     assert block.locator(".reasoning-text").inner_text().strip()
 
@@ -322,6 +322,45 @@ def test_controls_have_labels_and_focus_shows(tab: Tab, url: str) -> None:
     page.keyboard.press("Tab")
     focused = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
     assert focused != "none"
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def test_tool_calls_show_as_they_stream_and_their_results_go_back(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    page.get_by_text("System prompt and sampling").click()
+    tools = page.get_by_label("Tools (the chat API's tools list")
+    tools.fill("[not json")
+    page.get_by_label("Message", exact=True).fill("weather in Paris?")
+    page.get_by_label("Message", exact=True).press("Enter")
+    expect(page.get_by_role("status")).to_contain_text("Tools: not JSON")
+    assert page.locator(".message").count() == 0  # nothing sent, the message still in the box
+    tools.fill(json.dumps(WEATHER))
+    page.get_by_label("Tool choice").select_option("required")  # the tiny model calls it under a grammar
+    reply = send(page, "weather in Paris?", tokens=40)
+    call = reply.locator(".tool-call")
+    expect(call.locator("summary")).to_have_text("Tool call: get_weather")
+    assert call.locator("pre").inner_text().startswith('{"city":')
+
+    page.get_by_label("Tool choice").select_option("none")
+    page.get_by_label("Result of get_weather").fill("sunny, 21 °C")
+    page.get_by_role("button", name="Send results").click()
+    expect(page.locator(".message.tool .content")).to_have_text("sunny, 21 °C")
+    expect(page.locator(".message.assistant").last).to_have_class(re.compile(r"\bdone\b"))
+    kept = httpx.get(f"{url}/v1/ui/conversations/{page.evaluate('location.hash.slice(1)')}").json()
+    roles = [m["role"] for m in kept["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert kept["messages"][2]["tool_call_id"] == kept["messages"][1]["tool_calls"][0]["id"]
+    assert kept["settings"]["tool_choice"] == "none" and kept["settings"]["tools"] == WEATHER
 
 
 def test_the_csp_violation_check_can_fail(browser: Any, url: str) -> None:

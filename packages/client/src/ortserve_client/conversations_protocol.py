@@ -37,6 +37,10 @@ class ConversationSettings(_Request):
     max_tokens: int | UnsetType = UNSET
     min_tokens: int | UnsetType = UNSET
     seed: int | UnsetType = UNSET
+    tools: list[dict[str, Any]] | UnsetType = UNSET
+    """Function tools offered to the model (the chat API's ``tools``); the user answers their calls."""
+    tool_choice: str | UnsetType = UNSET
+    """``auto``, ``required`` or ``none``."""
 
 
 class ConversationMessage(_Request):

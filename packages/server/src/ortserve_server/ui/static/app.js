@@ -117,7 +117,7 @@ function messageElement(message, index) {
   item.dataset.index = index;
   const who = document.createElement("div");
   who.className = "who";
-  who.textContent = message.role === "user" ? "You" : message.model || "Assistant";
+  who.textContent = { user: "You", tool: "Tool result" }[message.role] ?? (message.model || "Assistant");
   const reasoning = document.createElement("details");
   reasoning.className = "reasoning";
   reasoning.append(Object.assign(document.createElement("summary"), { textContent: "Reasoning" }));
@@ -130,6 +130,8 @@ function messageElement(message, index) {
   }
   const body = document.createElement("div");
   body.className = "content";
+  const calls = document.createElement("div");
+  calls.className = "tool-calls";
   const stats = document.createElement("div");
   stats.className = "stats";
   const actions = document.createElement("div");
@@ -140,7 +142,7 @@ function messageElement(message, index) {
     const voice = state.models.find((m) => m.kind === "voice");
     if (voice) actions.append(button("Read aloud", () => speak(voice.id, textOf(message.content)).catch(showError), "Read this reply aloud"));
   }
-  item.append(who, reasoning, media, body, stats, actions);
+  item.append(who, reasoning, media, body, calls, stats, actions);
   updateMessage(item, message);
   return item;
 }
@@ -153,6 +155,38 @@ function updateMessage(item, message) {
   if (message.role === "assistant") renderMarkdown(body, textOf(message.content));
   else body.textContent = textOf(message.content);
   item.querySelector(".stats").textContent = statsLine(message.stats);
+  item.querySelector(".tool-calls").replaceChildren(...(message.tool_calls ?? []).map(toolCallElement));
+}
+
+// A tool call as it streams; once the reply is over (and it is the last), a box for its result.
+function toolCallElement(call) {
+  const box = document.createElement("details");
+  box.className = "tool-call";
+  box.open = true;
+  box.append(Object.assign(document.createElement("summary"), { textContent: `Tool call: ${call.function.name}` }));
+  box.append(Object.assign(document.createElement("pre"), { textContent: call.function.arguments }));
+  return box;
+}
+
+function askToolResults(item, message) {
+  const form = document.createElement("div");
+  form.className = "tool-results";
+  const fields = message.tool_calls.map((call) => {
+    const field = document.createElement("textarea");
+    field.setAttribute("aria-label", `Result of ${call.function.name}`);
+    field.placeholder = `Result of ${call.function.name}`;
+    return field;
+  });
+  const submit = button("Send results", async () => {
+    message.tool_calls.forEach((call, i) =>
+      state.chat.messages.push({ role: "tool", tool_call_id: call.id, content: fields[i].value }),
+    );
+    form.remove();
+    showMessages();
+    await reply();
+  });
+  form.append(...fields, submit);
+  item.append(form);
 }
 
 function showMessages() {
@@ -194,7 +228,22 @@ function settingsFromForm() {
     const value = $(`#${name}`).value;
     if (value !== "") settings[name] = Number(value);
   }
+  if ($("#tool_choice").value) settings.tool_choice = $("#tool_choice").value;
+  const tools = $("#tools").value.trim();
+  if (tools) {
+    try {
+      settings.tools = JSON.parse(tools);
+    } catch (error) {
+      throw new Error(`Tools: not JSON (${error.message})`);
+    }
+  }
   return settings;
+}
+
+function showSettings(settings) {
+  for (const name of SETTINGS) $(`#${name}`).value = settings[name] ?? "";
+  $("#tool_choice").value = settings.tool_choice ?? "";
+  $("#tools").value = settings.tools ? JSON.stringify(settings.tools) : "";
 }
 
 function showError(error) {
@@ -204,6 +253,7 @@ function showError(error) {
 async function send() {
   const text = $("#prompt").value.trim();
   if (state.streaming || (!text && !state.attachments.length)) return;
+  settingsFromForm(); // a mistake in the tools' JSON keeps the message in the box
   const content = state.attachments.length ? [...(text ? [{ type: "text", text }] : []), ...state.attachments] : text;
   state.chat.messages.push({ role: "user", content });
   $("#prompt").value = "";
@@ -231,10 +281,18 @@ async function reply() {
   const chat = state.chat;
   chat.model = $("#model").value;
   chat.system = $("#system").value;
-  chat.settings = settingsFromForm();
+  try {
+    chat.settings = settingsFromForm();
+  } catch (error) {
+    showError(error); // (send() checks first: this is an edit or a regeneration)
+    return;
+  }
   const message = { role: "assistant", content: "", model: chat.model };
   const sent = [...(chat.system ? [{ role: "system", content: chat.system }] : [])];
-  for (const m of chat.messages) sent.push({ role: m.role, content: m.content });
+  for (const m of chat.messages) {
+    const { role, content, tool_calls, tool_call_id } = m;
+    sent.push({ role, content, ...(tool_calls && { tool_calls }), ...(tool_call_id && { tool_call_id }) });
+  }
   chat.messages.push(message);
   const item = messageElement(message, chat.messages.length - 1);
   item.classList.add("streaming");
@@ -260,7 +318,13 @@ async function reply() {
       if (!delta) continue;
       const piece = delta.content ?? "";
       const thought = delta.reasoning_content ?? "";
-      if (!piece && !thought) continue;
+      for (const call of delta.tool_calls ?? []) {
+        message.tool_calls ??= [];
+        const known = (message.tool_calls[call.index] ??= { id: call.id, type: "function", function: { name: "", arguments: "" } });
+        known.function.name += call.function?.name ?? "";
+        known.function.arguments += call.function?.arguments ?? "";
+      }
+      if (!piece && !thought && !delta.tool_calls) continue;
       first ??= performance.now();
       message.content += piece;
       if (thought) message.reasoning = (message.reasoning ?? "") + thought;
@@ -295,6 +359,7 @@ async function reply() {
     showError(error);
   }
   item.classList.add("done"); // shown, and kept on the server
+  if (message.tool_calls?.length && state.chat === chat) askToolResults(item, message);
 }
 
 $("#stop").addEventListener("click", () => state.streaming?.abort());
@@ -418,7 +483,7 @@ async function openConversation(id) {
   const c = await conversations.get(id);
   state.chat = { id: c.id, title: c.title, model: c.model, system: c.system, settings: c.settings, messages: c.messages };
   $("#system").value = c.system;
-  for (const name of SETTINGS) $(`#${name}`).value = c.settings[name] ?? "";
+  showSettings(c.settings);
   if (model(c.model)) $("#model").value = c.model;
   showTakes();
   history.replaceState(null, "", `#${c.id}`);
