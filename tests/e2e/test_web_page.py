@@ -448,15 +448,3 @@ def test_a_keyed_server_keeps_each_keys_conversations_across_a_restart(browser: 
         expect(page.locator("#conversations")).to_contain_text("alice's question")
     finally:
         stop(process)
-
-
-def test_no_ui_serves_nothing_at_the_root() -> None:
-    """(The keyed test above has the page served by a plain ``ortserve serve``.)"""
-    process, url = _cli("--state-dir", "none", "--no-ui")
-    try:
-        assert httpx.get(f"{url}/").status_code == 404
-        assert httpx.get(f"{url}/assets/app.js").status_code == 404
-        assert httpx.get(f"{url}/v1/ui/conversations").status_code == 404
-        assert httpx.get(f"{url}/v1/models").status_code == 200
-    finally:
-        stop(process)

@@ -62,6 +62,8 @@ def test_the_page_is_served_with_its_headers_and_no_key(http: httpx.Client) -> N
     script = http.get("/assets/app.js")
     assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
     assert http.get("/assets/vendor/purify.es.mjs").status_code == 200
+    again = http.get("/assets/app.js", headers={"If-None-Match": script.headers["etag"]})
+    assert again.status_code == 304 and again.content == b""
     for missing in ("/assets/nothing.js", "/assets/../_routes.py", "/assets/%2e%2e/_routes.py"):
         assert http.get(missing).status_code == 404, missing
 

@@ -59,9 +59,10 @@ MAX_LISTED = 1000
 MAX_SEARCH = 200
 
 
-def _read_files() -> dict[str, tuple[bytes, str]]:
-    """The page's files by path under ``static/`` (``vendor/marked.esm.js``), with their media types."""
-    found: dict[str, tuple[bytes, str]] = {}
+def _read_files() -> dict[str, tuple[bytes, str, str]]:
+    """The page's files by path under ``static/`` (``vendor/marked.esm.js``), with their
+    media types and ETags."""
+    found: dict[str, tuple[bytes, str, str]] = {}
 
     def walk(folder: Any, prefix: str) -> None:
         for entry in folder.iterdir():
@@ -69,7 +70,8 @@ def _read_files() -> dict[str, tuple[bytes, str]]:
             if entry.is_dir():
                 walk(entry, f"{name}/")
             elif (kind := _TYPES.get(posixpath.splitext(entry.name)[1])) is not None:
-                found[name] = (entry.read_bytes(), kind)
+                content = entry.read_bytes()
+                found[name] = (content, kind, f'"{hashlib.sha256(content).hexdigest()[:32]}"')
 
     walk(resources.files(__package__).joinpath("static"), "")
     return found
@@ -100,13 +102,15 @@ async def page(ortserve: NamedDependency[OrtServe], request: Request[Any, Any, A
 
 
 @get("/assets/{name:path}", include_in_schema=False)
-async def asset(name: FromPath[str]) -> Response[bytes]:
+async def asset(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
     found = _FILES.get(name.lstrip("/"))
     if found is None:
         raise NotFoundError(f"no file {name!r} in the web page", param="name")
-    content, kind = found
-    etag = hashlib.sha256(content).hexdigest()[:32]
-    return Response(content, media_type=kind, headers={**_HEADERS, "ETag": f'"{etag}"'})
+    content, kind, etag = found
+    headers = {**_HEADERS, "ETag": etag}
+    if request.headers.get("if-none-match") == etag:  # "no-cache": the browser asks each time
+        return Response(b"", status_code=304, headers=headers)
+    return Response(content, media_type=kind, headers=headers)
 
 
 page_route_handlers = [page, asset]
