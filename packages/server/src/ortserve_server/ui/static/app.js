@@ -263,15 +263,15 @@ async function send() {
   await reply();
 }
 
-async function save() {
-  const chat = state.chat;
+// Keeps ``chat`` on the server (the one a reply belongs to, even if another is shown now).
+async function save(chat) {
   const body = { title: chat.title, model: chat.model, system: chat.system, settings: chat.settings, messages: chat.messages };
   if (chat.id) await conversations.update(chat.id, body);
   else {
     body.title ||= textOf(chat.messages[0]?.content ?? "").slice(0, 60) || "New chat";
     const made = await conversations.create(body);
-    if (state.chat === chat) Object.assign(chat, { id: made.id, title: made.title });
-    history.replaceState(null, "", `#${made.id}`);
+    Object.assign(chat, { id: made.id, title: made.title });
+    if (state.chat === chat) history.replaceState(null, "", `#${made.id}`);
   }
   await showConversations();
 }
@@ -296,6 +296,7 @@ async function reply() {
   chat.messages.push(message);
   const item = messageElement(message, chat.messages.length - 1);
   item.classList.add("streaming");
+  item.setAttribute("aria-busy", "true"); // screen readers read it once it is complete
   $("#messages").append(item);
   const controller = new AbortController();
   state.streaming = controller;
@@ -354,10 +355,11 @@ async function reply() {
   item.classList.remove("streaming");
   if (state.chat === chat) updateMessage(item, message);
   try {
-    await save();
+    await save(chat);
   } catch (error) {
     showError(error);
   }
+  item.removeAttribute("aria-busy");
   item.classList.add("done"); // shown, and kept on the server
   if (message.tool_calls?.length && state.chat === chat) askToolResults(item, message);
 }
