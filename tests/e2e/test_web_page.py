@@ -194,6 +194,26 @@ def test_stop_ends_the_reply_and_the_server_frees_the_model(tab: Tab, url: str) 
     assert _card(url, "vision")["in_flight"] == 0
 
 
+def test_opening_another_conversation_mid_reply_keeps_each_where_it_belongs(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    send(page, "the older conversation", tokens=4)
+    older = page.evaluate("location.hash.slice(1)")
+    page.get_by_role("button", name="New chat").click()
+    page.get_by_label("Model", exact=True).select_option("vision")
+    page.get_by_label("Max tokens").fill("3000")
+    page.get_by_label("Min tokens").fill("3000")
+    page.get_by_label("Message", exact=True).fill("the newer conversation")
+    page.get_by_label("Message", exact=True).press("Enter")
+    expect(page.locator(".message.assistant .content")).not_to_have_text("")
+    page.locator(f"#conversations li[data-id={older}] .open").click()  # the reply under way stops
+    expect(page.locator(".message.user .content")).to_have_text("the older conversation")
+    expect(page.locator("#conversations")).to_contain_text("the newer conversation")
+    listed = {c["title"]: c for c in httpx.get(f"{url}/v1/ui/conversations").json()["data"]}
+    assert listed["the newer conversation"]["message_count"] == 2  # its partial reply, kept with it
+    assert listed["the older conversation"]["message_count"] == 2
+    assert page.evaluate("location.hash.slice(1)") == older
+
+
 def test_an_image_goes_to_the_vision_model(tab: Tab, url: str, tmp_path: Path) -> None:
     page = tab.open(url)
     page.get_by_label("Model", exact=True).select_option("vision")
