@@ -454,7 +454,15 @@ def test_a_keyed_server_keeps_each_keys_conversations_across_a_restart(browser: 
         page.get_by_role("button", name="Chat").click()  # the server view polls; the server stops below
         bob = Tab(browser)  # another tab: sessionStorage is per tab
         try:
-            bob_page = bob.open(url, key="bob-key")
+            bob_page = bob.page
+            bob_page.goto(url)
+            bob_page.keyboard.press("Escape")  # no key given: the page says so, and asks again when told
+            expect(bob_page.get_by_role("status")).to_have_text("no api key given")
+            bob_page.get_by_role("button", name="API key").click()
+            bob_page.get_by_label("Key", exact=True).fill("bob-key")
+            with bob_page.expect_response("**/v1/ui/conversations?*") as listed:
+                bob_page.get_by_role("button", name="Use this key").click()
+            assert listed.value.status == 200 and listed.value.json()["data"] == []
             assert bob_page.locator("#conversations li").count() == 0
             assert bob.errors == []
         finally:

@@ -23,27 +23,28 @@ const status = (text) => ($("#status").textContent = text);
 
 // -- keys ------------------------------------------------------------------------------
 
+let asking = null; // the dialog's answer while it is open: calls that need a key meanwhile wait for it
+
 function askKey(kind, rejected) {
+  if (asking) return asking;
   const dialog = $("#key-dialog");
   $("#key-title").textContent = kind === "admin" ? "Admin key" : "API key";
   $("#key-why").textContent = rejected
     ? `The server refused ${keys.get(kind) ? "this" : "the missing"} ${kind === "admin" ? "admin" : "API"} key. It is kept for this tab only.`
     : `This server needs ${kind === "admin" ? "its admin key to load and unload models" : "an API key"}. It is kept for this tab only.`;
   $("#key-input").value = "";
+  let given = false;
+  $("#key-form").onsubmit = (event) => {
+    event.preventDefault();
+    keys.set(kind, $("#key-input").value.trim());
+    given = true;
+    dialog.close();
+  };
+  $("#key-cancel").onclick = () => dialog.close();
   dialog.showModal();
-  return new Promise((resolve) => {
-    const done = (given) => {
-      $("#key-form").onsubmit = $("#key-cancel").onclick = null;
-      dialog.close();
-      resolve(given);
-    };
-    $("#key-form").onsubmit = (event) => {
-      event.preventDefault();
-      keys.set(kind, $("#key-input").value.trim());
-      done(true);
-    };
-    $("#key-cancel").onclick = () => done(false);
-  });
+  // Closed by the form, by Cancel or by Escape.
+  asking = new Promise((resolve) => dialog.addEventListener("close", () => resolve(given), { once: true }));
+  return asking.finally(() => (asking = null));
 }
 onKeyNeeded(askKey);
 $("#key-button").addEventListener("click", async () => (await askKey("api", false)) && start());

@@ -21,8 +21,13 @@ function cell(row, text) {
   return td;
 }
 
+let shown = ""; // the list as last drawn: a table redrawn each second under the pointer would lose clicks
+
 export async function showModels(onChange) {
   const { data } = await getJSON(`${API}/models`);
+  const drawn = JSON.stringify(data.map(({ last_used, expires_at, ...m }) => m));
+  if (drawn === shown) return data;
+  shown = drawn;
   const body = $("#models tbody");
   body.replaceChildren();
   for (const model of data.filter((m) => !m.parent)) {
@@ -32,7 +37,8 @@ export async function showModels(onChange) {
     cell(row, model.kind ?? "-");
     cell(row, model.status + (model.error ? `: ${model.error}` : ""));
     cell(row, model.engine ?? "-");
-    cell(row, model.resident_bytes == null ? "-" : `${human(model.resident_bytes)} + KV ${human(model.kv_cache_bytes)}`);
+    const kv = model.kv_cache_bytes == null ? "" : ` + KV ${human(model.kv_cache_bytes)}`;
+    cell(row, model.resident_bytes == null ? "-" : `${human(model.resident_bytes)}${kv}`);
     cell(row, String(model.in_flight ?? "-"));
     const actions = cell(row, "");
     const loaded = model.status === "ready";
