@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from audio import TINY_WHISPER, tone_wav
 from images import TINY_PHI3V, image_bytes
 from ortserve_server import ServerConfig, create_app
+from ortserve_server._config import McpServer
 from playwright.sync_api import expect
 from serving import TINY_MODEL, running
 from test_cli import start_server, stop
@@ -29,6 +31,7 @@ from voices import JOE
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+TOOLS_SERVER = Path(__file__).resolve().parents[1] / "mcp_tools_server.py"
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium to drive: apt-get install chromium (.ci/run installs it)"
@@ -60,6 +63,9 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         models={"tiny": TINY_MODEL, "vision": TINY_PHI3V, "think": FIXTURES / "tiny-qwen3-think"},
         ui=True,
         state_dir=tmp_path_factory.mktemp("state"),
+        # The MCP test server over stdio; one call per response, so that a forced call is the only one.
+        mcp_servers=(McpServer("tools", command=(sys.executable, str(TOOLS_SERVER), "stdio")),),
+        mcp_max_tool_calls=1,
     )
     with running(create_app(config)) as base:
         yield base
@@ -381,6 +387,29 @@ def test_tool_calls_show_as_they_stream_and_their_results_go_back(tab: Tab, url:
     assert roles == ["user", "assistant", "tool", "assistant"]
     assert kept["messages"][2]["tool_call_id"] == kept["messages"][1]["tool_calls"][0]["id"]
     assert kept["settings"]["tool_choice"] == "none" and kept["settings"]["tools"] == WEATHER
+
+
+def test_mcp_calls_run_on_the_server_and_show_with_their_output(tab: Tab, url: str) -> None:
+    page = tab.open(url)
+    page.get_by_text("System prompt and sampling").click()
+    page.get_by_label("tools", exact=True).check()
+    page.get_by_label("Tool choice").select_option("required")  # the tiny model calls under a grammar
+    reply = send(page, "use one of your tools", tokens=40)
+    call = reply.locator(".mcp-call")
+    expect(call).to_have_count(1)
+    summary = call.locator("summary").inner_text()
+    assert re.fullmatch(r"MCP call: tools\.\w+ \((completed|failed)\)", summary), summary
+    conversation = page.evaluate("location.hash.slice(1)")
+    kept = httpx.get(f"{url}/v1/ui/conversations/{conversation}").json()["messages"][1]["mcp_calls"][0]
+    assert kept["server_label"] == "tools" and summary.startswith(f"MCP call: tools.{kept['name']} ")
+    assert call.locator(".arguments").inner_text() == kept["arguments"]
+    error = kept["error"]
+    if isinstance(error, dict):  # a failed tool: MCP's content parts
+        error = "\n".join(part["text"] for part in error["content"])
+    assert call.locator(".output").inner_text() == (error or kept["output"])
+    if kept["name"] == "add":  # the server really ran it with what the model wrote
+        arguments = json.loads(kept["arguments"])
+        assert int(kept["output"]) == arguments["a"] + arguments["b"]
 
 
 def test_the_csp_violation_check_can_fail(browser: Any, url: str) -> None:

@@ -41,6 +41,8 @@ class ConversationSettings(_Request):
     """Function tools offered to the model (the chat API's ``tools``); the user answers their calls."""
     tool_choice: str | UnsetType = UNSET
     """``auto``, ``required`` or ``none``."""
+    mcp_servers: list[str] | UnsetType = UNSET
+    """Labels of the server's MCP servers the model may call (the page then uses the Responses API)."""
 
 
 class ConversationMessage(_Request):
@@ -53,6 +55,8 @@ class ConversationMessage(_Request):
     """A reasoning model's thinking for this reply."""
     tool_calls: list[dict[str, Any]] | UnsetType = UNSET
     tool_call_id: str | UnsetType = UNSET
+    mcp_calls: list[dict[str, Any]] | UnsetType = UNSET
+    """The MCP calls the server made for this reply (label, name, arguments, output or error)."""
     model: str | UnsetType = UNSET
     """The model that wrote this reply."""
     stats: dict[str, float | int | bool | None] | UnsetType = UNSET

@@ -94,6 +94,8 @@ async def page(ortserve: NamedDependency[OrtServe], request: Request[Any, Any, A
         # Which keys the page must ask for before its first call (a 401 says as much, and
         # a browser logs each 401 as an error): "api", "admin", both or none.
         "keys": " ".join(k for k, on in (("api", config.api_keys), ("admin", config.admin_key)) if on),
+        # The configured MCP servers' labels (letters, digits, - and _): the page offers them.
+        "mcp": " ".join(server.label for server in config.mcp_servers),
     }
     text = _INDEX
     for name, value in paths.items():

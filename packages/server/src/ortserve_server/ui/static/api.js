@@ -4,6 +4,7 @@ const meta = (name) => document.querySelector(`meta[name="${name}"]`)?.content ?
 export const API = meta("ortserve-api");
 export const METRICS = meta("ortserve-metrics");
 export const NEEDS = new Set(meta("ortserve-keys").split(" ").filter(Boolean)); // "api", "admin"
+export const MCP = meta("ortserve-mcp").split(" ").filter(Boolean); // the configured MCP servers' labels
 
 // Keys live in sessionStorage: this tab only, gone when it closes.
 export const keys = {

@@ -1,7 +1,8 @@
 // The page: chat with the server's models, conversations kept on the server, the server at
 // a glance. It calls only the public HTTP API (api.js), with the key the user gives it.
-import { API, ApiError, call, conversations, events, getJSON, keys, onKeyNeeded } from "./api.js";
+import { API, MCP, ApiError, conversations, getJSON, keys, onKeyNeeded } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
+import { chatDeltas, responsesDeltas } from "./streams.js";
 import { contentPart, record, speak, transcribe } from "./media.js";
 import { sampleMetrics, showModels } from "./dashboard.js";
 
@@ -156,7 +157,9 @@ function updateMessage(item, message) {
   if (message.role === "assistant") renderMarkdown(body, textOf(message.content));
   else body.textContent = textOf(message.content);
   item.querySelector(".stats").textContent = statsLine(message.stats);
-  item.querySelector(".tool-calls").replaceChildren(...(message.tool_calls ?? []).map(toolCallElement));
+  item
+    .querySelector(".tool-calls")
+    .replaceChildren(...(message.tool_calls ?? []).map(toolCallElement), ...(message.mcp_calls ?? []).map(mcpCallElement));
 }
 
 // A tool call as it streams; once the reply is over (and it is the last), a box for its result.
@@ -166,6 +169,22 @@ function toolCallElement(call) {
   box.open = true;
   box.append(Object.assign(document.createElement("summary"), { textContent: `Tool call: ${call.function.name}` }));
   box.append(Object.assign(document.createElement("pre"), { textContent: call.function.arguments }));
+  return box;
+}
+
+// An MCP call the server makes: its arguments as the model writes them, then its output.
+function mcpCallElement(call) {
+  const box = document.createElement("details");
+  box.className = "mcp-call";
+  box.open = true;
+  const summary = `MCP call: ${call.server_label}.${call.name}${call.status ? ` (${call.status})` : ""}`;
+  box.append(Object.assign(document.createElement("summary"), { textContent: summary }));
+  box.append(Object.assign(document.createElement("pre"), { className: "arguments", textContent: call.arguments }));
+  // An error is a string, or (a failed tool) an object with content parts.
+  const error = typeof call.error === "string" || call.error == null ? call.error : call.error.content?.map((c) => c.text).join("\n") ?? JSON.stringify(call.error);
+  if (call.output != null || error != null) {
+    box.append(Object.assign(document.createElement("pre"), { className: "output", textContent: error ?? call.output }));
+  }
   return box;
 }
 
@@ -230,6 +249,8 @@ function settingsFromForm() {
     if (value !== "") settings[name] = Number(value);
   }
   if ($("#tool_choice").value) settings.tool_choice = $("#tool_choice").value;
+  const mcp = [...document.querySelectorAll("#mcp-servers input:checked")].map((box) => box.value);
+  if (mcp.length) settings.mcp_servers = mcp;
   const tools = $("#tools").value.trim();
   if (tools) {
     try {
@@ -245,6 +266,16 @@ function showSettings(settings) {
   for (const name of SETTINGS) $(`#${name}`).value = settings[name] ?? "";
   $("#tool_choice").value = settings.tool_choice ?? "";
   $("#tools").value = settings.tools ? JSON.stringify(settings.tools) : "";
+  for (const box of document.querySelectorAll("#mcp-servers input")) box.checked = !!settings.mcp_servers?.includes(box.value);
+}
+
+// The MCP servers the operator configured, to be offered to the model.
+for (const label of MCP) {
+  const box = Object.assign(document.createElement("input"), { type: "checkbox", value: label });
+  const name = document.createElement("label");
+  name.append(box, ` ${label}`);
+  $("#mcp-servers").append(name);
+  $("#mcp-servers").hidden = false;
 }
 
 function showError(error) {
@@ -309,27 +340,28 @@ async function reply() {
   let usage = null;
   let frame = 0;
   try {
-    const response = await call(`${API}/chat/completions`, {
-      json: { model: chat.model, messages: sent, stream: true, stream_options: { include_usage: true }, ...chat.settings },
-      signal: controller.signal,
-    });
-    for await (const chunk of events(response)) {
-      if (chunk.usage) usage = chunk.usage;
-      if (chunk.error) throw new Error(chunk.error.message);
-      const delta = chunk.choices?.[0]?.delta;
-      if (!delta) continue;
-      const piece = delta.content ?? "";
-      const thought = delta.reasoning_content ?? "";
-      for (const call of delta.tool_calls ?? []) {
+    const deltas = chat.settings.mcp_servers?.length ? responsesDeltas : chatDeltas;
+    for await (const delta of deltas(chat, sent, controller.signal)) {
+      if (delta.usage) usage = delta.usage;
+      for (const call of delta.toolCalls ?? []) {
         message.tool_calls ??= [];
         const known = (message.tool_calls[call.index] ??= { id: call.id, type: "function", function: { name: "", arguments: "" } });
         known.function.name += call.function?.name ?? "";
         known.function.arguments += call.function?.arguments ?? "";
       }
-      if (!piece && !thought && !delta.tool_calls) continue;
+      if (delta.mcpCall) {
+        message.mcp_calls ??= [];
+        const at = message.mcp_calls.findIndex((c) => c.id === delta.mcpCall.id);
+        message.mcp_calls.splice(at < 0 ? message.mcp_calls.length : at, 1, { ...delta.mcpCall });
+      }
+      if (delta.mcpArguments) {
+        const known = message.mcp_calls?.find((c) => c.id === delta.mcpArguments.id);
+        if (known) known.arguments += delta.mcpArguments.delta;
+      }
+      if (!delta.content && !delta.reasoning && !delta.toolCalls && !delta.mcpCall && !delta.mcpArguments) continue;
       first ??= performance.now();
-      message.content += piece;
-      if (thought) message.reasoning = (message.reasoning ?? "") + thought;
+      message.content += delta.content ?? "";
+      if (delta.reasoning) message.reasoning = (message.reasoning ?? "") + delta.reasoning;
       // One render per frame, of this message only.
       frame ||= requestAnimationFrame(() => {
         frame = 0;
@@ -347,10 +379,10 @@ async function reply() {
   }
   const end = performance.now();
   message.stats = {
-    tokens: usage?.completion_tokens ?? null,
-    tokens_per_second: usage && first && end > first ? usage.completion_tokens / ((end - first) / 1000) : null,
+    tokens: usage?.tokens ?? null,
+    tokens_per_second: usage?.tokens != null && first && end > first ? usage.tokens / ((end - first) / 1000) : null,
     ttft_ms: first ? first - started : null,
-    cached_tokens: usage?.prompt_tokens_details?.cached_tokens ?? null,
+    cached_tokens: usage?.cached ?? null,
     stopped: controller.signal.aborted || null,
   };
   item.classList.remove("streaming");
