@@ -244,10 +244,11 @@ def test_an_image_goes_to_the_vision_model(tab: Tab, url: str, tmp_path: Path) -
     assert [p["type"] for p in parts] == ["text", "image_url", "image_url"]
     assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
 
-    # A text-only model refuses the file before anything is sent.
+    # A text-only model offers no Attach, and refuses a pasted image before anything is sent.
     page.get_by_label("Model", exact=True).select_option("tiny")
-    page.locator("#attach").set_input_files(str(picture))
-    assert "does not take images" in page.get_by_role("status").inner_text()
+    assert page.locator("#attach").is_disabled() and page.locator("#attach-label").is_hidden()
+    page.evaluate(PUT_IMAGE, ["paste", list(image_bytes())])
+    expect(page.get_by_role("status")).to_contain_text("does not take images")
 
 
 def test_the_server_view_lists_models_loads_and_plots(tab: Tab, url: str) -> None:

@@ -83,7 +83,7 @@ function showTakes() {
   $("#model-takes").textContent = describe(m);
   const accept = [...takes(m)].filter((t) => t !== "text").map((t) => `${t}/*`);
   $("#attach").accept = accept.join(",");
-  $("#attach-label").hidden = !accept.length;
+  $("#attach-label").hidden = $("#attach").disabled = !accept.length; // (paste and drop still say why not)
 }
 $("#model").addEventListener("change", showTakes);
 
@@ -389,6 +389,7 @@ async function reply() {
   if (state.chat === chat) updateMessage(item, message);
   try {
     await save(chat);
+    await loadModels(); // a model loaded on first use now says what it takes
   } catch (error) {
     showError(error);
   }
