@@ -384,6 +384,7 @@ def test_text_completion_embeddings_models_and_errors_encode_like_openai() -> No
                 "reproducible": None,
                 "input_modalities": None,
                 "tool_format": None,
+                "reasoning": None,
                 "speculative": None,
                 "draft_tokens": None,
                 "draft_acceptance_rate": None,

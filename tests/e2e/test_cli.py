@@ -639,3 +639,16 @@ def test_mcp_servers_from_the_command_line_with_a_header_from_the_environment() 
             stop(process)
         web.terminate()
         web.wait(timeout=10)
+
+
+def test_no_ui_serves_nothing_at_the_root() -> None:
+    """(test_web_page has the page served by a plain ``ortserve serve``.)"""
+    process, ready = start_server("--model", f"tiny={TINY_MODEL}", "--state-dir", "none", "--no-ui")
+    url = f"http://127.0.0.1:{ready['port']}"
+    try:
+        assert httpx.get(f"{url}/").status_code == 404
+        assert httpx.get(f"{url}/assets/app.js").status_code == 404
+        assert httpx.get(f"{url}/v1/ui/conversations").status_code == 404
+        assert httpx.get(f"{url}/v1/models").status_code == 200
+    finally:
+        stop(process)

@@ -304,3 +304,9 @@ def test_anthropic_earlier_thinking_reaches_the_template(claude: anthropic.Anthr
 
     # Qwen3's template keeps the thinking of the turn in progress (a tool loop).
     assert count([thought, call]) > count([call])
+
+
+def test_the_model_list_says_which_models_reason(client: openai.OpenAI) -> None:
+    models = {m.id: (m.model_extra or {}) for m in client.models.list()}
+    assert models["think"]["reasoning"] is True
+    assert models["tiny"]["reasoning"] is False

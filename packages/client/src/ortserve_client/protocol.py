@@ -729,6 +729,9 @@ class Model(_Response):
     tool_format: str | None = None
     """A loaded generative model: how it writes tool calls (``hermes``, ``llama3``,
     ``mistral``, ``phi4``...); ``None``: tool requests are a 400."""
+    reasoning: bool | None = None
+    """A loaded generative model: whether it thinks before it answers (a think block in its
+    chat template); its replies then carry ``reasoning_content``."""
     speculative: str | None = None
     """A loaded generative model's speculative decoding (``--speculative``): ``ngram``, or
     ``None`` (requests with a ``prediction`` still speculate on ort-cpu)."""

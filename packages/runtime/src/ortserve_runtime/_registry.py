@@ -77,6 +77,9 @@ class ModelStatus:
     ``mistral``, ``phi4``...), from its chat template or, where that knows no tools, the
     system-prompt fallback's ``hermes``; ``None`` where tool requests are a 400 (the
     fallback off) and for other kinds and unloaded models."""
+    reasoning: bool | None = None
+    """A loaded generative model: whether it writes its reasoning in a think block (its chat
+    template teaches the markers; replies carry it apart as ``reasoning_content``)."""
     tools_in_system_prompt: bool | None = None
     """A loaded generative model: whether its tools go into the system prompt because its
     template knows none (:attr:`ModelConfig.tools_in_system_prompt`)."""
@@ -277,6 +280,7 @@ class ModelRegistry:
             input_modalities=("text", *sorted(entry.model.modalities)) if isinstance(entry.model, ChatModel) else None,
             voices=tuple(entry.model.voices) if isinstance(entry.model, VoiceModel) else None,
             tool_format=entry.model.tool_format if isinstance(entry.model, ChatModel) else None,
+            reasoning=entry.model.reasoning is not None if isinstance(entry.model, ChatModel) else None,
             tools_in_system_prompt=entry.model.tools_in_system_prompt if isinstance(entry.model, ChatModel) else None,
             speculative=entry.config.speculative if isinstance(entry.model, ChatModel) else None,
             draft_tokens=getattr(engine, "draft_tokens", None),

@@ -109,6 +109,20 @@ def _routers(state: OrtServe) -> list[Router]:
             config.path, anthropic_route_handlers, _guards(config, x_api_key=True), anthropic_exception_handlers
         ),
     ]
+    if config.ui:
+        from .ui import conversation_route_handlers, page_route_handlers
+
+        routers.append(api_router(config.path, conversation_route_handlers, _guards(config), exception_handlers))
+        # The page and its files: Host/Origin checks, no key (the page asks for one).
+        routers.append(
+            Router(
+                path=config.ui_path,
+                route_handlers=page_route_handlers,
+                dependencies=provide,
+                guards=_guards(config, keyed=False),
+                exception_handlers=exception_handlers,
+            )
+        )
     if config.rerank_aliases:
         # /rerank and /v2/rerank: the aliases vLLM serves (llama-server: /rerank), at the root.
         routers.append(api_router("/", rerank_alias_handlers, _guards(config), exception_handlers))

@@ -476,6 +476,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     serve.add_argument(
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the web page (chat, conversations kept per API key, the server at a glance) at /",
+    )
+    serve.add_argument(
         "--admin-key",
         default=os.environ.get("ORTSERVE_ADMIN_KEY"),
         help="key the model load/unload routes need instead of the API key (or ORTSERVE_ADMIN_KEY)",
@@ -699,6 +705,7 @@ def _serve(args: argparse.Namespace) -> int:
             allowed_origins=tuple(args.allow_origin),
             cors_origins=tuple(args.cors_origin),
             public_metrics=args.public_metrics,
+            ui=args.ui,
             admin_key=args.admin_key or None,
             runtime_adapters=args.allow_runtime_adapters,
             load_on_startup=not args.lazy,
@@ -797,7 +804,8 @@ async def _run(server: object, sock: socket.socket, port: int, ready_json: bool,
         if ready_json:
             print(json.dumps(line), flush=True)
         else:
-            print(f"ortserve listening on http://{line['host']}:{port}/v1", file=sys.stderr, flush=True)
+            page = f" (web page: http://{line['host']}:{port}{state.config.ui_path})" if state.config.ui else ""
+            print(f"ortserve listening on http://{line['host']}:{port}/v1{page}", file=sys.stderr, flush=True)
         await serving
     finally:
         for task in (watchdog, drain):

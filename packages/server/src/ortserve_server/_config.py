@@ -150,6 +150,12 @@ class ServerConfig:
     makes the server read an adapter file from its own disk, so it is off unless asked for."""
     public_metrics: bool = False
     """Leave ``metrics_path`` open without the API key (for a scraper that has none)."""
+    ui: bool = False
+    """Serve the web page (chat, conversations, the server at a glance) at ``ui_path`` and
+    its conversations at ``{path}/ui/conversations``. ``ortserve serve`` turns it on
+    (``--no-ui``: off); a host app that mounts ortserve gets it only when it asks."""
+    ui_path: str = "/"
+    """Where the web page is served (its files under ``{ui_path}assets/``)."""
     schema_path: str | None = "/schema"
     """Where the standalone app serves its OpenAPI schema as JSON (``openapi.json`` under it);
     ``None`` leaves it out. No HTML docs pages: they load their scripts from a CDN."""
@@ -280,6 +286,8 @@ def check_server_config(config: ServerConfig) -> None:
         raise ValueError("prefix_cache_scope 'key' keeps API keys' callers apart: set api_key (one or several)")
     if config.state_url is not None and config.state_dir is not None:
         raise ValueError("state_dir and state_url name two places for the same state: give one")
+    if not config.ui_path.startswith("/"):
+        raise ValueError(f"ui_path must start with '/', got {config.ui_path!r}")
     if config.batch_concurrency < 1 or config.max_file_size < 1:
         raise ValueError("batch_concurrency and max_file_size must be at least 1")
     _check_mcp_config(config)

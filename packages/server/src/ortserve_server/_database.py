@@ -1,7 +1,8 @@
-"""The one database behind ortserve's state (stored Responses, runtime adapters, files and
-batches): a SQLite file under ``ServerConfig.state_dir`` that outlives the process, an
-in-memory SQLite database (``state_dir`` ``None``) with the same code paths, or PostgreSQL
-(``ServerConfig.state_url``), which replicas on several machines share.
+"""The one database behind ortserve's state (stored Responses, runtime adapters, files,
+batches, the web page's conversations): a SQLite file under ``ServerConfig.state_dir``
+that outlives the process, an in-memory SQLite database (``state_dir`` ``None``) with the
+same code paths, or PostgreSQL (``ServerConfig.state_url``), which replicas on several
+machines share.
 
 Every call runs on one thread of its own, in the order of the calls, so no call blocks
 the event loop on the disk and a write is visible to the next call (a response stored by
@@ -58,6 +59,14 @@ _MIGRATIONS = [
     # stored before have no owner: only callers without a key (a server without keys) see them
     """
     ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT '';
+    """,
+    # 4: the web page's conversations, per owner (the API key's digest); ``text`` is the
+    # title and the messages' text case-folded, for search
+    """
+    CREATE TABLE ui_conversations (id TEXT PRIMARY KEY, owner TEXT NOT NULL, title TEXT NOT NULL,
+        model TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL, message_count INTEGER NOT NULL,
+        size INTEGER NOT NULL, body BLOB NOT NULL, text TEXT NOT NULL);
+    CREATE INDEX ui_conversations_by_owner ON ui_conversations (owner, updated);
     """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)

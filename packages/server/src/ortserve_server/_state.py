@@ -17,6 +17,7 @@ from ._adapter_store import AdapterStore
 from ._batch_store import BatchStore
 from ._body_budget import BodyBudget
 from ._config import ServerConfig, check_server_config, model_registry
+from ._conversation_store import ConversationStore
 from ._database import STATE_FILE, Database
 from ._mcp import McpHub
 from ._metrics import Metrics
@@ -75,6 +76,8 @@ class OrtServe:
         """LoRA adapters loaded over HTTP, served again after a restart."""
         self.batches = BatchStore(self.database, config.files_max_bytes, config.files_ttl)
         """Files and batches (the Batch API)."""
+        self.conversations = ConversationStore(self.database)
+        """The web page's conversations."""
         self._batch_runner: BatchWork | None = None
         self.started = False
         self.cut_requests = 0

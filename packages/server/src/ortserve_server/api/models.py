@@ -59,6 +59,7 @@ def model_card(state: OrtServe, name: str, adapter: str | None = None) -> p.Mode
         voices=None if status.voices is None else list(status.voices),
         tool_format=status.tool_format,
         tools_in_system_prompt=status.tools_in_system_prompt,
+        reasoning=status.reasoning,
         speculative=status.speculative,
         draft_tokens=status.draft_tokens,
         draft_acceptance_rate=(

@@ -1,0 +1,237 @@
+"""The web page's conversations in the state :class:`~._database.Database`, per owner (the
+caller's API key digest, as files and batches): another key finds nothing by an id, and
+no list, search or export shows it. Bounded per owner in count and per conversation in
+bytes, so that no caller grows the database without end."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+from ortserve_client import conversations_protocol as cp
+
+from ._database import Connection, Database, write
+from ._ids import new_id
+
+__all__ = [
+    "MAX_CONVERSATIONS",
+    "MAX_CONVERSATION_BYTES",
+    "ConversationStore",
+    "ConversationTooLarge",
+    "ConversationsFull",
+    "summary",
+]
+
+MAX_CONVERSATIONS = 1000
+"""Conversations one owner may keep."""
+MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
+"""The largest conversation (its JSON, inline images included)."""
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    """What a conversation's ``body`` column holds."""
+
+    system: str = ""
+    settings: cp.ConversationSettings = msgspec.field(default_factory=cp.ConversationSettings)
+    messages: list[cp.ConversationMessage] = msgspec.field(default_factory=list)
+
+
+_decode_body = msgspec.json.Decoder(_Body).decode
+_encode = msgspec.json.encode
+_COLUMNS = "id, title, model, created, updated, message_count"
+
+
+class ConversationsFull(Exception):
+    """The owner already keeps :data:`MAX_CONVERSATIONS`."""
+
+
+class ConversationTooLarge(Exception):
+    """A conversation's JSON is larger than :data:`MAX_CONVERSATION_BYTES`."""
+
+
+def _searchable(title: str, messages: Sequence[cp.ConversationMessage]) -> str:
+    """The title and the messages' text, case-folded (SQLite's LOWER folds ASCII only)."""
+    texts = [title]
+    for message in messages:
+        if isinstance(message.content, str):
+            texts.append(message.content)
+        else:
+            texts.extend(str(part.get("text", "")) for part in message.content if part.get("type") == "text")
+    return "\n".join(texts).casefold()
+
+
+def _summary(row: Sequence[object]) -> cp.ConversationSummary:
+    conversation_id, title, model, created, updated, count = row
+    return cp.ConversationSummary(
+        id=str(conversation_id),
+        title=str(title),
+        model=str(model),
+        created_at=float(created),  # type: ignore[arg-type]
+        updated_at=float(updated),  # type: ignore[arg-type]
+        message_count=int(count),  # type: ignore[call-overload]
+    )
+
+
+def summary(conversation: cp.Conversation) -> cp.ConversationSummary:
+    """``conversation`` as a list shows it."""
+    return cp.ConversationSummary(
+        id=conversation.id,
+        title=conversation.title,
+        model=conversation.model,
+        message_count=len(conversation.messages),
+        created_at=conversation.created_at,
+        updated_at=conversation.updated_at,
+    )
+
+
+def _like(query: str) -> str:
+    escaped = query.casefold().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+class ConversationStore:
+    """Conversations by owner and id."""
+
+    def __init__(self, database: Database) -> None:
+        self._db = database
+
+    async def create(self, owner: str, *writes: cp.ConversationWrite) -> list[cp.Conversation]:
+        """New conversations from ``writes`` (absent fields empty; an imported one keeps its
+        timestamps), all or none: ``ConversationsFull`` or ``ConversationTooLarge`` when
+        they cannot be kept."""
+        now = time.time()
+        made = []
+        for given in writes:
+            created = getattr(given, "created_at", msgspec.UNSET)
+            updated = getattr(given, "updated_at", msgspec.UNSET)
+            empty = cp.Conversation(
+                id=new_id("conv_"),
+                title="",
+                model="",
+                system="",
+                settings=cp.ConversationSettings(),
+                messages=[],
+                created_at=now if created is msgspec.UNSET else created,
+                updated_at=now if updated is msgspec.UNSET else updated,
+            )
+            made.append(_merge(empty, given))
+        rows = [_row(owner, conversation) for conversation in made]
+
+        def create(db: Connection) -> None:
+            with write(db):
+                (count,) = db.execute("SELECT COUNT(*) FROM ui_conversations WHERE owner = ?", (owner,)).fetchone()
+                if count + len(rows) > MAX_CONVERSATIONS:
+                    raise ConversationsFull(f"a key keeps at most {MAX_CONVERSATIONS} conversations: delete some first")
+                db.executemany("INSERT INTO ui_conversations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+        await self._db.run(create)
+        return made
+
+    async def get(self, owner: str, conversation_id: str) -> cp.Conversation | None:
+        def get(db: Connection) -> cp.Conversation | None:
+            found = db.execute(
+                f"SELECT {_COLUMNS}, body FROM ui_conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            ).fetchone()
+            return None if found is None else _conversation(found)
+
+        return await self._db.run(get)
+
+    async def update(self, owner: str, conversation_id: str, write_: cp.ConversationWrite) -> cp.Conversation | None:
+        """The conversation with ``write_``'s fields replaced; ``None`` if the owner has no such id."""
+
+        def update(db: Connection) -> cp.Conversation | None:
+            with write(db):
+                found = db.execute(
+                    f"SELECT {_COLUMNS}, body FROM ui_conversations WHERE id = ? AND owner = ?",
+                    (conversation_id, owner),
+                ).fetchone()
+                if found is None:
+                    return None
+                conversation = _merge(_conversation(found), write_)
+                conversation.updated_at = time.time()
+                row = _row(owner, conversation)
+                db.execute(
+                    "UPDATE ui_conversations SET title = ?, model = ?, updated = ?, message_count = ?, size = ?,"
+                    " body = ?, text = ? WHERE id = ? AND owner = ?",
+                    (*row[2:4], *row[5:], conversation_id, owner),
+                )
+                return conversation
+
+        return await self._db.run(update)
+
+    async def delete(self, owner: str, conversation_id: str) -> bool:
+        def delete(db: Connection) -> bool:
+            with write(db):
+                query = "DELETE FROM ui_conversations WHERE id = ? AND owner = ?"
+                return db.execute(query, (conversation_id, owner)).rowcount > 0
+
+        return await self._db.run(delete)
+
+    async def summaries(self, owner: str, limit: int, search: str | None = None) -> list[cp.ConversationSummary]:
+        """The owner's conversations, most recently updated first; ``search``: those whose
+        title or message text holds it (case-insensitive)."""
+
+        def listed(db: Connection) -> list[cp.ConversationSummary]:
+            query = f"SELECT {_COLUMNS} FROM ui_conversations WHERE owner = ?"
+            args: list[object] = [owner]
+            if search:
+                query += " AND text LIKE ? ESCAPE '\\'"
+                args.append(_like(search))
+            query += " ORDER BY updated DESC, id LIMIT ?"
+            args.append(limit)
+            return [_summary(row) for row in db.execute(query, args)]
+
+        return await self._db.run(listed)
+
+    async def export(self, owner: str) -> list[cp.Conversation]:
+        """Every conversation of the owner, whole, most recently updated first."""
+
+        def exported(db: Connection) -> list[cp.Conversation]:
+            query = f"SELECT {_COLUMNS}, body FROM ui_conversations WHERE owner = ? ORDER BY updated DESC, id"
+            return [_conversation(row) for row in db.execute(query, (owner,))]
+
+        return await self._db.run(exported)
+
+
+def _merge(conversation: cp.Conversation, write_: cp.ConversationWrite) -> cp.Conversation:
+    """``conversation`` with the fields ``write_`` gives."""
+    changes = {
+        name: getattr(write_, name)
+        for name in ("title", "model", "system", "settings", "messages")
+        if getattr(write_, name) is not msgspec.UNSET
+    }
+    return msgspec.structs.replace(conversation, **changes)
+
+
+def _row(owner: str, conversation: cp.Conversation) -> tuple[object, ...]:
+    body = _encode(_Body(system=conversation.system, settings=conversation.settings, messages=conversation.messages))
+    if len(body) > MAX_CONVERSATION_BYTES:
+        raise ConversationTooLarge(f"a conversation may hold at most {MAX_CONVERSATION_BYTES} bytes of JSON")
+    return (
+        conversation.id,
+        owner,
+        conversation.title,
+        conversation.model,
+        conversation.created_at,
+        conversation.updated_at,
+        len(conversation.messages),
+        len(body),
+        body,
+        _searchable(conversation.title, conversation.messages),
+    )
+
+
+def _conversation(row: Sequence[object]) -> cp.Conversation:
+    summary = _summary(row[:6])
+    body = _decode_body(bytes(row[6]))  # type: ignore[call-overload]  # bytes, or psycopg's memoryview
+    return cp.Conversation(
+        id=summary.id,
+        title=summary.title,
+        model=summary.model,
+        system=body.system,
+        settings=body.settings,
+        messages=body.messages,
+        created_at=summary.created_at,
+        updated_at=summary.updated_at,
+    )

@@ -1,0 +1,219 @@
+"""The web page's routes over HTTP: the page and its headers, and the conversations it
+keeps per API key (``/v1/ui/conversations``) in the state database, SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from ortserve_server import ServerConfig, create_app
+from ortserve_server import _conversation_store as store
+from postgres import postgres_server
+from serving import TINY_MODEL, running
+
+ALICE = {"Authorization": "Bearer alice-key"}
+BOB = {"Authorization": "Bearer bob-key"}
+CONVERSATION = {
+    "title": "Lists in Python",
+    "model": "tiny",
+    "system": "Be brief.",
+    "settings": {"temperature": 0.5, "max_tokens": 64},
+    "messages": [
+        {"role": "user", "content": "How do I sort a list of Ärger and ærø?"},
+        {
+            "role": "assistant",
+            "content": "Use sorted().",
+            "reasoning": "simple",
+            "stats": {"tokens": 3, "stopped": None},
+        },
+    ],
+}
+
+
+def keyed_config(state_dir: Path | None = None, **more: Any) -> ServerConfig:
+    return ServerConfig(
+        models={"tiny": TINY_MODEL}, api_key=("alice-key", "bob-key"), ui=True, state_dir=state_dir, **more
+    )
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with running(create_app(keyed_config())) as base:
+        yield base
+
+
+@pytest.fixture
+def http(url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=30) as client:
+        yield client
+
+
+def test_the_page_is_served_with_its_headers_and_no_key(http: httpx.Client) -> None:
+    page = http.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self';" in csp and "unsafe" not in csp and "connect-src 'self'" in csp
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert '<meta name="ortserve-keys" content="api">' in page.text
+    assert '<script type="module" src="/assets/app.js">' in page.text
+    script = http.get("/assets/app.js")
+    assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
+    assert http.get("/assets/vendor/purify.es.mjs").status_code == 200
+    again = http.get("/assets/app.js", headers={"If-None-Match": script.headers["etag"]})
+    assert again.status_code == 304 and again.content == b""
+    for missing in ("/assets/nothing.js", "/assets/../_routes.py", "/assets/%2e%2e/_routes.py"):
+        assert http.get(missing).status_code == 404, missing
+
+
+def test_the_page_has_the_apis_host_and_origin_rules(http: httpx.Client) -> None:
+    rebinding = http.get("/", headers={"Host": "evil.example"})
+    assert rebinding.status_code == 403 and "Host" in rebinding.json()["error"]["message"]
+    other_site = http.post("/v1/ui/conversations", json={}, headers={**ALICE, "Origin": "https://evil.example"})
+    assert other_site.status_code == 403
+
+
+def test_conversations_need_a_key_and_belong_to_it(http: httpx.Client) -> None:
+    assert http.get("/v1/ui/conversations").status_code == 401
+    made = http.post("/v1/ui/conversations", json=CONVERSATION, headers=ALICE)
+    assert made.status_code == 200, made.text
+    conversation = made.json()
+    assert conversation["messages"] == CONVERSATION["messages"]
+    assert conversation["settings"] == CONVERSATION["settings"]
+    path = f"/v1/ui/conversations/{conversation['id']}"
+    assert http.get(path, headers=ALICE).json() == conversation
+    # Bob's key finds nothing of Alice's: not by id, not listed, not searched, not exported.
+    for method in ("GET", "DELETE"):
+        assert http.request(method, path, headers=BOB).status_code == 404
+    assert http.post(path, json={"title": "mine now"}, headers=BOB).status_code == 404
+    assert conversation["id"] not in str(http.get("/v1/ui/conversations", headers=BOB).json())
+    assert conversation["id"] not in str(http.get("/v1/ui/conversations/export", headers=BOB).json())
+    assert http.get(path, headers=ALICE).json()["title"] == "Lists in Python"
+
+
+def test_rename_search_delete(http: httpx.Client) -> None:
+    made = http.post("/v1/ui/conversations", json=CONVERSATION, headers=ALICE).json()
+    path = f"/v1/ui/conversations/{made['id']}"
+    renamed = http.post(path, json={"title": "Sorting 100%"}, headers=ALICE).json()
+    assert renamed["title"] == "Sorting 100%" and renamed["messages"] == made["messages"]
+    assert renamed["updated_at"] >= made["updated_at"]
+
+    def found(search: str) -> list[str]:
+        listed = http.get("/v1/ui/conversations", params={"search": search}, headers=ALICE)
+        return [c["id"] for c in listed.json()["data"]]
+
+    assert made["id"] in found("äRGER")  # case-insensitive beyond ASCII
+    assert made["id"] in found("100%")
+    assert made["id"] not in found("1%0")  # % and _ are text, not wildcards
+    assert made["id"] not in found("role")  # the messages' text, not their JSON
+    listed = http.get("/v1/ui/conversations", headers=ALICE).json()["data"]
+    assert listed[0]["id"] == made["id"] and listed[0]["message_count"] == 2
+    assert http.delete(path, headers=ALICE).json() == {"id": made["id"], "deleted": True, "object": "ui.conversation"}
+    assert http.get(path, headers=ALICE).status_code == 404
+
+
+def test_export_and_import_round_trip(http: httpx.Client) -> None:
+    http.post("/v1/ui/conversations", json=CONVERSATION, headers=ALICE)
+    exported = http.get("/v1/ui/conversations/export", headers=ALICE).json()
+    assert exported["data"] and all("messages" in c for c in exported["data"])
+    imported = http.post("/v1/ui/conversations/import", json=exported, headers=BOB)
+    assert imported.status_code == 200, imported.text
+    ids = [c["id"] for c in imported.json()["data"]]
+    assert len(ids) == len(exported["data"]) and not set(ids) & {c["id"] for c in exported["data"]}
+    again = http.get(f"/v1/ui/conversations/{ids[0]}", headers=BOB).json()
+    original = exported["data"][0]
+    assert again["messages"] == original["messages"] and again["created_at"] == original["created_at"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"title": 3}, "title"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+        ({"settings": {"temperature": "hot"}}, "temperature"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_bodies_are_400s_naming_the_field(http: httpx.Client, body: dict[str, Any], field: str) -> None:
+    answer = http.post("/v1/ui/conversations", json=body, headers=ALICE)
+    assert answer.status_code == 400
+    assert field in answer.json()["error"]["message"] or field == answer.json()["error"]["param"]
+
+
+def test_bounds(http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert http.get("/v1/ui/conversations", params={"limit": 0}, headers=ALICE).json()["error"]["param"] == "limit"
+    assert http.get("/v1/ui/conversations", params={"search": "x" * 201}, headers=ALICE).status_code == 400
+    monkeypatch.setattr(store, "MAX_CONVERSATION_BYTES", 1000)
+    big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+    too_big = http.post("/v1/ui/conversations", json=big, headers=ALICE)
+    assert too_big.status_code == 413 and "1000 bytes" in too_big.json()["error"]["message"]
+    made = http.post("/v1/ui/conversations", json={"title": "small"}, headers=BOB).json()
+    assert http.post(f"/v1/ui/conversations/{made['id']}", json=big, headers=BOB).status_code == 413
+    assert http.get(f"/v1/ui/conversations/{made['id']}", headers=BOB).json()["messages"] == []
+    kept = len(http.get("/v1/ui/conversations", headers=BOB).json()["data"])
+    monkeypatch.setattr(store, "MAX_CONVERSATIONS", kept + 1)
+    two = {"data": [{"title": "one"}, {"title": "two"}]}
+    assert http.post("/v1/ui/conversations/import", json=two, headers=BOB).status_code == 413  # all or none
+    assert len(http.get("/v1/ui/conversations", headers=BOB).json()["data"]) == kept
+    assert http.post("/v1/ui/conversations", json={"title": "last"}, headers=BOB).status_code == 200
+    full = http.post("/v1/ui/conversations", json={"title": "one more"}, headers=BOB)
+    assert full.status_code == 413 and "at most" in full.json()["error"]["message"]
+
+
+def test_the_routes_are_in_the_openapi_schema(http: httpx.Client) -> None:
+    paths = http.get("/schema/openapi.json", headers=ALICE).json()["paths"]
+    assert {"get", "post"} <= set(paths["/v1/ui/conversations"])
+    assert {"get", "post", "delete"} <= set(paths["/v1/ui/conversations/{conversation_id}"])
+    assert "/v1/ui/conversations/export" in paths and "/v1/ui/conversations/import" in paths
+    assert "/" not in paths and not any(p.startswith("/assets") for p in paths)
+
+
+def test_conversations_survive_a_restart(tmp_path: Path) -> None:
+    with running(create_app(keyed_config(tmp_path))) as base:
+        made = httpx.post(f"{base}/v1/ui/conversations", json=CONVERSATION, headers=ALICE).json()
+    with running(create_app(keyed_config(tmp_path))) as base:
+        again = httpx.get(f"{base}/v1/ui/conversations/{made['id']}", headers=ALICE)
+        assert again.status_code == 200 and again.json()["messages"] == CONVERSATION["messages"]
+        assert httpx.get(f"{base}/v1/ui/conversations/{made['id']}", headers=BOB).status_code == 404
+
+
+def test_conversations_in_postgresql() -> None:
+    with postgres_server() as state_url:
+        config = ServerConfig(
+            models={"tiny": TINY_MODEL}, api_key=("alice-key", "bob-key"), ui=True, state_url=state_url
+        )
+        config.load_on_startup = False
+        with running(create_app(config)) as base, httpx.Client(base_url=base, timeout=30) as http:
+            made = http.post("/v1/ui/conversations", json=CONVERSATION, headers=ALICE).json()
+            got = http.get(f"/v1/ui/conversations/{made['id']}", headers=ALICE).json()
+            assert got["messages"] == CONVERSATION["messages"]
+            found = http.get("/v1/ui/conversations", params={"search": "ÄRGER"}, headers=ALICE).json()["data"]
+            assert [c["id"] for c in found] == [made["id"]]
+            assert http.get("/v1/ui/conversations", params={"search": "1%0"}, headers=ALICE).json()["data"] == []
+            assert http.get(f"/v1/ui/conversations/{made['id']}", headers=BOB).status_code == 404
+
+
+def test_a_mounted_server_serves_the_page_only_when_asked() -> None:
+    with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, load_on_startup=False))) as base:
+        assert httpx.get(f"{base}/").status_code == 404
+        assert httpx.get(f"{base}/v1/ui/conversations").status_code == 404
+    config = ServerConfig(models={"tiny": TINY_MODEL}, load_on_startup=False, ui=True, ui_path="/playground")
+    with running(create_app(config)) as base:
+        page = httpx.get(f"{base}/playground")
+        assert page.status_code == 200 and 'src="/playground/assets/app.js"' in page.text
+        assert httpx.get(f"{base}/playground/assets/app.js").status_code == 200
+        assert httpx.get(f"{base}/").status_code == 404
+
+
+def test_under_a_starlette_mount_the_page_names_the_prefixed_paths() -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    inner = create_app(ServerConfig(models={"tiny": TINY_MODEL}, ui=True, load_on_startup=False))
+    with running(Starlette(routes=[Mount("/llm", app=inner)])) as base:
+        page = httpx.get(f"{base}/llm/").text
+        assert '<meta name="ortserve-api" content="/llm/v1">' in page
+        assert '<script type="module" src="/llm/assets/app.js">' in page
+        assert httpx.get(f"{base}/llm/assets/app.js").status_code == 200
