@@ -1,5 +1,5 @@
 """The one database behind ortserve's state (stored Responses, runtime adapters, files and
-batches): a SQLite file under ``ServerConfig.state_dir`` that outlives the process, an
+batches, usage per key): a SQLite file under ``ServerConfig.state_dir`` that outlives the process, an
 in-memory SQLite database (``state_dir`` ``None``) with the same code paths, or PostgreSQL
 (``ServerConfig.state_url``), which replicas on several machines share.
 
@@ -58,6 +58,14 @@ _MIGRATIONS = [
     # stored before have no owner: only callers without a key (a server without keys) see them
     """
     ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT '';
+    """,
+    # 4: usage per API key label and model (never the key); a batch's trace context (the
+    # W3C traceparent of the request that created it), which its lines' spans continue
+    """
+    CREATE TABLE key_usage (key_label TEXT NOT NULL, model TEXT NOT NULL, requests BIGINT NOT NULL,
+        errors BIGINT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+        PRIMARY KEY (key_label, model));
+    ALTER TABLE batches ADD COLUMN trace TEXT;
     """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)

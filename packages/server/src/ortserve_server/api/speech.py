@@ -35,6 +35,7 @@ from ortserve_runtime import InvalidRequestError, VoiceModel
 from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from .._generation import sse_event, stream_response
 from .._leases import require_voice_model
+from .._observe import note
 from .._openapi import POST_ERRORS, sends_files, with_error_responses
 from .._state import OrtServe
 
@@ -234,6 +235,7 @@ async def create_speech(
                 yield await asyncio.to_thread(encoder.feed, chunk.samples)
             yield await asyncio.to_thread(encoder.close)
             ortserve.metrics.count_request(endpoint, data.model, 200)
+            note(model=data.model)
         finally:
             await chunks.aclose()
 
