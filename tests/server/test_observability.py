@@ -60,6 +60,9 @@ def test_request_ids_tie_responses_errors_and_json_log_lines(tmp_path: Path) -> 
         )
         assert wrong.status_code == 401 and wrong.json()["request_id"] == "r-401"
         assert wrong.headers["x-request-id"] == "r-401"
+        nowhere = httpx.get(f"{url}/no/such/route", headers={"x-request-id": "r-404"})  # no route's middleware
+        assert nowhere.status_code == 404 and nowhere.headers["x-request-id"] == "r-404"
+        assert nowhere.json()["request_id"] == "r-404"
 
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]  # every line is JSON
     assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)

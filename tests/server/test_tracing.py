@@ -21,6 +21,7 @@ import openai
 import pytest
 from otlp_receiver import Receiver, Span, otlp_receiver
 from serving import TINY_MODEL, serve
+from voices import quiet_voice
 
 TOOLS_SERVER = Path(__file__).resolve().parent.parent / "mcp_tools_server.py"
 SERVER, INTERNAL = 2, 1  # the protobuf's SpanKind values (SPAN_KIND_SERVER, SPAN_KIND_INTERNAL)
@@ -39,7 +40,17 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Rece
     tools = f"tools=stdio:{sys.executable} {TOOLS_SERVER} stdio {folder / 'nap'}"
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "llm-under-test"}
     with otlp_receiver() as (endpoint, receiver):
-        args = ["--model", f"tiny={TINY_MODEL}", "--mcp-server", tools, "--state-dir", "none"]
+        voice = quiet_voice(folder / "joe")
+        args = [
+            "--model",
+            f"tiny={TINY_MODEL}",
+            "--model",
+            f"joe={voice}",
+            "--mcp-server",
+            tools,
+            "--state-dir",
+            "none",
+        ]
         with serve(folder / "server.log", *args, "--otlp-endpoint", endpoint, env=env) as url:
             yield url, receiver
 
@@ -171,6 +182,22 @@ def test_a_batch_line_continues_the_trace_of_the_request_that_created_the_batch(
     assert line_span.parent_id == created.span_id
     assert line_span.attributes["ortserve.request_id"] == output["response"]["request_id"]
     assert {s.name for s in spans if s.parent_id == line_span.span_id} >= {"queue_wait", "prefill", "decode"}
+
+
+def test_speech_is_a_span_per_sentence(traced: tuple[str, Receiver]) -> None:
+    url, receiver = traced
+    header, trace_id, client_span = _traceparent()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    audio = client.audio.speech.create(
+        model="joe", voice="joe", input="Hello there. How are you today?", extra_headers={"traceparent": header}
+    )
+    assert audio.content
+    spans = [s for s in receiver.wait_for(_in(trace_id, "POST /v1/audio/speech")) if s.trace_id == trace_id]
+    request = _one(spans, "POST /v1/audio/speech")
+    assert request.parent_id == client_span and request.attributes["ortserve.request_id"]
+    sentences = sorted((s for s in spans if s.name == "speech_sentence"), key=lambda s: s.start)
+    assert [s.attributes["ortserve.sentence"] for s in sentences] == [1, 2]
+    assert all(s.parent_id == request.span_id and s.attributes["ortserve.audio_seconds"] > 0 for s in sentences)
 
 
 HOST = textwrap.dedent(

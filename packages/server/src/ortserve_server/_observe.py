@@ -97,6 +97,8 @@ class RequestRecord:
     tool_loop: bool = False
     """The server runs the request's turns (MCP calls between them): each is a span."""
     turns: int = 0
+    open_turns: list[Any] = field(default_factory=list)
+    """Turn spans not ended yet (a turn that failed is ended with the request)."""
 
     def wall_ns(self, when: float) -> int:
         """``perf_counter()`` time ``when`` as nanoseconds since the epoch (span times)."""
@@ -109,6 +111,12 @@ class RequestRecord:
         if self.trace is not None:
             self.trace.phases(self, index, usage, model, time.perf_counter(), turn)
 
+    def timed(self, name: str, since: float, attributes: Mapping[str, Any]) -> None:
+        """A span ``name`` from ``since`` (``perf_counter()``) to now, once it is over (a
+        speech sentence synthesized); nothing while tracing is off."""
+        if self.trace is not None:
+            self.trace.open(name, self, since, attributes).end(end_time=self.wall_ns(time.perf_counter()))
+
     def open_turn(self, model: str) -> Any:
         """A tool loop's turn starting now, as a span that :meth:`close_turn` ends; ``None``
         while tracing is off, or where the request runs no tool loop (one turn)."""
@@ -116,10 +124,13 @@ class RequestRecord:
             return None
         self.turns += 1
         attributes = {"gen_ai.request.model": model, "ortserve.turn": self.turns}
-        return self.trace.open(f"turn {self.turns}", self, time.perf_counter(), attributes)
+        turn = self.trace.open(f"turn {self.turns}", self, time.perf_counter(), attributes)
+        self.open_turns.append(turn)
+        return turn
 
     def close_turn(self, turn: Any) -> None:
-        if turn is not None:
+        if turn is not None and turn in self.open_turns:
+            self.open_turns.remove(turn)
             turn.end(end_time=self.wall_ns(time.perf_counter()))
 
 
@@ -185,9 +196,19 @@ def traceparent() -> str | None:
     return None if record is None or record.trace is None else record.trace.traceparent()
 
 
-def request_id_of(scope: Scope | Mapping[str, Any]) -> str | None:
+def request_id_of(scope: Any) -> str:
+    """The request's id: its record's, else (an answer no route's middleware saw: a path no
+    route matches) one made now and kept in the scope, for the body and the header alike."""
     record = scope.get(RECORD)
-    return record.id if isinstance(record, RequestRecord) else None
+    if isinstance(record, RequestRecord):
+        return record.id
+    found = scope.get(_LONE_ID)
+    if not isinstance(found, str):
+        found = scope[_LONE_ID] = _request_id(scope.get("headers", ()))
+    return found
+
+
+_LONE_ID = "ortserve.request_id"
 
 
 def _request_id(headers: Iterable[tuple[bytes, bytes]]) -> str:
@@ -264,7 +285,7 @@ async def add_request_id(message: Any, scope: Any) -> None:
     if message["type"] == "http.response.start" and RECORD not in scope:
         headers = message.get("headers") or []
         if not any(name.lower() == _REQUEST_ID for name, _ in headers):
-            message["headers"] = [*headers, (_REQUEST_ID, _request_id(scope["headers"]).encode())]
+            message["headers"] = [*headers, (_REQUEST_ID, request_id_of(scope).encode())]
 
 
 class Observer:

@@ -111,6 +111,8 @@ class Tracing:
 
     def end(self, record: RequestRecord, token: object, error: BaseException | None) -> None:
         span = record.trace.span
+        for turn in list(record.open_turns):  # a turn that failed before its generation ended
+            record.close_turn(turn)
         route = record.route or record.path
         operation = _operation(route) if record.model else None
         attributes: dict[str, Any] = {"http.route": route, "http.response.status_code": record.status}
@@ -129,7 +131,7 @@ class Tracing:
         if record.finish_reasons:
             attributes["gen_ai.response.finish_reasons"] = record.finish_reasons
         if record.first_token is not None:
-            attributes["gen_ai.server.time_to_first_token"] = record.first_token - record.start
+            attributes["ortserve.time_to_first_token_s"] = record.first_token - record.start
         span.set_attributes(attributes)
         span.update_name(f"{operation} {record.model}" if operation else f"{record.method} {route}")
         if error is not None or record.status >= 500:
