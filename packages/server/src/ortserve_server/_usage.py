@@ -94,7 +94,10 @@ class UsageLedger:
 
     async def _flush_soon(self) -> None:
         await asyncio.sleep(FLUSH_SECONDS)
-        await self.flush()
+        try:
+            await self.flush()
+        except Exception:  # kept for the next flush (the next request schedules one)
+            logger.exception("usage per key: the counts could not be stored yet")
 
     async def flush(self) -> None:
         """Add what was counted since the last flush to the database (one transaction)."""
