@@ -73,6 +73,9 @@ def test_request_ids_tie_responses_errors_and_json_log_lines(tmp_path: Path) -> 
     assert first["input_tokens"] == completion.usage.prompt_tokens  # type: ignore[union-attr]
     assert first["output_tokens"] == completion.usage.completion_tokens  # type: ignore[union-attr]
     assert first["duration_ms"] >= first["ttft_ms"] > 0
+    # Where the time went, as the runtime timed it: the phases fit in the request.
+    assert first["duration_ms"] >= first["queue_ms"] + first["prefill_ms"] + first["decode_ms"]
+    assert first["prefill_ms"] > 0 and first["decode_ms"] > 0
     assert access[streamed_id]["output_tokens"] == 3 and access[streamed_id]["key"] == "team-a"
     refused_line = access[refused.value.response.headers["x-request-id"]]
     assert refused_line["status"] == 400 and refused_line["key"].startswith("key-")  # a key without a label
@@ -81,6 +84,24 @@ def test_request_ids_tie_responses_errors_and_json_log_lines(tmp_path: Path) -> 
     text = log.read_text()
     for secret in (KEY_A, KEY_B, PROMPT):  # no key, no prompt, by default
         assert secret not in text
+
+
+def test_an_error_after_a_stream_started_carries_the_request_id(tiny_url: str) -> None:
+    """A schema that compiles but cannot be followed fails after the first chunk went out:
+    the error is an event in the stream, with the id the header carries."""
+    impossible = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "JSON please"}],
+        "max_tokens": 20,
+        "stream": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": impossible}},
+    }
+    with httpx.stream("POST", f"{tiny_url}/v1/chat/completions", json=body) as failing:
+        assert failing.status_code == 200
+        events = [json.loads(line[6:]) for line in failing.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "server_error"
+    assert events[-1]["request_id"] == failing.headers["x-request-id"]
 
 
 def test_log_prompts_puts_the_prompt_into_the_line(tmp_path: Path) -> None:

@@ -337,7 +337,9 @@ def error_detail(exc: Exception) -> p.ErrorDetail:
 
 
 def _openai_error_chunk(exc: Exception) -> bytes:
-    return sse_event(p.ErrorResponse(error=error_detail(exc)))
+    record = current()
+    request_id = record.id if record is not None else msgspec.UNSET  # as the error bodies have it
+    return sse_event(p.ErrorResponse(error=error_detail(exc), request_id=request_id))
 
 
 def include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:

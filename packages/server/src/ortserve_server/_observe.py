@@ -97,6 +97,9 @@ class RequestRecord:
     tool_loop: bool = False
     """The server runs the request's turns (MCP calls between them): each is a span."""
     turns: int = 0
+    phases: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    """Seconds of queue wait, prefill and decode (the first choice's, summed over a tool
+    loop's turns), as the runtime timed them: the log line's durations."""
     open_turns: list[Any] = field(default_factory=list)
     """Turn spans not ended yet (a turn that failed is ended with the request)."""
 
@@ -108,6 +111,10 @@ class RequestRecord:
         """A stream (choice ``index``) of this request ended with ``usage``: its phases
         (queue wait, prefill, decode) become spans, as the runtime timed them, under the
         tool loop's ``turn`` where there is one (:meth:`open_turn`)."""
+        if index == 0:
+            self.phases[0] += usage.queued_seconds
+            self.phases[1] += usage.prefill_seconds
+            self.phases[2] += usage.decode_seconds
         if self.trace is not None:
             self.trace.phases(self, index, usage, model, time.perf_counter(), turn)
 
@@ -335,6 +342,9 @@ class Observer:
             "duration_ms": round(duration * 1000, 2),
             "ttft_ms": round((record.first_token - record.start) * 1000, 2) if record.first_token else None,
         }
+        if record.phases[2] or record.phases[1]:  # a generation ran: where its time went
+            for name, seconds in zip(("queue_ms", "prefill_ms", "decode_ms"), record.phases, strict=True):
+                extra[name] = round(seconds * 1000, 2)
         if self._config.log_prompts and record.prompt is not None:
             extra["prompt"] = record.prompt
         message = "%s %s %s %s model=%s tokens=%d/%d %.0fms"

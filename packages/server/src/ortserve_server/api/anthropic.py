@@ -33,7 +33,7 @@ from .._errors import (
 from .._generation import Generation, sse_event, stream_response
 from .._leases import require_model
 from .._mcp import McpToolError, McpTools, tool_error_text
-from .._observe import note
+from .._observe import current, note
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
 from .._plan import start_chat
 from .._state import OrtServe
@@ -91,7 +91,8 @@ def _error_event(exc: Exception) -> bytes:
         _, detail = _anthropic_error(503, unavailable.message, None, unavailable.code)
     else:  # unexpected: the message reveals nothing internal
         detail = a.AnthropicErrorDetail(type="api_error", message="the generation failed")
-    return _event(a.AnthropicErrorResponse(error=detail))
+    record = current()
+    return _event(a.AnthropicErrorResponse(error=detail, request_id=record.id if record is not None else msgspec.UNSET))
 
 
 def _event(event: msgspec.Struct) -> bytes:
