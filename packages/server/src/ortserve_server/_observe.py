@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import ASGIApp, Receive, Send
 
 if TYPE_CHECKING:
     from ortserve_runtime import Usage
@@ -277,7 +277,7 @@ def observe_requests(state: OrtServe, *, usage: bool = True) -> Callable[[ASGIAp
                 record.key = caller.key if isinstance(caller, Caller) else None
                 if error is not None and not record.status:
                     record.status = 500
-                observer.finished(record, scope)
+                observer.finished(record)
                 if tracing is not None:
                     tracing.end(record, trace_token, error)
 
@@ -323,7 +323,7 @@ class Observer:
                 self._tracing = Tracing(self._config, source)
         return self._tracing
 
-    def finished(self, record: RequestRecord, scope: Scope) -> None:
+    def finished(self, record: RequestRecord) -> None:
         if record.counted:
             self._count_usage(record)
         if not access_log.isEnabledFor(logging.INFO):
