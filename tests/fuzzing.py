@@ -233,6 +233,7 @@ OPERATIONS = [
     ("GET", "/v1/batches"),
     ("GET", "/v1/batches/{batch_id}"),
     ("POST", "/v1/batches/{batch_id}/cancel"),
+    ("GET", "/v1/usage"),
     ("GET", "/health"),
     ("GET", "/metrics"),
 ]

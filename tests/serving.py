@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -81,3 +85,33 @@ def rss_growth() -> Iterator[list[int]]:
         done.set()
         sampler.join()
         grown[0] = max(peak[0], resident()) - start
+
+
+@contextlib.contextmanager
+def serve(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``ortserve serve`` on a free port, its stderr into ``log``; stopped with SIGTERM (an
+    orderly shutdown: what is buffered is written) when the block ends."""
+    with log.open("ab") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ortserve_server", "serve", "--port", "0", "--ready-json", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        process.wait(timeout=10)
+        process.stdout.close()
+        raise AssertionError(f"server exited {process.returncode}: {log.read_text()}")
+    try:
+        yield f"http://127.0.0.1:{json.loads(line)['port']}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()

@@ -489,6 +489,7 @@ def test_sigterm_past_the_grace_period_ends_streams_in_band_and_exits_75() -> No
         body = {"model": "tiny", "prompt": ["x"] * 16, "max_tokens": 480, "min_tokens": 480, "stream": True}
         lines: list[str] = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            request_id = response.headers["x-request-id"]
             for line in response.iter_lines():
                 if line and not lines:
                     process.send_signal(signal.SIGTERM)  # the stream has started: stop the server
@@ -505,7 +506,8 @@ def test_sigterm_past_the_grace_period_ends_streams_in_band_and_exits_75() -> No
             "type": "server_error",
             "param": None,
             "code": "server_shutting_down",
-        }
+        },
+        "request_id": request_id,  # as the response's header says
     }
     assert 2 < len(lines) < 16 * 480, "the stream was not cut"
 

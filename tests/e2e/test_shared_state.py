@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from postgres import postgres_server
@@ -71,3 +72,35 @@ def test_a_batch_moves_to_the_other_replica_when_its_server_dies(state_url: str)
         answered = _lines(client, done.output_file_id)
     assert [line["custom_id"] for line in answered] == [f"line-{i}" for i in range(count)]
     assert all(json.dumps(line["response"]["body"]["usage"]) for line in answered)
+
+
+def test_usage_per_key_adds_up_over_the_replicas(state_url: str) -> None:
+    """Each replica adds its counts to the shared database; ``GET /v1/usage`` reads the sum."""
+    keys = ("--api-key", "team-shared=sk-shared-7q", "--admin-key", "sk-admin-7q")
+    with (
+        serving("--state-url", state_url, *keys) as (_, first_url),
+        serving("--state-url", state_url, *keys) as (
+            _,
+            second_url,
+        ),
+    ):
+        spent = 0
+        for url in (first_url, second_url, second_url):
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-shared-7q", max_retries=0) as client:
+                usage = client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                ).usage
+                assert usage is not None
+                spent += usage.completion_tokens
+        deadline = time.monotonic() + 10  # the other replica writes its counts every 2 s
+        while True:
+            rows = httpx.get(
+                f"{first_url}/v1/usage",
+                params={"key": "team-shared"},  # the database is the module's: other tests' usage is there too
+                headers={"authorization": "Bearer sk-admin-7q"},
+            ).json()["data"]
+            found = [(r["key"], r["model"], r["requests"], r["output_tokens"]) for r in rows]
+            if found == [("team-shared", "tiny", 3, spent)] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert found == [("team-shared", "tiny", 3, spent)]

@@ -65,6 +65,17 @@ async def test_greedy_tokens_equal_raw_og_generator(model: ChatModel) -> None:
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(model.encode(prompt)), 24)
 
 
+async def test_usage_times_the_queue_wait_prefill_and_decode(model: ChatModel) -> None:
+    """What a server's trace shows of a request's phases: each engine says when it took the
+    request up, and the three spans add up to no more than the request took."""
+    start = asyncio.get_running_loop().time()
+    _, tokens, _, usage = await model.generate(PROMPTS[0], options=GREEDY).collect()
+    elapsed = asyncio.get_running_loop().time() - start
+    assert len(tokens) == 24
+    assert usage.queued_seconds >= 0 and usage.prefill_seconds > 0 and usage.decode_seconds > 0
+    assert usage.queued_seconds + usage.prefill_seconds + usage.decode_seconds <= elapsed
+
+
 async def test_eos_ends_with_stop_and_counts_it(model: ChatModel) -> None:
     events = [e async for e in model.generate(EOS_PROMPT, options=GenerationOptions(max_tokens=40, temperature=0))]
     reference = og_greedy(model.encode(EOS_PROMPT), 40)

@@ -267,6 +267,7 @@ def test_an_unknown_model_is_a_not_found_error(client: anthropic.Anthropic) -> N
     assert caught.value.body == {  # type: ignore[comparison-overlap]
         "type": "error",
         "error": {"type": "not_found_error", "message": "model 'nope' does not exist"},
+        "request_id": caught.value.response.headers["x-request-id"],  # where Anthropic's own errors have it
     }
 
 

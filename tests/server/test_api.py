@@ -203,7 +203,7 @@ def test_health_and_metrics(base_url: str, client: openai.OpenAI) -> None:
 def _error(response: httpx.Response, status: int) -> dict[str, object]:
     assert response.status_code == status, response.text
     body = response.json()
-    assert set(body) == {"error"}
+    assert set(body) == {"error", "request_id"} and body["request_id"] == response.headers["x-request-id"]
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert "Traceback" not in response.text
     error: dict[str, object] = body["error"]

@@ -111,7 +111,8 @@ def test_unexpected_errors_are_500_without_internals(monkeypatch: pytest.MonkeyP
         response = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO})
         assert response.status_code == 500
         assert response.json() == {
-            "error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}
+            "error": {"message": "internal server error", "type": "server_error", "param": None, "code": None},
+            "request_id": response.headers["x-request-id"],  # what the operator finds the traceback by
         }
         monkeypatch.undo()
         ok = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})

@@ -416,9 +416,11 @@ class AnthropicErrorDetail(_Response):
 
 class AnthropicErrorResponse(_Response, tag_field="type", tag="error"):
     """The body of every error on these routes, ``{"type": "error", "error": {...}}``, and
-    the payload of ``event: error`` when a stream fails after it started."""
+    the payload of ``event: error`` when a stream fails after it started. ``request_id``:
+    as Anthropic's own errors carry it (ortserve's ``x-request-id``)."""
 
     error: AnthropicErrorDetail
+    request_id: str | UnsetType = UNSET
 
 
 StreamEvent = (

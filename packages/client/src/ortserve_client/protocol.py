@@ -64,6 +64,8 @@ __all__ = [
     "InputAudio",
     "InputAudioContentPart",
     "JSONSchema",
+    "KeyUsage",
+    "KeyUsageList",
     "LoraAdapterLoadRequest",
     "LoraAdapterUnloadRequest",
     "Model",
@@ -818,6 +820,28 @@ class ModelList(_Response):
     object: Literal["list"] = "list"
 
 
+class KeyUsage(_Response):
+    """What one API key (by the label the operator gave it, never the key) spent on one
+    model, since the server's state database began: ``GET /v1/usage`` (extension)."""
+
+    key: str
+    """The key's label; ``""`` on a server without keys."""
+    model: str
+    """The model named; ``""`` for requests that named none (refused before that)."""
+    requests: int
+    errors: int
+    """Requests that ended with an error status (4xx or 5xx)."""
+    input_tokens: int
+    output_tokens: int
+
+
+class KeyUsageList(_Response):
+    """``GET /v1/usage`` (extension)."""
+
+    data: list[KeyUsage]
+    object: Literal["list"] = "list"
+
+
 class TokenizeRequest(_Request):
     """``POST /v1/tokenize`` (extension): either ``prompt`` or chat ``messages`` (with the
     ``tools`` a chat request would send, as vLLM's takes them)."""
@@ -947,6 +971,8 @@ class ErrorDetail(_Response):
 
 
 class ErrorResponse(_Response):
-    """The body of every error response: ``{"error": {...}}``."""
+    """The body of every error response: ``{"error": {...}}``; ortserve adds the
+    ``request_id`` its ``x-request-id`` header carries (clients ignore fields they do not know)."""
 
     error: ErrorDetail
+    request_id: str | msgspec.UnsetType = msgspec.UNSET

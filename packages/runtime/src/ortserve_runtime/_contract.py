@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -79,6 +80,13 @@ class Usage:
     became output tokens; OpenAI's ``completion_tokens_details`` name."""
     rejected_prediction_tokens: int = 0
     """Draft tokens checked and not taken."""
+    queued_seconds: float = field(default=0.0, compare=False)
+    """From the submission to the engine taking the request up (its wait in the queue)."""
+    prefill_seconds: float = field(default=0.0, compare=False)
+    """From then to the first token (the prompt's prefill, past what the prefix cache held)."""
+    decode_seconds: float = field(default=0.0, compare=False)
+    """From the first token to the end. The three are what a server's trace shows of the
+    request's phases; they do not take part in comparisons."""
 
     @property
     def total_tokens(self) -> int:
@@ -154,6 +162,17 @@ class Request:
     # Engine bookkeeping (ort_cpu: the cache row and how much of the prompt is in it).
     row: int = -1
     prefilled: int = 0
+    # Timings (perf_counter), for Usage: submitted by the stream, taken up by the engine
+    # (:meth:`admit`), first token taken.
+    submitted: float = 0.0
+    admitted: float = 0.0
+    first_token: float = 0.0
+
+    def admit(self) -> None:
+        """The engine takes the request from its queue to prefill it (once; a request
+        parked and taken up again keeps its first time)."""
+        if not self.admitted:
+            self.admitted = time.perf_counter()
 
     @property
     def length(self) -> int:
@@ -205,6 +224,8 @@ class Request:
         return self._first_event(event) if self.prompt_scores is not None else event
 
     def _take(self, token: int, logprobs: TokenLogprob | None) -> GenerationEvent:
+        if not self.tokens:
+            self.first_token = time.perf_counter()
         self.tokens.append(token)
         complete = self.constraint is not None and self.constraint.advance(token)
         if token in self.eos:  # the end is no output token: its logprob is not reported
@@ -240,7 +261,20 @@ class Request:
         drafter = self.drafter
         accepted = drafter.accepted if drafter is not None else 0
         rejected = drafter.proposed - accepted if drafter is not None else 0
-        return Usage(len(self.prompt), len(self.tokens), self.cached_tokens, accepted, rejected)
+        now = time.perf_counter()
+        submitted = self.submitted or now
+        admitted = self.admitted or submitted  # an engine that does not say: no wait counted
+        first = self.first_token or now
+        return Usage(
+            len(self.prompt),
+            len(self.tokens),
+            self.cached_tokens,
+            accepted,
+            rejected,
+            queued_seconds=max(0.0, admitted - submitted),
+            prefill_seconds=max(0.0, first - admitted),
+            decode_seconds=max(0.0, now - first),
+        )
 
     def _tail(self) -> str:
         """Text the streaming decoder still holds (an unfinished UTF-8 sequence at the end),

@@ -17,6 +17,7 @@ from litestar import Litestar, Router
 from litestar.config.app import AppConfig
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
+from litestar.logging import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.plugins import InitPlugin, PluginProtocol
@@ -27,6 +28,7 @@ from ._batch_runner import BatchRunner
 from ._config import ServerConfig
 from ._errors import METRICS_OPT, exception_handlers
 from ._leases import mark_admin_callers, release_leases
+from ._observe import add_request_id, observe_requests
 from ._openapi import RequestLimits
 from ._security import SiteGuard, make_body_guard
 from ._state import OrtServe
@@ -39,6 +41,7 @@ from .api import (
     metrics_handler,
     openai_route_handlers,
     rerank_alias_handlers,
+    usage_handler,
 )
 
 __all__ = ["OrtServe", "OrtServePlugin", "create_app", "create_router", "lifespan", "wsgi_app"]
@@ -51,7 +54,7 @@ def _guards(
 ) -> list[Guard]:
     """Host/Origin/content type first (a rebinding page learns nothing, not even whether a
     key is set), then the key where the route needs it (``key``, else the API keys)."""
-    keys = (key,) if key else config.api_keys
+    keys = {key: "admin"} if key else config.api_key_labels
     scoped = config.prefix_cache_scope == "key" and not key
     guard = make_auth_guard(keys, x_api_key=x_api_key, scoped=scoped)
     return [SiteGuard(config), *([guard] if keyed and keys else [])]
@@ -78,6 +81,7 @@ def _routers(state: OrtServe) -> list[Router]:
             exception_handlers=errors,
             request_max_body_size=max_body_size,
             middleware=[
+                observe_requests(state),
                 state.body_budget,
                 *([release_leases] if leases else []),
                 *([mark_admin_callers(config.admin_key)] if config.admin_key and leases else []),
@@ -100,9 +104,13 @@ def _routers(state: OrtServe) -> list[Router]:
             exception_handlers,
             max_body_size=max(config.max_file_size + 65536, config.max_body_size),  # the file and its form
         ),
-        # Loading and unloading models: the admin key when one is set, else the API key.
+        # Loading and unloading models, usage per key: the admin key when one is set, else the API key.
         api_router(
-            config.path, control_route_handlers, _guards(config, key=config.admin_key), exception_handlers, leases=False
+            config.path,
+            [*control_route_handlers, usage_handler],
+            _guards(config, key=config.admin_key),
+            exception_handlers,
+            leases=False,
         ),
         # Anthropic's Messages API: its own error shape, and its clients' x-api-key header.
         api_router(
@@ -139,6 +147,7 @@ def _routers(state: OrtServe) -> list[Router]:
             dependencies=provide,
             guards=_guards(config, keyed=keyed),
             exception_handlers=exception_handlers,
+            middleware=[observe_requests(state, usage=False)],
         )
         for path, handler, keyed in extras
         if path is not None
@@ -214,6 +223,10 @@ def create_app(config: ServerConfig, *, debug: bool = False, state: OrtServe | N
     plugin = OrtServePlugin(config, state=state)
     app = _StandaloneApp(
         plugins=[plugin],
+        before_send=[add_request_id],  # a path no route matches answers with an x-request-id too
+        # Litestar's default would replace the root logger's handlers and disable the loggers
+        # made before it (ortserve.access among them): the process's logging stays its own.
+        logging_config=LoggingConfig(configure_root_logger=False, disable_existing_loggers=False),
         exception_handlers=exception_handlers,
         request_max_body_size=config.max_body_size,
         openapi_config=_openapi_config(config),

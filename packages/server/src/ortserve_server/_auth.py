@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ from ._errors import (
     AuthenticationError,
 )
 
-__all__ = ["CALLER", "Caller", "caller_of", "make_auth_guard"]
+__all__ = ["CALLER", "Caller", "caller_of", "key_digest", "make_auth_guard"]
 
 
 CALLER = "ortserve.caller"
@@ -35,6 +35,9 @@ class Caller:
     (``ServerConfig.prefix_cache_scope``), ``None`` where it is shared."""
     background: bool = False
     """A batch's line: runs behind interactive requests (``GenerationOptions.background``)."""
+    key: str = ""
+    """The label of its API key (``ServerConfig.api_key``): what usage, logs and traces
+    name it by (``""`` on a server without keys)."""
 
 
 def caller_of(request: ASGIConnection[Any, Any, Any, Any] | None) -> Caller:
@@ -43,31 +46,38 @@ def caller_of(request: ASGIConnection[Any, Any, Any, Any] | None) -> Caller:
     return found if isinstance(found, Caller) else Caller()
 
 
-def make_auth_guard(api_keys: Sequence[str], *, x_api_key: bool = False, scoped: bool = False) -> Any:
-    """A guard that wants ``Authorization: Bearer <key>`` for one of ``api_keys`` (or, with
-    ``x_api_key``, the ``x-api-key`` header Anthropic's clients send), compared in constant
-    time. It records which key came (:data:`CALLER`): files and batches belong to it, and
-    with ``scoped`` it is the prefix cache's scope too."""
-    expected = [(key.encode(), hashlib.sha256(key.encode()).hexdigest()) for key in api_keys]
+def key_digest(key: str) -> str:
+    """What files and batches record as their owner: the key's SHA-256, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def make_auth_guard(api_keys: Mapping[str, str], *, x_api_key: bool = False, scoped: bool = False) -> Any:
+    """A guard that wants ``Authorization: Bearer <key>`` for one of ``api_keys`` (each key
+    with its label; or, with ``x_api_key``, the ``x-api-key`` header Anthropic's clients
+    send), compared in constant time. It records which key came (:data:`CALLER`): files and
+    batches belong to it, usage is counted under its label, and with ``scoped`` it is the
+    prefix cache's scope too."""
+    expected = [(key.encode(), key_digest(key), label) for key, label in api_keys.items()]
     ask = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if x_api_key else "'Authorization: Bearer <key>'"
 
-    def matching(given: str) -> str | None:
+    def matching(given: str) -> tuple[str, str] | None:
         found = None
-        for key, digest in expected:  # every key compared: the time does not tell which matched
+        for key, digest, label in expected:  # every key compared: the time does not tell which matched
             if hmac.compare_digest(given.strip().encode(), key):
-                found = digest
+                found = digest, label
         return found
 
     async def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         # async (see SiteGuard.__call__): comparing a few keys needs no worker thread.
         given_key = connection.headers.get("x-api-key") if x_api_key else None
-        digest = matching(given_key) if given_key is not None else None
-        if digest is None:
+        found = matching(given_key) if given_key is not None else None
+        if found is None:
             scheme, _sep, given = connection.headers.get("authorization", "").partition(" ")
-            digest = matching(given) if scheme.lower() == "bearer" else None
-        if digest is None:
+            found = matching(given) if scheme.lower() == "bearer" else None
+        if found is None:
             raise AuthenticationError(f"missing or wrong API key: send {ask}")
-        caller = Caller(owner=digest, cache_scope=digest if scoped else None)
+        digest, label = found
+        caller = Caller(owner=digest, cache_scope=digest if scoped else None, key=label)
         connection.scope[CALLER] = caller  # type: ignore[literal-required]
 
     return auth_guard

@@ -27,11 +27,12 @@ from litestar import Litestar, Router
 from litestar.di import Provide
 from ortserve_client import batch_protocol as bp
 
-from ._auth import CALLER, Caller
+from ._auth import CALLER, Caller, key_digest
 from ._batch_store import OPEN, RUNNER, PendingLine
 from ._errors import exception_handlers
 from ._ids import new_id
 from ._leases import release_leases
+from ._observe import observe_requests
 from ._state import OrtServe
 
 __all__ = ["BatchRunner"]
@@ -59,6 +60,8 @@ class BatchRunner:
         self._wake: asyncio.Event | None = None
         self._cancelled: set[str] = set()
         self._app: Litestar | None = None
+        self._key_labels = {key_digest(key): label for key, label in state.config.api_key_labels.items()}
+        """A batch's owner (its key's digest) to the key's label, which its lines' usage counts under."""
 
     def start(self) -> None:
         """Run open batches (no-op where running); from the event loop that serves."""
@@ -90,9 +93,9 @@ class BatchRunner:
             ran = False
             try:
                 batches = await self._state.batches.open_batches()
-                for batch, owner, scope in batches:
+                for batch, owner, scope, trace in batches:
                     if await self._state.batches.claim(batch.id, RUNNER, LEASE):
-                        await self._batch(batch, owner, scope)
+                        await self._batch(batch, owner, scope, trace)
                         ran = True
             except asyncio.CancelledError:
                 raise
@@ -104,14 +107,14 @@ class BatchRunner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), LEASE / 2 if batches else 60)
 
-    async def _batch(self, batch: bp.Batch, owner: str, scope: str | None) -> None:
+    async def _batch(self, batch: bp.Batch, owner: str, scope: str | None, trace: str | None) -> None:
         store = self._state.batches
         if batch.status == "validating":
             batch.status, batch.in_progress_at = "in_progress", int(time.time())
             if not await store.update_batch(batch, unless=("cancelling",)):
                 batch.status = "cancelling"
         if batch.status == "in_progress" and not await self._lines(
-            batch, Caller(owner=owner, cache_scope=scope, background=True)
+            batch, Caller(owner=owner, cache_scope=scope, background=True, key=self._key_labels.get(owner, "")), trace
         ):
             return
         current = await store.batch(None, batch.id)
@@ -130,7 +133,7 @@ class BatchRunner:
         done = await store.finish(current, owner)
         logger.info("batch %s %s: %s", batch.id, done.status, done.request_counts)
 
-    async def _lines(self, batch: bp.Batch, caller: Caller) -> bool:
+    async def _lines(self, batch: bp.Batch, caller: Caller, trace: str | None) -> bool:
         """Run the batch's lines without an answer until none is left, or it is cancelled
         or expires (the lines running then stop, unanswered); ``False`` when another runner
         took the batch over."""
@@ -149,7 +152,7 @@ class BatchRunner:
                         return True  # cancelled through another replica
                 if len(running) < limit:
                     for line in await store.pending_lines(batch.id, limit - len(running), set(running)):
-                        running[line.line] = asyncio.create_task(self._line(batch, line, caller))
+                        running[line.line] = asyncio.create_task(self._line(batch, line, caller, trace))
                 if not running:
                     return True
                 done, _ = await asyncio.wait(running.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -162,10 +165,11 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*running.values(), return_exceptions=True)
 
-    async def _line(self, batch: bp.Batch, line: PendingLine, caller: Caller) -> None:
+    async def _line(self, batch: bp.Batch, line: PendingLine, caller: Caller, trace: str | None) -> None:
         attempt = 0
+        request_id = new_id("req_")  # the line's answer, its log line and its span share it
         while True:
-            status, body = await self._call(batch.endpoint, line.request, caller)
+            status, body = await self._call(batch.endpoint, line.request, caller, request_id, trace)
             code = body.get("error", {}).get("code") if status == 503 and isinstance(body, dict) else None
             if code not in _RETRY_CODES or (code != "preempted" and attempt >= _RETRIES):
                 break
@@ -174,13 +178,16 @@ class BatchRunner:
         answer = bp.BatchOutputLine(
             id=new_id("batch_req_"),
             custom_id=line.custom_id,
-            response=bp.BatchResponse(status_code=status, request_id=new_id("req_"), body=body),
+            response=bp.BatchResponse(status_code=status, request_id=request_id, body=body),
             error=None,
         )
         await self._state.batches.answer(batch.id, line.line, status, answer)
 
-    async def _call(self, url: str, body: bytes, caller: Caller) -> tuple[int, Any]:
-        """POST ``body`` to ``url`` of the private app, as ``caller``: (status, JSON answer)."""
+    async def _call(
+        self, url: str, body: bytes, caller: Caller, request_id: str, trace: str | None = None
+    ) -> tuple[int, Any]:
+        """POST ``body`` to ``url`` of the private app, as ``caller``: (status, JSON answer).
+        ``request_id`` and ``trace`` (a ``traceparent``) go with it as their headers do."""
         if self._app is None:
             self._app = _line_app(self._state)
         scope: dict[str, Any] = {
@@ -193,7 +200,12 @@ class BatchRunner:
             "raw_path": url.encode(),
             "root_path": "",
             "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id.encode()),
+                *([(b"traceparent", trace.encode())] if trace else []),
+            ],
             "client": ("127.0.0.1", 0),
             "server": ("127.0.0.1", 0),
             "state": {},
@@ -237,6 +249,6 @@ def _line_app(state: OrtServe) -> Litestar:
         route_handlers=[*api_route_handlers, *responses_route_handlers],
         dependencies={"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)},
         exception_handlers=exception_handlers,
-        middleware=[release_leases],
+        middleware=[observe_requests(state), release_leases],
     )
     return Litestar(route_handlers=[router], openapi_config=None, exception_handlers=exception_handlers)

@@ -128,11 +128,17 @@ class BatchStore:
     # -- batches -----------------------------------------------------------------------------
 
     async def create_batch(
-        self, owner: str, scope: str | None, batch: bp.Batch, lines: list[tuple[str, bytes]]
+        self,
+        owner: str,
+        scope: str | None,
+        batch: bp.Batch,
+        lines: list[tuple[str, bytes]],
+        trace: str | None = None,
     ) -> bool:
         """Keep ``batch`` and its lines (custom id, request body), in one transaction;
         ``False`` when they would take the files and batches past ``max_bytes``. Batches
-        over for longer than ``ttl`` go first, with their lines."""
+        over for longer than ``ttl`` go first, with their lines. ``trace``: the W3C
+        ``traceparent`` its lines' spans continue (the creating request's span)."""
         rows = [(batch.id, number, custom_id, body) for number, (custom_id, body) in enumerate(lines, 1)]
         size = sum(len(body) for _, body in lines)
 
@@ -142,8 +148,8 @@ class BatchStore:
                 if _held_bytes(db) + size > self.max_bytes:
                     return False
                 db.execute(
-                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, NULL, NULL)",
-                    (batch.id, owner, batch.created_at, batch.status, scope, _encode(batch)),
+                    "INSERT INTO batches (id, owner, created, status, scope, batch, trace) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (batch.id, owner, batch.created_at, batch.status, scope, _encode(batch), trace),
                 )
                 db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, NULL, NULL)", rows)
             return True
@@ -172,15 +178,16 @@ class BatchStore:
 
         return await self._db.run(listed)
 
-    async def open_batches(self) -> list[tuple[bp.Batch, str, str | None]]:
-        """Batches not over, oldest first, with their owner and prefix-cache scope."""
+    async def open_batches(self) -> list[tuple[bp.Batch, str, str | None, str | None]]:
+        """Batches not over, oldest first, with their owner, prefix-cache scope and trace
+        context (a ``traceparent``, or ``None``)."""
 
-        def listed(db: Connection) -> list[tuple[bp.Batch, str, str | None]]:
+        def listed(db: Connection) -> list[tuple[bp.Batch, str, str | None, str | None]]:
             marks = ", ".join("?" * len(OPEN))
             rows = db.execute(
-                f"SELECT batch, owner, scope FROM batches WHERE status IN ({marks}) ORDER BY created, id", OPEN
+                f"SELECT batch, owner, scope, trace FROM batches WHERE status IN ({marks}) ORDER BY created, id", OPEN
             ).fetchall()
-            return [(_decode_batch(row[0]), row[1], row[2]) for row in rows]
+            return [(_decode_batch(row[0]), row[1], row[2], row[3]) for row in rows]
 
         return await self._db.run(listed)
 

@@ -257,8 +257,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[],
+        metavar="[LABEL=]KEY",
         help="a key callers must send (Authorization: Bearer KEY); repeatable, one per user or app; "
-        "or ORTSERVE_API_KEY",
+        "LABEL names it in usage per key, logs and traces (else key-<8 hex digits of its SHA-256>; "
+        "a key that holds '=' must be given with a label); or ORTSERVE_API_KEY",
     )
     serve.add_argument(
         "--state-dir",
@@ -567,7 +569,31 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='print {"event": "ready", "port": ..., "pid": ...} on stdout once accepting connections',
     )
-    serve.add_argument("--log-level", default="warning")
+    observe = serve.add_argument_group("logs and traces (see docs/guides/observability.md)")
+    observe.add_argument(
+        "--log-level",
+        default=None,
+        help="debug, info (a line per request), warning... (default: warning; info with --log-format json)",
+    )
+    observe.add_argument(
+        "--log-format",
+        choices=("plain", "json"),
+        default="plain",
+        help="json: one JSON object a line (time, level, request_id, route, model, status, tokens, durations)",
+    )
+    observe.add_argument(
+        "--log-prompts", action="store_true", help="put each request's prompt into its log line (off: never logged)"
+    )
+    observe.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces by OTLP/HTTP to this collector (http://host:4318); the OTEL_* "
+        "variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME...) work too; needs ortserve-server[otel]",
+    )
+    observe.add_argument(
+        "--no-tracing", action="store_true", help="no traces even where the OTEL_* variables ask for them"
+    )
 
     pull_cmd = commands.add_parser("pull", help="download a model from Hugging Face")
     pull_cmd.add_argument("repo", help="OWNER/REPO[/SUBFOLDER] or OWNER/REPO[/SUBFOLDER]/FILE.gguf (that file only)")
@@ -636,6 +662,34 @@ def _mcp_servers(specs: list[str], header_specs: list[str]) -> tuple[McpServer, 
     return tuple(McpServer(s.label, url=s.url, command=s.command, headers=headers.get(s.label, {})) for s in servers)
 
 
+def _api_keys(given: list[str]) -> dict[str, str]:
+    """``--api-key`` values as labels and keys: ``LABEL=KEY`` (a label of letters, digits,
+    '.', '-', '_'), or a bare key, labelled as ``ServerConfig.api_key`` labels unnamed ones."""
+    from ._config import default_key_label
+
+    labelled: dict[str, str] = {}
+    for value in given:
+        label, sep, key = value.partition("=")
+        if not (sep and key and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", label)):
+            label, key = default_key_label(value), value
+        if label in labelled and labelled[label] != key:
+            raise ValueError(f"--api-key: the label {label!r} names two keys")
+        labelled[label] = key
+    return labelled
+
+
+def _configure_logging(level: str, log_format: str) -> None:
+    """Plain lines (``LEVEL logger: message``), or one JSON object a line."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        from ._observe import JsonLogFormatter
+
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)  # over any an import set
+
+
 def _state_dir(given: str | None) -> Path | None:
     """``--state-dir``: a folder, ``none`` (memory), or by default ``ORTSERVE_STATE_DIR``,
     else the user's state directory."""
@@ -652,7 +706,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ._config import ServerConfig, model_registry, preload
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    args.log_level = args.log_level or ("info" if args.log_format == "json" else "warning")
+    _configure_logging(args.log_level, args.log_format)
     models = dict(args.model) if args.model else demo_models()
     if not models:
         print("ortserve: no models: pass --model NAME=PATH", file=sys.stderr)
@@ -689,7 +744,7 @@ def _serve(args: argparse.Namespace) -> int:
                 args.adapter,
                 list(models),
             ),
-            api_key=tuple(args.api_key) or os.environ.get("ORTSERVE_API_KEY") or None,
+            api_key=_api_keys(args.api_key) or os.environ.get("ORTSERVE_API_KEY") or None,
             prefix_cache_scope=args.prefix_cache_scope,
             # With a state URL the default state dir is not used; one given as well is refused.
             state_dir=_state_dir(args.state_dir) if args.state_dir or not state_url else None,
@@ -715,6 +770,9 @@ def _serve(args: argparse.Namespace) -> int:
             unload_grace=args.unload_grace,
             lenient=args.lenient,
             max_body_memory=int(args.max_body_memory_mb * 1024 * 1024),
+            tracing="off" if args.no_tracing else "auto",
+            otlp_endpoint=args.otlp_endpoint,
+            log_prompts=args.log_prompts,
         )
         # The models load on a thread of their own while Litestar, uvicorn and the server's
         # state import below (onnxruntime builds sessions without the GIL): start-up is the
@@ -722,6 +780,7 @@ def _serve(args: argparse.Namespace) -> int:
         registry = model_registry(config)
         preload(config, registry)
         import uvicorn
+        from uvicorn.config import LOGGING_CONFIG
 
         from ._state import OrtServe
 
@@ -752,6 +811,10 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn.Config(
             app,
             log_level=args.log_level,
+            # ortserve's own line per request (ortserve.access) replaces uvicorn's: it has the
+            # request id, model and tokens. With JSON logs uvicorn's loggers go to the root's.
+            access_log=False,
+            log_config=None if args.log_format == "json" else LOGGING_CONFIG,
             # uvicorn's own deadline is the last resort (it then cancels silently);
             # _drain ends work in-band at the grace period itself.
             timeout_graceful_shutdown=args.grace_period + 2 * CUT_BACKSTOP,

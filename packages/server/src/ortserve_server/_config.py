@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -15,6 +17,7 @@ __all__ = [
     "McpServer",
     "ServerConfig",
     "check_server_config",
+    "default_key_label",
     "model_registry",
     "parse_mcp_server",
     "preload",
@@ -125,10 +128,13 @@ class ServerConfig:
     rerank_aliases: bool = True
     """Also answer ``POST /rerank`` and ``/v2/rerank`` at the root, as vLLM does (clients
     written for it call those); ``False`` leaves the root to a host app's own routes."""
-    api_key: str | tuple[str, ...] | None = None
+    api_key: str | tuple[str, ...] | Mapping[str, str] | None = None
     """When set, every route but health needs ``Authorization: Bearer <api_key>``: the API,
     metrics (unless ``public_metrics``) and the OpenAPI schema. Several keys (a tuple)
-    are each accepted, one per user or app: see ``prefix_cache_scope``."""
+    are each accepted, one per user or app: see ``prefix_cache_scope``. A mapping names
+    each key (``{"team-a": key, ...}``): usage per key (``/metrics``, ``GET /v1/usage``),
+    logs and traces show that label, never the key; an unnamed key is shown as
+    ``key-`` and the first 8 hex digits of its SHA-256."""
     prefix_cache_scope: Literal["shared", "key"] = "shared"
     """Whose cached prompts a request may reuse. ``"shared"``: anyone's with the same
     ``cache_salt`` (or none). ``"key"``: only those sent with the same API key, so that a
@@ -156,6 +162,20 @@ class ServerConfig:
     (``--no-ui``: off); a host app that mounts ortserve gets it only when it asks."""
     ui_path: str = "/"
     """Where the web page is served (its files under ``{ui_path}assets/``)."""
+    tracing: Literal["auto", "off"] = "auto"
+    """OpenTelemetry traces (``pip install ortserve-server[otel]``). ``"auto"``: on where
+    ``otlp_endpoint`` is set, where the process has a global tracer provider of its own
+    (a host app that set one before ortserve's first request: its spans and ortserve's join),
+    or where ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is set;
+    ``OTEL_SDK_DISABLED=true`` turns it off. ``"off"``: never. Off, OpenTelemetry is not
+    even imported."""
+    otlp_endpoint: str | None = None
+    """Send traces by OTLP/HTTP (protobuf) to this collector (``http://host:4318``;
+    ``/v1/traces`` is appended unless the URL ends with it), with a tracer provider of
+    ortserve's own (the host's global one, if any, is left alone)."""
+    log_prompts: bool = False
+    """Put the prompt (the request's last message) into each request's log line. Off by
+    default: logs often travel further than the data they describe."""
     schema_path: str | None = "/schema"
     """Where the standalone app serves its OpenAPI schema as JSON (``openapi.json`` under it);
     ``None`` leaves it out. No HTML docs pages: they load their scripts from a CDN."""
@@ -269,8 +289,24 @@ class ServerConfig:
     @property
     def api_keys(self) -> tuple[str, ...]:
         """The accepted API keys (none: the API is open)."""
+        return tuple(self.api_key_labels)
+
+    @property
+    def api_key_labels(self) -> dict[str, str]:
+        """Each accepted API key and the label it is shown by (see ``api_key``)."""
+        if isinstance(self.api_key, Mapping):
+            return {key: label for label, key in self.api_key.items() if key}
         keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
-        return tuple(k for k in keys if k)
+        return {key: default_key_label(key) for key in keys if key}
+
+
+def default_key_label(key: str) -> str:
+    """The label of a key the operator did not name: stable across restarts (usage is kept
+    by label), and no help in guessing the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+_KEY_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def check_server_config(config: ServerConfig) -> None:
@@ -282,6 +318,12 @@ def check_server_config(config: ServerConfig) -> None:
         raise ValueError(f"response_id_tag must be lower-case letters and digits, got {config.response_id_tag!r}")
     if config.prefix_cache_scope not in ("shared", "key"):
         raise ValueError(f"prefix_cache_scope must be 'shared' or 'key', got {config.prefix_cache_scope!r}")
+    if isinstance(config.api_key, Mapping):
+        bad = [label for label in config.api_key if not _KEY_LABEL.fullmatch(label)]
+        if bad:
+            raise ValueError(f"api_key label {bad[0]!r}: use letters, digits, '.', '-' and '_' (at most 64)")
+    if config.tracing not in ("auto", "off"):
+        raise ValueError(f"tracing must be 'auto' or 'off', got {config.tracing!r}")
     if config.prefix_cache_scope == "key" and not config.api_keys:
         raise ValueError("prefix_cache_scope 'key' keeps API keys' callers apart: set api_key (one or several)")
     if config.state_url is not None and config.state_dir is not None:

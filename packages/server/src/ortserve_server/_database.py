@@ -1,8 +1,8 @@
 """The one database behind ortserve's state (stored Responses, runtime adapters, files,
-batches, the web page's conversations): a SQLite file under ``ServerConfig.state_dir``
-that outlives the process, an in-memory SQLite database (``state_dir`` ``None``) with the
-same code paths, or PostgreSQL (``ServerConfig.state_url``), which replicas on several
-machines share.
+batches, usage per key, the web page's conversations): a SQLite file under
+``ServerConfig.state_dir`` that outlives the process, an in-memory SQLite database
+(``state_dir`` ``None``) with the same code paths, or PostgreSQL (``ServerConfig.state_url``),
+which replicas on several machines share.
 
 Every call runs on one thread of its own, in the order of the calls, so no call blocks
 the event loop on the disk and a write is visible to the next call (a response stored by
@@ -67,6 +67,14 @@ _MIGRATIONS = [
         model TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL, message_count INTEGER NOT NULL,
         size INTEGER NOT NULL, body BLOB NOT NULL, text TEXT NOT NULL);
     CREATE INDEX ui_conversations_by_owner ON ui_conversations (owner, updated);
+    """,
+    # 5: usage per API key label and model (never the key); a batch's trace context (the
+    # W3C traceparent of the request that created it), which its lines' spans continue
+    """
+    CREATE TABLE key_usage (key_label TEXT NOT NULL, model TEXT NOT NULL, requests BIGINT NOT NULL,
+        errors BIGINT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+        PRIMARY KEY (key_label, model));
+    ALTER TABLE batches ADD COLUMN trace TEXT;
     """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)

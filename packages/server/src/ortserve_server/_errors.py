@@ -47,6 +47,7 @@ from ortserve_runtime import (
 )
 
 from ._metrics import UNMATCHED
+from ._observe import request_id_of
 
 __all__ = [
     "AuthenticationError",
@@ -287,6 +288,8 @@ def _counted(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) ->
 
     def counting(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         response = handler(request, exc)
+        if hasattr(response.content, "request_id"):
+            response.content.request_id = request_id_of(request.scope)  # as the x-request-id header
         metrics, endpoint = _metrics_of(request)
         if metrics is not None:
             metrics.count_error(endpoint, response.status_code)

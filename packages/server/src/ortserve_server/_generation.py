@@ -28,6 +28,7 @@ from ._errors import (
     storage_full,
     unavailable_detail,
 )
+from ._observe import current, note
 from ._plan import Started
 from ._state import OrtServe
 
@@ -133,6 +134,10 @@ class Generation:
         """Per stream, the stop string that ended it (once it ended on one)."""
         self.start = time.perf_counter()
         self.first = True
+        self.record = current()
+        """The request's record (log line, usage per key, spans), where there is one."""
+        self.turn = self.record.open_turn(self.model.name) if self.record is not None else None
+        """A tool loop's turn, as a span (tracing only)."""
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
         """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
         self.event_logprobs: TokenLogprob | None = None
@@ -176,7 +181,10 @@ class Generation:
     def _observe(self, event: GenerationEvent) -> None:
         if self.first and event.token_id is not None:
             self.first = False
-            self.metrics.time_to_first_token.labels(self.model.name).observe(time.perf_counter() - self.start)
+            now = time.perf_counter()
+            self.metrics.time_to_first_token.labels(self.model.name).observe(now - self.start)
+            if self.record is not None and self.record.first_token is None:
+                self.record.first_token = now
 
     def _split(self, index: int, event: GenerationEvent) -> tuple[str, list[ToolCall], str | None]:
         """The event as content, completed tool calls and finish reason (``tool_calls``
@@ -213,6 +221,8 @@ class Generation:
         """Completion tokens of a final event (0 before the end); notes its cached tokens."""
         if event.usage is None:
             return 0
+        if self.record is not None:
+            self.record.generated(index, event.usage, self.model.name, self.turn)
         self.cached[index] = event.usage.cached_tokens
         self.drafts[index] = (event.usage.accepted_prediction_tokens, event.usage.rejected_prediction_tokens)
         self.stop_sequences[index] = event.stop_sequence
@@ -230,6 +240,10 @@ class Generation:
         accepted = sum(a for a, _ in self.drafts)
         rejected = sum(r for _, r in self.drafts)
         self.metrics.count_drafts(name, accepted, rejected)
+        note(model=name, input_tokens=self.prompt_tokens, output_tokens=completion_tokens, cached_tokens=cached)
+        if self.record is not None:
+            self.record.close_turn(self.turn)
+            self.turn = None
         return p.CompletionUsage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion_tokens,
@@ -266,6 +280,7 @@ class Generation:
                 self.prompt_logprobs[index] = event.prompt_logprobs
             if reason is not None:
                 finish[index] = reason
+        note(finish_reasons=finish)
         return texts, calls, finish, self._done(completion_tokens)
 
     async def sse(
@@ -285,6 +300,7 @@ class Generation:
         for chunk in opening:
             yield chunk
         completion_tokens = 0
+        finish: list[str] = ["stop"] * len(self.streams)
         try:
             with self.state.cut_signal() as cut:
                 async for index, event in self._events(cut):
@@ -292,8 +308,12 @@ class Generation:
                     completion_tokens += self._record(index, event)
                     self.event_logprobs = event.logprobs
                     self.event_prompt_logprobs = event.prompt_logprobs
-                    for chunk in events(index, *self._split(index, event)):
+                    parts = self._split(index, event)
+                    if parts[2] is not None:
+                        finish[index] = parts[2]
+                    for chunk in events(index, *parts):
                         yield chunk
+            note(finish_reasons=finish)
         except Exception as exc:  # noqa: BLE001  # the stream has started: say so in-band
             if isinstance(exc, ShuttingDownError):
                 self.state.cut_requests += 1
@@ -317,7 +337,9 @@ def error_detail(exc: Exception) -> p.ErrorDetail:
 
 
 def _openai_error_chunk(exc: Exception) -> bytes:
-    return sse_event(p.ErrorResponse(error=error_detail(exc)))
+    record = current()
+    request_id = record.id if record is not None else msgspec.UNSET  # as the error bodies have it
+    return sse_event(p.ErrorResponse(error=error_detail(exc), request_id=request_id))
 
 
 def include_usage(options: p.StreamOptions | msgspec.UnsetType | None) -> bool:

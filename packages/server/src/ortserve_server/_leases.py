@@ -32,6 +32,7 @@ from ortserve_runtime import (
 )
 
 from ._errors import BadRequestError, ForbiddenError, ModelNotFoundHTTPError, OverloadedError
+from ._observe import note
 from ._state import OrtServe
 
 __all__ = [
@@ -230,6 +231,7 @@ async def _loaded(state: OrtServe, name: str, kind: ModelKind, keep_alive: KeepA
     registry = state.registry
     if name not in registry.names():
         raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
+    note(model=name)  # a served name only: usage and logs never take a label a client made up
     actual = registry.kind(name)
     if actual != kind:
         use = {

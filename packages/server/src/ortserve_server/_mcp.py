@@ -36,6 +36,7 @@ from ortserve_client import protocol as p
 from ._config import url_allowed
 from ._errors import BadRequestError, ServerError
 from ._mcp_stdio import StdioLink
+from ._observe import span
 
 if TYPE_CHECKING:
     from ._config import ServerConfig
@@ -423,7 +424,9 @@ class McpTools:
             if not isinstance(parsed, dict):
                 raise McpToolError("mcp_protocol_error", -32602, "the arguments are not a JSON object")
             link = use.link if use.link is not None else await hub.link(label)
-            result = await link.call(name, parsed, hub.config.mcp_call_timeout)
+            tool = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "ortserve.mcp.server": label}
+            with span(f"execute_tool {name}", **tool):  # a span while tracing, else nothing
+                result = await link.call(name, parsed, hub.config.mcp_call_timeout)
             limit = hub.config.mcp_max_output_bytes
             encoded = result.text.encode()
             if len(encoded) > limit:

@@ -38,6 +38,7 @@ from ._config import ServerConfig
 from ._connection import fetching_while_connected
 from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from ._messages import chat_messages
+from ._observe import record_prompt, span
 from ._state import OrtServe
 
 __all__ = [
@@ -520,8 +521,12 @@ async def prepare_chat(
     plan = plan_chat(data, model, state.config, caller_of(request))
     if queue:
         check_room(state, model, plan.n, "n", "generations")
-    messages = await chat_messages(data.messages, state.config, model, fetching_while_connected(request, state))
-    prompt = await model.aprepare_chat(messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(data))
+    with span("prepare_prompt", **{"gen_ai.request.model": model.name}):  # template, media
+        messages = await chat_messages(data.messages, state.config, model, fetching_while_connected(request, state))
+        prompt = await model.aprepare_chat(
+            messages, tools=plan.tools.definitions, template_kwargs=template_kwargs(data)
+        )
+    record_prompt(data.messages)
     return plan, prompt
 
 

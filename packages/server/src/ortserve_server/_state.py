@@ -21,7 +21,9 @@ from ._conversation_store import ConversationStore
 from ._database import STATE_FILE, Database
 from ._mcp import McpHub
 from ._metrics import Metrics
+from ._observe import Observer, RequestRecord
 from ._response_store import ResponseStore
+from ._usage import UsageLedger
 
 __all__ = ["BatchWork", "OrtServe"]
 
@@ -78,6 +80,11 @@ class OrtServe:
         """Files and batches (the Batch API)."""
         self.conversations = ConversationStore(self.database)
         """The web page's conversations."""
+        self.usage = UsageLedger(self.database)
+        """Requests, errors and tokens per API key label and model, kept in the database."""
+        self.metrics.registry.register(self.usage.collector())
+        self.observer = Observer(config, self._count_usage)
+        """Request ids, the access log line, usage per key and traces (``_observe``)."""
         self._batch_runner: BatchWork | None = None
         self.started = False
         self.cut_requests = 0
@@ -131,7 +138,21 @@ class OrtServe:
             self._cut_waiters.discard(waiter)
             waiter.cancel()
 
+    def _count_usage(self, record: RequestRecord) -> None:
+        if record.key is None and self.config.api_keys:
+            return  # never got past the key check: nobody to count it for
+        if record.model is None and record.status < 400:
+            return  # listing models, reading usage: no model's work to count
+        self.usage.count(
+            record.key or "",
+            record.model or "",
+            error=record.status >= 400,
+            input_tokens=record.input_tokens,
+            output_tokens=record.output_tokens,
+        )
+
     async def startup(self) -> None:
+        await self.usage.load()
         if self.config.runtime_adapters:
             await self.adapters.restore(self.registry)
         if self.config.load_on_startup:
@@ -163,6 +184,8 @@ class OrtServe:
             await self._batch_runner.stop()  # lines without an answer run again at the next start
         await self.mcp.close()  # stdio servers' processes end with the app
         await self.registry.close()
+        await self.usage.close()
+        await self.observer.close()  # spans still buffered go out
         await asyncio.to_thread(self.database.close)  # queued writes land before the process ends
 
     @contextlib.asynccontextmanager

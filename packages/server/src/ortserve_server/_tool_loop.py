@@ -19,6 +19,7 @@ from ortserve_client import protocol as p
 
 from ._connection import while_connected
 from ._mcp import McpTools
+from ._observe import current
 from ._state import OrtServe
 
 __all__ = ["ToolLoop"]
@@ -29,6 +30,9 @@ class ToolLoop(abc.ABC):
 
     def __init__(self, state: OrtServe, request: Request[Any, Any, Any], mcp: McpTools) -> None:
         self.state, self.request, self.mcp = state, request, mcp
+        record = current()
+        if record is not None:
+            record.tool_loop = True  # each turn is a span of its own
         self.failed = False
         """An error event was sent: the stream ends there."""
         self.usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,7 @@ class GenerationStream:
                 hand_back(loop, queue.put_nowait, item, lambda: self._engine.cancel(self._request))
 
             self._request.deliver = deliver
+            self._request.submitted = time.perf_counter()
             self._engine.submit(self._request)
         try:
             item = await self._queue.get()

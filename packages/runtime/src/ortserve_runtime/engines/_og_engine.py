@@ -169,6 +169,7 @@ class OgEngine(OwnerThread):
                 return
 
     def _begin(self, engine: Any, request: Request) -> None:
+        request.admit()  # its prefill time then includes og's own scheduling
         options = request.options
         try:
             request_options = og.RequestOptions()

@@ -224,6 +224,7 @@ class OgGeneratorEngine(OwnerThread):
 
     def _prefill(self, request: Request) -> None:
         """On the prefill thread: a generator with the prompt in its cache, in og's process."""
+        request.admit()
         speculates = self._og_speculates(request)
         if speculates:
             # og drafts n-grams of 3 tokens, up to MAX_DRAFT_TOKENS, their number adapted to

@@ -370,6 +370,7 @@ class OrtCpuEngine(OwnerThread):
                     request.deliver(EngineError(f"LoRA adapter {request.adapter!r} was unloaded"))
                     continue
                 request.row, request.prefilled = len(self._rows), 0
+                request.admit()
                 self._rows_touched = max(self._rows_touched, request.row + 1)
                 if request.prompt_scores is None:
                     # A prompt to score is prefilled whole: a cached prefix has no logits.

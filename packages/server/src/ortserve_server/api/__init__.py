@@ -17,6 +17,7 @@ from .rerank import rerank, rerank_alias, score
 from .responses import responses_route_handlers
 from .speech import speech_route_handlers
 from .tokenize import detokenize, tokenize
+from .usage import usage
 
 __all__ = [
     "anthropic_exception_handlers",
@@ -30,6 +31,7 @@ __all__ = [
     "openai_route_handlers",
     "rerank_alias_handlers",
     "responses_route_handlers",
+    "usage_handler",
 ]
 
 api_route_handlers = [
@@ -49,3 +51,5 @@ openai_route_handlers = [*api_route_handlers, *responses_route_handlers, *speech
 """Every OpenAI-shaped route under the API's prefix."""
 rerank_alias_handlers = [rerank_alias]
 """Served at the root, beside the API's own prefix."""
+usage_handler = usage
+"""``GET /usage``: behind the admin key, where one is set."""

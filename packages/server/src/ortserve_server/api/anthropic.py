@@ -33,6 +33,7 @@ from .._errors import (
 from .._generation import Generation, sse_event, stream_response
 from .._leases import require_model
 from .._mcp import McpToolError, McpTools, tool_error_text
+from .._observe import current, note
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
 from .._plan import start_chat
 from .._state import OrtServe
@@ -90,7 +91,8 @@ def _error_event(exc: Exception) -> bytes:
         _, detail = _anthropic_error(503, unavailable.message, None, unavailable.code)
     else:  # unexpected: the message reveals nothing internal
         detail = a.AnthropicErrorDetail(type="api_error", message="the generation failed")
-    return _event(a.AnthropicErrorResponse(error=detail))
+    record = current()
+    return _event(a.AnthropicErrorResponse(error=detail, request_id=record.id if record is not None else msgspec.UNSET))
 
 
 def _event(event: msgspec.Struct) -> bytes:
@@ -266,6 +268,7 @@ class _MessageLoop(ToolLoop):
         super().__init__(state, request, mcp)
         self.data, self.model = data, model
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        note(response_id=self.id)
         self.blocks = _Blocks()
         self.reason = "stop"
         self.stop_sequence: str | None = None
@@ -416,6 +419,7 @@ async def count_tokens(
 ) -> a.CountTokensResponse:
     prompt = await _counted_prompt(data, ortserve, request)
     ortserve.metrics.count_request(f"{ortserve.config.path}/messages/count_tokens", data.model, 200)
+    note(model=data.model)
     return a.CountTokensResponse(input_tokens=len(prompt))
 
 

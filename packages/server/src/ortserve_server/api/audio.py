@@ -19,6 +19,7 @@ from .._errors import (
     BadRequestError,
 )
 from .._leases import require_speech_model
+from .._observe import note
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
 from .._state import OrtServe
 
@@ -79,6 +80,7 @@ async def transcriptions(
     )
     ortserve.metrics.count_request(f"{ortserve.config.path}/audio/transcriptions", data.model, 200)
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
+    note(model=data.model, output_tokens=result.tokens)
     if data.response_format == "text":
         return Response(result.text, media_type="text/plain")
     if data.response_format in ("srt", "vtt"):

@@ -20,6 +20,7 @@ from ortserve_client import responses_protocol as rp
 from .._auth import caller_of
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from .._ids import new_id
+from .._observe import traceparent
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
 from .._state import OrtServe
 
@@ -197,7 +198,9 @@ async def create_batch(
         request_counts=bp.BatchRequestCounts(total=len(lines)),
         metadata=data.metadata,
     )
-    if not await ortserve.batches.create_batch(caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines]):
+    if not await ortserve.batches.create_batch(
+        caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines], traceparent()
+    ):
         raise PayloadTooLargeError(
             "the server's room for files and batches is full: delete files or wait for them to expire"
         )

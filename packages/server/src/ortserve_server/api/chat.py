@@ -26,6 +26,7 @@ from .._generation import Generation, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
 from .._messages import decode_base64
+from .._observe import note
 from .._openapi import generation_docs
 from .._plan import check_chat_request, start_chat
 from .._state import OrtServe
@@ -50,6 +51,7 @@ async def chat_completions(
     )
     n = run.choices_per_prompt
     response_id, created = new_id("chatcmpl-"), int(time.time())
+    note(response_id=response_id)
     call_ids: dict[tuple[int, int], str] = {}
 
     def call_id(choice: int, number: int) -> str:
@@ -168,6 +170,7 @@ async def _transcribe_chat(
     endpoint = f"{ortserve.config.path}/chat/completions"
     ortserve.metrics.count_request(endpoint, data.model, 200)
     ortserve.metrics.completion_tokens.labels(data.model).inc(result.tokens)
+    note(model=data.model, output_tokens=result.tokens)
     reason = "length" if isinstance(max_tokens, int) and result.tokens >= max_tokens else "stop"
     usage = p.CompletionUsage(prompt_tokens=0, completion_tokens=result.tokens, total_tokens=result.tokens)
     response_id, created = new_id("chatcmpl-"), int(time.time())

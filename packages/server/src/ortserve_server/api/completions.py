@@ -20,6 +20,7 @@ from .._connection import while_connected
 from .._generation import Generation, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model
+from .._observe import note
 from .._openapi import generation_docs
 from .._plan import completion_prompts, start_completion
 from .._state import OrtServe
@@ -41,6 +42,7 @@ async def completions(
         ortserve, f"{ortserve.config.path}/completions", await start_completion(ortserve, model, data, request)
     )
     response_id, created = new_id("cmpl-"), int(time.time())
+    note(response_id=response_id)
     wanted = isinstance(data.logprobs, int)
     n = run.choices_per_prompt
     # echo: each choice's text (and logprobs) starts with its prompt's.

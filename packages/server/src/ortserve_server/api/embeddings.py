@@ -15,6 +15,7 @@ from .._errors import (
     BadRequestError,
 )
 from .._leases import require_embedding_model
+from .._observe import note
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
 from .._state import OrtServe
@@ -49,5 +50,6 @@ async def embeddings(
     ]
     ortserve.metrics.count_request(f"{ortserve.config.path}/embeddings", data.model, 200)
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
+    note(model=data.model, input_tokens=result.prompt_tokens)
     usage = p.EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
     return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))

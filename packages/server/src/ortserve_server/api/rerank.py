@@ -21,6 +21,7 @@ from .._errors import (
 )
 from .._ids import new_id
 from .._leases import require_rerank_model
+from .._observe import note
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
 from .._state import OrtServe
@@ -75,6 +76,7 @@ async def _score_pairs(
     result = await while_connected(request, ortserve, model.score(first, second, truncate=truncate, names=names))
     ortserve.metrics.count_request(f"{ortserve.config.path}/{route}", data.model, 200)
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
+    note(model=data.model, input_tokens=result.prompt_tokens)
     return result
 
 

@@ -59,6 +59,7 @@ from .._ids import new_id
 from .._leases import require_model
 from .._mcp import McpTool as McpToolSpec
 from .._mcp import McpToolError, McpTools
+from .._observe import note
 from .._openapi import GET_ERRORS, error_responses, generation_docs
 from .._plan import check_tool_count, start_chat
 from .._state import OrtServe
@@ -137,6 +138,7 @@ class _Exchange:
         self.items = items
         tag = state.config.response_id_tag  # a Ray replica's id: see ortserve_server.ray
         self.id = f"resp_{tag}-{uuid.uuid4().hex}" if tag else new_id("resp_")
+        note(response_id=self.id)
         self.created = int(time.time())
         self.saving: concurrent.futures.Future[None] | None = None
         """The store's write of the finished response, where it goes to a file."""

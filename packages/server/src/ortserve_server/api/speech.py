@@ -20,6 +20,7 @@ import asyncio
 import base64
 import io
 import struct
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from ortserve_runtime import InvalidRequestError, VoiceModel
 from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from .._generation import sse_event, stream_response
 from .._leases import require_voice_model
+from .._observe import current, note
 from .._openapi import POST_ERRORS, sends_files, with_error_responses
 from .._state import OrtServe
 
@@ -215,10 +217,24 @@ async def create_speech(
         raise OverloadedError(
             f"model {data.model!r} has {model.queued} requests waiting; try again shortly", headers={"Retry-After": "1"}
         )
+    record = current()
+    sentence = 0
+
+    def synthesized(chunk: Any, since: float) -> None:
+        """A sentence's span (tracing only): the voice's time on it, its phonemes and audio."""
+        nonlocal sentence
+        sentence += 1
+        if record is not None:
+            seconds = len(chunk.samples) / model.sample_rate
+            attributes = {"ortserve.sentence": sentence, "ortserve.phonemes": chunk.phonemes}
+            record.timed("speech_sentence", since, {**attributes, "ortserve.audio_seconds": round(seconds, 3)})
+
     try:
         voice = _check(data, model)
         chunks = model.synthesize(data.input, voice=voice, speed=data.speed)
+        since = time.perf_counter()
         first = await anext(chunks)  # the phonemizer's refusals are HTTP errors
+        synthesized(first, since)
     except InvalidRequestError as exc:
         raise BadRequestError(str(exc), param=exc.param) from exc
     encoder = _Encoder(data.response_format, model.sample_rate)
@@ -228,12 +244,19 @@ async def create_speech(
     async def encoded() -> AsyncIterator[bytes]:
         try:
             yield await asyncio.to_thread(encoder.feed, first.samples)
-            async for chunk in chunks:
+            while True:
+                since = time.perf_counter()
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                synthesized(chunk, since)
                 usage[0] += chunk.phonemes
                 usage[1] += len(chunk.samples) // _HOP
                 yield await asyncio.to_thread(encoder.feed, chunk.samples)
             yield await asyncio.to_thread(encoder.close)
             ortserve.metrics.count_request(endpoint, data.model, 200)
+            note(model=data.model)
         finally:
             await chunks.aclose()
 
