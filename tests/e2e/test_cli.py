@@ -35,6 +35,8 @@ def start_server(*args: str, env: dict[str, str] | None = None) -> tuple[subproc
     )
     assert process.stdout is not None
     line = process.stdout.readline()
+    while '"converting"' in line:  # a model file converting first (the demo's, in a fresh cache)
+        line = process.stdout.readline()
     if not line:
         _, err = process.communicate(timeout=10)
         raise AssertionError(f"server exited {process.returncode}: {err}")
