@@ -9,6 +9,8 @@ import json
 import os
 import threading
 import time
+import tracemalloc
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,3 +195,32 @@ def test_text_espeak_makes_many_phonemes_of_is_spoken_in_bounded_memory(url: str
     assert grown[0] < 512 * 2**20 and left < 64 * 2**20, (grown[0] >> 20, left >> 20)
     assert health and max(health) < 1.0, max(health, default=None)
     print(f"+{grown[0] >> 20} MiB at most, +{left >> 20} MiB after; /health at most {max(health) * 1000:.0f} ms")
+
+
+def test_a_long_text_streams_as_a_wav_that_is_never_held_whole(url: str, reference: np.ndarray, tmp_path: Path) -> None:
+    """The encoder keeps no piece once its bytes are sent (it kept them all: some 40 MB for
+    4,096 characters spoken slowly). Python's heap, where the pieces lived, peaks at a few
+    pieces' audio while the text's is 20 times that, and the file is a WAV whose samples
+    are the text's, piece after piece, to the end."""
+    repeats = 8
+    body = {"model": "joe", "input": " ".join([TEXT] * repeats), "response_format": "wav"}
+    httpx.post(f"{url}/v1/audio/speech", json={**body, "input": TEXT}, timeout=60).raise_for_status()  # first use
+    received = tmp_path / "speech.wav"
+    tracemalloc.start()
+    try:
+        with rss_growth() as grown, httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            with received.open("wb") as file:  # on disk, not in this process's heap
+                for chunk in response.iter_bytes():
+                    file.write(chunk)
+        held = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    with wave.open(str(received), "rb") as audio:
+        assert (audio.getnchannels(), audio.getsampwidth(), audio.getframerate()) == (1, 2, 22_050)
+        samples = np.frombuffer(audio.readframes(audio.getnframes()), dtype="<i2")
+    whole = np.tile(reference, repeats)
+    assert samples.shape == whole.shape
+    assert int(np.abs(samples.astype(np.int32) - whole.astype(np.int32)).max()) <= 1
+    assert held < 2 * 2**20 < whole.nbytes and grown[0] < 128 * 2**20, (held >> 10, whole.nbytes >> 10, grown[0] >> 20)
+    print(f"heap peak {held >> 10} KiB for {whole.nbytes >> 10} KiB of audio; RSS +{grown[0] >> 20} MiB")
