@@ -98,10 +98,10 @@ class Watched:
     def assert_within(self, *, health: float = 0.1, grown: int = 512 * 2**20) -> None:
         """Issue 45's bounds: ``/health`` answered throughout, each time under ``health``
         seconds, and the process grew by less than ``grown`` bytes."""
+        seen = f"/health at most {self.slowest * 1000:.0f} ms over {len(self.health)} polls; +{self.grown >> 20} MiB"
+        print(seen)  # the figures, for -s
         assert self.health, "/health was never answered"
-        assert self.slowest < health and self.grown < grown, (
-            f"/health at most {self.slowest * 1000:.0f} ms over {len(self.health)} polls; +{self.grown >> 20} MiB"
-        )
+        assert self.slowest < health and self.grown < grown, seen
 
 
 @contextlib.contextmanager

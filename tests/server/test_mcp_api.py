@@ -22,7 +22,7 @@ import openai
 import pytest
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._config import McpServer
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, running, watched
 
 TOOLS_SERVER = Path(__file__).resolve().parent.parent / "mcp_tools_server.py"
 
@@ -303,6 +303,7 @@ def test_a_long_result_is_cut_with_a_note(client: openai.OpenAI) -> None:
     assert output.startswith("x" * 500) and output.endswith(f"[output cut: {200_000 - 500} more bytes]")
 
 
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 @pytest.mark.parametrize(
     ("tool", "says"),
     [("quit", "process ended"), ("huge", "more than 1000000 bytes")],
@@ -326,12 +327,15 @@ def test_a_stdio_server_that_ends_starts_again_on_next_use(
         )
 
     started = time.monotonic()
-    call = force(tool).output[1]
+    with watched(url) as seen:
+        call = force(tool).output[1]
     assert call.type == "mcp_call" and call.output is None and call.error is not None
     assert call.error.type == "mcp_protocol_error" and says in call.error.message, call.error
     assert time.monotonic() - started < 10  # not the call timeout's wait
-    assert httpx.get(f"{url}/health", timeout=1).status_code == 200
-    _check_sums(_calls_then_answer(force("add")))
+    seen.assert_within()
+    with watched(url) as seen:
+        _check_sums(_calls_then_answer(force("add")))  # the server started again
+    seen.assert_within()
 
 
 def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
@@ -380,13 +384,15 @@ def test_refusals_name_the_tool(client: openai.OpenAI, tool: dict[str, Any], par
     assert says in caught.value.message
 
 
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 @pytest.mark.parametrize("tail", ["/../secret", "/%2e%2e/secret", "/%2E./x", "/..%2fsecret", "/./x", "\\..\\secret"])
-def test_dot_segments_do_not_leave_the_allowed_path(client: openai.OpenAI, http_mcp: str, tail: str) -> None:
+def test_dot_segments_do_not_leave_the_allowed_path(client: openai.OpenAI, url: str, http_mcp: str, tail: str) -> None:
     """With ``/mcp`` allowed, ``/mcp/../secret`` passed the prefix check and the client then
     sent ``POST /secret``: a path with dot segments is refused before anything is sent."""
     tool = {"type": "mcp", "server_label": "other", "server_url": http_mcp + tail, "require_approval": "never"}
-    with pytest.raises(openai.BadRequestError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught, watched(url) as seen:
         client.responses.create(model="tiny", input="Hi", tools=[tool])  # type: ignore[list-item]
+    seen.assert_within()
     assert caught.value.body["param"] == "tools[0]"  # type: ignore[index]
     assert "is not allowed on this server" in caught.value.message
 
