@@ -25,6 +25,7 @@ from ortserve_server._config import McpServer
 from serving import TINY_MODEL, running, watched
 
 TOOLS_SERVER = Path(__file__).resolve().parent.parent / "mcp_tools_server.py"
+FAULTY_SERVER = Path(__file__).resolve().parent.parent / "mcp_faulty_server.py"
 
 
 def _free_port() -> int:
@@ -69,6 +70,7 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
         mcp_servers=(
             McpServer("tools", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker))),
             McpServer("fragile", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker), "fragile")),
+            McpServer("faulty", command=(sys.executable, str(FAULTY_SERVER))),
             McpServer("web", url=http_mcp),
             McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
             McpServer("gone", command=("/nonexistent/mcp-server",)),
@@ -90,6 +92,23 @@ def _mcp(label: str, **fields: Any) -> dict[str, Any]:
 
 def _forced(label: str, name: str) -> dict[str, Any]:
     return {"type": "mcp", "server_label": label, "name": name}
+
+
+def _force_alone(client: openai.OpenAI, label: str, name: str) -> Any:
+    """A response that must call ``label``'s tool ``name`` (no other), once."""
+    return client.responses.create(
+        model="tiny",
+        input=f"Use {name}",
+        tools=[_mcp(label, require_approval="never", allowed_tools=[name])],
+        tool_choice=_forced(label, name),  # type: ignore[arg-type]
+        max_tool_calls=1,
+        max_output_tokens=100,
+    )
+
+
+def _call_alone(client: openai.OpenAI, label: str, name: str) -> Any:
+    """The ``mcp_call`` item of :func:`_force_alone`'s response."""
+    return _force_alone(client, label, name).output[1]
 
 
 def _types(response: Any) -> list[str]:
@@ -315,27 +334,30 @@ def test_a_stdio_server_that_ends_starts_again_on_next_use(
     until a restart); ``huge`` sends one message past the bound (80 MB stalled the event loop
     and wedged the connection for good). The call fails saying why, at once; the next call
     starts the server again."""
-
-    def force(name: str) -> Any:
-        return client.responses.create(
-            model="tiny",
-            input=f"Use {name}",
-            tools=[_mcp("fragile", require_approval="never", allowed_tools=[name])],
-            tool_choice=_forced("fragile", name),  # type: ignore[arg-type]
-            max_tool_calls=1,
-            max_output_tokens=100,
-        )
-
     started = time.monotonic()
     with watched(url) as seen:
-        call = force(tool).output[1]
+        call = _call_alone(client, "fragile", tool)
     assert call.type == "mcp_call" and call.output is None and call.error is not None
     assert call.error.type == "mcp_protocol_error" and says in call.error.message, call.error
     assert time.monotonic() - started < 10  # not the call timeout's wait
     seen.assert_within()
     with watched(url) as seen:
-        _check_sums(_calls_then_answer(force("add")))  # the server started again
+        _check_sums(_calls_then_answer(_force_alone(client, "fragile", "add")))  # the server started again
     seen.assert_within()
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_stdio_message_that_cannot_be_read_fails_the_call_at_once(client: openai.OpenAI, url: str) -> None:
+    """A result nested past the depth the MCP SDK's parser reads: the SDK's session only
+    logged it, and the call waited out the call timeout. The server is stopped as for an
+    oversized message, the call fails saying why, and the next call starts it again."""
+    with watched(url) as seen:
+        call = _call_alone(client, "faulty", "deep")
+    seen.assert_within()
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert "sent a message that is not JSON-RPC it can read" in call.error.message, call.error
+    again = _call_alone(client, "faulty", "ok")
+    assert again.type == "mcp_call" and again.error is None and again.output == "ok", again
 
 
 def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:

@@ -6,8 +6,8 @@ grew its buffer by concatenation, chunk after chunk, on the event loop (gaps of 
 and the connection answered nothing again. Here a line past ``max_bytes`` ends the
 connection at once (the process is killed, the calls waiting on it fail saying why), a
 large line is parsed on a worker thread, and :attr:`StdioLink.ended` tells the owner
-that the connection is over (the process exited, or was stopped for its output), so the
-next use starts the server again.
+that the connection is over (the process exited, or was stopped for its output: a line
+too long or one that cannot be read), so the next use starts the server again.
 """
 
 from __future__ import annotations
@@ -83,17 +83,12 @@ class StdioLink:
                     while (end := chunk.find(b"\n", start)) >= 0:
                         buffer += chunk[start:end]
                         start = end + 1
-                        if not await self._deliver(bytes(buffer), reading):
+                        if not await self._deliver(bytes(buffer), process, reading):
                             return
                         buffer.clear()
                     buffer += chunk[start:]
                     if len(buffer) > self.max_bytes:
-                        self.ended = (
-                            f"the MCP server sent a message of more than {self.max_bytes} bytes; "
-                            "it was stopped and starts again on next use"
-                        )
-                        logger.warning("MCP server %s: %s", self.command[0], self.ended)
-                        _kill(process)
+                        self._stop_for(process, f"a message of more than {self.max_bytes} bytes")
                         return
             except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError):
                 pass
@@ -101,12 +96,22 @@ class StdioLink:
                 if self.ended is None:
                     self.ended = "the MCP server's process ended; it starts again on next use"
 
-    async def _deliver(self, line: bytes, reading: Any) -> bool:
-        """Hands one message (or its parse error, which the session reports) on; False once
-        nobody reads."""
+    def _stop_for(self, process: anyio.abc.Process, what: str) -> None:
+        self.ended = f"the MCP server sent {what}; it was stopped and starts again on next use"
+        logger.warning("MCP server %s: %s", self.command[0], self.ended)
+        _kill(process)
+
+    async def _deliver(self, line: bytes, process: anyio.abc.Process, reading: Any) -> bool:
+        """Hands one message on; False once nobody reads, or when it cannot be read: the
+        process is then stopped, as for an oversized one. (The SDK's session only logs a
+        parse error, so a call whose answer was unreadable, nested past the parser's depth
+        limit say, waited out the whole call timeout.)"""
         if not line.strip():
             return True
         message = _parse(line) if len(line) <= _PARSE_INLINE else await anyio.to_thread.run_sync(_parse, line)
+        if isinstance(message, ValueError):
+            self._stop_for(process, f"a message that is not JSON-RPC it can read ({_first_line(message)})")
+            return False
         try:
             await reading.send(message)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -132,6 +137,11 @@ def _parse(line: bytes) -> Any:
         return SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False))
     except ValueError as exc:
         return exc
+
+
+def _first_line(error: ValueError) -> str:
+    lines = str(error).strip().splitlines()
+    return " ".join(lines[:3])[:200] if lines else type(error).__name__
 
 
 def _kill(process: anyio.abc.Process, signum: int = signal.SIGKILL if os.name == "posix" else 9) -> None:
