@@ -3,13 +3,16 @@ not send what this one does): ``python mcp_faulty_server.py``.
 
 Its tools: ``ok`` answers "ok"; ``deep`` answers with ``structuredContent`` nested 300
 deep, past the depth the MCP SDK's parser reads (its call waited out the whole call
-timeout: the SDK's session only logs a message it cannot read)."""
+timeout: the SDK's session only logs a message it cannot read). ``python
+mcp_faulty_server.py crowded`` lists 10,000 tools instead (parsing them held the
+event loop 0.6 s)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+_CROWDED = sys.argv[1:] == ["crowded"]
 _TOOLS = [
     {"name": name, "description": description, "inputSchema": {"type": "object", "properties": {}}}
     for name, description in (("ok", "Answers ok"), ("deep", "Answers with a result nested 300 deep"))
@@ -22,6 +25,8 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
         info = {"name": "faulty", "version": "1"}
         return {"protocolVersion": params["protocolVersion"], "capabilities": {"tools": {}}, "serverInfo": info}
     if method == "tools/list":
+        if _CROWDED:
+            return {"tools": [{**_TOOLS[0], "name": f"t{n}"} for n in range(10_000)]}
         return {"tools": _TOOLS}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "deep":
         return {

@@ -71,6 +71,7 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
             McpServer("tools", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker))),
             McpServer("fragile", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker), "fragile")),
             McpServer("faulty", command=(sys.executable, str(FAULTY_SERVER))),
+            McpServer("crowded", command=(sys.executable, str(FAULTY_SERVER), "crowded")),
             McpServer("web", url=http_mcp),
             McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
             McpServer("gone", command=("/nonexistent/mcp-server",)),
@@ -358,6 +359,17 @@ def test_a_stdio_message_that_cannot_be_read_fails_the_call_at_once(client: open
     assert "sent a message that is not JSON-RPC it can read" in call.error.message, call.error
     again = _call_alone(client, "faulty", "ok")
     assert again.type == "mcp_call" and again.error is None and again.output == "ok", again
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_listing_of_too_many_tools_is_refused_before_it_is_parsed(client: openai.OpenAI, url: str) -> None:
+    """10,000 tools (800 KB): parsing them held the event loop 0.6 s (50,000: 3.8 s and
+    +227 MiB) before the request was refused for its 128-tool bound."""
+    with watched(url) as seen, pytest.raises(openai.APIStatusError) as caught:
+        client.responses.create(model="tiny", input="Hi", tools=[_mcp("crowded", require_approval="never")])
+    seen.assert_within(grown=64 * 2**20)
+    assert caught.value.status_code == 424, caught.value.message
+    assert "a list of 10000 tools (at most 1000 are taken)" in caught.value.message
 
 
 def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
