@@ -362,6 +362,18 @@ def test_a_stdio_message_that_cannot_be_read_fails_the_call_at_once(client: open
 
 
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_flood_of_notifications_stops_the_server(client: openai.OpenAI, url: str) -> None:
+    """200,000 log notifications during a call: the SDK handled each in a task on the
+    event loop (``/health`` waited up to 0.5 s) and the call waited out its timeout."""
+    with watched(url) as seen:
+        call = _call_alone(client, "faulty", "chatty")
+    seen.assert_within()
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert "more than 1000 notifications in a second" in call.error.message, call.error
+    assert _call_alone(client, "faulty", "ok").output == "ok"
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_listing_of_too_many_tools_is_refused_before_it_is_parsed(client: openai.OpenAI, url: str) -> None:
     """10,000 tools (800 KB): parsing them held the event loop 0.6 s (50,000: 3.8 s and
     +227 MiB) before the request was refused for its 128-tool bound."""

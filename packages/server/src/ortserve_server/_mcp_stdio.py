@@ -7,8 +7,9 @@ and the connection answered nothing again. Here a line past ``max_bytes`` ends t
 connection at once (the process is killed, the calls waiting on it fail saying why), a
 large line is parsed on a worker thread, and :attr:`StdioLink.ended` tells the owner
 that the connection is over (the process exited, or was stopped for its output: a line
-too long, one that cannot be read, or a list of more than :data:`MAX_LISTED_TOOLS` tools),
-so the next use starts the server again.
+too long, one that cannot be read, a list of more than :data:`MAX_LISTED_TOOLS` tools, or
+more than :data:`MAX_NOTIFICATIONS_PER_SECOND` notifications in a second), so the next use
+starts the server again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +36,10 @@ _PARSE_INLINE = 64 * 1024
 MAX_LISTED_TOOLS = 1000
 """Tools one message may list: 50,000 took 1.9 s to parse and 0.6 s more to read as tools,
 holding the event loop (a request takes at most 128 tools anyway)."""
+MAX_NOTIFICATIONS_PER_SECOND = 1000
+"""Notifications (progress, log lines) a server may send in a second: the SDK handles each
+in a task of its own on the event loop, and 200,000 from one call held it up to 0.5 s at a
+time until the call timed out."""
 _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
 
@@ -45,6 +51,8 @@ class StdioLink:
         self.command = command
         self.max_bytes = max_bytes
         self.ended: str | None = None
+        self._second = (0.0, 0)
+        """The second notifications are being counted in (its start), and their count."""
 
     @contextlib.asynccontextmanager
     async def transport(self) -> AsyncIterator[tuple[Any, Any]]:
@@ -122,11 +130,24 @@ class StdioLink:
         if isinstance(message, ValueError):
             self._stop_for(process, f"a message that is not JSON-RPC it can read ({_first_line(message)})")
             return False
+        if self._too_chatty(message):
+            self._stop_for(process, f"more than {MAX_NOTIFICATIONS_PER_SECOND} notifications in a second")
+            return False
         try:
             await reading.send(message)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False
         return True
+
+    def _too_chatty(self, message: Any) -> bool:
+        import mcp_types
+
+        if not isinstance(message.message, mcp_types.JSONRPCNotification):
+            return False
+        now = time.monotonic()
+        start, count = self._second
+        self._second = (start, count + 1) if now - start < 1.0 else (now, 1)
+        return self._second[1] > MAX_NOTIFICATIONS_PER_SECOND
 
     async def _write(self, process: anyio.abc.Process, writing: Any) -> None:
         assert process.stdin is not None
