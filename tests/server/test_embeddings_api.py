@@ -183,7 +183,6 @@ def test_a_large_request_neither_starves_a_small_one_nor_outlives_its_client(
         assert 0 < stopped_at - started_runs < whole, (stopped_at - started_runs, whole)
 
 
-@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_many_long_texts_are_tokenized_a_few_at_a_time(url: str) -> None:
     """2,048 texts of 8,000 characters (under the characters a 256-token model's text may
     have, some 1,600 tokens each): all were tokenized at once (+510 MiB, 24 s here) before
