@@ -115,3 +115,62 @@ def serve(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[
             process.kill()
             process.wait()
         process.stdout.close()
+
+
+class Watched:
+    """What :func:`watched` saw: every ``/health`` answer's time, in seconds, and the
+    process's peak resident growth, in bytes."""
+
+    def __init__(self) -> None:
+        self.health: list[float] = []
+        self.grown = 0
+
+    @property
+    def slowest(self) -> float:
+        return max(self.health, default=float("inf"))
+
+    def assert_within(self, *, health: float = 0.1, grown: int = 512 * 2**20) -> None:
+        """Issue 45's bounds: ``/health`` answered throughout, each time under ``health``
+        seconds, and the process grew by less than ``grown`` bytes."""
+        seen = f"/health at most {self.slowest * 1000:.0f} ms over {len(self.health)} polls; +{self.grown >> 20} MiB"
+        print(seen)  # the figures, for -s
+        assert self.health, "/health was never answered"
+        assert self.slowest < health and self.grown < grown, seen
+
+
+@contextlib.contextmanager
+def watched(url: str, *, every: float = 0.02) -> Iterator[Watched]:
+    """``GET {url}/health`` every ``every`` seconds from a thread of its own (one kept-alive
+    connection) while the block runs, and this process's resident growth (the server runs
+    in it; see :func:`running`): ``with watched(url) as seen: ...`` then
+    ``seen.assert_within()``. A poll that fails or is not a 200 is recorded as infinitely
+    slow, so it fails the bound."""
+    import httpx
+
+    seen = Watched()
+    started, done = threading.Event(), threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as client:
+            client.get(f"{url}/health")  # the connection made before timing starts
+            started.set()
+            while True:  # at least once, however short the block
+                sent = time.perf_counter()
+                try:
+                    ok = client.get(f"{url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                seen.health.append(time.perf_counter() - sent if ok else float("inf"))
+                if done.wait(every):
+                    break
+
+    poller = threading.Thread(target=poll, daemon=True)
+    with rss_growth() as grown:
+        poller.start()
+        started.wait(30)
+        try:
+            yield seen
+        finally:
+            done.set()
+            poller.join(timeout=60)
+    seen.grown = grown[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -24,14 +25,23 @@ resource = pytest.importorskip("resource")  # RLIMIT_NOFILE: POSIX only
 
 
 @contextmanager
-def serving(*args: str, preexec_fn: Callable[[], None] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """An ``ortserve serve`` process on a free port; stderr is read after it is stopped."""
+def serving(
+    *args: str,
+    preexec_fn: Callable[[], None] | None = None,
+    launcher: Callable[[list[str]], list[str]] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """An ``ortserve serve`` process on a free port; stderr is read after it is stopped.
+    ``launcher``: the command that runs it, given its own (one that execs it, so that the
+    process is the server); ``env``: variables added to this process's."""
     command = [sys.executable, "-m", "ortserve_server", "serve", "--port", "0", "--ready-json"]
+    command = [*command, "--model", f"tiny={TINY_MODEL}", *args]
     process = subprocess.Popen(
-        [*command, "--model", f"tiny={TINY_MODEL}", *args],
+        launcher(command) if launcher is not None else command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **env} if env is not None else None,
         preexec_fn=preexec_fn,  # noqa: PLW1509  # only sets a resource limit
     )
     assert process.stdout is not None

@@ -17,7 +17,7 @@ import pytest
 from ortserve_runtime import EmbeddingConfig, ModelConfig
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import minilm_folder
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, running, watched
 
 pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 
@@ -181,3 +181,23 @@ def test_a_large_request_neither_starves_a_small_one_nor_outlives_its_client(
         time.sleep(1.0)
         assert model.runs == stopped_at, "runs went on after the client left"
         assert 0 < stopped_at - started_runs < whole, (stopped_at - started_runs, whole)
+
+
+def test_many_long_texts_are_tokenized_a_few_at_a_time(url: str) -> None:
+    """2,048 texts of 8,000 characters (under the characters a 256-token model's text may
+    have, some 1,600 tokens each): all were tokenized at once (+510 MiB, 24 s here) before
+    the first was refused for its length. Now the first few are, and the first is refused."""
+    content = json.dumps({"model": "minilm", "input": ["word " * 1600] * 2048}).encode()
+    with watched(url) as seen:
+        response = httpx.post(
+            f"{url}/v1/embeddings", content=content, headers={"content-type": "application/json"}, timeout=120
+        )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and "input[0] has 1602 tokens, more than this model's 256" in error["message"]
+    seen.assert_within(grown=128 * 2**20)
+    cut = httpx.post(
+        f"{url}/v1/embeddings", json={"model": "minilm", "input": ["word " * 1600] * 100, "truncate": True}, timeout=120
+    )
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 100 * 256
+    assert len({tuple(row["embedding"]) for row in cut.json()["data"]}) == 1  # the same text, the same cut

@@ -22,9 +22,10 @@ import openai
 import pytest
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._config import McpServer
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, running, watched
 
 TOOLS_SERVER = Path(__file__).resolve().parent.parent / "mcp_tools_server.py"
+FAULTY_SERVER = Path(__file__).resolve().parent.parent / "mcp_faulty_server.py"
 
 
 def _free_port() -> int:
@@ -69,6 +70,8 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
         mcp_servers=(
             McpServer("tools", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker))),
             McpServer("fragile", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker), "fragile")),
+            McpServer("faulty", command=(sys.executable, str(FAULTY_SERVER))),
+            McpServer("crowded", command=(sys.executable, str(FAULTY_SERVER), "crowded")),
             McpServer("web", url=http_mcp),
             McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
             McpServer("gone", command=("/nonexistent/mcp-server",)),
@@ -90,6 +93,23 @@ def _mcp(label: str, **fields: Any) -> dict[str, Any]:
 
 def _forced(label: str, name: str) -> dict[str, Any]:
     return {"type": "mcp", "server_label": label, "name": name}
+
+
+def _force_alone(client: openai.OpenAI, label: str, name: str) -> Any:
+    """A response that must call ``label``'s tool ``name`` (no other), once."""
+    return client.responses.create(
+        model="tiny",
+        input=f"Use {name}",
+        tools=[_mcp(label, require_approval="never", allowed_tools=[name])],
+        tool_choice=_forced(label, name),  # type: ignore[arg-type]
+        max_tool_calls=1,
+        max_output_tokens=100,
+    )
+
+
+def _call_alone(client: openai.OpenAI, label: str, name: str) -> Any:
+    """The ``mcp_call`` item of :func:`_force_alone`'s response."""
+    return _force_alone(client, label, name).output[1]
 
 
 def _types(response: Any) -> list[str]:
@@ -303,6 +323,7 @@ def test_a_long_result_is_cut_with_a_note(client: openai.OpenAI) -> None:
     assert output.startswith("x" * 500) and output.endswith(f"[output cut: {200_000 - 500} more bytes]")
 
 
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 @pytest.mark.parametrize(
     ("tool", "says"),
     [("quit", "process ended"), ("huge", "more than 1000000 bytes")],
@@ -314,24 +335,53 @@ def test_a_stdio_server_that_ends_starts_again_on_next_use(
     until a restart); ``huge`` sends one message past the bound (80 MB stalled the event loop
     and wedged the connection for good). The call fails saying why, at once; the next call
     starts the server again."""
-
-    def force(name: str) -> Any:
-        return client.responses.create(
-            model="tiny",
-            input=f"Use {name}",
-            tools=[_mcp("fragile", require_approval="never", allowed_tools=[name])],
-            tool_choice=_forced("fragile", name),  # type: ignore[arg-type]
-            max_tool_calls=1,
-            max_output_tokens=100,
-        )
-
     started = time.monotonic()
-    call = force(tool).output[1]
+    with watched(url) as seen:
+        call = _call_alone(client, "fragile", tool)
     assert call.type == "mcp_call" and call.output is None and call.error is not None
     assert call.error.type == "mcp_protocol_error" and says in call.error.message, call.error
     assert time.monotonic() - started < 10  # not the call timeout's wait
-    assert httpx.get(f"{url}/health", timeout=1).status_code == 200
-    _check_sums(_calls_then_answer(force("add")))
+    seen.assert_within()
+    with watched(url) as seen:
+        _check_sums(_calls_then_answer(_force_alone(client, "fragile", "add")))  # the server started again
+    seen.assert_within()
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_stdio_message_that_cannot_be_read_fails_the_call_at_once(client: openai.OpenAI, url: str) -> None:
+    """A result nested past the depth the MCP SDK's parser reads: the SDK's session only
+    logged it, and the call waited out the call timeout. The server is stopped as for an
+    oversized message, the call fails saying why, and the next call starts it again."""
+    with watched(url) as seen:
+        call = _call_alone(client, "faulty", "deep")
+    seen.assert_within()
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert "sent a message that is not JSON-RPC it can read" in call.error.message, call.error
+    again = _call_alone(client, "faulty", "ok")
+    assert again.type == "mcp_call" and again.error is None and again.output == "ok", again
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_flood_of_notifications_stops_the_server(client: openai.OpenAI, url: str) -> None:
+    """200,000 log notifications during a call: the SDK handled each in a task on the
+    event loop (``/health`` waited up to 0.5 s) and the call waited out its timeout."""
+    with watched(url) as seen:
+        call = _call_alone(client, "faulty", "chatty")
+    seen.assert_within()
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert "more than 1000 notifications in a second" in call.error.message, call.error
+    assert _call_alone(client, "faulty", "ok").output == "ok"
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_listing_of_too_many_tools_is_refused_before_it_is_parsed(client: openai.OpenAI, url: str) -> None:
+    """10,000 tools (800 KB): parsing them held the event loop 0.6 s (50,000: 3.8 s and
+    +227 MiB) before the request was refused for its 128-tool bound."""
+    with watched(url) as seen, pytest.raises(openai.APIStatusError) as caught:
+        client.responses.create(model="tiny", input="Hi", tools=[_mcp("crowded", require_approval="never")])
+    seen.assert_within(grown=64 * 2**20)
+    assert caught.value.status_code == 424, caught.value.message
+    assert "a list of 10000 tools (at most 1000 are taken)" in caught.value.message
 
 
 def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
@@ -380,13 +430,15 @@ def test_refusals_name_the_tool(client: openai.OpenAI, tool: dict[str, Any], par
     assert says in caught.value.message
 
 
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 @pytest.mark.parametrize("tail", ["/../secret", "/%2e%2e/secret", "/%2E./x", "/..%2fsecret", "/./x", "\\..\\secret"])
-def test_dot_segments_do_not_leave_the_allowed_path(client: openai.OpenAI, http_mcp: str, tail: str) -> None:
+def test_dot_segments_do_not_leave_the_allowed_path(client: openai.OpenAI, url: str, http_mcp: str, tail: str) -> None:
     """With ``/mcp`` allowed, ``/mcp/../secret`` passed the prefix check and the client then
     sent ``POST /secret``: a path with dot segments is refused before anything is sent."""
     tool = {"type": "mcp", "server_label": "other", "server_url": http_mcp + tail, "require_approval": "never"}
-    with pytest.raises(openai.BadRequestError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught, watched(url) as seen:
         client.responses.create(model="tiny", input="Hi", tools=[tool])  # type: ignore[list-item]
+    seen.assert_within()
     assert caught.value.body["param"] == "tools[0]"  # type: ignore[index]
     assert "is not allowed on this server" in caught.value.message
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from images import TINY_PHI3V, data_url, image_bytes
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, running, watched
 
 ADD_PARAMS = {
     "type": "object",
@@ -159,6 +159,7 @@ def test_unknown_previous_response_id(client: openai.OpenAI) -> None:
         client.responses.create(model="tiny", input="Hi", previous_response_id=unstored.id)
 
 
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_stored_responses_belong_to_their_key() -> None:
     """Key B given key A's response id can neither read, continue nor delete it: to B it is
     unknown, as files and batches of other keys are."""
@@ -166,16 +167,18 @@ def test_stored_responses_belong_to_their_key() -> None:
         alice = openai.OpenAI(base_url=f"{base}/v1", api_key="alice", max_retries=0)
         bob = openai.OpenAI(base_url=f"{base}/v1", api_key="bob", max_retries=0)
         first = alice.responses.create(model="tiny", input="secret plans", max_output_tokens=2, store=True)
-        with pytest.raises(openai.NotFoundError) as read:
-            bob.responses.retrieve(first.id)
+        with watched(base) as seen:
+            with pytest.raises(openai.NotFoundError) as read:
+                bob.responses.retrieve(first.id)
+            with pytest.raises(openai.NotFoundError) as continued:
+                bob.responses.create(model="tiny", input="go on", previous_response_id=first.id, max_output_tokens=1)
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.delete(first.id)
+        seen.assert_within()
         assert isinstance(read.value.body, dict) and read.value.body["code"] == "response_not_found"
-        with pytest.raises(openai.NotFoundError) as continued:
-            bob.responses.create(model="tiny", input="go on", previous_response_id=first.id, max_output_tokens=1)
         assert isinstance(continued.value.body, dict)
         assert continued.value.body["code"] == "previous_response_not_found"
         assert continued.value.body["param"] == "previous_response_id"
-        with pytest.raises(openai.NotFoundError):
-            bob.responses.delete(first.id)
         # Still Alice's, whole.
         assert alice.responses.retrieve(first.id).output_text == first.output_text
         alice.responses.create(model="tiny", input="go on", previous_response_id=first.id, max_output_tokens=1)

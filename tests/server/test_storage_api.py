@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, running, watched
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +41,30 @@ METADATA = {f"k{i}": "v" * 512 for i in range(16)}
 
 
 @pytest.mark.parametrize("limit", [0, -1, 10_001])
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_files_limit_out_of_range_is_a_400(client: openai.OpenAI, app_url: tuple[Any, str], limit: int) -> None:
     client.files.create(file=("in.jsonl", _line(CHAT)), purpose="batch")  # with a file, limit 0 was a 500
-    listed = httpx.get(f"{app_url[1]}/v1/files", params={"limit": limit})
+    with watched(app_url[1]) as seen:
+        listed = httpx.get(f"{app_url[1]}/v1/files", params={"limit": limit})
+    seen.assert_within()
     assert listed.status_code == 400, listed.text
     error = listed.json()["error"]
     assert error["param"] == "limit" and "between 1 and 10000" in error["message"]
     assert len(client.files.list(limit=1).data) == 1
 
 
-def test_a_batch_line_nested_too_deeply_is_refused_by_number(client: openai.OpenAI) -> None:
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_batch_line_nested_too_deeply_is_refused_by_number(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
     deep = '{"model": "tiny", "messages": [], "x": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"
     for body in (deep, CHAT.replace('"max_tokens"', '"user": ' + "[" * 5000 + "]" * 5000 + ', "max_tokens"')):
-        with pytest.raises(openai.BadRequestError) as caught:
+        with pytest.raises(openai.BadRequestError) as caught, watched(app_url[1]) as seen:
             client.files.create(file=("in.jsonl", _line(CHAT) + _line(body, "b")), purpose="batch")
+        seen.assert_within()
         assert "line 2: " in caught.value.message and "nested too deeply" in caught.value.message
         assert caught.value.body["param"] == "file"  # type: ignore[index]
 
 
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_full_state_database_is_a_507_and_nothing_is_lost(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
     """SQLite's own SQLITE_FULL ("database or disk is full"), made real by capping the file's
     pages at what it holds (PRAGMA max_page_count): what a full disk gives."""
@@ -72,10 +78,11 @@ def test_a_full_state_database_is_a_507_and_nothing_is_lost(client: openai.OpenA
     pages = database.submit(lambda db: db.execute("PRAGMA page_count").fetchone()[0]).result()
     cap(str(pages))
     try:
-        with pytest.raises(openai.APIStatusError) as upload:
+        with pytest.raises(openai.APIStatusError) as upload, watched(base) as seen:
             client.files.create(file=("in.jsonl", MANY), purpose="batch")
         with pytest.raises(openai.APIStatusError) as stored:
             client.responses.create(model="tiny", input="hi", max_output_tokens=1, store=True, metadata=METADATA)
+        seen.assert_within()
         for caught in (upload, stored):
             assert caught.value.status_code == 507
             assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "insufficient_storage"

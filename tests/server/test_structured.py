@@ -9,6 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from serving import watched
 
 ASK = [{"role": "user", "content": "Give me data"}]
 SCHEMAS = [
@@ -120,8 +121,11 @@ def test_guided_regex_choice_and_grammar(tiny_url: str) -> None:
         ({"guided_json": '{"a":' * 2000 + "1" + "}" * 2000}, "guided_json"),  # RecursionError: was a 500
     ],
 )
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_invalid_constraints_are_400_naming_the_field(tiny_url: str, extra: dict[str, object], param: str) -> None:
-    response = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **extra})
+    with watched(tiny_url) as seen:
+        response = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **extra})
+    seen.assert_within()
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param
@@ -207,11 +211,14 @@ def _chained_rules(rules: int) -> str:
     ],
     ids=["defs-chain-1500", "lark-rules-3000"],
 )
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict[str, object], param: str) -> None:
     """Both are flat and under the size limit, but llguidance's compiler follows the chain
     by recursion: it overflowed a worker thread's stack and the process died (SIGSEGV)."""
     body = {"model": "tiny", "messages": ASK, "max_tokens": 4, **extra}
-    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    with watched(tiny_url) as seen:
+        refused = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    seen.assert_within()
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["param"] == param and "deep; at most 1000" in error["message"], error

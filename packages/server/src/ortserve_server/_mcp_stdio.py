@@ -6,8 +6,10 @@ grew its buffer by concatenation, chunk after chunk, on the event loop (gaps of 
 and the connection answered nothing again. Here a line past ``max_bytes`` ends the
 connection at once (the process is killed, the calls waiting on it fail saying why), a
 large line is parsed on a worker thread, and :attr:`StdioLink.ended` tells the owner
-that the connection is over (the process exited, or was stopped for its output), so the
-next use starts the server again.
+that the connection is over (the process exited, or was stopped for its output: a line
+too long, one that cannot be read, a list of more than :data:`MAX_LISTED_TOOLS` tools, or
+more than :data:`MAX_NOTIFICATIONS_PER_SECOND` notifications in a second), so the next use
+starts the server again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +33,13 @@ logger = logging.getLogger("ortserve.mcp")
 
 _PARSE_INLINE = 64 * 1024
 """Lines up to this are parsed on the event loop; longer ones on a worker thread."""
+MAX_LISTED_TOOLS = 1000
+"""Tools one message may list: 50,000 took 1.9 s to parse and 0.6 s more to read as tools,
+holding the event loop (a request takes at most 128 tools anyway)."""
+MAX_NOTIFICATIONS_PER_SECOND = 1000
+"""Notifications (progress, log lines) a server may send in a second: the SDK handles each
+in a task of its own on the event loop, and 200,000 from one call held it up to 0.5 s at a
+time until the call timed out."""
 _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
 
@@ -41,6 +51,8 @@ class StdioLink:
         self.command = command
         self.max_bytes = max_bytes
         self.ended: str | None = None
+        self._second = (0.0, 0)
+        """The second notifications are being counted in (its start), and their count."""
 
     @contextlib.asynccontextmanager
     async def transport(self) -> AsyncIterator[tuple[Any, Any]]:
@@ -83,17 +95,12 @@ class StdioLink:
                     while (end := chunk.find(b"\n", start)) >= 0:
                         buffer += chunk[start:end]
                         start = end + 1
-                        if not await self._deliver(bytes(buffer), reading):
+                        if not await self._deliver(bytes(buffer), process, reading):
                             return
                         buffer.clear()
                     buffer += chunk[start:]
                     if len(buffer) > self.max_bytes:
-                        self.ended = (
-                            f"the MCP server sent a message of more than {self.max_bytes} bytes; "
-                            "it was stopped and starts again on next use"
-                        )
-                        logger.warning("MCP server %s: %s", self.command[0], self.ended)
-                        _kill(process)
+                        self._stop_for(process, f"a message of more than {self.max_bytes} bytes")
                         return
             except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError):
                 pass
@@ -101,17 +108,46 @@ class StdioLink:
                 if self.ended is None:
                     self.ended = "the MCP server's process ended; it starts again on next use"
 
-    async def _deliver(self, line: bytes, reading: Any) -> bool:
-        """Hands one message (or its parse error, which the session reports) on; False once
-        nobody reads."""
+    def _stop_for(self, process: anyio.abc.Process, what: str) -> None:
+        self.ended = f"the MCP server sent {what}; it was stopped and starts again on next use"
+        logger.warning("MCP server %s: %s", self.command[0], self.ended)
+        _kill(process)
+
+    async def _deliver(self, line: bytes, process: anyio.abc.Process, reading: Any) -> bool:
+        """Hands one message on; False once nobody reads, or when it cannot be read: the
+        process is then stopped, as for an oversized one. (The SDK's session only logs a
+        parse error, so a call whose answer was unreadable, nested past the parser's depth
+        limit say, waited out the whole call timeout.)"""
         if not line.strip():
             return True
+        # Counted before parsing, which costs in proportion to the items: every tool has
+        # an inputSchema key, and a quote inside a JSON string is escaped, so none is missed
+        # or made up by text.
+        if len(line) > _PARSE_INLINE and (listed := line.count(b'"inputSchema"')) > MAX_LISTED_TOOLS:
+            self._stop_for(process, f"a list of {listed} tools (at most {MAX_LISTED_TOOLS} are taken)")
+            return False
         message = _parse(line) if len(line) <= _PARSE_INLINE else await anyio.to_thread.run_sync(_parse, line)
+        if isinstance(message, ValueError):
+            self._stop_for(process, f"a message that is not JSON-RPC it can read ({_first_line(message)})")
+            return False
+        if self._too_chatty(message):
+            self._stop_for(process, f"more than {MAX_NOTIFICATIONS_PER_SECOND} notifications in a second")
+            return False
         try:
             await reading.send(message)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False
         return True
+
+    def _too_chatty(self, message: Any) -> bool:
+        import mcp_types
+
+        if not isinstance(message.message, mcp_types.JSONRPCNotification):
+            return False
+        now = time.monotonic()
+        start, count = self._second
+        self._second = (start, count + 1) if now - start < 1.0 else (now, 1)
+        return self._second[1] > MAX_NOTIFICATIONS_PER_SECOND
 
     async def _write(self, process: anyio.abc.Process, writing: Any) -> None:
         assert process.stdin is not None
@@ -132,6 +168,11 @@ def _parse(line: bytes) -> Any:
         return SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False))
     except ValueError as exc:
         return exc
+
+
+def _first_line(error: ValueError) -> str:
+    lines = str(error).strip().splitlines()
+    return " ".join(lines[:3])[:200] if lines else type(error).__name__
 
 
 def _kill(process: anyio.abc.Process, signum: int = signal.SIGKILL if os.name == "posix" else 9) -> None:

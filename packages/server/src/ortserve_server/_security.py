@@ -13,7 +13,8 @@ both before any handler runs:
 - a body must have the route's own content type (``application/json``, or
   ``multipart/form-data`` on the one multipart route), which no simple request can forge;
 - a body that cannot be decoded (invalid UTF-8, JSON nested past msgspec's limit) is a 400
-  here rather than an unhandled error inside Litestar's decoder.
+  here rather than an unhandled error inside Litestar's decoder, and so is one with more
+  keys or items than a request needs (``_json_bounds``), before it is decoded.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from litestar.handlers import BaseRouteHandler
 
 from ._config import ServerConfig
 from ._errors import BadRequestError, ForbiddenError, UnsupportedMediaTypeError
+from ._json_bounds import check_json_counts
 
 __all__ = ["SiteGuard", "body_guard", "make_body_guard"]
 
@@ -181,6 +183,7 @@ async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: Ba
         body = await connection.body()
         if not body.strip():
             raise BadRequestError("the request has no body: send a JSON object")
+        await check_json_counts(body)  # before decoding, which holds the event loop
         decoded = await connection.json()
     except UnicodeDecodeError:
         where = "a multipart text field" if kind == _MULTIPART else "the JSON body"

@@ -1,9 +1,9 @@
 """``POST /v1/audio/speech``: text to speech with a voice model, as OpenAI defines it.
 
-The audio is encoded as the voice speaks it, a sentence at a time: whole, the file is sent
-once complete; with ``stream_format: "audio"`` its bytes leave as each sentence is encoded
-(a WAV then declares an unknown length, as OpenAI's streamed WAV does; FLAC's and MP3's
-headers keep what they said at the start); with ``"sse"`` the same bytes travel as base64
+The audio is encoded as the voice speaks it, a sentence at a time, and its bytes leave as
+each sentence is encoded (chunked, as OpenAI's do, whatever ``stream_format``): a WAV
+declares an unknown length, as OpenAI's WAV does, and what is sent is not kept, so a long
+text's audio is never held whole; with ``"sse"`` the same bytes travel as base64
 ``speech.audio.delta`` events, then ``speech.audio.done`` with the usage.
 
 Formats are what libsndfile encodes: ``wav`` (16-bit), ``flac``, ``mp3``, ``opus`` (in
@@ -68,17 +68,16 @@ def _pcm16(samples: npt.NDArray[np.float32]) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767).astype("<i2").tobytes()
 
 
-def _wav_header(rate: int, data_bytes: int | None) -> bytes:
-    """A 16-bit mono WAV header; ``None``: a length not known yet (0xFFFFFFFF sizes)."""
-    size = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
-    data = 0xFFFFFFFF if data_bytes is None else data_bytes
+def _wav_header(rate: int) -> bytes:
+    """A 16-bit mono WAV header for a stream: RIFF and data sizes 0xFFFFFFFF (a length not
+    known yet), as OpenAI's WAV declares; readers take the data to the end of the file."""
     return (
         b"RIFF"
-        + struct.pack("<I", size)
+        + struct.pack("<I", 0xFFFFFFFF)
         + b"WAVEfmt "
         + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
         + b"data"
-        + struct.pack("<I", data)
+        + struct.pack("<I", 0xFFFFFFFF)
     )
 
 
@@ -102,17 +101,65 @@ def _mp3_frame_length(data: bytes) -> int | None:
     return length if len(data) >= length else None
 
 
+class _Unsent:
+    """The file libsndfile writes a streamed MP3 or Opus into, holding only the bytes not
+    sent yet: :meth:`take` hands them out and forgets them. A write into what was already
+    sent (LAME's Info frame, filled in at the end) is dropped, as it could not be sent again."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        """The file offset of ``kept[0]``: everything before it was taken."""
+        self.kept = bytearray()
+        self.position = 0
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.start + len(self.kept)}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, count: int) -> bytes:
+        begin = max(self.position - self.start, 0)
+        data = bytes(self.kept[begin : begin + count]) if self.position >= self.start else b""
+        self.position += len(data)
+        return data
+
+    def write(self, data: bytes) -> int:
+        skip = max(self.start - self.position, 0)
+        if skip < len(data):
+            begin = self.position + skip - self.start
+            if begin > len(self.kept):
+                self.kept.extend(bytes(begin - len(self.kept)))
+            self.kept[begin : begin + len(data) - skip] = data[skip:]
+        self.position += len(data)
+        return len(data)
+
+    def peek(self) -> bytes:
+        return bytes(self.kept)
+
+    def take(self, count: int | None = None) -> bytes:
+        """The first ``count`` unsent bytes (all of them: ``None``), now sent."""
+        count = len(self.kept) if count is None else count
+        data = bytes(self.kept[:count])
+        del self.kept[:count]
+        self.start += count
+        return data
+
+
 class _Encoder:
     """An audio file in ``fmt``, written a sentence at a time: :meth:`feed` returns the
-    bytes ready to send, :meth:`close` the rest (streamed), or :meth:`whole` the file."""
+    bytes ready to send, :meth:`close` the rest. Nothing is kept once a piece's bytes are
+    returned (a WAV's header, sent first, declares an unknown length), so a long text's
+    audio is never held whole; only FLAC is, compressed, as it goes out at the end."""
 
     def __init__(self, fmt: str, rate: int) -> None:
         self.fmt = fmt
         self.source_rate = rate
         self.rate = _RESAMPLED.get(fmt, rate)
-        self.buffer = io.BytesIO()
+        self.buffer: io.BytesIO | _Unsent = io.BytesIO() if fmt == "flac" else _Unsent()
         self.sent = 0
-        self.pcm: list[bytes] = []
         self.file: Any = None
         if fmt in _SOUNDFILE:
             import soundfile
@@ -135,26 +182,25 @@ class _Encoder:
         samples = _resample(samples, self.source_rate, self.rate)
         if self.file is None:  # wav, pcm
             data = _pcm16(samples)
-            self.pcm.append(data)
-            if self.fmt == "wav" and len(self.pcm) == 1:
-                return _wav_header(self.rate, None) + data
+            if self.fmt == "wav" and not self.sent:
+                data = _wav_header(self.rate) + data
+            self.sent += len(data)
             return data
         self.file.write(samples)
         return self._new_bytes()
 
     def _new_bytes(self) -> bytes:
-        if self.fmt == "flac":
+        if isinstance(self.buffer, io.BytesIO):  # FLAC
             return b""  # sent whole at the end: its header holds the length, which readers trust
-        data = self.buffer.getvalue()
         if self.sent == 0 and self.fmt == "mp3":
             # LAME's first frame is a placeholder that the end fills with the Info tag (the
             # frame count); sent early it would stay empty, and readers would trust it. A
             # streamed MP3 goes without it: readers count its frames.
-            skip = _mp3_frame_length(data)
+            skip = _mp3_frame_length(self.buffer.peek())
             if skip is None:
                 return b""  # not all of the first frame yet
-            self.sent = skip
-        new = data[self.sent :]
+            self.sent = len(self.buffer.take(skip))
+        new: bytes = self.buffer.take()
         self.sent += len(new)
         return new
 
@@ -164,17 +210,9 @@ class _Encoder:
         if self.file is None:
             return b""
         self.file.close()
-        if self.fmt == "flac":
+        if isinstance(self.buffer, io.BytesIO):  # FLAC
             return self.buffer.getvalue()
         return self._new_bytes()
-
-    def whole(self) -> bytes:
-        """The complete file (its header with the final length)."""
-        if self.file is None:
-            data = b"".join(self.pcm)
-            return (_wav_header(self.rate, len(data)) + data) if self.fmt == "wav" else data
-        self.file.close()
-        return self.buffer.getvalue()
 
 
 def _check(data: p.SpeechRequest, model: VoiceModel) -> str | None:

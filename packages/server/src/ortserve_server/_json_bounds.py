@@ -1,0 +1,90 @@
+"""How many keys and items a JSON body may hold, counted before it is decoded.
+
+Litestar decodes a request's JSON on the event loop, and msgspec holds the GIL while it
+builds the values, so a worker thread would not help: what a body costs is the Python
+objects it becomes, not its bytes. Within the 16 MiB body limit, a ``logit_bias`` of a
+million entries held the loop 0.5-3 s (0.8 µs or more an object key, decoding and then
+converting to the request's Struct), 3,000,000 ``stop`` strings 0.9 s, 300,000 messages
+0.8 s; each was refused afterwards by a bound of a few thousand. A body past
+:data:`MAX_JSON_KEYS` object keys or :data:`MAX_JSON_ITEMS` array items is a 400 before
+it is decoded, naming the top-level field that holds the most.
+
+Counting is cheap where it matters: a body under 256 KiB cannot cost much (some 5 bytes a
+key at the least) and is not looked at; a larger one is counted on a worker thread,
+first by ``bytes.count`` of ``:`` and ``,`` (an upper bound, as those inside strings count
+too: some 10 ms a pass for 16 MiB), then, only past it, exactly, a token at a time, so that
+the event loop gets the GIL back between tokens.
+"""
+
+from __future__ import annotations
+
+import re
+
+import anyio.to_thread
+
+from ._errors import BadRequestError
+
+__all__ = ["MAX_JSON_ITEMS", "MAX_JSON_KEYS", "check_json_counts"]
+
+MAX_JSON_KEYS = 50_000
+"""Object keys a JSON body may have in all: some 60 ms of decoding at most. Requests hold a
+few hundred (2,048 ``logit_bias`` entries, 128 tools with their schemas, long histories)."""
+MAX_JSON_ITEMS = 500_000
+"""Array items a JSON body may have in all: some 60 ms of decoding for short strings (900,000
+held the event loop 114 ms); above OpenAI's 300,000 tokens of embedding input a request."""
+_LOOK_ABOVE = 256 * 1024
+"""Bodies this size or smaller are not counted."""
+
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|(:)|(,)|([\[{])|([\]}])')
+"""A JSON string (skipped whole), a key's colon, a separator, an opening, a closing."""
+
+
+async def check_json_counts(body: bytes) -> None:
+    """A 400 if ``body`` (JSON, not decoded yet) has more keys or items than allowed, naming
+    the top-level field that holds the most."""
+    if len(body) <= _LOOK_ABOVE:
+        return
+    past = await anyio.to_thread.run_sync(_past_bounds, body)
+    if past is not None:
+        what, field = past
+        raise BadRequestError(
+            f"the JSON body has {what}" + (f", most of them in {field!r}" if field else ""), param=field
+        )
+
+
+def _past_bounds(body: bytes) -> tuple[str, str | None] | None:
+    """What ``body`` has too many of, and the top-level field that holds the most; ``None``
+    when within the bounds."""
+    if body.count(b":") <= MAX_JSON_KEYS and body.count(b",") <= MAX_JSON_ITEMS:
+        return None  # upper bounds, within: nothing to scan
+    keys = separators = depth = 0
+    field: str | None = None
+    last_string = (0, 0)
+    weights: dict[str | None, int] = {}
+    for token in _TOKEN.finditer(body):
+        kind = token.lastindex
+        if kind is None:  # a string: at depth 1, perhaps a top-level key
+            if depth == 1:
+                last_string = token.span()
+        elif kind == 1:
+            keys += 1
+            if depth == 1:
+                field = body[last_string[0] + 1 : last_string[1] - 1].decode("utf-8", "replace")
+            else:
+                weights[field] = weights.get(field, 0) + 1
+        elif kind == 2:
+            separators += 1
+            if depth > 1:
+                weights[field] = weights.get(field, 0) + 1
+        elif kind == 3:
+            depth += 1
+        else:
+            depth -= 1
+    items = max(separators - keys, 0)  # the commas not between keys: one fewer than each array's items
+    if keys > MAX_JSON_KEYS:
+        what = f"{keys} object keys (at most {MAX_JSON_KEYS})"
+    elif items > MAX_JSON_ITEMS:
+        what = f"about {items} array items (at most {MAX_JSON_ITEMS})"
+    else:
+        return None
+    return what, max(weights, key=lambda name: weights[name], default=None)
