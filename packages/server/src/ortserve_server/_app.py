@@ -81,7 +81,7 @@ def _routers(state: OrtServe) -> list[Router]:
             exception_handlers=errors,
             request_max_body_size=max_body_size,
             middleware=[
-                observe_requests(state),
+                observe_requests(state.observer),
                 state.body_budget,
                 *([release_leases] if leases else []),
                 *([mark_admin_callers(config.admin_key)] if config.admin_key and leases else []),
@@ -147,7 +147,7 @@ def _routers(state: OrtServe) -> list[Router]:
             dependencies=provide,
             guards=_guards(config, keyed=keyed),
             exception_handlers=exception_handlers,
-            middleware=[observe_requests(state, usage=False)],
+            middleware=[observe_requests(state.observer, usage=False)],
         )
         for path, handler, keyed in extras
         if path is not None

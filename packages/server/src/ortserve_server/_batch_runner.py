@@ -249,6 +249,6 @@ def _line_app(state: OrtServe) -> Litestar:
         route_handlers=[*api_route_handlers, *responses_route_handlers],
         dependencies={"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)},
         exception_handlers=exception_handlers,
-        middleware=[observe_requests(state), release_leases],
+        middleware=[observe_requests(state.observer), release_leases],
     )
     return Litestar(route_handlers=[router], openapi_config=None, exception_handlers=exception_handlers)

@@ -47,7 +47,7 @@ from ortserve_runtime import (
 )
 
 from ._metrics import UNMATCHED
-from ._observe import request_id_of
+from ._record import request_id_of
 
 __all__ = [
     "AuthenticationError",

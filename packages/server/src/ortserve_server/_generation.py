@@ -28,8 +28,8 @@ from ._errors import (
     storage_full,
     unavailable_detail,
 )
-from ._observe import current, note
 from ._plan import Started
+from ._record import current, note
 from ._state import OrtServe
 
 __all__ = [

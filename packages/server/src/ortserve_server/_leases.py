@@ -32,7 +32,7 @@ from ortserve_runtime import (
 )
 
 from ._errors import BadRequestError, ForbiddenError, ModelNotFoundHTTPError, OverloadedError
-from ._observe import note
+from ._record import note
 from ._state import OrtServe
 
 __all__ = [

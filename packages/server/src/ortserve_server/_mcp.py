@@ -36,7 +36,7 @@ from ortserve_client import protocol as p
 from ._config import url_allowed
 from ._errors import BadRequestError, ServerError
 from ._mcp_stdio import StdioLink
-from ._observe import span
+from ._record import span
 
 if TYPE_CHECKING:
     from ._config import ServerConfig

@@ -38,7 +38,7 @@ from ._config import ServerConfig
 from ._connection import fetching_while_connected
 from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from ._messages import chat_messages
-from ._observe import record_prompt, span
+from ._record import record_prompt, span
 from ._state import OrtServe
 
 __all__ = [

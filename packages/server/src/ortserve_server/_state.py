@@ -21,7 +21,8 @@ from ._conversation_store import ConversationStore
 from ._database import STATE_FILE, Database
 from ._mcp import McpHub
 from ._metrics import Metrics
-from ._observe import Observer, RequestRecord
+from ._observe import Observer
+from ._record import RequestRecord
 from ._response_store import ResponseStore
 from ._usage import UsageLedger
 

@@ -19,7 +19,7 @@ from ortserve_client import protocol as p
 
 from ._connection import while_connected
 from ._mcp import McpTools
-from ._observe import current
+from ._record import current
 from ._state import OrtServe
 
 __all__ = ["ToolLoop"]

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ortserve_runtime import Usage
 
     from ._config import ServerConfig
-    from ._observe import RequestRecord
+    from ._record import RequestRecord
 
 __all__ = ["RequestSpan", "Tracing"]
 

@@ -25,6 +25,10 @@ the scales of embeddings, residual adds, queries and logits (Gemma, Granite).
 
 Weights are written tensor by tensor into ``model.onnx.data`` (page aligned, so
 onnxruntime maps what it does not repack): peak memory stays near one tensor, not the model.
+
+Long on purpose (over 600 lines): one decoder's graph, written in the order it runs; each
+architecture's difference is a branch where that part is written, so that a block reads
+whole beside llama.cpp's graph of it (``src/models/*.cpp``).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from .._errors import (
 from .._generation import Generation, sse_event, stream_response
 from .._leases import require_model
 from .._mcp import McpToolError, McpTools, tool_error_text
-from .._observe import current, note
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
 from .._plan import start_chat
+from .._record import current, note
 from .._state import OrtServe
 from .._tool_loop import ToolLoop
 from .anthropic_request import _add_mcp_servers, _counted_prompt, _map, _Mapped, _named

@@ -19,8 +19,8 @@ from .._errors import (
     BadRequestError,
 )
 from .._leases import require_speech_model
-from .._observe import note
 from .._openapi import POST_ERRORS, also_sends, with_error_responses
+from .._record import note
 from .._state import OrtServe
 
 __all__ = ["transcriptions"]

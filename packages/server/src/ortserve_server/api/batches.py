@@ -20,8 +20,8 @@ from ortserve_client import responses_protocol as rp
 from .._auth import caller_of
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from .._ids import new_id
-from .._observe import traceparent
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
+from .._record import traceparent
 from .._state import OrtServe
 
 __all__ = ["batch_route_handlers"]

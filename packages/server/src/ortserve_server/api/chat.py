@@ -26,9 +26,9 @@ from .._generation import Generation, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
 from .._messages import decode_base64
-from .._observe import note
 from .._openapi import generation_docs
 from .._plan import check_chat_request, start_chat
+from .._record import note
 from .._state import OrtServe
 
 __all__ = ["chat_completions"]

@@ -20,9 +20,9 @@ from .._connection import while_connected
 from .._generation import Generation, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model
-from .._observe import note
 from .._openapi import generation_docs
 from .._plan import completion_prompts, start_completion
+from .._record import note
 from .._state import OrtServe
 
 __all__ = ["completions"]

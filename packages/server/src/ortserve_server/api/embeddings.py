@@ -15,9 +15,9 @@ from .._errors import (
     BadRequestError,
 )
 from .._leases import require_embedding_model
-from .._observe import note
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
+from .._record import note
 from .._state import OrtServe
 
 __all__ = ["embeddings"]

@@ -21,9 +21,9 @@ from .._errors import (
 )
 from .._ids import new_id
 from .._leases import require_rerank_model
-from .._observe import note
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
+from .._record import note
 from .._state import OrtServe
 
 __all__ = ["rerank", "rerank_alias", "score"]

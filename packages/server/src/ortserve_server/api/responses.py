@@ -59,9 +59,9 @@ from .._ids import new_id
 from .._leases import require_model
 from .._mcp import McpTool as McpToolSpec
 from .._mcp import McpToolError, McpTools
-from .._observe import note
 from .._openapi import GET_ERRORS, error_responses, generation_docs
 from .._plan import check_tool_count, start_chat
+from .._record import note
 from .._state import OrtServe
 from .._tool_loop import ToolLoop
 from .responses_input import _chat_request, _chat_tools, _input, _messages, _named_as_responses

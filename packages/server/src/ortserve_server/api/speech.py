@@ -36,8 +36,8 @@ from ortserve_runtime import InvalidRequestError, VoiceModel
 from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError
 from .._generation import sse_event, stream_response
 from .._leases import require_voice_model
-from .._observe import current, note
 from .._openapi import POST_ERRORS, sends_files, with_error_responses
+from .._record import current, note
 from .._state import OrtServe
 
 __all__ = ["speech_route_handlers"]
