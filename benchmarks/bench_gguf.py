@@ -14,7 +14,7 @@ in alternating rounds (``--rounds``, medians):
 - 8 streams: total tokens/s of 8 such requests at once;
 - prefill: time to first token of a ~2,000-token prompt;
 - next turn: time to first token of a prompt that extends a finished ~450-token prompt and
-  its 128-token reply, sent at once;
+  its 128-token reply, sent at once (the median of three such conversations a round);
 - RSS of the server process after the work.
 
 With ``--checkpoint DIR`` (the transformers checkpoint of the first file's weights, e.g.
@@ -140,11 +140,14 @@ async def speed(url: str, llama: bool, tag: int) -> dict[str, float]:
         long_prompt = f"Round {tag}. " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(330))
         ttft, _ = await one_stream(client, url, body(long_prompt, 1, llama))
         # A next turn sent as soon as the reply is done (an agent loop): its history is the
-        # previous prompt and reply, which either server may have kept.
-        turn = f"Round {tag}. " + " ".join(f"note {i}: value {i * 3 % 17}." for i in range(50))
-        reply = (await client.post(f"{url}/completions", json=body(turn, 128, llama))).json()["choices"][0]["text"]
-        next_turn, _ = await one_stream(client, url, body(f"{turn}{reply} And then?", 1, llama))
-    return {"one": single, "eight": eight, "ttft": ttft, "next": next_turn}
+        # previous prompt and reply, which either server may have kept. Three conversations a
+        # round, the median: one such request varies by a third from one to the next.
+        next_turns = []
+        for conversation in range(3):
+            turn = f"Round {tag}.{conversation}. " + " ".join(f"note {i}: value {i * 3 % 17}." for i in range(50))
+            reply = (await client.post(f"{url}/completions", json=body(turn, 128, llama))).json()["choices"][0]["text"]
+            next_turns.append((await one_stream(client, url, body(f"{turn}{reply} And then?", 1, llama)))[0])
+    return {"one": single, "eight": eight, "ttft": ttft, "next": statistics.median(next_turns)}
 
 
 def ortserve_perplexity(url: str, text: str, tokenizer_url: str) -> float:
