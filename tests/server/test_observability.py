@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serving import TINY_MODEL, serve
+from serving import TINY_MODEL, closing, serve
 
 KEY_A, KEY_B, ADMIN = "sk-alpha-8f3k2", "sk-bravo-d91x0", "sk-admin-55qq"
 PROMPT = "a prompt that must never reach a log 4711"
@@ -24,7 +24,7 @@ def test_request_ids_tie_responses_errors_and_json_log_lines(tmp_path: Path) -> 
     log = tmp_path / "server.log"
     args = ["--model", f"tiny={TINY_MODEL}", "--api-key", f"team-a={KEY_A}", "--api-key", KEY_B]
     with serve(log, *args, "--log-format", "json", "--state-dir", "none") as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
+        client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0))
         # The client's own id is kept, on the response and in the log line.
         raw = client.chat.completions.with_raw_response.create(
             model="tiny",
@@ -51,7 +51,7 @@ def test_request_ids_tie_responses_errors_and_json_log_lines(tmp_path: Path) -> 
         body = missing.value.response.json()
         assert body["error"]["code"] == "model_not_found"
         assert body["request_id"] == missing.value.response.headers["x-request-id"]
-        claude = anthropic.Anthropic(base_url=url, api_key=KEY_B, max_retries=0)
+        claude = closing(anthropic.Anthropic(base_url=url, api_key=KEY_B, max_retries=0))
         with pytest.raises(anthropic.BadRequestError) as refused:
             claude.messages.create(model="tiny", max_tokens=-1, messages=[{"role": "user", "content": "x"}])
         assert refused.value.response.json()["request_id"] == refused.value.response.headers["x-request-id"]
@@ -109,7 +109,7 @@ def test_log_prompts_puts_the_prompt_into_the_line(tmp_path: Path) -> None:
     with serve(
         log, "--model", f"tiny={TINY_MODEL}", "--log-format", "json", "--log-prompts", "--state-dir", "none"
     ) as url:
-        openai.OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
+        closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused")).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=2
         )
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -129,7 +129,7 @@ def test_usage_per_key_is_counted_by_label_and_survives_a_restart(tmp_path: Path
     spent: dict[str, list[int]] = {"team-a": [0, 0], "team-b": [0, 0]}
     with serve(log, *args) as url:
         for key, label, times in ((KEY_A, "team-a", 2), (KEY_B, "team-b", 1)):
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0))
             for _ in range(times):
                 usage = client.chat.completions.create(
                     model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
@@ -138,7 +138,7 @@ def test_usage_per_key_is_counted_by_label_and_survives_a_restart(tmp_path: Path
                 spent[label][0] += usage.prompt_tokens
                 spent[label][1] += usage.completion_tokens
         with pytest.raises(openai.BadRequestError):  # an error, counted as one
-            openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0).chat.completions.create(
+            closing(openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)).chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=0
             )
         # The usage of every key is the admin's to read.
@@ -153,7 +153,7 @@ def test_usage_per_key_is_counted_by_label_and_survives_a_restart(tmp_path: Path
         assert f'ortserve_key_output_tokens_total{{key="team-b",model="tiny"}} {float(spent["team-b"][1])}' in metrics
     with serve(log, *args) as url:  # the same state dir: the totals are there
         assert _usage(url, ADMIN) == before
-        openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_B, max_retries=0).chat.completions.create(
+        closing(openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_B, max_retries=0)).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
         after = _usage(url, ADMIN, key="team-b")

@@ -17,7 +17,7 @@ import openai
 import pytest
 from images import TINY_PHI3V, data_url, image_bytes
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running, watched
+from serving import TINY_MODEL, closing, running, watched
 
 ADD_PARAMS = {
     "type": "object",
@@ -164,8 +164,8 @@ def test_stored_responses_belong_to_their_key() -> None:
     """Key B given key A's response id can neither read, continue nor delete it: to B it is
     unknown, as files and batches of other keys are."""
     with running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, api_key=("alice", "bob")))) as base:
-        alice = openai.OpenAI(base_url=f"{base}/v1", api_key="alice", max_retries=0)
-        bob = openai.OpenAI(base_url=f"{base}/v1", api_key="bob", max_retries=0)
+        alice = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="alice", max_retries=0))
+        bob = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="bob", max_retries=0))
         first = alice.responses.create(model="tiny", input="secret plans", max_output_tokens=2, store=True)
         with watched(base) as seen:
             with pytest.raises(openai.NotFoundError) as read:

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 from otlp_receiver import Receiver, Span, otlp_receiver
-from serving import TINY_MODEL, serve
+from serving import TINY_MODEL, closing, serve
 from voices import quiet_voice
 
 TOOLS_SERVER = Path(__file__).resolve().parent.parent / "mcp_tools_server.py"
@@ -72,7 +72,7 @@ def _one(spans: list[Span], name: str) -> Span:
 def test_a_streamed_chat_is_a_span_per_phase_under_the_clients_traceparent(traced: tuple[str, Receiver]) -> None:
     url, receiver = traced
     header, trace_id, client_span = _traceparent()
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0))
     with client.chat.completions.with_streaming_response.create(
         model="tiny",
         messages=[{"role": "user", "content": "hello"}],
@@ -114,7 +114,7 @@ def test_a_streamed_chat_is_a_span_per_phase_under_the_clients_traceparent(trace
 def test_a_tool_loops_turns_and_mcp_calls_are_spans(traced: tuple[str, Receiver]) -> None:
     url, receiver = traced
     header, trace_id, client_span = _traceparent()
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0))
     tools: Any = [
         {
             "type": "mcp",
@@ -155,7 +155,7 @@ def test_a_batch_line_continues_the_trace_of_the_request_that_created_the_batch(
 ) -> None:
     url, receiver = traced
     header, trace_id, client_span = _traceparent()
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0))
     line = {
         "custom_id": "one",
         "method": "POST",
@@ -187,7 +187,7 @@ def test_a_batch_line_continues_the_trace_of_the_request_that_created_the_batch(
 def test_speech_is_a_span_per_sentence(traced: tuple[str, Receiver]) -> None:
     url, receiver = traced
     header, trace_id, client_span = _traceparent()
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0))
     audio = client.audio.speech.create(
         model="joe", voice="joe", input="Hello there. How are you today?", extra_headers={"traceparent": header}
     )
