@@ -1,25 +1,29 @@
-"""A faulty MCP server on stdio, speaking JSON-RPC lines by hand (the SDK's server would
-not send what this one does): ``python mcp_faulty_server.py``.
+"""A faulty MCP server, speaking JSON-RPC by hand (the SDK's server would not send what this
+one does): on stdio, ``python mcp_faulty_server.py``; over streamable HTTP, ``python
+mcp_faulty_server.py http PORT`` (answers as JSON, ``chatty``'s as an event stream).
 
 Its tools: ``ok`` answers "ok"; ``deep`` answers with ``structuredContent`` nested 300
 deep, past the depth the MCP SDK's parser reads (its call waited out the whole call
 timeout: the SDK's session only logs a message it cannot read); ``chatty`` sends 200,000
 log notifications before it answers (the SDK handles each on the event loop). ``python
 mcp_faulty_server.py crowded`` lists 10,000 tools instead (parsing them held the
-event loop 0.6 s)."""
+event loop 0.6 s; over HTTP, 2 s for 50,000), ``huge`` (HTTP only) answers 2 MB."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-_CROWDED = sys.argv[1:] == ["crowded"]
+_CROWDED = sys.argv[-1:] == ["crowded"]
 _TOOLS = [
     {"name": name, "description": description, "inputSchema": {"type": "object", "properties": {}}}
     for name, description in (
         ("ok", "Answers ok"),
         ("deep", "Answers with a result nested 300 deep"),
         ("chatty", "Sends 200,000 log notifications, then answers"),
+        ("huge", "Answers 2 MB"),
     )
 ]
 
@@ -33,6 +37,8 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
         if _CROWDED:
             return {"tools": [{**_TOOLS[0], "name": f"t{n}"} for n in range(10_000)]}
         return {"tools": _TOOLS}
+    if method == "tools/call" and isinstance(params, dict) and params.get("name") == "huge":
+        return {"content": [{"type": "text", "text": "x" * 2_000_000}]}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "deep":
         return {
             "content": [{"type": "text", "text": "deep"}],
@@ -41,17 +47,56 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
     return {"content": [{"type": "text", "text": "ok"}]}
 
 
-for line in sys.stdin:
-    message = json.loads(line)
+_NOTICE = json.dumps({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "x"}})
+
+
+def _chatty(message: dict[str, object]) -> bool:
     params = message.get("params")
-    if message.get("method") == "tools/call" and isinstance(params, dict) and params.get("name") == "chatty":
-        notice = json.dumps(
-            {"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "x"}}
-        )
-        try:
-            sys.stdout.write((notice + "\n") * 200_000)
-        except BrokenPipeError:  # stopped for it
-            break
-    if "id" in message:  # notifications need no answer
-        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": _answer(message)}) + "\n")
-        sys.stdout.flush()
+    return message.get("method") == "tools/call" and isinstance(params, dict) and params.get("name") == "chatty"
+
+
+def _serve_stdio() -> None:
+    for line in sys.stdin:
+        message = json.loads(line)
+        if _chatty(message):
+            try:
+                sys.stdout.write((_NOTICE + "\n") * 200_000)
+            except BrokenPipeError:  # stopped for it
+                break
+        if "id" in message:  # notifications need no answer
+            sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": _answer(message)}) + "\n")
+            sys.stdout.flush()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # http.server's name
+        message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "id" not in message:  # a notification
+            self.send_response(202)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        answer = json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": _answer(message)}).encode()
+        if _chatty(message):
+            body = f"event: message\ndata: {_NOTICE}\n\n".encode() * 200_000
+            body += b"event: message\ndata: " + answer + b"\n\n"
+            kind = "text/event-stream"
+        else:
+            body, kind = answer, "application/json"
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(OSError):  # refused midway
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet
+        pass
+
+
+if sys.argv[1:2] == ["http"]:
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), _Handler).serve_forever()
+else:
+    _serve_stdio()

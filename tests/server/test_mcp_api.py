@@ -7,6 +7,7 @@ arguments (``add`` checks them by its answer), and answers with random text othe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -34,12 +35,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def http_mcp() -> Iterator[str]:
-    """The tools server over streamable HTTP, in a process of its own; yields its URL."""
+@contextlib.contextmanager
+def _http_server(script: Path, *args: str) -> Iterator[str]:
+    """``script http PORT *args`` in a process of its own; yields its URL."""
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, str(TOOLS_SERVER), "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, str(script), "http", str(port), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 30
     while True:
@@ -59,12 +60,26 @@ def http_mcp() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def http_mcp() -> Iterator[str]:
+    """The tools server over streamable HTTP."""
+    with _http_server(TOOLS_SERVER) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def faulty_http() -> Iterator[tuple[str, str]]:
+    """The faulty server over streamable HTTP, and its crowded twin."""
+    with _http_server(FAULTY_SERVER) as faulty, _http_server(FAULTY_SERVER, "crowded") as crowded:
+        yield faulty, crowded
+
+
+@pytest.fixture(scope="module")
 def marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mcp") / "nap"
 
 
 @pytest.fixture(scope="module")
-def url(http_mcp: str, marker: Path) -> Iterator[str]:
+def url(http_mcp: str, faulty_http: tuple[str, str], marker: Path) -> Iterator[str]:
     config = ServerConfig(
         models={"tiny": TINY_MODEL},
         mcp_servers=(
@@ -73,6 +88,8 @@ def url(http_mcp: str, marker: Path) -> Iterator[str]:
             McpServer("faulty", command=(sys.executable, str(FAULTY_SERVER))),
             McpServer("crowded", command=(sys.executable, str(FAULTY_SERVER), "crowded")),
             McpServer("web", url=http_mcp),
+            McpServer("faulty-web", url=faulty_http[0]),
+            McpServer("crowded-web", url=faulty_http[1]),
             McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
             McpServer("gone", command=("/nonexistent/mcp-server",)),
         ),
@@ -374,14 +391,45 @@ def test_a_flood_of_notifications_stops_the_server(client: openai.OpenAI, url: s
 
 
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
-def test_a_listing_of_too_many_tools_is_refused_before_it_is_parsed(client: openai.OpenAI, url: str) -> None:
+@pytest.mark.parametrize(
+    ("label", "says"),
+    [
+        ("crowded", "a list of 10000 tools (at most 1000 are taken)"),
+        ("crowded-web", "a list of more than 1000 tools (the most taken)"),  # refused as they arrive
+    ],
+)
+def test_a_listing_of_too_many_tools_is_refused_before_it_is_parsed(
+    client: openai.OpenAI, url: str, label: str, says: str
+) -> None:
     """10,000 tools (800 KB): parsing them held the event loop 0.6 s (50,000: 3.8 s and
-    +227 MiB) before the request was refused for its 128-tool bound."""
+    +227 MiB over stdio; 2 s and +216 MiB over HTTP, where the SDK parsed them) before the
+    request was refused for its 128-tool bound."""
     with watched(url) as seen, pytest.raises(openai.APIStatusError) as caught:
-        client.responses.create(model="tiny", input="Hi", tools=[_mcp("crowded", require_approval="never")])
+        client.responses.create(model="tiny", input="Hi", tools=[_mcp(label, require_approval="never")])
     seen.assert_within(grown=64 * 2**20)
     assert caught.value.status_code == 424, caught.value.message
-    assert "a list of 10000 tools (at most 1000 are taken)" in caught.value.message
+    assert says in caught.value.message, caught.value.message
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+@pytest.mark.parametrize(
+    ("tool", "says"),
+    [("chatty", "more than 1000 messages in a second"), ("huge", "a message of more than 1000000 bytes")],
+)
+def test_an_http_answer_past_the_bounds_fails_the_call_at_once(
+    client: openai.OpenAI, url: str, tool: str, says: str
+) -> None:
+    """Over streamable HTTP the SDK read a JSON answer whole and handed every event of a
+    stream on: the bounds are applied to the bytes as they arrive. The call fails saying
+    why, and the server's next call is answered."""
+    started = time.monotonic()
+    with watched(url) as seen:
+        call = _call_alone(client, "faulty-web", tool)
+    seen.assert_within()
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert says in call.error.message, call.error
+    assert time.monotonic() - started < 10  # not the call timeout's wait
+    assert _call_alone(client, "faulty-web", "ok").output == "ok"
 
 
 def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:

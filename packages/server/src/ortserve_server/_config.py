@@ -280,8 +280,8 @@ class ServerConfig:
     mcp_max_output_bytes: int = 64 * 1024
     """A tool result longer than this reaches the model cut, with a note saying so."""
     mcp_max_message_bytes: int = 8 * 1024 * 1024
-    """The longest message a stdio MCP server may send (a result, a tool list): a longer
-    one stops that server's process (it starts again on next use) and the call fails."""
+    """The longest message an MCP server may send (a result, a tool list): the call fails; a
+    stdio server's process is stopped for it (it starts again on next use)."""
     mcp_max_tool_calls: int = 16
     """MCP calls one response may make when it does not set ``max_tool_calls`` (at most
     this when it does); then the model must answer without tools."""

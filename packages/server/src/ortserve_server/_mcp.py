@@ -116,7 +116,7 @@ class _Link:
     """One open MCP connection, owned by a task of its own (see the module's docstring)."""
 
     def __init__(
-        self, name: str, target: Any, headers: dict[str, str], start_timeout: float, max_message_bytes: int = 0
+        self, name: str, target: Any, headers: dict[str, str], start_timeout: float, max_message_bytes: int
     ) -> None:
         self.name = name
         self._target = target
@@ -125,6 +125,7 @@ class _Link:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.client: Any = None
+        self._max_message_bytes = max_message_bytes
         self._stdio = StdioLink(target, max_message_bytes) if isinstance(target, tuple) else None
 
     @property
@@ -153,7 +154,8 @@ class _Link:
     async def _own(self, ready: asyncio.Future[None]) -> None:
         from mcp import Client
         from mcp.client.streamable_http import streamable_http_client
-        from mcp.shared._httpx_utils import create_mcp_http_client
+
+        from ._mcp_http import bounded_http_client
 
         target = self._target
         try:
@@ -161,8 +163,9 @@ class _Link:
                 if self._stdio is not None:
                     server: Any = self._stdio.transport()
                 else:
-                    http = await stack.enter_async_context(create_mcp_http_client(headers=self._headers))
-                    server = streamable_http_client(target, http_client=http)
+                    bound = self._max_message_bytes
+                    http = await stack.enter_async_context(bounded_http_client(self._headers, bound))
+                    server = streamable_http_client(target, http_client=http, max_sse_event_size=bound)
                 self.client = await stack.enter_async_context(Client(server, mode="legacy", cache=None))
                 ready.set_result(None)
                 await self._stop.wait()
@@ -351,7 +354,7 @@ class McpTools:
                 listed = await hub.tools(label)
             else:
                 assert url is not None
-                link = _Link(label, url, headers or {}, hub.config.mcp_start_timeout)
+                link = _Link(label, url, headers or {}, hub.config.mcp_start_timeout, hub.config.mcp_max_message_bytes)
                 await link.open()
                 self._own.append(link)
                 use.link = link
