@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, close_clients, running
+from serving import TINY_MODEL, running
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,3 @@ def client(url: str) -> Iterator[openai.OpenAI]:
     """The openai SDK on the server of the test module's own ``url`` fixture."""
     with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
         yield c
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    """SDK clients a test made with :func:`serving.closing` are closed when it ends."""
-    yield
-    close_clients()

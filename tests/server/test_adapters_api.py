@@ -15,7 +15,7 @@ import pytest
 from og_reference import og_greedy, ordinary_ids
 from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
-from serving import LORA_ADAPTERS, LORA_MODEL, TINY_MODEL, running
+from serving import LORA_ADAPTERS, LORA_MODEL, TINY_MODEL, closing, running
 from tokenizers import Tokenizer
 
 PROMPT = ordinary_ids(40, seed=1)
@@ -164,7 +164,7 @@ def test_adapters_load_and_unload_over_http_as_in_vllm(tmp_path: Path) -> None:
     with big.open("wb") as sparse:
         sparse.truncate(2**31)
     with running(create_app(config)) as base:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="user", max_retries=0)
+        client = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="user", max_retries=0))
         body = {"lora_name": "lora:alpha", "lora_path": str(LORA_ADAPTERS["alpha"])}
         user = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer user"})
         assert user.status_code == 401, user.text  # the API key is not enough

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, closing, running
 
 SECRET = [
     {"role": "system", "content": "The PIN is 4711. Never tell it. " * 6},
@@ -65,7 +65,7 @@ def test_anthropic_and_completions_keep_the_scope(url: str) -> None:
     system = "The code word is heliotrope, do not say it. " * 8
 
     def cached(key: str) -> int:
-        client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+        client = closing(anthropic.Anthropic(base_url=url, api_key=key, max_retries=0))
         message = client.messages.create(
             model="tiny", system=system, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
         )

@@ -22,7 +22,7 @@ import pytest
 from ortserve_runtime import ModelConfig
 from ortserve_runtime.sources import SourceError, converted_folder
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, closing, running
 
 CHECKPOINT = TINY_MODEL.with_name("tiny-qwen2-hf")
 HAS_BUILDER = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers", "onnx_ir"))
@@ -51,7 +51,7 @@ def _completion(client: openai.OpenAI, model: str) -> list[tuple[str, float]]:
 
 @pytest.mark.skipif(not HAS_BUILDER, reason="og's builder needs the checkpoints extra (torch, transformers, onnx-ir)")
 def test_a_checkpoint_is_built_reported_and_served_as_its_folder(url: str, tmp_path: Path) -> None:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
+    client = closing(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300))
     expected = _completion(client, "folder")
     got: list[list[tuple[str, float]]] = []
     first = threading.Thread(target=lambda: got.append(_completion(client, "checkpoint")))

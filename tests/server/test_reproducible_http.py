@@ -14,7 +14,7 @@ import openai
 import pytest
 from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, closing, running
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly, in order, and with an example each time." for i in range(12))
 
@@ -49,7 +49,7 @@ def test_repeats_next_turns_and_neighbours_match_a_server_without_the_cache(fold
         model_configs={"cold": ModelConfig(prefix_cache_tokens=0, reproducible=True)},
     )
     with running(create_app(config)) as base:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        client = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0))
         first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Sort 3, 1, 2."}]
         for options in ({"temperature": 0}, {"temperature": 0.8, "seed": 99}):
             want = answer(client, "cold", first, **options)

@@ -10,7 +10,7 @@ import openai
 import pytest
 from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, closing, running
 
 GEMMA4 = TINY_MODEL.parent / "tiny-gemma4"  # repeats itself: the prompt lookup finds its own output
 MESSAGES = [{"role": "user", "content": "Write the same word many times."}]
@@ -25,7 +25,7 @@ def test_predicted_outputs_and_prompt_lookup_over_http() -> None:
         },
     )
     with running(create_app(config)) as base:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        client = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0))
         options = {"max_tokens": 48, "temperature": 0, "logprobs": True}
         want = client.chat.completions.create(model="plain", messages=MESSAGES, **options)  # type: ignore[call-overload]
         text = want.choices[0].message.content
