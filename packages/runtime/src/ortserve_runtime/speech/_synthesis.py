@@ -371,7 +371,7 @@ class VoiceModel:
         samples = np.clip(np.asarray(audio, dtype=np.float32).reshape(-1), -1.0, 1.0)
         del audio
         if long:
-            release_freed_memory()  # what the arena handed back stays in the C heap otherwise  # what the call freed stays in the C heap otherwise (2-4 ms a call)
+            release_freed_memory()  # what the arena handed back stays in the C heap otherwise (2-4 ms a call)
         return SpeechChunk(samples=samples, phonemes=len(ids))
 
     @staticmethod
