@@ -5,15 +5,20 @@ mcp_faulty_server.py http PORT`` (answers as JSON, ``chatty``'s as an event stre
 Its tools: ``ok`` answers "ok"; ``deep`` answers with ``structuredContent`` nested 300
 deep, past the depth the MCP SDK's parser reads (its call waited out the whole call
 timeout: the SDK's session only logs a message it cannot read); ``chatty`` sends 200,000
-log notifications before it answers (the SDK handles each on the event loop). ``python
-mcp_faulty_server.py crowded`` lists 10,000 tools instead (parsing them held the
-event loop 0.6 s; over HTTP, 2 s for 50,000), ``huge`` (HTTP only) answers 2 MB."""
+log notifications before it answers (the SDK handles each on the event loop); ``loud``
+fails with an error message of 200 KB. ``python mcp_faulty_server.py crowded`` lists 10,000
+tools instead (parsing them held the event loop 0.6 s; over HTTP, 2 s for 50,000). HTTP
+only: ``huge`` answers 2 MB; ``zipped`` answers "ok" gzip-encoded; ``bomb`` answers 100 MB
+of text gzip-encoded into 100 KB (httpx decoded it above the transport's bounds)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gzip
 import json
 import sys
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _CROWDED = sys.argv[-1:] == ["crowded"]
@@ -24,6 +29,9 @@ _TOOLS = [
         ("deep", "Answers with a result nested 300 deep"),
         ("chatty", "Sends 200,000 log notifications, then answers"),
         ("huge", "Answers 2 MB"),
+        ("loud", "Fails with an error message of 200 KB"),
+        ("zipped", "Answers ok, gzip-encoded"),
+        ("bomb", "Answers 100 MB gzip-encoded into 100 KB"),
     )
 ]
 
@@ -50,9 +58,37 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
 _NOTICE = json.dumps({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "x"}})
 
 
-def _chatty(message: dict[str, object]) -> bool:
+def _called(message: dict[str, object]) -> object:
+    """The name of the tool ``message`` calls, if it calls one."""
     params = message.get("params")
-    return message.get("method") == "tools/call" and isinstance(params, dict) and params.get("name") == "chatty"
+    return params.get("name") if message.get("method") == "tools/call" and isinstance(params, dict) else None
+
+
+def _chatty(message: dict[str, object]) -> bool:
+    return _called(message) == "chatty"
+
+
+def _reply(message: dict[str, object]) -> dict[str, object]:
+    if _called(message) == "loud":
+        return {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32000, "message": "E" * 200_000}}
+    return {"jsonrpc": "2.0", "id": message["id"], "result": _answer(message)}
+
+
+@functools.cache
+def _bomb_start() -> tuple[bytes, zlib._Compress]:
+    """A JSON answer's first 100 MB, gzip-compressed, and the compressor that made it (its id
+    comes last: one start made for all answers)."""
+    compressor = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    start = [compressor.compress(b'{"jsonrpc": "2.0", "result": {"content": [{"type": "text", "text": "')]
+    block = b"x" * 2**20
+    start += [compressor.compress(block) for _ in range(100)]
+    return b"".join(start), compressor
+
+
+def _bomb(message_id: object) -> bytes:
+    start, compressor = _bomb_start()
+    rest = compressor.copy()
+    return start + rest.compress(f'"}}]}}, "id": {json.dumps(message_id)}}}'.encode()) + rest.flush()
 
 
 def _serve_stdio() -> None:
@@ -64,7 +100,7 @@ def _serve_stdio() -> None:
             except BrokenPipeError:  # stopped for it
                 break
         if "id" in message:  # notifications need no answer
-            sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": _answer(message)}) + "\n")
+            sys.stdout.write(json.dumps(_reply(message)) + "\n")
             sys.stdout.flush()
 
 
@@ -78,8 +114,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        answer = json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": _answer(message)}).encode()
-        if _chatty(message):
+        answer = json.dumps(_reply(message)).encode()
+        encoding = "gzip" if _called(message) in ("zipped", "bomb") else None
+        if _called(message) == "bomb":
+            body, kind = _bomb(message["id"]), "application/json"
+        elif encoding is not None:
+            body, kind = gzip.compress(answer), "application/json"
+        elif _chatty(message):
             body = f"event: message\ndata: {_NOTICE}\n\n".encode() * 200_000
             body += b"event: message\ndata: " + answer + b"\n\n"
             kind = "text/event-stream"
@@ -88,6 +129,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
+        if encoding is not None:
+            self.send_header("Content-Encoding", encoding)
         self.end_headers()
         with contextlib.suppress(OSError):  # refused midway
             self.wfile.write(body)

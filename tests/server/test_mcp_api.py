@@ -414,14 +414,19 @@ def test_a_listing_of_too_many_tools_is_refused_before_it_is_parsed(
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 @pytest.mark.parametrize(
     ("tool", "says"),
-    [("chatty", "more than 1000 messages in a second"), ("huge", "a message of more than 1000000 bytes")],
+    [
+        ("chatty", "more than 1000 messages in a second"),
+        ("huge", "a message of more than 1000000 bytes"),
+        ("bomb", "a message of more than 1000000 bytes"),  # 100 KB of gzip, as decoded
+    ],
 )
 def test_an_http_answer_past_the_bounds_fails_the_call_at_once(
     client: openai.OpenAI, url: str, tool: str, says: str
 ) -> None:
     """Over streamable HTTP the SDK read a JSON answer whole and handed every event of a
-    stream on: the bounds are applied to the bytes as they arrive. The call fails saying
-    why, and the server's next call is answered."""
+    stream on: the bounds are applied to the bytes as they arrive, decoded (httpx inflated
+    a gzip answer above the transport: 200 MB from 200 KB held /health 5 s, +403 MiB, and
+    the call succeeded). The call fails saying why, and the server's next call is answered."""
     started = time.monotonic()
     with watched(url) as seen:
         call = _call_alone(client, "faulty-web", tool)
@@ -430,6 +435,21 @@ def test_an_http_answer_past_the_bounds_fails_the_call_at_once(
     assert says in call.error.message, call.error
     assert time.monotonic() - started < 10  # not the call timeout's wait
     assert _call_alone(client, "faulty-web", "ok").output == "ok"
+
+
+def test_a_gzip_answer_within_the_bounds_is_read(client: openai.OpenAI) -> None:
+    """The transport inflates gzip itself (to bound it): a server that compresses is heard."""
+    call = _call_alone(client, "faulty-web", "zipped")
+    assert call.type == "mcp_call" and call.error is None and call.output == "ok", call
+
+
+@pytest.mark.parametrize("label", ["faulty", "faulty-web"])
+def test_a_servers_long_error_message_is_cut_as_a_result_is(client: openai.OpenAI, label: str) -> None:
+    """An error of 200 KB from the server reached the model whole (the request failed: the
+    prompt past the model's context), where a result of 200 KB is cut to mcp_max_output_bytes."""
+    call = _call_alone(client, label, "loud")
+    assert call.type == "mcp_call" and call.output is None and call.error is not None, call
+    assert call.error.message == "E" * 500 + f"\n[output cut: {200_000 - 500} more bytes]", call.error.message[-80:]
 
 
 def test_a_server_that_never_answers_is_a_424_and_the_server_keeps_serving(client: openai.OpenAI) -> None:

@@ -116,6 +116,20 @@ def test_log_prompts_puts_the_prompt_into_the_line(tmp_path: Path) -> None:
     assert [line["prompt"] for line in lines if line.get("route") == "/v1/chat/completions"] == [PROMPT]
 
 
+def test_a_plain_log_line_holds_the_path_percent_encoded(tmp_path: Path) -> None:
+    """The path is decoded from the request line: a %0A in it wrote a line of the client's
+    choosing into a plain log (``INFO ortserve.access: ...``, a forged request)."""
+    log = tmp_path / "server.log"
+    forged = "INFO ortserve.access: req_forged GET /v1/models 200 model=- tokens=0/0 1ms"
+    with serve(log, "--model", f"tiny={TINY_MODEL}", "--log-level", "info", "--state-dir", "none") as url:
+        answer = httpx.get(f"{url}/v1/models/x%0A{forged.replace(' ', '%20')}", headers={"x-request-id": "r-path"})
+    assert answer.status_code == 404
+    lines = log.read_text().splitlines()
+    assert not any(line.startswith(forged[:30]) for line in lines), lines
+    (line,) = [line for line in lines if "r-path" in line]
+    assert "GET /v1/models/x%0AINFO%20ortserve.access:%20req_forged" in line, line
+
+
 def _usage(url: str, bearer: str, **params: str) -> dict[tuple[str, str], dict[str, int]]:
     answer = httpx.get(f"{url}/v1/usage", params=params, headers={"authorization": f"Bearer {bearer}"})
     assert answer.status_code == 200, answer.text

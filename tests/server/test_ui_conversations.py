@@ -3,6 +3,7 @@ keeps per API key (``/v1/ui/conversations``) in the state database, SQLite and P
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,11 @@ import pytest
 from ortserve_server import ServerConfig, create_app
 from ortserve_server import _conversation_store as store
 from postgres import postgres_server
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, rss_growth, running, watched
 
 ALICE = {"Authorization": "Bearer alice-key"}
 BOB = {"Authorization": "Bearer bob-key"}
+JSON = {"content-type": "application/json"}
 CONVERSATION = {
     "title": "Lists in Python",
     "model": "tiny",
@@ -131,6 +133,8 @@ def test_export_and_import_round_trip(http: httpx.Client) -> None:
     ("body", "field"),
     [
         ({"title": 3}, "title"),
+        ({"title": "x" * 1001}, "title"),  # a list shows 1000 titles: a 15 MB one was taken
+        ({"model": "m" * 1001}, "model"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
         ({"settings": {"temperature": "hot"}}, "temperature"),
         ({"colour": "blue"}, "colour"),
@@ -160,6 +164,37 @@ def test_bounds(http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     assert http.post("/v1/ui/conversations", json={"title": "last"}, headers=BOB).status_code == 200
     full = http.post("/v1/ui/conversations", json={"title": "one more"}, headers=BOB)
     assert full.status_code == 413 and "at most" in full.json()["error"]["message"]
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_an_import_past_the_bound_is_refused_before_its_work(http: httpx.Client, url: str) -> None:
+    """45,000 conversations (under the JSON body's key bound) were each made and encoded on
+    the event loop before the count was checked against the bound of 1000."""
+    content = json.dumps({"data": [{"title": "t"}] * 45_000}).encode()
+    with watched(url) as seen:
+        refused = http.post("/v1/ui/conversations/import", content=content, headers={**BOB, **JSON})
+    assert refused.status_code == 413 and "this import has 45000" in refused.json()["error"]["message"]
+    seen.assert_within()
+
+
+def test_an_export_is_written_a_conversation_at_a_time() -> None:
+    """A key keeps up to 1000 conversations of 8 MiB: the export was made whole in memory
+    (20 of 7 MiB grew the process by 573 MiB; 1000 would not fit). Written one at a time,
+    it grows by a few conversations' worth."""
+    with running(create_app(keyed_config())) as base, httpx.Client(base_url=base, timeout=60) as http:
+        text = "y" * (7 * 2**20)
+        content = json.dumps({"title": "big", "messages": [{"role": "user", "content": text}]}).encode()
+        for _ in range(20):
+            assert http.post("/v1/ui/conversations", content=content, headers={**ALICE, **JSON}).status_code == 200
+        http.post("/v1/ui/conversations", json=CONVERSATION, headers=ALICE)
+        with rss_growth() as grown, http.stream("GET", "/v1/ui/conversations/export", headers=ALICE) as answer:
+            size = sum(len(chunk) for chunk in answer.iter_raw())  # as a client reading it would
+        assert answer.status_code == 200 and size > 20 * len(text)
+        assert grown[0] < 100 * 2**20, f"+{grown[0] >> 20} MiB"
+        exported = http.get("/v1/ui/conversations/export", headers=ALICE).json()
+    assert exported["object"] == "list" and len(exported["data"]) == 21
+    assert exported["data"][0]["title"] == CONVERSATION["title"]  # most recently updated first
+    assert all(c["messages"][0]["content"] == text for c in exported["data"][1:])
 
 
 def test_the_routes_are_in_the_openapi_schema(http: httpx.Client) -> None:

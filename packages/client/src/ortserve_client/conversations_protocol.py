@@ -9,13 +9,14 @@ server keeps them per API key in its state database; it does not interpret the m
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
 
 from .protocol import _Request, _Response
 
 __all__ = [
+    "MAX_NAME_CHARS",
     "Conversation",
     "ConversationDeleted",
     "ConversationExport",
@@ -27,6 +28,11 @@ __all__ = [
     "ConversationWrite",
     "ImportedConversation",
 ]
+
+MAX_NAME_CHARS = 1000
+"""The longest ``title`` or ``model`` a conversation takes: a list shows up to 1,000 of each,
+so they stay short (the messages are bounded as the conversation's bytes)."""
+_Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 
 
 class ConversationSettings(_Request):
@@ -67,8 +73,8 @@ class ConversationWrite(_Request):
     """``POST /v1/ui/conversations`` (create) and ``POST /v1/ui/conversations/{id}``
     (update: only the fields given change; rename with ``title`` alone)."""
 
-    title: str | UnsetType = UNSET
-    model: str | UnsetType = UNSET
+    title: _Name | UnsetType = UNSET
+    model: _Name | UnsetType = UNSET
     system: str | UnsetType = UNSET
     """The system prompt ("" for none)."""
     settings: ConversationSettings | UnsetType = UNSET

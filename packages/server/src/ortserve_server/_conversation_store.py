@@ -6,7 +6,7 @@ bytes, so that no caller grows the database without end."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 from ortserve_client import conversations_protocol as cp
@@ -100,6 +100,10 @@ class ConversationStore:
         """New conversations from ``writes`` (absent fields empty; an imported one keeps its
         timestamps), all or none: ``ConversationsFull`` or ``ConversationTooLarge`` when
         they cannot be kept."""
+        if len(writes) > MAX_CONVERSATIONS:  # before the work of each (500,000 held the event loop 5 s)
+            raise ConversationsFull(
+                f"a key keeps at most {MAX_CONVERSATIONS} conversations; this import has {len(writes)}"
+            )
         now = time.time()
         made = []
         for given in writes:
@@ -184,14 +188,17 @@ class ConversationStore:
 
         return await self._db.run(listed)
 
-    async def export(self, owner: str) -> list[cp.Conversation]:
-        """Every conversation of the owner, whole, most recently updated first."""
+    async def export(self, owner: str) -> AsyncIterator[cp.Conversation]:
+        """Every conversation of the owner, whole, most recently updated first, one at a
+        time (all of them at once are up to 1,000 times 8 MiB); one deleted meanwhile is left out."""
 
-        def exported(db: Connection) -> list[cp.Conversation]:
-            query = f"SELECT {_COLUMNS}, body FROM ui_conversations WHERE owner = ? ORDER BY updated DESC, id"
-            return [_conversation(row) for row in db.execute(query, (owner,))]
+        def ids(db: Connection) -> list[str]:
+            query = "SELECT id FROM ui_conversations WHERE owner = ? ORDER BY updated DESC, id"
+            return [str(row[0]) for row in db.execute(query, (owner,))]
 
-        return await self._db.run(exported)
+        for conversation_id in await self._db.run(ids):
+            if (found := await self.get(owner, conversation_id)) is not None:
+                yield found
 
 
 def _merge(conversation: cp.Conversation, write_: cp.ConversationWrite) -> cp.Conversation:

@@ -229,6 +229,14 @@ class _Link:
         return _Result(text, bool(result.is_error), content)
 
 
+def _cut(text: str, limit: int) -> str:
+    """``text`` as the model reads it: its first ``limit`` bytes, with a note of the rest."""
+    encoded = text.encode()
+    if len(encoded) <= limit:
+        return text
+    return encoded[:limit].decode(errors="ignore") + f"\n[output cut: {len(encoded) - limit} more bytes]"
+
+
 def _why(exc: BaseException) -> str:
     """The reason of an error, through the exception groups anyio wraps errors in."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
@@ -430,14 +438,12 @@ class McpTools:
             tool = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "ortserve.mcp.server": label}
             with span(f"execute_tool {name}", **tool):  # a span while tracing, else nothing
                 result = await link.call(name, parsed, hub.config.mcp_call_timeout)
-            limit = hub.config.mcp_max_output_bytes
-            encoded = result.text.encode()
-            if len(encoded) > limit:
-                result.text = (
-                    encoded[:limit].decode(errors="ignore") + f"\n[output cut: {len(encoded) - limit} more bytes]"
-                )
+            result.text = _cut(result.text, hub.config.mcp_max_output_bytes)
             outcome = "tool_error" if result.is_error else "ok"
             return result
+        except McpToolError as exc:  # an error's message, the server's own text too, is cut as a result is
+            exc.message = _cut(exc.message, hub.config.mcp_max_output_bytes)
+            raise
         except McpUnavailableError as exc:
             raise McpToolError("mcp_protocol_error", -32000, exc.message) from exc
         except asyncio.CancelledError:

@@ -10,6 +10,11 @@ whole JSON answer) past ``max_bytes`` or listing more than :data:`MAX_LISTED_TOO
 or more than :data:`MAX_NOTIFICATIONS_PER_SECOND` events in a second, ends that answer with
 an error the SDK reports as the call's (or the tool list's) failure. Events that carry
 notifications are dropped, as on stdio.
+
+The bounds count the bytes the SDK will read, decoded: httpx decodes a ``Content-Encoding``
+above the transport, where a gzip answer of 300 KB became 300 MB for the SDK to parse (the
+event loop held 8 s, +1.4 GiB). So the transport asks for gzip or deflate only, inflates
+them itself a piece at a time (zlib's ``max_length``), and hands the answer on as not encoded.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+import zlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx2
@@ -30,6 +36,10 @@ _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 """Where an SSE event ends (a blank line, in any of the three line endings)."""
 _TOOL = b'"inputSchema"'
 """Every listed tool has one; a quote inside a JSON string is escaped, so text cannot fake one."""
+_ENCODINGS = ("gzip", "x-gzip", "deflate")
+"""The content codings inflated here (zlib reads both, and tells them apart by their header)."""
+_PIECE = 64 * 1024
+"""The most that one step of inflating makes: a bomb grows by this much at a time, then is refused."""
 
 
 class MessageRefusedError(httpx2.StreamError, httpx2.SSEError):
@@ -58,9 +68,14 @@ class _BoundedTransport(httpx2.AsyncBaseTransport):
         self._max_bytes = max_bytes
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        request.headers["Accept-Encoding"] = "gzip, deflate"  # those inflated here
         response = await self._inner.handle_async_request(request)
         events = response.headers.get("content-type", "").lower().startswith("text/event-stream")
-        response.stream = _BoundedStream(response.stream, events, self._max_bytes)
+        # Decoded here, bounded, so that httpx, above the transport, decodes nothing.
+        encoding = response.headers.pop("content-encoding", "").strip().lower() or "identity"
+        if encoding != "identity":
+            response.headers.pop("content-length", None)
+        response.stream = _BoundedStream(response.stream, events, self._max_bytes, encoding)
         return response
 
     async def aclose(self) -> None:
@@ -72,8 +87,10 @@ class _BoundedStream(httpx2.AsyncByteStream):
     count in: for an event stream, the current event (and the events of the current second);
     for anything else, the whole answer."""
 
-    def __init__(self, inner: Any, events: bool, max_bytes: int) -> None:
+    def __init__(self, inner: Any, events: bool, max_bytes: int, encoding: str = "identity") -> None:
         self._inner = inner
+        self._encoding = encoding
+        self._inflater = zlib.decompressobj(32 + zlib.MAX_WBITS) if encoding in _ENCODINGS else None
         self._events = events
         self._max_bytes = max_bytes
         self._message = bytearray()
@@ -82,11 +99,31 @@ class _BoundedStream(httpx2.AsyncByteStream):
         self._second = (0.0, 0)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._inflater is None and self._encoding != "identity":
+            raise MessageRefusedError(f"an answer in the content coding {self._encoding!r} (asked for gzip or deflate)")
         async for chunk in self._inner:
-            if passed := self._take(chunk):
-                yield passed
+            for piece in self._inflated(chunk):
+                if passed := self._take(piece):
+                    yield passed
         if self._events and self._message:  # an event the stream ended in the middle of
             yield bytes(self._message)
+
+    def _inflated(self, chunk: bytes) -> Iterator[bytes]:
+        """``chunk`` decoded, in pieces of at most :data:`_PIECE` bytes, each counted by
+        :meth:`_take` before the next is made (a gzip member's end ends the answer)."""
+        if self._inflater is None:
+            yield chunk
+            return
+        try:
+            while chunk and not self._inflater.eof:
+                piece = self._inflater.decompress(chunk, _PIECE)
+                chunk = self._inflater.unconsumed_tail
+                yield piece
+                while len(piece) == _PIECE and not chunk:  # all read; more output may wait inside
+                    piece = self._inflater.decompress(b"", _PIECE)
+                    yield piece
+        except zlib.error as exc:
+            raise MessageRefusedError(f"an answer that is not the {self._encoding} it says ({exc})") from None
 
     def _take(self, chunk: bytes) -> bytes:
         """What of ``chunk`` goes on to the SDK: all of it, or, in an event stream, the

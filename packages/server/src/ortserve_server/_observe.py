@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 __all__ = ["JsonLogFormatter", "Observer", "add_request_id", "observe_requests", "tracing_source"]
 
 _REQUEST_ID_BYTES = REQUEST_ID_HEADER.encode()
+_PATH_SAFE = "/:@!$&'()*+,;="
+"""What a path segment may hold unencoded besides letters, digits and ``-._~`` (RFC 3986's pchar)."""
 
 logger = logging.getLogger("ortserve.server")
 access_log = logging.getLogger("ortserve.access")
@@ -160,7 +163,9 @@ class Observer:
             message,
             record.id,
             record.method,
-            record.path,
+            # Percent-encoded, as uvicorn's access log writes it: the path is decoded, and a
+            # %0A in it wrote a line of the client's own into a plain log.
+            urllib.parse.quote(record.path, safe=_PATH_SAFE),
             record.status,
             record.model or "-",
             record.input_tokens,

@@ -13,18 +13,21 @@ from __future__ import annotations
 import hashlib
 import html
 import posixpath
+from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
+import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.response import Stream
 from ortserve_client import conversations_protocol as cp
 
 from .._auth import caller_of
 from .._conversation_store import ConversationsFull, ConversationTooLarge, summary
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
-from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
+from .._openapi import GET_ERRORS, POST_ERRORS, error_responses, with_error_responses
 from .._state import OrtServe
 
 __all__ = ["CONTENT_SECURITY_POLICY", "conversation_route_handlers", "page_route_handlers"]
@@ -170,12 +173,24 @@ async def create_conversation(
 
 
 @get(
-    "/ui/conversations/export", summary="Export every conversation (extension)", responses=error_responses(*GET_ERRORS)
+    "/ui/conversations/export",
+    summary="Export every conversation (extension)",
+    responses=with_error_responses(cp.ConversationExport, "Every conversation of the key, whole", *GET_ERRORS),
 )
-async def export_conversations(
-    ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
-) -> cp.ConversationExport:
-    return cp.ConversationExport(data=await ortserve.conversations.export(caller_of(request).owner))
+async def export_conversations(ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]) -> Stream:
+    """A ``ConversationExport``, written a conversation at a time: a key's conversations
+    together are up to 8 GiB, more than the server could hold at once."""
+    conversations = ortserve.conversations.export(caller_of(request).owner)
+
+    async def written() -> AsyncIterator[bytes]:
+        yield b'{"data":['
+        separator = b""
+        async for conversation in conversations:
+            yield separator + msgspec.json.encode(conversation)
+            separator = b","
+        yield b'],"object":"list"}'
+
+    return Stream(written(), media_type="application/json")
 
 
 @post(
