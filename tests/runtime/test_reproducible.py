@@ -139,6 +139,9 @@ async def test_a_next_turn_holding_an_earlier_reply_gives_the_cold_runs_logprobs
         assert await fingerprint(model, second) == want  # a full hit, reply included
         third = second + want[0] + cold.encode(" And then?")
         assert await fingerprint(model, third) == await fingerprint(cold, third)
+        # A lone request's next turn finds its history where the last one left it (row 0),
+        # not copied back from the cache: the same bits either way.
+        assert model.engine.prefixes_in_place > 0  # type: ignore[attr-defined]
     finally:
         await registry.close()
 

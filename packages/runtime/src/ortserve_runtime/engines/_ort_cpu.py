@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ from ._decoder_graph import LAST_POSITION, LOGIT_POSITIONS, DecoderGraph, NotDri
 from ._draft_model import DraftModel, draft_length
 from ._host_memory import give_back, release_freed_memory, unhuged_zeros
 from ._int8_prefill import cpu_has_vnni, has_int4_matrices
-from ._prefix_cache import PrefixCache, Rows
+from ._prefix_cache import CacheEntry, PrefixCache, Rows
 
 __all__ = ["NotDrivableError", "OrtCpuEngine"]
 
@@ -137,6 +138,12 @@ class OrtCpuEngine(OwnerThread):
         while the engine is idle (see :meth:`_refill_step`); newest last."""
         self._refilling: _Refill | None = None
         """The refill going into row 0 now."""
+        self._row0_entry: weakref.ref[CacheEntry] | None = None
+        """The prefix-cache entry last copied out of cache row 0, while row 0 still holds it
+        unchanged: a request taking row 0 that reuses that entry (a lone chat's next turn)
+        finds its prefix in place, and the copy back (4 ms for a 600-token history of
+        SmolLM2) is skipped. ``None`` once anything else writes row 0 (weak: an evicted
+        entry's memory is not held for it)."""
         self._releasing = 0
         """Finished requests whose last event is out and whose rows are being released."""
         self.prefill_chunk = config.prefill_chunk_tokens
@@ -163,6 +170,8 @@ class OrtCpuEngine(OwnerThread):
         self.background_yields = 0
         """Times a background request gave way to an interactive one (its prefill parked, or
         its row given up); for tests and metrics."""
+        self.prefixes_in_place = 0
+        """Prefix-cache hits found in place in row 0 (see ``_row0_entry``); for tests."""
         self.draft_tokens = 0
         """Draft tokens checked so far (speculative decoding, see :meth:`_speculate`)."""
         self.accepted_draft_tokens = 0
@@ -305,7 +314,7 @@ class OrtCpuEngine(OwnerThread):
                 self._step()
             except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail the requests it touched
                 failed = [*self._rows, *([self._prefilling] if self._prefilling else [])]
-                self._prefilling = self._refilling = None
+                self._prefilling = self._refilling = self._row0_entry = None
                 self.prefix_cache.clear()  # a failed run may have left rows half written
                 for request in failed:
                     if request in self._rows:
@@ -375,6 +384,8 @@ class OrtCpuEngine(OwnerThread):
                 if request.prompt_scores is None:
                     # A prompt to score is prefilled whole: a cached prefix has no logits.
                     self._reuse_prefix(request)
+                if request.row == 0:
+                    self._row0_entry = None  # its prefill writes row 0 from here on
                 self._prefilling = request
             request = self._prefilling
             logits = self._prefill_chunk(request, _BACKGROUND_CHUNK if request.options.background else None)
@@ -441,6 +452,7 @@ class OrtCpuEngine(OwnerThread):
             refill.row = 0
             self._rows_touched = max(self._rows_touched, 1)
             self._reuse_prefix(refill, count=False)
+            self._row0_entry = None
         if self._prefill_chunk(refill, _REFILL_CHUNK) is not None:
             self._refilling = None
             self._remember(refill)
@@ -475,16 +487,19 @@ class OrtCpuEngine(OwnerThread):
         return group
 
     def _reuse_prefix(self, request: Request | _Refill, *, count: bool = True) -> None:
-        """Copy the longest cached prefix of ``request``'s prompt into its row (``count``:
-        in the cache's hit and miss figures)."""
+        """Copy the longest cached prefix of ``request``'s prompt into its row, unless the row
+        holds it already (see ``_row0_entry``; ``count``: in the cache's hit and miss figures)."""
         if self._odd_long_rope(request):
             return  # its last row is computed alone in a block (see _odd_long_rope): always cold
         entry, length = self.prefix_cache.lookup(request.prompt, self._cache_group(request), count=count)
         if entry is None:
             return
-        for (keys, values), (cached_keys, cached_values) in zip(self._cache, entry.rows, strict=True):
-            keys[request.row, :, :length] = cached_keys[:, :length]
-            values[request.row, :, :length] = cached_values[:, :length]
+        in_place = request.row == 0 and self._row0_entry is not None and self._row0_entry() is entry
+        self.prefixes_in_place += in_place
+        if not in_place:
+            for (keys, values), (cached_keys, cached_values) in zip(self._cache, entry.rows, strict=True):
+                keys[request.row, :, :length] = cached_keys[:, :length]
+                values[request.row, :, :length] = cached_values[:, :length]
         request.prefilled = request.cached_tokens = length
 
     def _odd_long_rope(self, request: Request | _Refill) -> bool:
@@ -512,7 +527,9 @@ class OrtCpuEngine(OwnerThread):
         def copy_rows(count: int) -> Rows:
             return [(keys[row, :, :count].copy(), values[row, :, :count].copy()) for keys, values in self._cache]
 
-        self.prefix_cache.store(tokens, copy_rows, group)
+        entry = self.prefix_cache.store(tokens, copy_rows, group)
+        if entry is not None and row == 0:
+            self._row0_entry = weakref.ref(entry)
 
     def _bind(
         self,
@@ -796,6 +813,8 @@ class OrtCpuEngine(OwnerThread):
             # prefix cache into it, and fresh pages cost more than the copy (a 600-token
             # history of SmolLM2: 15 ms of page faults against 3 ms of copying, measured).
             first = max(first, 1)
+        if first == 0:
+            self._row0_entry = None
         if first >= self._rows_touched:
             return
         for arrays in self._cache:
@@ -806,6 +825,8 @@ class OrtCpuEngine(OwnerThread):
 
     def _give_back_tokens(self, row: int, start: int, end: int) -> None:
         """Return the memory of the tokens ``start`` to ``end`` of cache row ``row``."""
+        if row == 0:
+            self._row0_entry = None
         for arrays in self._cache:
             for array in arrays:
                 heads, length, head_size = array.shape[1:]
@@ -828,6 +849,8 @@ class OrtCpuEngine(OwnerThread):
                 self._swap_rows(target, request.row)
 
     def _swap_rows(self, first: int, second: int) -> None:
+        if 0 in (first, second):
+            self._row0_entry = None
         rows = self._rows
         one, other = rows[first], rows[second]
         for keys, values in self._cache:
@@ -839,6 +862,8 @@ class OrtCpuEngine(OwnerThread):
         other.row, one.row = first, second
 
     def _copy_row(self, source: int, target: int, length: int) -> None:
+        if target == 0:
+            self._row0_entry = None
         for keys, values in self._cache:
             keys[target, :, :length] = keys[source, :, :length]
             values[target, :, :length] = values[source, :, :length]

@@ -99,22 +99,25 @@ class PrefixCache:
         self.hit_tokens += usable * count
         return best, usable
 
-    def store(self, tokens: Sequence[int], copy_rows: Callable[[int], Rows], group: str = "") -> None:
+    def store(self, tokens: Sequence[int], copy_rows: Callable[[int], Rows], group: str = "") -> CacheEntry | None:
         """Keep the first ``len(tokens)`` positions of a row, in ``group``; ``copy_rows(n)``
-        copies them."""
+        copies them. Returns the new entry; ``None`` when nothing was copied (too short or
+        too long to keep, or held already as part of a longer entry)."""
         count = len(tokens)
         if count < self.min_tokens or count > self.budget_tokens:
-            return
+            return None
         ids = np.asarray(tokens, dtype=np.int64)
         for entry in self._entries:
             if entry.group == group and len(entry.tokens) >= count and _common_prefix(entry.tokens, ids) == count:
                 entry.used = next(_clock)  # already held, as part of a longer entry
-                return
+                return None
         self._entries = [e for e in self._entries if e.group != group or _common_prefix(e.tokens, ids) < len(e.tokens)]
         while self._entries and self.held_tokens + count > self.budget_tokens:
             self._entries.remove(min(self._entries, key=lambda e: e.used))
             self.evictions += 1
-        self._entries.append(CacheEntry(ids, copy_rows(count), group))
+        entry = CacheEntry(ids, copy_rows(count), group)
+        self._entries.append(entry)
+        return entry
 
     def clear(self) -> None:
         self._entries.clear()
