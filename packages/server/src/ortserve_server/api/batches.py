@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, delete, get, post
+from litestar import Request, delete, get, post
 from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, MultipartBody
+from litestar.response import Stream
 from ortserve_client import batch_protocol as bp
 from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
@@ -146,11 +147,16 @@ async def retrieve_file(
 @get("/files/{file_id:str}/content", summary="A file's content", responses=error_responses(404, *GET_ERRORS))
 async def file_content(
     file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
-) -> Response[bytes]:
-    content = await ortserve.batches.file_content(caller_of(request).owner, file_id)
-    if content is None:
+) -> Stream:
+    owner = caller_of(request).owner
+    found = await ortserve.batches.file(owner, file_id)
+    if found is None:
         raise _no_file(file_id)
-    return Response(content, media_type="application/jsonl")
+    return Stream(
+        ortserve.batches.file_pieces(owner, found),
+        media_type="application/jsonl",
+        headers={"Content-Length": str(found.bytes)},
+    )
 
 
 @delete("/files/{file_id:str}", status_code=200, summary="Delete a file", responses=error_responses(404, *GET_ERRORS))
