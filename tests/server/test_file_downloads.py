@@ -1,5 +1,6 @@
-"""Downloads of stored files (``GET /v1/files/{id}/content``) through a real server, on both
-state databases: read a piece at a time, several at once within issue 45's bounds."""
+"""Large stored files through a real server, within issue 45's bounds: downloads
+(``GET /v1/files/{id}/content``, on both state databases) read a piece at a time, and
+batches made from one file several at once."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -52,6 +53,24 @@ def _server(database: str, folder: Path) -> Iterator[str]:
         yield stack.enter_context(running(create_app(config)))
 
 
+def _upload(url: str, headers: dict[str, str], content: bytes) -> str:
+    uploaded = httpx.post(
+        f"{url}/v1/files", headers=headers, data={"purpose": "batch"}, files={"file": ("in.jsonl", content)}, timeout=60
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    file_id: str = uploaded.json()["id"]
+    return file_id
+
+
+def _at_once(call: Callable[[], None]) -> None:
+    """``call`` from :data:`DOWNLOADS` threads at once."""
+    threads = [threading.Thread(target=call) for _ in range(DOWNLOADS)]
+    for each in threads:
+        each.start()
+    for each in threads:
+        each.join()
+
+
 @pytest.mark.parametrize("database", ["sqlite", "postgresql"])
 def test_downloads_are_read_a_piece_at_a_time(database: str, tmp_path: Path) -> None:
     """Issue 45: the content was read whole (and copied) for each download, so four downloads
@@ -59,15 +78,7 @@ def test_downloads_are_read_a_piece_at_a_time(database: str, tmp_path: Path) -> 
     content = _batch_file(48)
     with _server(database, tmp_path) as url:
         alice, bob = ({"Authorization": f"Bearer {key}"} for key in ("alice", "bob"))
-        uploaded = httpx.post(
-            f"{url}/v1/files",
-            headers=alice,
-            data={"purpose": "batch"},
-            files={"file": ("in.jsonl", content)},
-            timeout=60,
-        )
-        assert uploaded.status_code == 200, uploaded.text
-        where = f"{url}/v1/files/{uploaded.json()['id']}/content"
+        where = f"{url}/v1/files/{_upload(url, alice, content)}/content"
         assert httpx.get(where, headers=bob).status_code == 404
         got: list[tuple[int, str | None, str]] = []
 
@@ -79,10 +90,28 @@ def test_downloads_are_read_a_piece_at_a_time(database: str, tmp_path: Path) -> 
             got.append((response.status_code, response.headers.get("content-length"), digest.hexdigest()))
 
         with watched(url) as seen:
-            downloads = [threading.Thread(target=download) for _ in range(DOWNLOADS)]
-            for each in downloads:
-                each.start()
-            for each in downloads:
-                each.join()
+            _at_once(download)
         seen.assert_within(grown=64 << 20)
         assert got == [(200, str(len(content)), hashlib.sha256(content).hexdigest())] * DOWNLOADS
+
+
+def test_batches_from_a_large_file_are_made_one_at_a_time(tmp_path: Path) -> None:
+    """Issue 45: each batch holds its file, checked lines and bodies in memory while it is
+    made; four made at once from a 95 MiB file grew the server 1.1 GiB (/health 304 ms)."""
+    content = _batch_file(60)
+    with _server("sqlite", tmp_path) as url:
+        alice = {"Authorization": "Bearer alice"}
+        file_id = _upload(url, alice, content)
+        del content
+        asked = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        made: list[int] = []
+
+        def create() -> None:
+            made.append(httpx.post(f"{url}/v1/batches", headers=alice, json=asked, timeout=60).status_code)
+
+        with watched(url) as seen:
+            _at_once(create)
+        # Memory only: the runner starts on the first batch's 1 MiB lines meanwhile, and
+        # their bodies are decoded on the event loop (/health up to ~360 ms; not fixed yet).
+        assert seen.grown < 512 * 2**20, f"+{seen.grown >> 20} MiB"
+        assert made == [200] * DOWNLOADS

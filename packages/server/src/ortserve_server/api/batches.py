@@ -182,34 +182,35 @@ async def create_batch(
     caller = caller_of(request)
     if data.endpoint not in _BODY_TYPES:
         raise BadRequestError(f"endpoint must be one of {', '.join(bp.BATCH_ENDPOINTS)}", param="endpoint")
-    content = await ortserve.batches.file_content(caller.owner, data.input_file_id)
-    if content is None:
-        raise NotFoundError(f"no file {data.input_file_id!r}", param="input_file_id")
-    lines = await asyncio.to_thread(check_batch_file, content)
-    for number, (_, _, url) in enumerate(lines, 1):
-        if url != data.endpoint:
-            raise BadRequestError(
-                f"request {number} of the file has url {url!r}, the batch's endpoint is {data.endpoint!r}",
-                param="input_file_id",
-            )
-    now = int(time.time())
-    batch = bp.Batch(
-        id=new_id("batch_"),
-        endpoint=data.endpoint,
-        input_file_id=data.input_file_id,
-        completion_window=data.completion_window,
-        status="validating",
-        created_at=now,
-        expires_at=now + int(COMPLETION_WINDOW),
-        request_counts=bp.BatchRequestCounts(total=len(lines)),
-        metadata=data.metadata,
-    )
-    if not await ortserve.batches.create_batch(
-        caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines], traceparent()
-    ):
-        raise PayloadTooLargeError(
-            "the server's room for files and batches is full: delete files or wait for them to expire"
+    async with ortserve.batches.intake:  # one file's lines held at a time
+        content = await ortserve.batches.file_content(caller.owner, data.input_file_id)
+        if content is None:
+            raise NotFoundError(f"no file {data.input_file_id!r}", param="input_file_id")
+        lines = await asyncio.to_thread(check_batch_file, content)
+        for number, (_, _, url) in enumerate(lines, 1):
+            if url != data.endpoint:
+                raise BadRequestError(
+                    f"request {number} of the file has url {url!r}, the batch's endpoint is {data.endpoint!r}",
+                    param="input_file_id",
+                )
+        now = int(time.time())
+        batch = bp.Batch(
+            id=new_id("batch_"),
+            endpoint=data.endpoint,
+            input_file_id=data.input_file_id,
+            completion_window=data.completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + int(COMPLETION_WINDOW),
+            request_counts=bp.BatchRequestCounts(total=len(lines)),
+            metadata=data.metadata,
         )
+        if not await ortserve.batches.create_batch(
+            caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines], traceparent()
+        ):
+            raise PayloadTooLargeError(
+                "the server's room for files and batches is full: delete files or wait for them to expire"
+            )
     ortserve.batch_runner.start()
     return batch
 
