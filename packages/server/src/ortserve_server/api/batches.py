@@ -53,15 +53,21 @@ class FileForm:
     file: UploadFile | None = None
 
 
-def check_batch_file(content: bytes) -> list[tuple[str, bytes, str]]:
+def check_batch_file(content: bytes, max_line: int) -> list[tuple[str, bytes, str]]:
     """The lines of a batch input file as (custom id, body, url); a 400 naming the first
-    line that is not a request a batch can run."""
+    line that is not a request a batch can run. A line longer than ``max_line`` (the server's
+    ``max_body_size``) is refused here: run, it was answered 413 only after the runner had
+    decoded it on the event loop (a 90 MiB line held /health 521 ms, +371 MiB)."""
     lines: list[tuple[str, bytes, str]] = []
     seen: set[str] = set()
     for number, raw in enumerate(content.splitlines(), 1):
         if not raw.strip():
             continue
         where = f"line {number}"
+        if len(raw) > max_line:
+            raise BadRequestError(
+                f"{where} has {len(raw)} bytes; a request has at most {max_line} (max_body_size)", param="file"
+            )
         try:
             line = _decode_line(raw)
         except msgspec.DecodeError as exc:
@@ -108,7 +114,9 @@ async def create_file(
     content = await data.file.read()
     if len(content) > ortserve.config.max_file_size:
         raise PayloadTooLargeError(f"a file may have at most {ortserve.config.max_file_size} bytes")
-    await asyncio.to_thread(check_batch_file, content)  # 90 MB of lines held the event loop 882 ms
+    await asyncio.to_thread(
+        check_batch_file, content, ortserve.config.max_body_size
+    )  # 90 MB of lines held the event loop 882 ms
     kept = await ortserve.batches.add_file(caller_of(request).owner, "batch", data.file.filename or "", content)
     if kept is None:
         raise PayloadTooLargeError("the server's room for files is full: delete files or wait for them to expire")
@@ -186,7 +194,7 @@ async def create_batch(
         content = await ortserve.batches.file_content(caller.owner, data.input_file_id)
         if content is None:
             raise NotFoundError(f"no file {data.input_file_id!r}", param="input_file_id")
-        lines = await asyncio.to_thread(check_batch_file, content)
+        lines = await asyncio.to_thread(check_batch_file, content, ortserve.config.max_body_size)
         for number, (_, _, url) in enumerate(lines, 1):
             if url != data.endpoint:
                 raise BadRequestError(
