@@ -24,6 +24,7 @@ from .._ids import new_id
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
 from .._record import traceparent
 from .._state import OrtServe
+from .responses import check_metadata
 
 __all__ = ["batch_route_handlers"]
 
@@ -190,6 +191,7 @@ async def create_batch(
     caller = caller_of(request)
     if data.endpoint not in _BODY_TYPES:
         raise BadRequestError(f"endpoint must be one of {', '.join(bp.BATCH_ENDPOINTS)}", param="endpoint")
+    check_metadata(data.metadata)  # 20,000 pairs were kept with the batch
     async with ortserve.batches.intake:  # one file's lines held at a time
         content = await ortserve.batches.file_content(caller.owner, data.input_file_id)
         if content is None:
