@@ -148,6 +148,22 @@ def test_a_bad_line_is_refused_by_number(shared: openai.OpenAI, line: str, says:
     assert client.models.list().data  # still serving
 
 
+def test_batch_metadata_has_openais_bounds(shared: openai.OpenAI) -> None:
+    """Issue 45: a batch kept any metadata (20,000 pairs, a 1 MB value) with itself."""
+    uploaded = shared.files.create(file=("in.jsonl", _jsonl([_chat_line(1)])), purpose="batch")
+    for metadata in ({str(i): "v" for i in range(17)}, {"k": "v" * 513}, {"k" * 65: "v"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            shared.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata=metadata
+            )
+        assert caught.value.body["param"] == "metadata", caught.value.body  # type: ignore[index]
+    most = {str(i): "v" * 512 for i in range(16)}
+    made = shared.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata=most
+    )
+    assert shared.batches.retrieve(made.id).metadata == most
+
+
 def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
     with (
         serving("--state-dir", str(tmp_path), "--api-key", "alice", "--api-key", "bob") as (_, url),

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import http.server
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import zstandard
 from audio import tone_wav
 from images import TINY_PHI3V, image_bytes, image_part
 from ortserve_runtime import ModelConfig
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, running, watched
 
 pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 
@@ -194,8 +197,18 @@ DRIPS_ENDED: list[tuple[str, float]] = []
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    """A loopback HTTP server with /cat.png and a redirect to it."""
+    """A loopback HTTP server with /cat.png, a redirect to it, the cat gzip-encoded, and
+    content-coding bombs: 200 MB of zeros in 200 KB of gzip, 1 GiB in 32 KB of zstd."""
     png = image_bytes(colour=(90, 60, 30))
+    zero = bytes(2**20)
+    gzip = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    bomb = b"".join(gzip.compress(zero) for _ in range(200)) + gzip.flush()
+    zstd = zstandard.ZstdCompressor(level=1).compressobj()
+    encoded = {
+        "/cat.png.gz": ("gzip", zlib.compress(png, wbits=16 + zlib.MAX_WBITS)),
+        "/bomb.gz": ("gzip", bomb),
+        "/bomb.zst": ("zstd", b"".join(zstd.compress(zero) for _ in range(1024)) + zstd.flush()),
+    }
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -205,6 +218,14 @@ def image_host() -> Iterator[str]:
                 self.send_header("Content-Length", str(len(png)))
                 self.end_headers()
                 self.wfile.write(png)
+            elif self.path in encoded:
+                coding, body = encoded[self.path]
+                self.send_response(200)
+                self.send_header("Content-Encoding", coding)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                with contextlib.suppress(OSError):  # the fetcher may hang up at its bound
+                    self.wfile.write(body)
             elif self.path == "/moved.png":
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
@@ -244,6 +265,21 @@ def test_allowed_hosts_are_fetched(url: str, client: openai.OpenAI, image_host: 
     for where in (f"{image_host}/missing.png", f"{image_host}/moved.png", closed):
         error = _bad(url, ask({"type": "image_url", "image_url": {"url": where}}))
         assert error["message"] == "the image could not be fetched", (where, error)
+
+
+def test_an_encoded_image_is_inflated_a_piece_at_a_time(url: str, client: openai.OpenAI, image_host: str) -> None:
+    """Issue 45: a content coding is undone a counted piece at a time. httpx decoded a whole
+    network chunk before the size check: the zstd bomb grew the server 2 GiB and held
+    /health 2.5 s. Codings other than gzip and deflate are not asked for, nor taken."""
+    cat = chat(client, ask({"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}}))
+    gzipped = chat(client, ask({"type": "image_url", "image_url": {"url": f"{image_host}/cat.png.gz"}}))
+    assert gzipped.choices[0].message.content == cat.choices[0].message.content
+    with watched(url) as seen:
+        too_large = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/bomb.gz"}}))
+        not_asked = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/bomb.zst"}}))
+    seen.assert_within()
+    assert too_large["message"] == "the image is larger than 2000000 bytes", too_large
+    assert not_asked["message"] == "the image could not be fetched", not_asked
 
 
 def test_a_dripping_host_ends_at_the_fetch_deadline(url: str, image_host: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,20 +11,25 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import anyio
 import msgspec
 from ortserve_client import batch_protocol as bp
 
 from ._database import Connection, Database, write
 from ._ids import new_id
 
-__all__ = ["OPEN", "RUNNER", "BatchStore", "PendingLine"]
+__all__ = ["FILE_PIECE", "OPEN", "RUNNER", "BatchStore", "PendingLine"]
 
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 """The statuses of a batch that is not over: the runner picks these up (again, after a restart)."""
+
+FILE_PIECE = 1024 * 1024
+"""The bytes of a file read from the database at a time, for a download."""
 
 _decode_batch = msgspec.json.Decoder(bp.Batch).decode
 _encode = msgspec.json.encode
@@ -63,6 +68,10 @@ class BatchStore:
         """Bytes of files and batch lines kept at most (uploads, lines and results alike)."""
         self.ttl = ttl
         """Seconds a file is kept after it was made, and a batch that is over."""
+        self.intake = anyio.Lock()
+        """Held while a batch is made from its input file: the file, its checked lines and
+        their bodies are in memory together (~2.5 times the file), so batches are made one
+        at a time (four at once from a 95 MiB file grew the process 1.2 GiB)."""
 
     # -- files -------------------------------------------------------------------------------
 
@@ -100,6 +109,37 @@ class BatchStore:
             return None if found is None else bytes(found[0])
 
         return await self._db.run(get)
+
+    async def file_pieces(self, owner: str, file: bp.FileObject) -> AsyncIterator[bytes]:
+        """The content of ``file`` (found by :meth:`file`), read :data:`FILE_PIECE` bytes at a
+        time: a download holds a piece, not the file (four downloads of a 95 MiB file at once
+        grew the process 467 MiB and held ``/health`` 350 ms). It ends early when the file is
+        deleted or expires meanwhile, so the answer is shorter than its Content-Length.
+        SQLite's ``substr`` reads the whole value for each piece (95 MiB took 10 s), so there
+        a piece is read through an incremental blob handle; PostgreSQL reads a slice itself."""
+        for start in range(0, file.bytes, FILE_PIECE):
+
+            def get(db: Connection, start: int = start) -> bytes | None:
+                mine = (file.id, owner, time.time())
+                if isinstance(db, sqlite3.Connection):
+                    kept = db.execute("SELECT rowid FROM files WHERE id = ? AND owner = ? AND expires > ?", mine)
+                    rowid = kept.fetchone()
+                    if rowid is None:
+                        return None
+                    with db.blobopen("files", "content", rowid[0], readonly=True) as blob:
+                        blob.seek(start)
+                        return blob.read(FILE_PIECE)
+                found = db.execute(  # substr counts from 1
+                    "SELECT substr(content, ?, ?) FROM files WHERE id = ? AND owner = ? AND expires > ?",
+                    (start + 1, FILE_PIECE, *mine),
+                )
+                row = found.fetchone()
+                return None if row is None or row[0] is None else bytes(row[0])
+
+            piece = await self._db.run(get)
+            if not piece:
+                return
+            yield piece
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
         def delete(db: Connection) -> bool:

@@ -14,7 +14,8 @@ notifications are dropped, as on stdio.
 The bounds count the bytes the SDK will read, decoded: httpx decodes a ``Content-Encoding``
 above the transport, where a gzip answer of 300 KB became 300 MB for the SDK to parse (the
 event loop held 8 s, +1.4 GiB). So the transport asks for gzip or deflate only, inflates
-them itself a piece at a time (zlib's ``max_length``), and hands the answer on as not encoded.
+them itself a piece at a time (:class:`._inflate.Inflater`), and hands the answer on as not
+encoded.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from __future__ import annotations
 import json
 import re
 import time
-import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2
 
+from ._inflate import ACCEPT_ENCODING, CodingError, Inflater
 from ._mcp_stdio import MAX_LISTED_TOOLS, MAX_NOTIFICATIONS_PER_SECOND
 
 __all__ = ["MessageRefusedError", "bounded_http_client"]
@@ -36,10 +37,6 @@ _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 """Where an SSE event ends (a blank line, in any of the three line endings)."""
 _TOOL = b'"inputSchema"'
 """Every listed tool has one; a quote inside a JSON string is escaped, so text cannot fake one."""
-_ENCODINGS = ("gzip", "x-gzip", "deflate")
-"""The content codings inflated here (zlib reads both, and tells them apart by their header)."""
-_PIECE = 64 * 1024
-"""The most that one step of inflating makes: a bomb grows by this much at a time, then is refused."""
 
 
 class MessageRefusedError(httpx2.StreamError, httpx2.SSEError):
@@ -68,7 +65,7 @@ class _BoundedTransport(httpx2.AsyncBaseTransport):
         self._max_bytes = max_bytes
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        request.headers["Accept-Encoding"] = "gzip, deflate"  # those inflated here
+        request.headers["Accept-Encoding"] = ACCEPT_ENCODING  # those inflated here
         response = await self._inner.handle_async_request(request)
         events = response.headers.get("content-type", "").lower().startswith("text/event-stream")
         # Decoded here, bounded, so that httpx, above the transport, decodes nothing.
@@ -90,7 +87,6 @@ class _BoundedStream(httpx2.AsyncByteStream):
     def __init__(self, inner: Any, events: bool, max_bytes: int, encoding: str = "identity") -> None:
         self._inner = inner
         self._encoding = encoding
-        self._inflater = zlib.decompressobj(32 + zlib.MAX_WBITS) if encoding in _ENCODINGS else None
         self._events = events
         self._max_bytes = max_bytes
         self._message = bytearray()
@@ -99,31 +95,16 @@ class _BoundedStream(httpx2.AsyncByteStream):
         self._second = (0.0, 0)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        if self._inflater is None and self._encoding != "identity":
-            raise MessageRefusedError(f"an answer in the content coding {self._encoding!r} (asked for gzip or deflate)")
-        async for chunk in self._inner:
-            for piece in self._inflated(chunk):
-                if passed := self._take(piece):
-                    yield passed
+        try:
+            inflater = Inflater(self._encoding)
+            async for chunk in self._inner:
+                for piece in inflater.pieces(chunk):
+                    if passed := self._take(piece):
+                        yield passed
+        except CodingError as exc:
+            raise MessageRefusedError(str(exc)) from None
         if self._events and self._message:  # an event the stream ended in the middle of
             yield bytes(self._message)
-
-    def _inflated(self, chunk: bytes) -> Iterator[bytes]:
-        """``chunk`` decoded, in pieces of at most :data:`_PIECE` bytes, each counted by
-        :meth:`_take` before the next is made (a gzip member's end ends the answer)."""
-        if self._inflater is None:
-            yield chunk
-            return
-        try:
-            while chunk and not self._inflater.eof:
-                piece = self._inflater.decompress(chunk, _PIECE)
-                chunk = self._inflater.unconsumed_tail
-                yield piece
-                while len(piece) == _PIECE and not chunk:  # all read; more output may wait inside
-                    piece = self._inflater.decompress(b"", _PIECE)
-                    yield piece
-        except zlib.error as exc:
-            raise MessageRefusedError(f"an answer that is not the {self._encoding} it says ({exc})") from None
 
     def _take(self, chunk: bytes) -> bytes:
         """What of ``chunk`` goes on to the SDK: all of it, or, in an event stream, the

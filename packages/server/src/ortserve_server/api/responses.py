@@ -67,7 +67,7 @@ from .._tool_loop import ToolLoop
 from .responses_input import _chat_request, _chat_tools, _input, _messages, _named_as_responses
 from .responses_output import _as_input, _Output, _usage
 
-__all__ = ["PreviousResponseNotFoundError", "ResponseNotFoundError", "responses_route_handlers"]
+__all__ = ["PreviousResponseNotFoundError", "ResponseNotFoundError", "check_metadata", "responses_route_handlers"]
 
 _METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 """OpenAI's bounds on ``metadata`` (which a stored response keeps)."""
@@ -108,9 +108,15 @@ def _check(data: rp.ResponseCreateRequest, state: OrtServe, model: ChatModel) ->
             raise UnsupportedParameterError(f"'{name}' is not supported by this server", param=name)
     if data.store is True and not state.responses.enabled:
         raise UnsupportedParameterError("this server stores no responses (responses_store_max is 0)", param="store")
-    metadata = data.metadata if isinstance(data.metadata, dict) else {}
-    if len(metadata) > _METADATA_KEYS or any(
-        len(k) > _METADATA_KEY_CHARS or len(v) > _METADATA_VALUE_CHARS for k, v in metadata.items()
+    check_metadata(data.metadata if isinstance(data.metadata, dict) else None)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on ``metadata`` (a response's, a batch's): kept with what it labels,
+    so no caller may store more than a few hundred bytes of it."""
+    if metadata is not None and (
+        len(metadata) > _METADATA_KEYS
+        or any(len(k) > _METADATA_KEY_CHARS or len(v) > _METADATA_VALUE_CHARS for k, v in metadata.items())
     ):
         raise BadRequestError(
             f"'metadata' holds at most {_METADATA_KEYS} pairs, keys of at most {_METADATA_KEY_CHARS} characters "
