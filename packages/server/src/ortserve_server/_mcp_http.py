@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2
 
 from ._inflate import ACCEPT_ENCODING, CodingError, Inflater
-from ._mcp_stdio import MAX_LISTED_TOOLS, MAX_NOTIFICATIONS_PER_SECOND
+from ._mcp_stdio import MAX_LISTED_TOOLS, MAX_NOTIFICATIONS_PER_SECOND, PerSecond, is_notification
 
 __all__ = ["MessageRefusedError", "bounded_http_client"]
 
@@ -92,7 +91,7 @@ class _BoundedStream(httpx2.AsyncByteStream):
         self._message = bytearray()
         self._listed = 0
         """Tools in the message so far (those wholly in ``_message`` before the last chunk)."""
-        self._second = (0.0, 0)
+        self._pace = PerSecond()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
@@ -137,10 +136,7 @@ class _BoundedStream(httpx2.AsyncByteStream):
             raise MessageRefusedError(f"a list of more than {MAX_LISTED_TOOLS} tools (the most taken)")
 
     def _count_event(self) -> None:
-        now = time.monotonic()
-        start, count = self._second
-        self._second = (start, count + 1) if now - start < 1.0 else (now, 1)
-        if self._second[1] > MAX_NOTIFICATIONS_PER_SECOND:
+        if self._pace.past_bound():
             raise MessageRefusedError(f"more than {MAX_NOTIFICATIONS_PER_SECOND} messages in a second")
 
     async def aclose(self) -> None:
@@ -157,4 +153,4 @@ def _is_notification(event: bytes) -> bool:
         message = json.loads(b"\n".join(data))
     except ValueError:
         return False  # the SDK says what is wrong with it
-    return isinstance(message, dict) and "method" in message and "id" not in message
+    return is_notification(message)

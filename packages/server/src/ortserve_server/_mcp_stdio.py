@@ -30,7 +30,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-__all__ = ["StdioLink"]
+__all__ = ["MAX_LISTED_TOOLS", "MAX_NOTIFICATIONS_PER_SECOND", "PerSecond", "StdioLink", "is_notification"]
 
 logger = logging.getLogger("ortserve.mcp")
 
@@ -47,6 +47,26 @@ _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
 
 
+class PerSecond:
+    """Messages counted in the current second, against :data:`MAX_NOTIFICATIONS_PER_SECOND`."""
+
+    def __init__(self) -> None:
+        self._second = (0.0, 0)
+        """The second being counted (its start), and its count."""
+
+    def past_bound(self) -> bool:
+        """Counts one message; True once the second holds more than the bound."""
+        now = time.monotonic()
+        start, count = self._second
+        self._second = (start, count + 1) if now - start < 1.0 else (now, 1)
+        return self._second[1] > MAX_NOTIFICATIONS_PER_SECOND
+
+
+def is_notification(message: object) -> bool:
+    """Whether a decoded JSON-RPC message is a notification (a method, no id)."""
+    return isinstance(message, dict) and "method" in message and "id" not in message
+
+
 class StdioLink:
     """One stdio connection's state: why it ended (``None`` while it lasts)."""
 
@@ -54,8 +74,7 @@ class StdioLink:
         self.command = command
         self.max_bytes = max_bytes
         self.ended: str | None = None
-        self._second = (0.0, 0)
-        """The second notifications are being counted in (its start), and their count."""
+        self._notifications = PerSecond()
 
     @contextlib.asynccontextmanager
     async def transport(self) -> AsyncIterator[tuple[Any, Any]]:
@@ -134,7 +153,7 @@ class StdioLink:
             self._stop_for(process, f"a message that is not JSON-RPC it can read ({_first_line(message)})")
             return False
         if message is None:  # a notification
-            if self._too_chatty():
+            if self._notifications.past_bound():
                 self._stop_for(process, f"more than {MAX_NOTIFICATIONS_PER_SECOND} notifications in a second")
                 return False
             return True
@@ -143,13 +162,6 @@ class StdioLink:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return False
         return True
-
-    def _too_chatty(self) -> bool:
-        """Counts one notification; True past the bound."""
-        now = time.monotonic()
-        start, count = self._second
-        self._second = (start, count + 1) if now - start < 1.0 else (now, 1)
-        return self._second[1] > MAX_NOTIFICATIONS_PER_SECOND
 
     async def _write(self, process: anyio.abc.Process, writing: Any) -> None:
         assert process.stdin is not None
@@ -172,7 +184,7 @@ def _parse(line: bytes) -> Any:
         raw = json.loads(line)
     except ValueError as exc:
         return exc
-    if isinstance(raw, dict) and "method" in raw and "id" not in raw:
+    if is_notification(raw):
         return None
     try:
         # From the text again, not from ``raw``: the SDK's own parser and its depth bound.
