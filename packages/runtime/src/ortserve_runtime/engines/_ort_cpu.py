@@ -47,7 +47,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ from ._decoder_graph import LAST_POSITION, LOGIT_POSITIONS, DecoderGraph, NotDri
 from ._draft_model import DraftModel, draft_length
 from ._host_memory import give_back, release_freed_memory, unhuged_zeros
 from ._int8_prefill import cpu_has_vnni, has_int4_matrices
-from ._prefix_cache import CacheEntry, PrefixCache, Rows
+from ._prefix_cache import PrefixCache, Rows
 
 __all__ = ["NotDrivableError", "OrtCpuEngine"]
 
@@ -138,12 +137,12 @@ class OrtCpuEngine(OwnerThread):
         while the engine is idle (see :meth:`_refill_step`); newest last."""
         self._refilling: _Refill | None = None
         """The refill going into row 0 now."""
-        self._row0_entry: weakref.ref[CacheEntry] | None = None
-        """The prefix-cache entry last copied out of cache row 0, while row 0 still holds it
-        unchanged: a request taking row 0 that reuses that entry (a lone chat's next turn)
-        finds its prefix in place, and the copy back (4 ms for a 600-token history of
-        SmolLM2) is skipped. ``None`` once anything else writes row 0 (weak: an evicted
-        entry's memory is not held for it)."""
+        self._row0_tokens: tuple[str, npt.NDArray[np.int64]] | None = None
+        """The cache group and tokens whose key/values cache row 0 holds unchanged since they
+        last went to the prefix cache (copied out of it, or found there already): a request
+        taking row 0 whose cache hit in that group is a prefix of these (a lone chat's next
+        turn, a prompt sent again) finds it in place, and the copy back (4 ms for a
+        600-token history of SmolLM2) is skipped. ``None`` once anything else writes row 0."""
         self._releasing = 0
         """Finished requests whose last event is out and whose rows are being released."""
         self.prefill_chunk = config.prefill_chunk_tokens
@@ -154,7 +153,12 @@ class OrtCpuEngine(OwnerThread):
         budget = config.prefix_cache_tokens
         if config.prefix_cache_mb is not None:
             budget = int(config.prefix_cache_mb * 2**20) // token_bytes
-        self.prefix_cache = PrefixCache(budget, config.prefix_cache_min_tokens, token_bytes)
+        self._even_calls = config.reproducible
+        """Prefill in calls of an even number of rows (see :func:`_even_call`): what makes a
+        prompt's rows a function of its tokens alone, at up to a token's work more a call."""
+        self.prefix_cache = PrefixCache(
+            budget, config.prefix_cache_min_tokens, token_bytes, even_calls=self._even_calls
+        )
         """Key/value rows of earlier prompts (see _prefix_cache); owner thread only."""
         self._bindings: dict[tuple[int, int, str | None, int, bool], Any] = {}
         """IO bindings by row range, adapter, session and logits buffer (see :meth:`_bind`)."""
@@ -171,7 +175,7 @@ class OrtCpuEngine(OwnerThread):
         """Times a background request gave way to an interactive one (its prefill parked, or
         its row given up); for tests and metrics."""
         self.prefixes_in_place = 0
-        """Prefix-cache hits found in place in row 0 (see ``_row0_entry``); for tests."""
+        """Prefix-cache hits found in place in row 0 (see ``_row0_tokens``); for tests."""
         self.draft_tokens = 0
         """Draft tokens checked so far (speculative decoding, see :meth:`_speculate`)."""
         self.accepted_draft_tokens = 0
@@ -314,7 +318,7 @@ class OrtCpuEngine(OwnerThread):
                 self._step()
             except Exception as exc:  # noqa: BLE001  # an onnxruntime failure: fail the requests it touched
                 failed = [*self._rows, *([self._prefilling] if self._prefilling else [])]
-                self._prefilling = self._refilling = self._row0_entry = None
+                self._prefilling = self._refilling = self._row0_tokens = None
                 self.prefix_cache.clear()  # a failed run may have left rows half written
                 for request in failed:
                     if request in self._rows:
@@ -385,7 +389,7 @@ class OrtCpuEngine(OwnerThread):
                     # A prompt to score is prefilled whole: a cached prefix has no logits.
                     self._reuse_prefix(request)
                 if request.row == 0:
-                    self._row0_entry = None  # its prefill writes row 0 from here on
+                    self._row0_tokens = None  # its prefill writes row 0 from here on
                 self._prefilling = request
             request = self._prefilling
             logits = self._prefill_chunk(request, _BACKGROUND_CHUNK if request.options.background else None)
@@ -452,7 +456,7 @@ class OrtCpuEngine(OwnerThread):
             refill.row = 0
             self._rows_touched = max(self._rows_touched, 1)
             self._reuse_prefix(refill, count=False)
-            self._row0_entry = None
+            self._row0_tokens = None
         if self._prefill_chunk(refill, _REFILL_CHUNK) is not None:
             self._refilling = None
             self._remember(refill)
@@ -488,13 +492,21 @@ class OrtCpuEngine(OwnerThread):
 
     def _reuse_prefix(self, request: Request | _Refill, *, count: bool = True) -> None:
         """Copy the longest cached prefix of ``request``'s prompt into its row, unless the row
-        holds it already (see ``_row0_entry``; ``count``: in the cache's hit and miss figures)."""
-        if self._odd_long_rope(request):
+        holds it already (see ``_row0_tokens``; ``count``: in the cache's hit and miss figures)."""
+        if self._even_calls and self._odd_long_rope(request):
             return  # its last row is computed alone in a block (see _odd_long_rope): always cold
-        entry, length = self.prefix_cache.lookup(request.prompt, self._cache_group(request), count=count)
+        group = self._cache_group(request)
+        entry, length = self.prefix_cache.lookup(request.prompt, group, count=count)
         if entry is None:
             return
-        in_place = request.row == 0 and self._row0_entry is not None and self._row0_entry() is entry
+        held = self._row0_tokens
+        in_place = (
+            request.row == 0
+            and held is not None
+            and held[0] == group
+            and len(held[1]) >= length
+            and np.array_equal(held[1][:length], request.prompt[:length])
+        )
         self.prefixes_in_place += in_place
         if not in_place:
             for (keys, values), (cached_keys, cached_values) in zip(self._cache, entry.rows, strict=True):
@@ -520,16 +532,15 @@ class OrtCpuEngine(OwnerThread):
         it with the short ones)."""
         tokens = request.prompt[:count] if tokens is None else tokens
         group = self._cache_group(request)
-        if self._odd_long_rope(request):
+        if self._even_calls and self._odd_long_rope(request):
             tokens = tokens[:-1]
         row = request.row
 
         def copy_rows(count: int) -> Rows:
             return [(keys[row, :, :count].copy(), values[row, :, :count].copy()) for keys, values in self._cache]
 
-        entry = self.prefix_cache.store(tokens, copy_rows, group)
-        if entry is not None and row == 0:
-            self._row0_entry = weakref.ref(entry)
+        if self.prefix_cache.store(tokens, copy_rows, group) is not None and row == 0:
+            self._row0_tokens = (group, np.asarray(tokens, dtype=np.int64))
 
     def _bind(
         self,
@@ -614,9 +625,10 @@ class OrtCpuEngine(OwnerThread):
         long_rope = self._past_window(len(request.prompt))
         if long_rope:
             end = len(request.prompt)
-        even_start, even_end = _even_call(start, end, len(request.prompt))
-        if not long_rope or self._past_window(even_end):  # a first call stays past the window
-            start, end = even_start, even_end
+        if self._even_calls:
+            even_start, even_end = _even_call(start, end, len(request.prompt))
+            if not long_rope or self._past_window(even_end):  # a first call stays past the window
+                start, end = even_start, even_end
         ids = np.asarray([request.prompt[start:end]], dtype=graph.ids_dtype)
         # The mask spans everything cached so far: GQA appends the chunk after it.
         mask = np.ones((1, end), dtype=graph.mask_dtype)
@@ -814,7 +826,7 @@ class OrtCpuEngine(OwnerThread):
             # history of SmolLM2: 15 ms of page faults against 3 ms of copying, measured).
             first = max(first, 1)
         if first == 0:
-            self._row0_entry = None
+            self._row0_tokens = None
         if first >= self._rows_touched:
             return
         for arrays in self._cache:
@@ -826,7 +838,7 @@ class OrtCpuEngine(OwnerThread):
     def _give_back_tokens(self, row: int, start: int, end: int) -> None:
         """Return the memory of the tokens ``start`` to ``end`` of cache row ``row``."""
         if row == 0:
-            self._row0_entry = None
+            self._row0_tokens = None
         for arrays in self._cache:
             for array in arrays:
                 heads, length, head_size = array.shape[1:]
@@ -850,7 +862,7 @@ class OrtCpuEngine(OwnerThread):
 
     def _swap_rows(self, first: int, second: int) -> None:
         if 0 in (first, second):
-            self._row0_entry = None
+            self._row0_tokens = None
         rows = self._rows
         one, other = rows[first], rows[second]
         for keys, values in self._cache:
@@ -863,7 +875,7 @@ class OrtCpuEngine(OwnerThread):
 
     def _copy_row(self, source: int, target: int, length: int) -> None:
         if target == 0:
-            self._row0_entry = None
+            self._row0_tokens = None
         for keys, values in self._cache:
             keys[target, :, :length] = keys[source, :, :length]
             values[target, :, :length] = values[source, :, :length]

@@ -5,16 +5,18 @@ A chat resends its whole history every turn and an agent loop its whole context 
 step; requests often share one system prompt. When a prompt has gone into the cache (at
 the end of its prefill), a copy of its key/value row is kept here with its token ids. A
 new request takes the entry with the longest common token prefix, copies that much into
-its own row and prefills only the rest; a full hit still recomputes the last two prompt
-tokens (the last one's logits are needed, and the engine never prefills a single row).
+its own row and prefills only the rest; a full hit still recomputes the last prompt token
+(its logits are needed), and with ``even_calls`` the last two (a reproducible engine never
+prefills a single row).
 
-Only prompt rows are kept, never a reply's: a reply's key/values were written by decode
-steps, which onnxruntime computes with other kernels than a prefill (one query row), so
-they differ in the last bits from what a cold prefill of the same tokens gives. The next
-turn of a chat prefills the previous reply again (a prefill, many rows a call, costs a
-fraction of the decode steps that wrote it) and its prompt, reply included, is kept then.
-Copied rows are therefore bit for bit what a prefill of the same tokens computes, and a
-request's tokens and logprobs do not depend on what the cache holds (see ``_ort_cpu``).
+By default a finished reply's rows are kept as decode steps wrote them, so that a chat's
+next turn finds its whole history here. With ``reproducible`` on, only prompt rows are
+kept, never a reply's: a reply's key/values were written by decode steps, which
+onnxruntime computes with other kernels than a prefill (one query row), so they differ in
+the last bits from what a cold prefill of the same tokens gives; the engine prefills the
+reply again while idle and keeps that. Copied rows are then bit for bit what a prefill of
+the same tokens computes, and a request's tokens and logprobs do not depend on what the
+cache holds (see ``_ort_cpu``).
 
 Entries are separate arrays sized to their tokens, so the budget (tokens held) is exactly
 the memory held and an evicted entry frees it at once; the least recently used go first.
@@ -51,8 +53,10 @@ class CacheEntry:
 class PrefixCache:
     """Entries up to ``budget_tokens`` tokens in all; hits of at least ``min_tokens``."""
 
-    def __init__(self, budget_tokens: int, min_tokens: int, bytes_per_token: int) -> None:
+    def __init__(self, budget_tokens: int, min_tokens: int, bytes_per_token: int, *, even_calls: bool) -> None:
         self.budget_tokens = budget_tokens
+        self.even_calls = even_calls
+        """Leave an even number of tokens to prefill, two at least (see :meth:`lookup`)."""
         self.min_tokens = max(1, min_tokens)
         self.bytes_per_token = bytes_per_token
         self._entries: list[CacheEntry] = []
@@ -74,10 +78,11 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int], group: str = "", *, count: bool = True) -> tuple[CacheEntry | None, int]:
         """The entry of ``group`` sharing the longest prefix with ``prompt`` and how many of
-        its tokens to reuse; ``(None, 0)`` below ``min_tokens``. What is left to prefill is
-        an even number of tokens, two at least: the engine prefills in calls of an even
-        number of rows (see ``_ort_cpu._even_call``), and a reused token is not computed
-        again only to make a call even."""
+        its tokens to reuse; ``(None, 0)`` below ``min_tokens``. One token at least is left
+        to prefill (its logits are needed); with ``even_calls`` an even number, two at least:
+        the reproducible engine prefills in calls of an even number of rows (see
+        ``_ort_cpu._even_call``), and a reused token is not computed again only to make a
+        call even."""
         if not self._entries or len(prompt) <= self.min_tokens:
             self.misses += count and self.budget_tokens > 0
             return None, 0
@@ -89,8 +94,11 @@ class PrefixCache:
             length = _common_prefix(entry.tokens, ids)
             if length > best_length:
                 best, best_length = entry, length
-        usable = min(best_length, len(prompt) - 2)
-        usable -= (len(prompt) - usable) % 2
+        if self.even_calls:
+            usable = min(best_length, len(prompt) - 2)
+            usable -= (len(prompt) - usable) % 2
+        else:
+            usable = min(best_length, len(prompt) - 1)
         if best is None or usable < self.min_tokens:
             self.misses += count
             return None, 0
@@ -101,8 +109,9 @@ class PrefixCache:
 
     def store(self, tokens: Sequence[int], copy_rows: Callable[[int], Rows], group: str = "") -> CacheEntry | None:
         """Keep the first ``len(tokens)`` positions of a row, in ``group``; ``copy_rows(n)``
-        copies them. Returns the new entry; ``None`` when nothing was copied (too short or
-        too long to keep, or held already as part of a longer entry)."""
+        copies them. Returns the entry whose first ``len(tokens)`` positions hold them: the
+        new one, or one that held them already as part of a longer entry (nothing copied);
+        ``None`` when they are too short or too long to keep."""
         count = len(tokens)
         if count < self.min_tokens or count > self.budget_tokens:
             return None
@@ -110,7 +119,7 @@ class PrefixCache:
         for entry in self._entries:
             if entry.group == group and len(entry.tokens) >= count and _common_prefix(entry.tokens, ids) == count:
                 entry.used = next(_clock)  # already held, as part of a longer entry
-                return None
+                return entry
         self._entries = [e for e in self._entries if e.group != group or _common_prefix(e.tokens, ids) < len(e.tokens)]
         while self._entries and self.held_tokens + count > self.budget_tokens:
             self._entries.remove(min(self._entries, key=lambda e: e.used))
