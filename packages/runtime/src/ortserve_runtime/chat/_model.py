@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -84,14 +85,6 @@ class ChatModel:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
-        # No token of the vocabulary spans more characters than its longest entry (byte-level
-        # vocabularies spell one byte per character, so never fewer characters than bytes);
-        # a normaliser may compose up to 3 characters into one (Hangul jamo). A text longer
-        # than this cannot fit the context, and is refused before the tokenizer sees it:
-        # tokenizing a 15 MB prompt takes over 10 s of a core.
-        longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
-        self.max_prompt_chars = self.max_sequence_length * max(longest, 1) * 3
-        """Characters a prompt may have before it is tokenized (its tokens are checked after)."""
         self.chat_template = ChatTemplate.from_folder(path, config.chat_template)
         self.tool_format: ToolCallFormat | None = detect_tool_format(
             self.chat_template.source if self.chat_template else None
@@ -197,11 +190,26 @@ class ChatModel:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters a prompt may have before it is tokenized (its tokens are checked after).
+
+        No token of the vocabulary spans more characters than its longest entry (byte-level
+        vocabularies spell one byte per character, so never fewer characters than bytes); a
+        normaliser may compose up to 3 characters into one (Hangul jamo). A text longer than
+        this cannot fit the context, and is refused before the tokenizer sees it: tokenizing
+        a 15 MB prompt takes over 10 s of a core. Found at the first prompt that needs it:
+        listing the vocabulary holds the GIL 50 ms (SmolLM2), which a load beside the
+        server's start-up would take from it."""
+        longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        return self.max_sequence_length * max(longest, 1) * 3
+
     def check_prompt_size(self, text: str, param: str = "prompt") -> None:
         """Refuse ``text`` with :class:`ContextLengthError` when it has more characters than
         :attr:`max_prompt_chars`: too long for the context whatever its tokens, so there is
         no need to tokenize it to say so."""
-        if len(text) > self.max_prompt_chars:
+        # Every token spans a character at least: a text this short needs no vocabulary scan.
+        if len(text) > 3 * self.max_sequence_length and len(text) > self.max_prompt_chars:
             raise ContextLengthError(
                 f"the prompt has {len(text)} characters, more than this model's limit of "
                 f"{self.max_sequence_length} tokens could hold",
