@@ -91,7 +91,7 @@ def test_earlier_reasoning_is_rendered_as_qwen3_does() -> None:
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    return GrammarCompiler((FIXTURE / "tokenizer.json").read_text(encoding="utf-8"), 1024, frozenset({1021}))
+    return GrammarCompiler(FIXTURE / "tokenizer.json", 1024, frozenset({1021}))
 
 
 def accepts(compiler: GrammarCompiler, grammar: Grammar, text: str) -> bool:

@@ -101,7 +101,7 @@ class ChatModel:
             self.chat_template.source if self.chat_template else None
         )
         """The think markers of a reasoning model (from its chat template), or None."""
-        self.grammars = GrammarCompiler(tokenizer_path.read_text(encoding="utf-8"), self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer_path, self.vocab_size, self.eos_token_ids)
         self._token_bytes: TokenBytes | None = None
 
     @property
