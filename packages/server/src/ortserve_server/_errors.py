@@ -219,8 +219,12 @@ def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Resp
     if isinstance(exc, NotFoundException):
         return error_response(404, f"no route {request.method} {request.url.path}", type="invalid_request_error")
     if exc.status_code == HTTP_413_REQUEST_ENTITY_TOO_LARGE:
+        # Litestar refuses on the declared Content-Length before reading, or once the bytes
+        # read pass the route's limit; the message says what that limit is.
+        limit = request.route_handler.resolve_request_max_body_size()
+        message = f"the request body is larger than {limit} bytes, the most this route takes" if limit else ""
         return error_response(
-            413, "the request body is too large", type="invalid_request_error", code="payload_too_large"
+            413, message or "the request body is too large", type="invalid_request_error", code="payload_too_large"
         )
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(exc.status_code, exc.detail, type=kind, headers=exc.headers)
