@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -172,3 +174,31 @@ def test_an_upload_past_the_file_limit_is_413_naming_it(declared: bool) -> None:
             assert f"larger than {limit} bytes" in error["message"], error
             assert client.get(f"{url}/v1/files").status_code == 200  # the same connection, kept alive
         seen.assert_within()
+
+
+def test_a_large_batch_file_is_checked_without_holding_the_event_loop(tmp_path: Path) -> None:
+    """Issue 45: checking a 90 MiB upload's lines on a worker thread began with one
+    ``splitlines`` of the whole file, a call that held the GIL, so the event loop: /health
+    103-155 ms (a poller of its own), 36-70 ms with the lines copied one at a time. The
+    client runs in a process of its own, so that only the server's work is timed."""
+    from ortserve_server._serving import GuardedH11Protocol
+
+    upload = tmp_path / "in.jsonl"
+    upload.write_bytes(_batch_file(90))
+    send = (
+        "import httpx, sys; from pathlib import Path; path = Path(sys.argv[2]); "
+        "r = httpx.post(sys.argv[1], data={'purpose': 'batch'}, files={'file': (path.name, path.open('rb'))}, "
+        "timeout=120); print(r.status_code, r.text)"
+    )
+    config = ServerConfig(models={"tiny": TINY_MODEL}, state_dir=tmp_path / "state")
+    with running(create_app(config), http=GuardedH11Protocol) as url, watched(url) as seen:
+        sent = subprocess.run(
+            [sys.executable, "-c", send, f"{url}/v1/files", str(upload)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert sent.stdout.startswith("200 "), sent.stdout + sent.stderr
+    assert json.loads(sent.stdout[4:])["bytes"] == upload.stat().st_size
+    seen.assert_within()
