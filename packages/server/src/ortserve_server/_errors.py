@@ -226,6 +226,13 @@ def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Resp
         return error_response(
             413, message or "the request body is too large", type="invalid_request_error", code="payload_too_large"
         )
+    if exc.status_code == 400 and exc.detail == "Request Entity Too Large":  # Litestar's multipart parser
+        parts = request.app.multipart_form_part_limit
+        message = (
+            f"the multipart form is past this server's bounds: at most {parts} parts, each with a few "
+            "short headers (a file name of at most about 4 KB)"
+        )
+        return error_response(400, message, type="invalid_request_error")
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(exc.status_code, exc.detail, type=kind, headers=exc.headers)
 
