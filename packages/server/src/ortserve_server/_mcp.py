@@ -237,8 +237,11 @@ class _Link:
         from mcp.shared.exceptions import MCPError
         from mcp_types import REQUEST_TIMEOUT
 
+        client = self.client
+        if client is None or self.ended:  # closed since the caller got it (another call timed out)
+            raise McpToolError("mcp_protocol_error", -32000, self.ended or "the connection to the MCP server is closed")
         try:
-            result = await self.client.call_tool(name, arguments, read_timeout_seconds=timeout)
+            result = await client.call_tool(name, arguments, read_timeout_seconds=timeout)
         except MCPError as exc:
             if exc.code == REQUEST_TIMEOUT:  # the SDK's own, at read_timeout_seconds
                 raise self._call_timed_out(timeout) from exc
