@@ -31,6 +31,7 @@ from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
+from litestar.handlers import HTTPRouteHandler
 from litestar.status_codes import HTTP_413_REQUEST_ENTITY_TOO_LARGE
 from litestar.types import ExceptionHandlersMap
 from ortserve_client.protocol import ErrorDetail, ErrorResponse
@@ -221,7 +222,8 @@ def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Resp
     if exc.status_code == HTTP_413_REQUEST_ENTITY_TOO_LARGE:
         # Litestar refuses on the declared Content-Length before reading, or once the bytes
         # read pass the route's limit; the message says what that limit is.
-        limit = request.route_handler.resolve_request_max_body_size()
+        handler = request.scope.get("route_handler")  # absent if raised before routing
+        limit = handler.resolve_request_max_body_size() if isinstance(handler, HTTPRouteHandler) else None
         message = f"the request body is larger than {limit} bytes, the most this route takes" if limit else ""
         return error_response(
             413, message or "the request body is too large", type="invalid_request_error", code="payload_too_large"
