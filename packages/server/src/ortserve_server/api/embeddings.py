@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
-from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
-import msgspec
-from litestar import MediaType, Request, Response, post
+from litestar import Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
@@ -17,6 +14,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
+from .._generation import json_answer
 from .._leases import require_embedding_model
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
@@ -47,27 +45,16 @@ async def embeddings(
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
     note(model=data.model, input_tokens=result.prompt_tokens)
     usage = p.EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
-    envelope = p.CreateEmbeddingResponse(data=[], model=data.model, usage=usage)
-    body = await asyncio.to_thread(_encoded, envelope, result.vectors, data.encoding_format == "base64")
-    # Bytes are sent as they are; the annotation keeps the answer's schema in the OpenAPI document.
-    return Response(cast("p.CreateEmbeddingResponse", body), media_type=MediaType.JSON)
+    as_base64 = data.encoding_format == "base64"
 
-
-def _encoded(envelope: p.CreateEmbeddingResponse, vectors: Iterable[Any], as_base64: bool) -> bytes:
-    """The answer's JSON, made a vector at a time on a worker thread: 2,048 vectors as floats
-    are 16.6 MB of JSON, and encoded whole (on the event loop, or in one call that holds the
-    GIL) they held every other request 130-180 ms."""
-    items = [
-        _encode_item(
+    def answer() -> tuple[p.CreateEmbeddingResponse, str, list[p.Embedding]]:
+        items = [
             p.Embedding(
                 index=i,
                 embedding=base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist(),
             )
-        )
-        for i, vector in enumerate(vectors)
-    ]
-    # The envelope's "data":[] is its only such bytes (a quote inside a JSON string is escaped).
-    return msgspec.json.encode(envelope).replace(b'"data":[]', b'"data":[' + b",".join(items) + b"]", 1)
+            for i, vector in enumerate(result.vectors)
+        ]
+        return p.CreateEmbeddingResponse(data=[], model=data.model, usage=usage), "data", items
 
-
-_encode_item = msgspec.json.Encoder().encode
+    return await json_answer(answer)
