@@ -9,7 +9,10 @@ log notifications before it answers (the SDK handles each on the event loop); ``
 fails with an error message of 200 KB. ``python mcp_faulty_server.py crowded`` lists 10,000
 tools instead (parsing them held the event loop 0.6 s; over HTTP, 2 s for 50,000). HTTP
 only: ``huge`` answers 2 MB; ``zipped`` answers "ok" gzip-encoded; ``bomb`` answers 100 MB
-of text gzip-encoded into 100 KB (httpx decoded it above the transport's bounds)."""
+of text gzip-encoded into 100 KB (httpx decoded it above the transport's bounds); ``stuck``
+never answers, sending an SSE comment every 0.1 s until its client closes the connection
+(the SDK kept reading such an answer after the call timed out); ``dropped`` answers
+"dropped N", N the ``stuck`` answers whose connection the client closed."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import functools
 import gzip
 import json
 import sys
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -32,6 +36,8 @@ _TOOLS = [
         ("loud", "Fails with an error message of 200 KB"),
         ("zipped", "Answers ok, gzip-encoded"),
         ("bomb", "Answers 100 MB gzip-encoded into 100 KB"),
+        ("stuck", "Never answers (HTTP: trickles SSE comments until the connection is closed)"),
+        ("dropped", "Says how many stuck answers had their connection closed"),
     )
 ]
 
@@ -47,6 +53,8 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
         return {"tools": _TOOLS}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "huge":
         return {"content": [{"type": "text", "text": "x" * 2_000_000}]}
+    if method == "tools/call" and isinstance(params, dict) and params.get("name") == "dropped":
+        return {"content": [{"type": "text", "text": f"dropped {_Handler.dropped}"}]}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "deep":
         return {
             "content": [{"type": "text", "text": "deep"}],
@@ -106,6 +114,22 @@ def _serve_stdio() -> None:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    dropped = 0
+    """``stuck`` answers whose client closed the connection."""
+
+    def _stuck(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")  # no length: the answer runs until the close
+        self.end_headers()
+        try:
+            while True:
+                self.wfile.write(b": still working\n\n")
+                self.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the client closed it
+            type(self).dropped += 1
+            self.close_connection = True
 
     def do_POST(self) -> None:  # http.server's name
         message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -113,6 +137,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(202)
             self.send_header("Content-Length", "0")
             self.end_headers()
+            return
+        if _called(message) == "stuck":
+            self._stuck()
             return
         answer = json.dumps(_reply(message)).encode()
         encoding = "gzip" if _called(message) in ("zipped", "bomb") else None

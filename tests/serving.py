@@ -30,8 +30,10 @@ async def refilled(model: Any) -> None:
 
 
 @contextlib.contextmanager
-def running(app: Any) -> Iterator[str]:
-    """Serve ``app`` on 127.0.0.1:<free port>; yields ``http://127.0.0.1:PORT``."""
+def running(app: Any, *, http: Any = "auto") -> Iterator[str]:
+    """Serve ``app`` on 127.0.0.1:<free port>; yields ``http://127.0.0.1:PORT``. ``http``:
+    uvicorn's HTTP protocol (``ortserve serve`` uses its ``GuardedH11Protocol``; uvicorn's
+    "auto" is httptools where it is installed)."""
     import uvicorn  # here, so that model-only tests run without the server installed
 
     # IPPROTO_TCP named, as ortserve's own listen() does: asyncio turns Nagle off only on
@@ -41,7 +43,7 @@ def running(app: Any) -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", http=http))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -5,8 +5,11 @@ batches made from one file several at once."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,3 +133,74 @@ def test_a_line_longer_than_a_request_may_be_is_refused_at_upload(tmp_path: Path
         error = refused.json()["error"]
         assert error["param"] == "file" and error["message"].startswith("line 1 has "), error
         assert "at most 1048576 (max_body_size)" in error["message"]
+
+
+def _multipart(file_bytes: int, boundary: str) -> Iterator[bytes]:
+    """A multipart batch upload whose file part has ``file_bytes`` bytes, made as it is sent."""
+    yield f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'.encode()
+    yield f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'.encode()
+    piece = b"x" * 2**20
+    for _ in range(file_bytes // len(piece)):
+        yield piece
+    yield f"\r\n--{boundary}--\r\n".encode()
+
+
+# Chunked: Litestar (2.25) leaves the form's spooled file to the garbage collector when the
+# body passes the limit mid-form (its parser closes it only on its own errors).
+_LEFT_TO_GC = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.mark.parametrize("declared", [True, pytest.param(False, marks=_LEFT_TO_GC)], ids=["content-length", "chunked"])
+def test_an_upload_past_the_file_limit_is_413_naming_it(declared: bool) -> None:
+    """Issue 45: 200 MB to POST /v1/files (max_file_size 100 MiB), through ``ortserve serve``'s
+    protocol. Refused on its declared length before any is read, or once the bytes read pass
+    the route's limit (chunked); the rest is drained so the connection stays usable. The
+    answer named no limit before; the fourth probe's /health 122-337 ms was its client
+    building the 200 MB form in the server's process (a poller in a process of its own saw
+    11 ms; py-spy: the loop mostly idle in select)."""
+    from ortserve_server._serving import GuardedH11Protocol
+
+    boundary = "b0undary"
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+    if declared:
+        headers["content-length"] = str(sum(map(len, _multipart(200 * 10**6, boundary))))
+    config = ServerConfig(models={"tiny": TINY_MODEL})
+    with running(create_app(config), http=GuardedH11Protocol) as url, httpx.Client(timeout=60) as client:
+        with watched(url) as seen:
+            refused = client.post(f"{url}/v1/files", content=_multipart(200 * 10**6, boundary), headers=headers)
+            assert refused.status_code == 413, refused.text
+            error = refused.json()["error"]
+            limit = config.max_file_size + 65536  # the file and its form (create_app)
+            assert error["code"] == "payload_too_large", error
+            assert f"larger than {limit} bytes" in error["message"], error
+            assert client.get(f"{url}/v1/files").status_code == 200  # the same connection, kept alive
+        seen.assert_within()
+    gc.collect()  # the form's file left to the collector (chunked) is reported here, not in a later test
+
+
+def test_a_large_batch_file_is_checked_without_holding_the_event_loop(tmp_path: Path) -> None:
+    """Issue 45: checking a 90 MiB upload's lines on a worker thread began with one
+    ``splitlines`` of the whole file, a call that held the GIL, so the event loop: /health
+    103-155 ms (a poller of its own), 36-70 ms with the lines copied one at a time. The
+    client runs in a process of its own, so that only the server's work is timed."""
+    from ortserve_server._serving import GuardedH11Protocol
+
+    upload = tmp_path / "in.jsonl"
+    upload.write_bytes(_batch_file(90))
+    send = (
+        "import httpx, sys; from pathlib import Path; path = Path(sys.argv[2]); "
+        "r = httpx.post(sys.argv[1], data={'purpose': 'batch'}, files={'file': (path.name, path.open('rb'))}, "
+        "timeout=120); print(r.status_code, r.text)"
+    )
+    config = ServerConfig(models={"tiny": TINY_MODEL}, state_dir=tmp_path / "state")
+    with running(create_app(config), http=GuardedH11Protocol) as url, watched(url) as seen:
+        sent = subprocess.run(
+            [sys.executable, "-c", send, f"{url}/v1/files", str(upload)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert sent.stdout.startswith("200 "), sent.stdout + sent.stderr
+    assert json.loads(sent.stdout[4:])["bytes"] == upload.stat().st_size
+    seen.assert_within()

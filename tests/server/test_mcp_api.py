@@ -437,6 +437,20 @@ def test_an_http_answer_past_the_bounds_fails_the_call_at_once(
     assert _call_alone(client, "faulty-web", "ok").output == "ok"
 
 
+def test_an_http_call_past_the_timeout_closes_its_connection(client: openai.OpenAI) -> None:
+    """Issue 45: the SDK kept reading a timed-out call's answer over streamable HTTP (in
+    the protocol version ortserve speaks it only posts ``notifications/cancelled``), so a
+    server trickling it held a connection, and a task reading it, for as long as it liked.
+    The session is closed at the timeout, and the next call opens a fresh one."""
+    call = _call_alone(client, "faulty-web", "stuck")
+    assert call.error is not None and call.error.code == -32001, call
+    deadline = time.monotonic() + 10
+    while (said := _call_alone(client, "faulty-web", "dropped").output) == "dropped 0":
+        assert time.monotonic() < deadline, "the stuck answer's connection was still open"
+        time.sleep(0.2)
+    assert said == "dropped 1"
+
+
 def test_a_gzip_answer_within_the_bounds_is_read(client: openai.OpenAI) -> None:
     """The transport inflates gzip itself (to bound it): a server that compresses is heard."""
     call = _call_alone(client, "faulty-web", "zipped")

@@ -290,6 +290,24 @@ def test_store_is_bounded(url: str, client: openai.OpenAI) -> None:
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "response_id"
 
 
+def test_one_key_filling_the_store_evicts_its_own_responses() -> None:
+    """Fifth probe of issue 45: the store evicted the oldest response of any key, so one key
+    storing responses fast broke every other key's ``previous_response_id`` chain. The key
+    holding the most gives way."""
+    config = ServerConfig(models={"tiny": TINY_MODEL}, api_key=("alice", "bob"), responses_store_max=4)
+    with running(create_app(config)) as base:
+        alice = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="alice", max_retries=0))
+        bob = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="bob", max_retries=0))
+        kept = bob.responses.create(model="tiny", input="Hi", max_output_tokens=1, store=True)
+        ids = [alice.responses.create(model="tiny", input="Hi", max_output_tokens=1, store=True).id for _ in range(6)]
+        assert bob.responses.retrieve(kept.id).id == kept.id
+        bob.responses.create(model="tiny", input="go on", previous_response_id=kept.id, max_output_tokens=1)
+        for gone in ids[:3]:  # alice holds the most: her oldest go (the store keeps 4)
+            with pytest.raises(openai.NotFoundError):
+                alice.responses.retrieve(gone)
+        assert alice.responses.retrieve(ids[-1]).id == ids[-1]
+
+
 def test_a_response_id_tag_that_routing_could_not_read_is_refused() -> None:
     """ortserve_server.ray tags ids with a replica id; a tag its router could not read is refused."""
     with pytest.raises(ValueError, match="response_id_tag must be lower-case letters and digits"):

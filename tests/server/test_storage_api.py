@@ -53,6 +53,16 @@ def test_a_files_limit_out_of_range_is_a_400(client: openai.OpenAI, app_url: tup
     assert len(client.files.list(limit=1).data) == 1
 
 
+def test_a_form_past_the_multipart_bounds_says_which(app_url: tuple[Any, str]) -> None:
+    """Fifth probe of issue 45: 100,000 parts, or a 1 MB file name, were a 400 saying only
+    "Request Entity Too Large" (Litestar's multipart parser)."""
+    parts = "".join(f'--bb\r\nContent-Disposition: form-data; name="p{i}"\r\n\r\nv\r\n' for i in range(1001))
+    form = {"content-type": "multipart/form-data; boundary=bb"}
+    refused = httpx.post(f"{app_url[1]}/v1/files", content=parts + "--bb--\r\n", headers=form)
+    assert refused.status_code == 400, refused.text
+    assert "at most 1000 parts" in refused.json()["error"]["message"]
+
+
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_batch_line_nested_too_deeply_is_refused_by_number(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
     deep = '{"model": "tiny", "messages": [], "x": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"

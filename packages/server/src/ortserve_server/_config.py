@@ -237,7 +237,7 @@ class ServerConfig:
     ``data:`` URLs only, since a server that fetches any URL it is given is an SSRF hole."""
     responses_store_max: int = 1000
     """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (those
-    created with ``store: true``), in memory, in this process; the oldest go first. 0
+    created with ``store: true``); the key holding the most gives its oldest first. 0
     turns storing off (``store: true`` is then a 400)."""
     responses_store_max_bytes: int = 64 * 1024 * 1024
     """Bound on the stored conversations' size (their JSON, inline images included); the

@@ -31,6 +31,7 @@ from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
+from litestar.handlers import HTTPRouteHandler
 from litestar.status_codes import HTTP_413_REQUEST_ENTITY_TOO_LARGE
 from litestar.types import ExceptionHandlersMap
 from ortserve_client.protocol import ErrorDetail, ErrorResponse
@@ -219,9 +220,21 @@ def _http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Resp
     if isinstance(exc, NotFoundException):
         return error_response(404, f"no route {request.method} {request.url.path}", type="invalid_request_error")
     if exc.status_code == HTTP_413_REQUEST_ENTITY_TOO_LARGE:
+        # Litestar refuses on the declared Content-Length before reading, or once the bytes
+        # read pass the route's limit; the message says what that limit is.
+        handler = request.scope.get("route_handler")  # absent if raised before routing
+        limit = handler.resolve_request_max_body_size() if isinstance(handler, HTTPRouteHandler) else None
+        message = f"the request body is larger than {limit} bytes, the most this route takes" if limit else ""
         return error_response(
-            413, "the request body is too large", type="invalid_request_error", code="payload_too_large"
+            413, message or "the request body is too large", type="invalid_request_error", code="payload_too_large"
         )
+    if exc.status_code == 400 and exc.detail == "Request Entity Too Large":  # Litestar's multipart parser
+        parts = request.app.multipart_form_part_limit
+        message = (
+            f"the multipart form is past this server's bounds: at most {parts} parts, each with a few "
+            "short headers (a file name of at most about 4 KB)"
+        )
+        return error_response(400, message, type="invalid_request_error")
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(exc.status_code, exc.detail, type=kind, headers=exc.headers)
 

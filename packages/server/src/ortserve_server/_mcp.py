@@ -8,7 +8,8 @@ start a process or reach an address that is not named in its configuration.
 
 A configured server is connected on first use and stays connected (a stdio server is one
 process for all requests) until the app stops; one that drops (a stdio server's process
-exited, or was stopped for a message past ``mcp_max_message_bytes``) is connected again on
+exited, or was stopped for a message past ``mcp_max_message_bytes``; an HTTP server's
+session, closed when a call or a listing ran past its timeout) is connected again on
 next use. Its tool list is kept for ``mcp_list_ttl`` seconds. A server a request names by URL is
 connected for that request only (its headers are the request's) and closed with it.
 
@@ -127,11 +128,30 @@ class _Link:
         self.client: Any = None
         self._max_message_bytes = max_message_bytes
         self._stdio = StdioLink(target, max_message_bytes) if isinstance(target, tuple) else None
+        self._given_up: str | None = None
+        """Why an HTTP session was closed (a call past its timeout), else ``None``."""
 
     @property
     def ended(self) -> str | None:
-        """Why a stdio server's connection is over (its process ended...), else ``None``."""
-        return self._stdio.ended if self._stdio is not None else None
+        """Why the connection is over (a stdio server's process ended, an HTTP session was
+        given up...), else ``None``."""
+        return self._stdio.ended if self._stdio is not None else self._given_up
+
+    def fresh(self) -> _Link:
+        """A link, not yet open, to the same server with the same headers."""
+        return _Link(self.name, self._target, self._headers, self._start_timeout, self._max_message_bytes)
+
+    def _timed_out(self, what: str) -> None:
+        """An HTTP session whose request ran past its timeout is closed: in the protocol
+        version ortserve speaks the SDK only posts ``notifications/cancelled`` and keeps
+        reading that request's answer (a server trickling it held the connection, and a
+        task reading it, for as long as it liked). The owning task closes the session, its
+        HTTP client and connections; the next use opens a fresh one. Calls in flight on it
+        then fail."""
+        if self._stdio is None and self._given_up is None:
+            self._given_up = f"{what}: its connection was closed and opens again on next use"
+            logger.warning("MCP server %s: %s", self.name, self._given_up)
+            self._stop.set()
 
     @property
     def alive(self) -> bool:
@@ -193,7 +213,11 @@ class _Link:
         tools: list[McpTool] = []
         cursor = None
         while True:
-            page = await asyncio.wait_for(self.client.list_tools(cursor=cursor), self._start_timeout)
+            try:
+                page = await asyncio.wait_for(self.client.list_tools(cursor=cursor), self._start_timeout)
+            except TimeoutError:
+                self._timed_out(f"listing its tools took more than {self._start_timeout:g} s")
+                raise
             for tool in page.tools:
                 annotations = (
                     tool.annotations.model_dump(by_alias=True, exclude_none=True) if tool.annotations else None
@@ -203,15 +227,27 @@ class _Link:
             if not cursor:
                 return tools
 
+    def _call_timed_out(self, timeout: float) -> McpToolError:
+        from mcp_types import REQUEST_TIMEOUT
+
+        self._timed_out(f"a call took more than {timeout:g} s")
+        return McpToolError("mcp_protocol_error", REQUEST_TIMEOUT, f"the tool did not answer within {timeout:g} s")
+
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> _Result:
         from mcp.shared.exceptions import MCPError
+        from mcp_types import REQUEST_TIMEOUT
 
+        client = self.client
+        if client is None or self.ended:  # closed since the caller got it (another call timed out)
+            raise McpToolError("mcp_protocol_error", -32000, self.ended or "the connection to the MCP server is closed")
         try:
-            result = await self.client.call_tool(name, arguments, read_timeout_seconds=timeout)
+            result = await client.call_tool(name, arguments, read_timeout_seconds=timeout)
         except MCPError as exc:
+            if exc.code == REQUEST_TIMEOUT:  # the SDK's own, at read_timeout_seconds
+                raise self._call_timed_out(timeout) from exc
             raise McpToolError("mcp_protocol_error", exc.code, self.ended or exc.error.message) from exc
         except TimeoutError as exc:
-            raise McpToolError("mcp_protocol_error", -32001, f"the tool did not answer within {timeout:g} s") from exc
+            raise self._call_timed_out(timeout) from exc
         except Exception as exc:  # the transport's failures: the model is told
             status = getattr(getattr(exc, "response", None), "status_code", None)
             if isinstance(status, int):
@@ -434,6 +470,10 @@ class McpTools:
                 raise McpToolError("mcp_protocol_error", -32602, "the arguments are nested too deeply") from None
             if not isinstance(parsed, dict):
                 raise McpToolError("mcp_protocol_error", -32602, "the arguments are not a JSON object")
+            if use.link is not None and not use.link.alive:  # given up after a timeout: a fresh one
+                use.link = use.link.fresh()
+                self._own.append(use.link)
+                await use.link.open()
             link = use.link if use.link is not None else await hub.link(label)
             tool = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "ortserve.mcp.server": label}
             with span(f"execute_tool {name}", **tool):  # a span while tracing, else nothing

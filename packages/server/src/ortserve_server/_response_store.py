@@ -35,9 +35,13 @@ class StoredResponse:
 
 class ResponseStore:
     """Responses by id, bounded three ways (count, bytes, age) so that no client can grow
-    the server without end: a put evicts the oldest entries until the new one fits, and a
-    get of an expired entry finds nothing. Each belongs to its ``owner`` (the caller's API
-    key digest, as files and batches do): another key finds nothing by its id."""
+    the server without end: a put evicts entries until the new one fits, and a get of an
+    expired entry finds nothing. Each belongs to its ``owner`` (the caller's API key digest,
+    as files and batches do): another key finds nothing by its id. What a put evicts is the
+    oldest entry of the key holding the most (entries, or bytes when those are the bound in
+    the way): with the oldest of all going first, one key storing a response every few
+    milliseconds evicted every other key's, breaking their ``previous_response_id`` chains;
+    now it evicts its own once it holds the most. With one key it is the oldest of all."""
 
     def __init__(
         self, database: Database, max_entries: int, max_bytes: int, ttl: float, clock: Callable[[], float] = time.time
@@ -69,15 +73,19 @@ class ResponseStore:
         def put(db: Connection) -> None:
             with write(db):
                 db.execute("DELETE FROM responses WHERE expires <= ?", (now,))
-                count, held = db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
-                drop = []
-                for old_id, old_size in db.execute("SELECT id, size FROM responses ORDER BY created"):
-                    if count < max_entries and held + size <= max_bytes:
-                        break
-                    drop.append((old_id,))
-                    count, held = count - 1, held - old_size
-                db.executemany("DELETE FROM responses WHERE id = ?", drop)
                 db.execute("DELETE FROM responses WHERE id = ?", (row[0],))
+                count, held = db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
+                while count >= max_entries or held + size > max_bytes:
+                    # The key holding the most of the bound in the way gives its oldest.
+                    measure = "COUNT(*)" if count >= max_entries else "SUM(size)"
+                    oldest = db.execute(
+                        "SELECT id, size FROM responses WHERE owner = (SELECT owner FROM responses "
+                        f"GROUP BY owner ORDER BY {measure} DESC LIMIT 1) ORDER BY created LIMIT 1"
+                    ).fetchone()
+                    if oldest is None:
+                        break
+                    db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
+                    count, held = count - 1, held - oldest[1]
                 db.execute(
                     "INSERT INTO responses (id, created, expires, size, response, items, owner) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?)",

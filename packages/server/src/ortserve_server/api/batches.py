@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,18 @@ class FileForm:
     file: UploadFile | None = None
 
 
+def _lines(content: bytes) -> Iterator[bytes]:
+    """The lines of ``content`` (ended by ``\n`` or ``\r\n``), copied one at a time: on a
+    worker thread, ``splitlines`` copied a 90 MB file in one call, holding the GIL, so the
+    event loop, 170-340 ms."""
+    start = 0
+    while start < len(content):
+        end = content.find(b"\n", start)
+        end = len(content) if end < 0 else end
+        yield content[start:end].removesuffix(b"\r")
+        start = end + 1
+
+
 def check_batch_file(content: bytes, max_line: int) -> list[tuple[str, bytes, str]]:
     """The lines of a batch input file as (custom id, body, url); a 400 naming the first
     line that is not a request a batch can run. A line longer than ``max_line`` (the server's
@@ -61,7 +74,7 @@ def check_batch_file(content: bytes, max_line: int) -> list[tuple[str, bytes, st
     decoded it on the event loop (a 90 MiB line held /health 521 ms, +371 MiB)."""
     lines: list[tuple[str, bytes, str]] = []
     seen: set[str] = set()
-    for number, raw in enumerate(content.splitlines(), 1):
+    for number, raw in enumerate(_lines(content), 1):
         if not raw.strip():
             continue
         where = f"line {number}"

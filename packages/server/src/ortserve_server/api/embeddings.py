@@ -14,6 +14,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
+from .._generation import json_answer
 from .._leases import require_embedding_model
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
@@ -40,16 +41,20 @@ async def embeddings(
     dimensions = data.dimensions if isinstance(data.dimensions, int) else None
     # A client that gives up stops its runs (a 2,048-input request ran 198 s on alone).
     result = await while_connected(request, ortserve, model.embed(data.input, truncate=truncate, dimensions=dimensions))
-    as_base64 = data.encoding_format == "base64"
-    items = [
-        p.Embedding(
-            index=i,
-            embedding=base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist(),
-        )
-        for i, vector in enumerate(result.vectors)
-    ]
     ortserve.metrics.count_request(f"{ortserve.config.path}/embeddings", data.model, 200)
     ortserve.metrics.prompt_tokens.labels(data.model).inc(result.prompt_tokens)
     note(model=data.model, input_tokens=result.prompt_tokens)
     usage = p.EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
-    return Response(p.CreateEmbeddingResponse(data=items, model=data.model, usage=usage))
+    as_base64 = data.encoding_format == "base64"
+
+    def answer() -> tuple[p.CreateEmbeddingResponse, str, list[p.Embedding]]:
+        items = [
+            p.Embedding(
+                index=i,
+                embedding=base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist(),
+            )
+            for i, vector in enumerate(result.vectors)
+        ]
+        return p.CreateEmbeddingResponse(data=[], model=data.model, usage=usage), "data", items
+
+    return await json_answer(answer)
