@@ -142,6 +142,8 @@ class Generation:
         """A tool loop's turn, as a span (tracing only)."""
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
         """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
+        self.encoded_logprobs: list[list[bytes]] = [[] for _ in streams]
+        """The same as JSON, where :meth:`collect` was given ``encode_logprob``."""
         self.event_logprobs: TokenLogprob | None = None
         """Those of the event that :meth:`sse`'s ``events`` callback is turning into chunks."""
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(streams)
@@ -263,8 +265,15 @@ class Generation:
             ),
         )
 
-    async def collect(self) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
-        """Every stream to the end: texts, tool calls, finish reasons, usage."""
+    async def collect(
+        self, *, encode_logprob: Callable[[TokenLogprob], bytes] | None = None
+    ) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
+        """Every stream to the end: texts, tool calls, finish reasons, usage; each token's
+        log-probabilities in :attr:`logprobs`, or, with ``encode_logprob``, encoded as it
+        comes into :attr:`encoded_logprobs`. Encoded, an answer's thousands of them are no
+        objects to build at the end: n=8 x 900 tokens with 20 alternatives each made 300,000
+        objects whose building, and the garbage collector's passes over them, held the
+        event loop 640-790 ms at once."""
         texts = [""] * len(self.streams)
         calls: list[list[ToolCall]] = [[] for _ in self.streams]
         finish = ["stop"] * len(self.streams)
@@ -276,7 +285,9 @@ class Generation:
             texts[index] += text
             calls[index] += made
             completion_tokens += self._record(index, event)
-            if event.logprobs is not None:
+            if event.logprobs is not None and encode_logprob is not None:
+                self.encoded_logprobs[index].append(encode_logprob(event.logprobs))
+            elif event.logprobs is not None:
                 self.logprobs[index].append(event.logprobs)
             if event.prompt_logprobs is not None:
                 self.prompt_logprobs[index] = event.prompt_logprobs

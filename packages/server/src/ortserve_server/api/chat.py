@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from litestar import Request, Response, post
@@ -99,7 +99,8 @@ async def chat_completions(
         opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
         return stream_response(run.sse(events, usage_chunk, opening))
-    texts, calls, finish, usage = await while_connected(request, ortserve, run.collect())
+    encode = _encoded_chat_logprob if data.logprobs is True else None
+    texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(encode_logprob=encode))
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
         tool_calls = [
@@ -113,7 +114,10 @@ async def chat_completions(
         )
         if run.reasoning_parsers is not None:
             message.reasoning_content = message.reasoning = run.reasonings[i]
-        logprobs = _chat_logprobs(run.logprobs[i]) if data.logprobs is True else None
+        logprobs = None
+        if data.logprobs is True:  # the tokens' JSON, encoded as they came (see Generation.collect)
+            content = msgspec.Raw(b"[" + b",".join(run.encoded_logprobs[i]) + b"]")
+            logprobs = p.ChoiceLogprobs(content=cast("list[p.ChatCompletionTokenLogprob]", content))
         choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
     return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
@@ -196,15 +200,21 @@ async def _transcribe_chat(
     return stream_response(events())
 
 
-def _chat_logprobs(items: list[TokenLogprob]) -> p.ChoiceLogprobs:
-    return p.ChoiceLogprobs(
-        content=[
-            p.ChatCompletionTokenLogprob(
-                token=item.text,
-                logprob=item.logprob,
-                bytes=list(item.bytes),
-                top_logprobs=[p.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.bytes)) for t in item.top],
-            )
-            for item in items
-        ]
+def _chat_logprob(item: TokenLogprob) -> p.ChatCompletionTokenLogprob:
+    return p.ChatCompletionTokenLogprob(
+        token=item.text,
+        logprob=item.logprob,
+        bytes=list(item.bytes),
+        top_logprobs=[p.TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.bytes)) for t in item.top],
     )
+
+
+def _chat_logprobs(items: list[TokenLogprob]) -> p.ChoiceLogprobs:
+    return p.ChoiceLogprobs(content=[_chat_logprob(item) for item in items])
+
+
+def _encoded_chat_logprob(item: TokenLogprob) -> bytes:
+    return _encode_json(_chat_logprob(item))
+
+
+_encode_json = msgspec.json.Encoder().encode
