@@ -220,3 +220,21 @@ def test_a_large_float_answer_is_made_off_the_event_loop(url: str) -> None:
     assert [item["index"] for item in answer["data"]] == list(range(2048))
     assert {len(item["embedding"]) for item in answer["data"]} == {384}
     assert answer["object"] == "list" and answer["model"] == "minilm" and answer["usage"]["prompt_tokens"] == 2048 * 3
+
+
+def test_tokens_per_request_are_capped(url: str) -> None:
+    """Fifth probe of issue 45: 2,048 inputs of 242 tokens took 250 s of model time here,
+    every other embedding request waiting. A request's inputs have at most 300,000 tokens in
+    all (OpenAI's limit), texts counted as they are tokenized, token ids as given (after the
+    cut, when truncating): past it, a 400 naming ``input`` before any run."""
+    for body in (
+        {"input": ["word " * 250] * 2048, "truncate": True},  # 2,048 x 256 after the cut: 524,288
+        {"input": [[1037] * 200] * 2048},  # 409,600 token ids
+    ):
+        started = time.perf_counter()
+        response = httpx.post(f"{url}/v1/embeddings", json={"model": "minilm", **body}, timeout=120)
+        took = time.perf_counter() - started
+        assert response.status_code == 400, response.text[:300]
+        error = response.json()["error"]
+        assert error["param"] == "input" and "more than 300000 tokens in all" in error["message"]
+        assert took < 5.0, took  # refused while tokenizing, not after hundreds of runs

@@ -25,6 +25,10 @@ class EmbeddingConfig:
     """Inputs the batcher merges from concurrent requests before it runs them."""
     max_inputs: int = 2048
     """Inputs one request may carry (OpenAI's limit); more are refused untokenized."""
+    max_request_tokens: int = 300_000
+    """Tokens one request's inputs may have in all (OpenAI's limit); a request past it is
+    refused as soon as its tokenizing passes it, before any run (2,048 inputs of 242
+    tokens took 250 s of a 2-core machine's model time, every other request waiting)."""
     run_tokens: int = 256
     """Padded tokens per session run: merged inputs are sorted by length and cut into
     runs of at most this many (an input longer than this runs alone)."""

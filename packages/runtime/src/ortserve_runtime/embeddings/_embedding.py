@@ -61,6 +61,7 @@ class EmbeddingModel(BatchedEncoder):
         self.normalize = settings.normalize
         self.truncate = settings.truncate
         self.max_inputs = settings.max_inputs
+        self.max_request_tokens = settings.max_request_tokens
         self.pooling: Pooling = settings.pooling or _pooling_mode(folder)
         outputs = self.session.get_outputs()
         pooled = [o for o in outputs if len(o.shape) == 2]
@@ -106,10 +107,14 @@ class EmbeddingModel(BatchedEncoder):
         # tokenizer's encodings of 2,048 texts of 8,000 characters took 510 MiB at once, and
         # a text too long was refused only once all of them were tokenized (24 s).
         encoded: dict[int, list[int]] = {}
+        total = sum(min(len(x), self.max_tokens) if cut else len(x) for x in items if not isinstance(x, str))
+        self._check_total(total)
         for start in range(0, len(texts), _ENCODE_BATCH):
             batch = texts[start : start + _ENCODE_BATCH]
             for (index, _), encoding in zip(batch, self.tokenizer.encode_batch([t for _, t in batch]), strict=True):
                 encoded[index] = self._fit(index, list(encoding.ids), cut, text=True)
+                total += len(encoded[index])
+            self._check_total(total)
         result: list[list[int]] = []
         for index, item in enumerate(items):
             if isinstance(item, str):
@@ -126,6 +131,16 @@ class EmbeddingModel(BatchedEncoder):
                 raise InvalidRequestError(f"input[{index}] has no tokens", param="input")
             result.append(ids)
         return result
+
+    def _check_total(self, tokens: int) -> None:
+        """Refuse a request whose inputs have more than ``max_request_tokens`` tokens in all
+        (token-id inputs counted as given, texts as tokenized so far)."""
+        if tokens > self.max_request_tokens:
+            raise InvalidRequestError(
+                f"input has more than {self.max_request_tokens} tokens in all; this server embeds at most "
+                f"{self.max_request_tokens} per request (split it into several)",
+                param="input",
+            )
 
     def _fit(self, index: int, ids: list[int], cut: bool, *, text: bool) -> list[int]:
         """``ids`` within the model's limit: cut (a text keeps its closing special token) or,
