@@ -71,6 +71,32 @@ async def test_files_and_batches_are_bounded_in_bytes() -> None:
             await client.files.create(file=content)  # room again
 
 
+async def test_each_key_has_its_share_of_the_files_room() -> None:
+    """Fifth probe of issue 45: one key's uploads could fill the room every key shares, and
+    the others' uploads were then 413s for up to 30 days. Each of the server's keys holds at
+    most an equal share; what one key holds leaves the others theirs."""
+    pytest.importorskip("ortserve_server", reason="the contract test needs the server installed")
+    from ortserve_server import ServerConfig, create_app
+    from serving import TINY_MODEL, running
+
+    line = {"custom_id": "a", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x" * 300}}
+    content = batch_file([line])
+    config = ServerConfig(
+        models={"tiny": TINY_MODEL}, api_key=("key-a", "key-b"), files_max_bytes=len(content) * 5
+    )  # a share: two and a half files
+    with running(create_app(config)) as url:
+        async with AsyncClient(f"{url}/v1", api_key="key-a") as alice, AsyncClient(f"{url}/v1", api_key="key-b") as bob:
+            held = [await alice.files.create(file=content) for _ in range(2)]
+            with pytest.raises(PayloadTooLargeError, match=r"this API key's share .* is full"):
+                await alice.files.create(file=content)
+            with pytest.raises(PayloadTooLargeError, match="this API key's share"):
+                await alice.batches.create(input_file_id=held[0].id, endpoint="/v1/completions")
+            for _ in range(2):
+                await bob.files.create(file=content)  # Bob's share is untouched
+            await alice.files.delete(held[1].id)
+            await alice.files.create(file=content)  # room in her share again
+
+
 @pytest.mark.parametrize(
     ("settings", "says"),
     [

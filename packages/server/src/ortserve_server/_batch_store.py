@@ -23,7 +23,7 @@ from ortserve_client import batch_protocol as bp
 from ._database import Connection, Database, write
 from ._ids import new_id
 
-__all__ = ["FILE_PIECE", "OPEN", "RUNNER", "BatchStore", "PendingLine"]
+__all__ = ["FILE_PIECE", "OPEN", "RUNNER", "BatchStore", "NoRoomError", "PendingLine"]
 
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 """The statuses of a batch that is not over: the runner picks these up (again, after a restart)."""
@@ -59,13 +59,21 @@ def _file(row: Sequence[object]) -> bp.FileObject:
 _FILE_COLUMNS = "id, purpose, filename, bytes, created, expires"
 
 
+class NoRoomError(Exception):
+    """A file or batch that would take the store past its bound, or its owner past its
+    share; the message says which (the API answers 413 with it)."""
+
+
 class BatchStore:
     """Files (by owner: the caller's API key digest) and batches with their lines."""
 
-    def __init__(self, database: Database, max_bytes: int, ttl: float) -> None:
+    def __init__(self, database: Database, max_bytes: int, ttl: float, owners: int = 1) -> None:
         self._db = database
         self.max_bytes = max_bytes
         """Bytes of files and batch lines kept at most (uploads, lines and results alike)."""
+        self.share = max_bytes // max(1, owners)
+        """What one owner may hold of them (an equal share among the server's API keys), so
+        that no key's uploads fill the room the others' need (fifth probe of issue 45)."""
         self.ttl = ttl
         """Seconds a file is kept after it was made, and a batch that is over."""
         self.intake = anyio.Lock()
@@ -75,17 +83,17 @@ class BatchStore:
 
     # -- files -------------------------------------------------------------------------------
 
-    async def add_file(self, owner: str, purpose: str, filename: str, content: bytes) -> bp.FileObject | None:
-        """Keep ``content``; ``None`` when it would take the files past ``max_bytes``."""
+    async def add_file(self, owner: str, purpose: str, filename: str, content: bytes) -> bp.FileObject:
+        """Keep ``content``; :class:`NoRoomError` when it would take the files past
+        ``max_bytes``, or ``owner``'s past its ``share``."""
         now = time.time()
         row = (new_id("file-"), owner, purpose, filename, len(content), now, now + self.ttl, content)
 
-        def add(db: Connection) -> bp.FileObject | None:
+        def add(db: Connection) -> bp.FileObject:
             with write(db):
                 db.execute("DELETE FROM files WHERE expires <= ?", (now,))
                 _forget_old_batches(db, now - self.ttl)
-                if _held_bytes(db) + len(content) > self.max_bytes:
-                    return None
+                self._check_room(db, owner, len(content))
                 db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
             return _file((row[0], purpose, filename, len(content), now, row[6]))
 
@@ -174,27 +182,38 @@ class BatchStore:
         batch: bp.Batch,
         lines: list[tuple[str, bytes]],
         trace: str | None = None,
-    ) -> bool:
+    ) -> None:
         """Keep ``batch`` and its lines (custom id, request body), in one transaction;
-        ``False`` when they would take the files and batches past ``max_bytes``. Batches
+        :class:`NoRoomError` when they would take the files and batches past ``max_bytes``,
+        or ``owner``'s past its ``share``. Batches
         over for longer than ``ttl`` go first, with their lines. ``trace``: the W3C
         ``traceparent`` its lines' spans continue (the creating request's span)."""
         rows = [(batch.id, number, custom_id, body) for number, (custom_id, body) in enumerate(lines, 1)]
         size = sum(len(body) for _, body in lines)
 
-        def create(db: Connection) -> bool:
+        def create(db: Connection) -> None:
             with write(db):
                 _forget_old_batches(db, time.time() - self.ttl)
-                if _held_bytes(db) + size > self.max_bytes:
-                    return False
+                self._check_room(db, owner, size)
                 db.execute(
                     "INSERT INTO batches (id, owner, created, status, scope, batch, trace) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (batch.id, owner, batch.created_at, batch.status, scope, _encode(batch), trace),
                 )
                 db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, NULL, NULL)", rows)
-            return True
 
-        return await self._db.run(create)
+        await self._db.run(create)
+
+    def _check_room(self, db: Connection, owner: str, size: int) -> None:
+        if _held_bytes(db) + size > self.max_bytes:
+            raise NoRoomError(
+                f"the server's room for files and batches ({self.max_bytes} bytes) is full: "
+                "delete files or wait for them to expire"
+            )
+        if self.share < self.max_bytes and _held_bytes(db, owner) + size > self.share:
+            raise NoRoomError(
+                f"this API key's share of the server's room for files and batches ({self.share} bytes) "
+                "is full: delete its files or wait for them to expire"
+            )
 
     async def batch(self, owner: str | None, batch_id: str) -> bp.Batch | None:
         """The batch (its counts as they are now); ``owner`` ``None``: whoever owns it."""
@@ -396,12 +415,21 @@ def _alive(runner: str) -> bool:
     return True
 
 
-def _held_bytes(db: Connection) -> int:
-    """Bytes of files and of batches' lines (their requests and answers) kept now."""
-    files = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
-    lines = db.execute(
-        "SELECT COALESCE(SUM(LENGTH(request)), 0) + COALESCE(SUM(LENGTH(answer)), 0) FROM batch_lines"
-    ).fetchone()[0]
+def _held_bytes(db: Connection, owner: str | None = None) -> int:
+    """Bytes of files and of batches' lines (their requests and answers) kept now, of
+    ``owner`` (``None``: of everyone)."""
+    if owner is None:
+        files = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
+        lines = db.execute(
+            "SELECT COALESCE(SUM(LENGTH(request)), 0) + COALESCE(SUM(LENGTH(answer)), 0) FROM batch_lines"
+        ).fetchone()[0]
+    else:
+        files = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner = ?", (owner,)).fetchone()[0]
+        lines = db.execute(
+            "SELECT COALESCE(SUM(LENGTH(request)), 0) + COALESCE(SUM(LENGTH(answer)), 0) FROM batch_lines "
+            "WHERE batch_id IN (SELECT id FROM batches WHERE owner = ?)",
+            (owner,),
+        ).fetchone()[0]
     return int(files) + int(lines)
 
 

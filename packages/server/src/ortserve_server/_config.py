@@ -248,7 +248,7 @@ class ServerConfig:
     """Largest file ``POST /v1/files`` takes (a batch's JSONL input), in bytes."""
     files_max_bytes: int = 1024 * 1024 * 1024
     """Bytes of files and batch lines kept at once (uploads, lines and results); an upload or
-    a batch past it gets 413."""
+    a batch past it gets 413. With several API keys, each holds at most an equal share of it."""
     files_ttl: float = 30 * 86400.0
     """Seconds a file is kept after it was made (uploads and batch results), and a batch
     after it is over."""

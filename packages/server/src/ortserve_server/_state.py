@@ -77,7 +77,7 @@ class OrtServe:
         """The MCP servers the operator configured, connected on first use."""
         self.adapters = AdapterStore(self.database)
         """LoRA adapters loaded over HTTP, served again after a restart."""
-        self.batches = BatchStore(self.database, config.files_max_bytes, config.files_ttl)
+        self.batches = BatchStore(self.database, config.files_max_bytes, config.files_ttl, len(config.api_keys))
         """Files and batches (the Batch API)."""
         self.conversations = ConversationStore(self.database)
         """The web page's conversations."""

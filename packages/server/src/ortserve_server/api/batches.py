@@ -20,6 +20,7 @@ from ortserve_client import protocol as p
 from ortserve_client import responses_protocol as rp
 
 from .._auth import caller_of
+from .._batch_store import NoRoomError
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from .._ids import new_id
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
@@ -131,10 +132,10 @@ async def create_file(
     await asyncio.to_thread(
         check_batch_file, content, ortserve.config.max_body_size
     )  # 90 MB of lines held the event loop 882 ms
-    kept = await ortserve.batches.add_file(caller_of(request).owner, "batch", data.file.filename or "", content)
-    if kept is None:
-        raise PayloadTooLargeError("the server's room for files is full: delete files or wait for them to expire")
-    return kept
+    try:
+        return await ortserve.batches.add_file(caller_of(request).owner, "batch", data.file.filename or "", content)
+    except NoRoomError as exc:
+        raise PayloadTooLargeError(str(exc)) from None
 
 
 @get("/files", summary="List files", responses=error_responses(400, *GET_ERRORS))
@@ -228,12 +229,12 @@ async def create_batch(
             request_counts=bp.BatchRequestCounts(total=len(lines)),
             metadata=data.metadata,
         )
-        if not await ortserve.batches.create_batch(
-            caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines], traceparent()
-        ):
-            raise PayloadTooLargeError(
-                "the server's room for files and batches is full: delete files or wait for them to expire"
+        try:
+            await ortserve.batches.create_batch(
+                caller.owner, caller.cache_scope, batch, [(c, b) for c, b, _ in lines], traceparent()
             )
+        except NoRoomError as exc:
+            raise PayloadTooLargeError(str(exc)) from None
     ortserve.batch_runner.start()
     return batch
 
