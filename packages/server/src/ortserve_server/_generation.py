@@ -143,7 +143,7 @@ class Generation:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
         """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
         self.encoded_logprobs: list[list[bytes]] = [[] for _ in streams]
-        """The same as JSON, where :meth:`collect` was given ``encode_logprob``."""
+        """The same as JSON, where :meth:`collect` was given ``logprob_item``."""
         self.event_logprobs: TokenLogprob | None = None
         """Those of the event that :meth:`sse`'s ``events`` callback is turning into chunks."""
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(streams)
@@ -266,11 +266,11 @@ class Generation:
         )
 
     async def collect(
-        self, *, encode_logprob: Callable[[TokenLogprob], bytes] | None = None
+        self, *, logprob_item: Callable[[TokenLogprob], Any] | None = None
     ) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
         """Every stream to the end: texts, tool calls, finish reasons, usage; each token's
-        log-probabilities in :attr:`logprobs`, or, with ``encode_logprob``, encoded as it
-        comes into :attr:`encoded_logprobs`. Encoded, an answer's thousands of them are no
+        log-probabilities in :attr:`logprobs`, or, with ``logprob_item`` (the API's item for
+        them), that item encoded as it comes into :attr:`encoded_logprobs`. Encoded, an answer's thousands of them are no
         objects to build at the end: n=8 x 900 tokens with 20 alternatives each made 300,000
         objects whose building, and the garbage collector's passes over them, held the
         event loop 640-790 ms at once."""
@@ -285,8 +285,8 @@ class Generation:
             texts[index] += text
             calls[index] += made
             completion_tokens += self._record(index, event)
-            if event.logprobs is not None and encode_logprob is not None:
-                self.encoded_logprobs[index].append(encode_logprob(event.logprobs))
+            if event.logprobs is not None and logprob_item is not None:
+                self.encoded_logprobs[index].append(_encode(logprob_item(event.logprobs)))
             elif event.logprobs is not None:
                 self.logprobs[index].append(event.logprobs)
             if event.prompt_logprobs is not None:

@@ -99,8 +99,8 @@ async def chat_completions(
         opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
         return stream_response(run.sse(events, usage_chunk, opening))
-    encode = _encoded_chat_logprob if data.logprobs is True else None
-    texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(encode_logprob=encode))
+    item = _chat_logprob if data.logprobs is True else None
+    texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(logprob_item=item))
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
         tool_calls = [
@@ -211,10 +211,3 @@ def _chat_logprob(item: TokenLogprob) -> p.ChatCompletionTokenLogprob:
 
 def _chat_logprobs(items: list[TokenLogprob]) -> p.ChoiceLogprobs:
     return p.ChoiceLogprobs(content=[_chat_logprob(item) for item in items])
-
-
-def _encoded_chat_logprob(item: TokenLogprob) -> bytes:
-    return _encode_json(_chat_logprob(item))
-
-
-_encode_json = msgspec.json.Encoder().encode
