@@ -15,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_connections import serving
+from test_connections import serving, stopped_log
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +221,8 @@ def test_a_batch_survives_a_restart_with_every_line_answered_once(
             time.sleep(0.02)
         process.send_signal(stop)
         process.wait(timeout=30)
+        log = stopped_log(process)
+    assert " 500 " not in log  # the lines the stop cut short were cancelled (499), not failed
     with sqlite3.connect(tmp_path / "ortserve.db") as db:
         answered_before = db.execute("SELECT COUNT(*) FROM batch_lines WHERE status IS NOT NULL").fetchone()[0]
     assert count // 2 <= answered_before < count  # stopped halfway

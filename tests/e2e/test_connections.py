@@ -10,10 +10,12 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -24,6 +26,9 @@ TINY_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
 resource = pytest.importorskip("resource")  # RLIMIT_NOFILE: POSIX only
 
 
+_LOGS: dict[int, IO[str]] = {}
+
+
 @contextmanager
 def serving(
     *args: str,
@@ -31,29 +36,45 @@ def serving(
     launcher: Callable[[list[str]], list[str]] | None = None,
     env: dict[str, str] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """An ``ortserve serve`` process on a free port; stderr is read after it is stopped.
-    ``launcher``: the command that runs it, given its own (one that execs it, so that the
-    process is the server); ``env``: variables added to this process's."""
+    """An ``ortserve serve`` process on a free port; :func:`stopped_log` stops it and reads
+    what it wrote to stderr. ``launcher``: the command that runs it, given its own (one that
+    execs it, so that the process is the server); ``env``: variables added to this process's.
+
+    Its stderr goes to a file, not a pipe nobody reads: its access log filled the pipe's
+    64 KiB in a test of a 500-line batch, and the server blocked in its next log line."""
     command = [sys.executable, "-m", "ortserve_server", "serve", "--port", "0", "--ready-json"]
     command = [*command, "--model", f"tiny={TINY_MODEL}", *args]
-    process = subprocess.Popen(
-        launcher(command) if launcher is not None else command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **env} if env is not None else None,
-        preexec_fn=preexec_fn,  # noqa: PLW1509  # only sets a resource limit
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    try:
-        if not line:
-            raise AssertionError(f"server exited {process.wait(timeout=30)}: {process.communicate()[1]}")
-        yield process, f"http://127.0.0.1:{json.loads(line)['port']}"
-    finally:
-        if process.poll() is None:
-            process.terminate()
-        process.communicate(timeout=30)
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(
+            launcher(command) if launcher is not None else command,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, **env} if env is not None else None,
+            preexec_fn=preexec_fn,  # noqa: PLW1509  # only sets a resource limit
+        )
+        _LOGS[process.pid] = log
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        try:
+            if not line:
+                raise AssertionError(f"server exited: {stopped_log(process)}")
+            yield process, f"http://127.0.0.1:{json.loads(line)['port']}"
+        finally:
+            stopped_log(process)
+            process.stdout.close()
+            del _LOGS[process.pid]
+
+
+def stopped_log(process: subprocess.Popen[str]) -> str:
+    """Stop a :func:`serving` process (SIGTERM, unless it has ended) and wait for it: what it
+    wrote to stderr."""
+    if process.poll() is None:
+        process.terminate()
+    process.wait(timeout=30)
+    log = _LOGS[process.pid]
+    log.seek(0)
+    return log.read()
 
 
 def _fd_limit(soft: int, hard: int) -> Callable[[], None]:
@@ -165,8 +186,7 @@ def test_many_idle_connections_under_a_low_fd_limit(cap: str) -> None:
             assert client.get(f"{url}/health").status_code == 200
         answered_in = time.monotonic() - start
         assert process.poll() is None
-        process.terminate()
-        _, stderr = process.communicate(timeout=30)
+        stderr = stopped_log(process)
     assert answered_in < 15
     assert "Traceback" not in stderr, stderr[:2000]
     lines = stderr.splitlines()

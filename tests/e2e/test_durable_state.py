@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from serving import LORA_ADAPTERS, LORA_MODEL
-from test_connections import serving
+from test_connections import serving, stopped_log
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -91,6 +91,5 @@ def test_adapters_loaded_over_http_are_served_after_a_restart(tmp_path: Path) ->
         assert {"lora:alpha", "lora"} <= served and not {"lora:beta", "lora:gamma"} & served
         after = client.completions.create(model="lora:alpha", prompt="The", max_tokens=6, temperature=0)
         assert after.choices[0].text == before.choices[0].text
-        process.terminate()
-        log = process.communicate(timeout=30)[1]
+        log = stopped_log(process)
     assert "lora:beta" in log and "not served again" in log

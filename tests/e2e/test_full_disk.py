@@ -20,7 +20,7 @@ from ortserve_server import ServerConfig, create_app
 from postgres import postgres_server
 from serving import TINY_MODEL, running
 from small_disk import on_small_disk, require_small_disks
-from test_connections import serving
+from test_connections import serving, stopped_log
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +91,7 @@ def test_a_full_state_disk_is_a_507_and_nothing_is_lost(tmp_path: Path) -> None:
             client.files.create(file=("big.jsonl", _file(3500)), purpose="batch")
         assert spooled.value.status_code == 507, spooled.value.message
         _fill_and_check(client, base)
-        process.terminate()
-        _, log = process.communicate(timeout=30)
+        log = stopped_log(process)
     assert "No space left on device" in log and "database or disk is full" in log, log[-2000:]
     assert "Traceback" not in log
 

@@ -10,6 +10,7 @@ attribute writes per request while tracing is off.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import logging
@@ -85,7 +86,9 @@ def observe_requests(observer: Observer, *, usage: bool = True) -> Callable[[ASG
                 caller = scope.get(CALLER)
                 record.key = caller.key if isinstance(caller, Caller) else None
                 if error is not None and not record.status:
-                    record.status = 500
+                    # Cancelled (a batch line when the server stops, a caller gone): nobody
+                    # got an answer, and no error happened: ClientDisconnectedError's 499.
+                    record.status = 499 if isinstance(error, asyncio.CancelledError) else 500
                 observer.finished(record)
                 if tracing is not None:
                     tracing.end(record, trace_token, error)
