@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -450,6 +451,12 @@ class ModelRegistry:
             await self.residency.fit(entry, model)
             entry.model = model
             entry.last_used = time.time()
+            # What is alive now (the modules, the models) lives as long as the process or
+            # the model, so the collector stops walking it: a full collection walks only what
+            # requests made since. Walking it took 40-74 ms of the event loop every 0.7 s
+            # while a batch built answers of prompt logprobs. An unload gives it back
+            # (Residency), so that a closed model's cycles are found.
+            gc.freeze()
         if entry.in_flight == 0:
             self.residency.arm(entry, self.residency.idle_unload)
         return model

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,7 @@ class Residency:
             self.disarm(entry)
             if model is not None:
                 await model.close()
+                gc.unfreeze()  # the model's own cycles, frozen at its load (Registry._load)
         finally:
             entry.unloading = None
 

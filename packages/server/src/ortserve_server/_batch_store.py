@@ -8,6 +8,7 @@ answered once or not at all, and a restart runs exactly the lines without an ans
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -358,32 +359,8 @@ class BatchStore:
 
         def finish(db: Connection) -> bp.Batch:
             with write(db):
-                output: list[bytes] = []
-                errors: list[bytes] = []
-                for status, answer in db.execute(
-                    "SELECT status, answer FROM batch_lines WHERE batch_id = ? AND status IS NOT NULL ORDER BY line",
-                    (batch.id,),
-                ):
-                    (output if 200 <= status < 300 else errors).append(bytes(answer))
                 done = _counted(db, batch)
-                for kind, lines in (("output", output), ("error", errors)):
-                    if not lines:
-                        continue
-                    content = b"\n".join(lines) + b"\n"
-                    file_id = new_id("file-")
-                    db.execute(
-                        "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            file_id,
-                            owner,
-                            "batch_output",
-                            f"{batch.id}_{kind}.jsonl",
-                            len(content),
-                            now,
-                            now + self.ttl,
-                            content,
-                        ),
-                    )
+                for kind, file_id in _write_answer_files(db, batch.id, owner, now, now + self.ttl).items():
                     if kind == "output":
                         done.output_file_id = file_id
                     else:
@@ -398,6 +375,54 @@ class BatchStore:
 
 RUNNER = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 """This process's name as a batch runner."""
+
+
+def _write_answer_files(db: Connection, batch_id: str, owner: str, now: float, expires: float) -> dict[str, str]:
+    """Store the batch's answered lines, in line order, as its ``output`` file (2xx answers)
+    and ``error`` file (the others): ``{kind: file id}`` for each that has a line.
+
+    SQLite's files are written a piece at a time through an incremental blob handle, which
+    lets go of the GIL while it writes: joined into one value, a 140 MB output file held
+    every other thread (the event loop too) 82 ms while it was copied, and the process held
+    the answers twice over. PostgreSQL takes the joined value."""
+    answered = "FROM batch_lines WHERE batch_id = ? AND status IS NOT NULL ORDER BY line"
+    sizes = {"output": 0, "error": 0}
+    for status, length in db.execute(f"SELECT status, length(answer) {answered}", (batch_id,)).fetchall():
+        sizes[_answer_kind(status)] += length + 1  # and its newline
+    ids = {kind: new_id("file-") for kind, size in sizes.items() if size}
+    add = "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, {})"
+    if not isinstance(db, sqlite3.Connection):
+        joined: dict[str, list[bytes]] = {kind: [] for kind in ids}
+        for status, answer in db.execute(f"SELECT status, answer {answered}", (batch_id,)):
+            joined[_answer_kind(status)].append(bytes(answer))
+        for kind, file_id in ids.items():
+            about = (file_id, owner, "batch_output", f"{batch_id}_{kind}.jsonl", sizes[kind], now, expires)
+            db.execute(add.format("?"), (*about, b"\n".join(joined[kind]) + b"\n"))
+        return ids
+    with contextlib.ExitStack() as opened:
+        blobs: dict[str, sqlite3.Blob] = {}
+        for kind, file_id in ids.items():
+            about = (file_id, owner, "batch_output", f"{batch_id}_{kind}.jsonl", sizes[kind], now, expires)
+            rowid = db.execute(add.format("zeroblob(?)"), (*about, sizes[kind])).lastrowid
+            assert rowid is not None  # an INSERT's
+            blobs[kind] = opened.enter_context(db.blobopen("files", "content", rowid))
+        pieces = {kind: bytearray() for kind in ids}
+        for status, answer in db.execute(f"SELECT status, answer {answered}", (batch_id,)):
+            kind = _answer_kind(status)
+            piece = pieces[kind]
+            piece += answer
+            piece += b"\n"
+            if len(piece) >= FILE_PIECE:
+                blobs[kind].write(piece)
+                piece.clear()
+        for kind, piece in pieces.items():
+            blobs[kind].write(piece)
+    return ids
+
+
+def _answer_kind(status: int) -> str:
+    """The file a line's answer goes to, by its HTTP status (0: never run)."""
+    return "output" if 200 <= status < 300 else "error"
 
 
 def _alive(runner: str) -> bool:
