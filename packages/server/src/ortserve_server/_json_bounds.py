@@ -25,7 +25,7 @@ import anyio.to_thread
 
 from ._errors import BadRequestError
 
-__all__ = ["MAX_JSON_ITEMS", "MAX_JSON_KEYS", "check_json_counts"]
+__all__ = ["MAX_JSON_ITEMS", "MAX_JSON_KEYS", "check_json_counts", "json_past_bounds"]
 
 MAX_JSON_KEYS = 50_000
 """Object keys a JSON body may have in all: some 60 ms of decoding at most. Requests hold a
@@ -44,14 +44,22 @@ array's opening, a closing."""
 async def check_json_counts(body: bytes) -> None:
     """A 400 if ``body`` (JSON, not decoded yet) has more keys or items than allowed, naming
     the top-level field that holds the most."""
-    if len(body) <= _LOOK_ABOVE:
-        return
-    past = await anyio.to_thread.run_sync(_past_bounds, body)
+    past = await json_past_bounds(body)
     if past is not None:
         what, field = past
         raise BadRequestError(
             f"the JSON body has {what}" + (f", most of them in {field!r}" if field else ""), param=field
         )
+
+
+async def json_past_bounds(body: bytes) -> tuple[str, str | None] | None:
+    """What ``body`` (JSON, or JSON an SSE event carries) has more of than the bounds allow,
+    and the top-level field holding the most; ``None`` within them. Counted on a worker
+    thread, for any text that is to be decoded on the event loop (request bodies, MCP
+    messages); a small one is not counted."""
+    if len(body) <= _LOOK_ABOVE:
+        return None
+    return await anyio.to_thread.run_sync(_past_bounds, body)
 
 
 def _past_bounds(body: bytes) -> tuple[str, str | None] | None:
