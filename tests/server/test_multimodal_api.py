@@ -349,7 +349,8 @@ def test_large_images_sent_at_once_are_decoded_a_few_at_a_time() -> None:
     # Issue 45, sixth probe: og's processor takes one request at a time, and each request
     # waiting for it held its images decoded (a TIFF or JPEG is re-encoded as an
     # uncompressed PNG: 37 MB for 12 megapixels, and Pillow's copies while it decodes): six
-    # of these at once took the server +822 MiB (+406 MiB now), twelve of 25 megapixels +1.6 GB.
+    # of these at once took the server's process +822 MiB (+406 MiB now; the og process, which
+    # keeps each queued request's processed inputs, is not counted), twelve of 25 MP +1.5 GB.
     buffer = io.BytesIO()
     Image.new("RGB", (3500, 3500), (10, 200, 30)).save(buffer, format="TIFF", compression="tiff_deflate")
     body = json.dumps(
