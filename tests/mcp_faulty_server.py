@@ -6,7 +6,9 @@ Its tools: ``ok`` answers "ok"; ``deep`` answers with ``structuredContent`` nest
 deep, past the depth the MCP SDK's parser reads (its call waited out the whole call
 timeout: the SDK's session only logs a message it cannot read); ``chatty`` sends 200,000
 log notifications before it answers (the SDK handles each on the event loop); ``loud``
-fails with an error message of 200 KB. ``python mcp_faulty_server.py crowded`` lists 10,000
+fails with an error message of 200 KB; ``crowd`` answers 30,000 content items (900 KB: the SDK
+made each a model on the event loop); ``nested`` answers ``structuredContent`` holding
+200,000 empty arrays (600 KB). ``python mcp_faulty_server.py crowded`` lists 10,000
 tools instead (parsing them held the event loop 0.6 s; over HTTP, 2 s for 50,000). HTTP
 only: ``huge`` answers 2 MB; ``zipped`` answers "ok" gzip-encoded; ``bomb`` answers 100 MB
 of text gzip-encoded into 100 KB (httpx decoded it above the transport's bounds); ``stuck``
@@ -34,6 +36,8 @@ _TOOLS = [
         ("chatty", "Sends 200,000 log notifications, then answers"),
         ("huge", "Answers 2 MB"),
         ("loud", "Fails with an error message of 200 KB"),
+        ("crowd", "Answers 30,000 content items"),
+        ("nested", "Answers with 200,000 empty arrays"),
         ("zipped", "Answers ok, gzip-encoded"),
         ("bomb", "Answers 100 MB gzip-encoded into 100 KB"),
         ("stuck", "Never answers (HTTP: trickles SSE comments until the connection is closed)"),
@@ -53,6 +57,10 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
         return {"tools": _TOOLS}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "huge":
         return {"content": [{"type": "text", "text": "x" * 2_000_000}]}
+    if method == "tools/call" and isinstance(params, dict) and params.get("name") == "crowd":
+        return {"content": [{"type": "text", "text": "x"}] * 30_000}
+    if method == "tools/call" and isinstance(params, dict) and params.get("name") == "nested":
+        return {"content": [{"type": "text", "text": "x"}], "structuredContent": {"a": [[]] * 200_000}}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "dropped":
         return {"content": [{"type": "text", "text": f"dropped {_Handler.dropped}"}]}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "deep":

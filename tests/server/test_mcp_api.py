@@ -437,6 +437,30 @@ def test_an_http_answer_past_the_bounds_fails_the_call_at_once(
     assert _call_alone(client, "faulty-web", "ok").output == "ok"
 
 
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
+@pytest.mark.parametrize(
+    ("label", "tool", "says"),
+    [
+        ("faulty", "crowd", "object keys (at most 50000)"),
+        ("faulty-web", "crowd", "object keys (at most 50000)"),
+        ("faulty-web", "nested", "200006 objects and arrays (at most 50000"),
+    ],
+)
+def test_an_answer_of_too_many_items_fails_the_call_before_it_is_parsed(
+    client: openai.OpenAI, url: str, label: str, tool: str, says: str
+) -> None:
+    """Sixth probe of issue 45: a result of 200,000 content items (3 MB, under the message
+    bound) held /health 2.8-4 s while the SDK made each a model on the event loop, 400,000
+    one-item arrays 0.4 s; 30,000 and 200,000 here. Counted first, on a worker thread, with
+    a request body's bounds (an array counts as an object)."""
+    with watched(url) as seen:
+        call = _call_alone(client, label, tool)
+    seen.assert_within()
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert says in call.error.message, call.error
+    assert _call_alone(client, label, "ok").output == "ok"
+
+
 def test_an_http_call_past_the_timeout_closes_its_connection(client: openai.OpenAI) -> None:
     """Issue 45: the SDK kept reading a timed-out call's answer over streamable HTTP (in
     the protocol version ortserve speaks it only posts ``notifications/cancelled``), so a

@@ -63,6 +63,22 @@ def test_a_form_past_the_multipart_bounds_says_which(app_url: tuple[Any, str]) -
     assert "at most 1000 parts" in refused.json()["error"]["message"]
 
 
+def test_a_batch_line_with_a_field_its_route_does_not_take_is_refused(client: openai.OpenAI) -> None:
+    """Sixth probe of issue 45: the field sent alone is a 400, in a batch line it was
+    accepted and ignored (an embeddings line with an unknown key was answered 200)."""
+    embeddings = json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/embeddings"})[:-1].encode()
+    for line in (
+        _line(CHAT.replace('"max_tokens"', '"guided_jsonn": {}, "max_tokens"'), "b"),
+        embeddings + b', "body": {"model": "m", "input": "x", "dimension": 8}}\n',
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.files.create(file=("in.jsonl", _line(CHAT) + line), purpose="batch")
+        assert caught.value.body["param"] == "file"  # type: ignore[index]
+        message = caught.value.message
+        assert "line 2: body: unknown field" in message and "--lenient" in message, message
+        assert ("'guided_jsonn'" in message) != ("'dimension'" in message), message
+
+
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_batch_line_nested_too_deeply_is_refused_by_number(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
     deep = '{"model": "tiny", "messages": [], "x": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"

@@ -7,8 +7,10 @@ on as a message: a server listing 50,000 tools (4 MB) held the loop 2 s and grew
 is the SDK's HTTP client with a transport that watches every answer's bytes as they arrive,
 before the SDK parses them, with the stdio transport's bounds: a message (an SSE event, or a
 whole JSON answer) past ``max_bytes`` or listing more than :data:`MAX_LISTED_TOOLS` tools,
-or more than :data:`MAX_NOTIFICATIONS_PER_SECOND` events in a second, ends that answer with
-an error the SDK reports as the call's (or the tool list's) failure. Events that carry
+or more than :data:`MAX_NOTIFICATIONS_PER_SECOND` events in a second, or (counted on a worker
+thread once it is whole) with more keys or items than a request body may have
+(``_json_bounds``), ends that answer with an error the SDK reports as the call's (or the
+tool list's) failure. Events that carry
 notifications are dropped, as on stdio.
 
 The bounds count the bytes the SDK will read, decoded: httpx decodes a ``Content-Encoding``
@@ -28,6 +30,7 @@ from typing import Any
 import httpx2
 
 from ._inflate import ACCEPT_ENCODING, CodingError, Inflater
+from ._json_bounds import json_past_bounds
 from ._mcp_stdio import MAX_LISTED_TOOLS, MAX_NOTIFICATIONS_PER_SECOND, PerSecond, is_notification
 
 __all__ = ["MessageRefusedError", "bounded_http_client"]
@@ -98,29 +101,34 @@ class _BoundedStream(httpx2.AsyncByteStream):
             inflater = Inflater(self._encoding)
             async for chunk in self._inner:
                 for piece in inflater.pieces(chunk):
-                    if passed := self._take(piece):
+                    for passed in self._take(piece):
+                        if self._events:
+                            await _check_counts(passed)
                         yield passed
         except CodingError as exc:
             raise MessageRefusedError(str(exc)) from None
         if self._events and self._message:  # an event the stream ended in the middle of
+            await _check_counts(self._message)
             yield bytes(self._message)
+        elif not self._events:  # the whole answer, before the SDK reads it as a whole
+            await _check_counts(self._message)
 
-    def _take(self, chunk: bytes) -> bytes:
+    def _take(self, chunk: bytes) -> list[bytes]:
         """What of ``chunk`` goes on to the SDK: all of it, or, in an event stream, the
         events it completes that are not notifications."""
         counted = max(0, len(self._message) - len(_TOOL) + 1)  # tools starting before are in _listed
         scan = max(0, len(self._message) - 3)  # an event's end may straddle two chunks
         self._message += chunk
-        passed = chunk
+        passed = [chunk]
         if self._events:
-            passed, start = b"", 0
+            passed, start = [], 0
             for end in _EVENT_END.finditer(self._message, scan):
                 self._list(self._message.count(_TOOL, max(start, counted), end.start()))
                 self._listed = 0
                 self._count_event()
                 event = bytes(self._message[start : end.end()])
                 if not _is_notification(event):
-                    passed += event
+                    passed.append(event)
                 start = end.end()
             if start:
                 del self._message[:start]
@@ -141,6 +149,15 @@ class _BoundedStream(httpx2.AsyncByteStream):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+async def _check_counts(message: bytes | bytearray) -> None:
+    """Refuses a message with more keys or items than a request body may have, counted on a
+    worker thread before the SDK parses it on the event loop: a result of 200,000 content
+    items (3 MB) held the loop 2.8-4 s while the SDK made them models."""
+    past = await json_past_bounds(bytes(message))
+    if past is not None:
+        raise MessageRefusedError(f"a message of {past[0]}")
 
 
 def _is_notification(event: bytes) -> bool:

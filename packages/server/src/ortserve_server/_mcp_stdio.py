@@ -7,7 +7,8 @@ and the connection answered nothing again. Here a line past ``max_bytes`` ends t
 connection at once (the process is killed, the calls waiting on it fail saying why), a
 large line is parsed on a worker thread, and :attr:`StdioLink.ended` tells the owner
 that the connection is over (the process exited, or was stopped for its output: a line
-too long, one that cannot be read, a list of more than :data:`MAX_LISTED_TOOLS` tools, or
+too long, one that cannot be read, one with more keys or items than a request body may
+have, a list of more than :data:`MAX_LISTED_TOOLS` tools, or
 more than :data:`MAX_NOTIFICATIONS_PER_SECOND` notifications in a second), so the next use
 starts the server again. Notifications (log lines, progress) are counted and dropped here:
 ortserve uses none a server sends, and the SDK handled each in a task of its own on the
@@ -29,6 +30,8 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.to_thread
+
+from ._json_bounds import json_past_bounds
 
 __all__ = ["MAX_LISTED_TOOLS", "MAX_NOTIFICATIONS_PER_SECOND", "PerSecond", "StdioLink", "is_notification"]
 
@@ -147,6 +150,9 @@ class StdioLink:
         # or made up by text.
         if len(line) > _PARSE_INLINE and (listed := line.count(b'"inputSchema"')) > MAX_LISTED_TOOLS:
             self._stop_for(process, f"a list of {listed} tools (at most {MAX_LISTED_TOOLS} are taken)")
+            return False
+        if (past := await json_past_bounds(line)) is not None:  # the SDK's models of it are made on the loop
+            self._stop_for(process, f"a message of {past[0]}")
             return False
         message = _parse(line) if len(line) <= _PARSE_INLINE else await anyio.to_thread.run_sync(_parse, line)
         if isinstance(message, ValueError):

@@ -33,7 +33,7 @@ from ._config import ServerConfig
 from ._errors import BadRequestError, ForbiddenError, UnsupportedMediaTypeError
 from ._json_bounds import check_json_counts
 
-__all__ = ["SiteGuard", "body_guard", "make_body_guard"]
+__all__ = ["SiteGuard", "body_guard", "check_known_fields", "make_body_guard"]
 
 _JSON = "application/json"
 _MULTIPART = "multipart/form-data"
@@ -148,24 +148,24 @@ def make_body_guard(*, lenient: bool) -> Callable[[ASGIConnection[Any, Any, Any,
         decoded = await body_guard(connection, handler)
         if lenient or not isinstance(decoded, dict):
             return
-        known = _known_fields(handler)
-        unknown = sorted(key for key in decoded if key not in known) if known is not None else []
-        if unknown:
-            raise BadRequestError(
-                f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: this server does "
-                "not take it (start it with --lenient to ignore fields it does not know)",
-                param=unknown[0],
-            )
+        field = handler.parsed_fn_signature.parameters.get("data")
+        check_known_fields(decoded, getattr(field, "annotation", None))
 
     return guard
 
 
-def _known_fields(handler: BaseRouteHandler) -> frozenset[str] | None:
-    """The fields of the Struct a route's JSON body decodes into (``None``: not a Struct)."""
-    field = handler.parsed_fn_signature.parameters.get("data")
-    annotation = getattr(field, "annotation", None)
-    fields = getattr(annotation, "__struct_encode_fields__", None)
-    return frozenset(fields) if fields is not None else None
+def check_known_fields(body: dict[str, Any], body_type: Any, *, where: str = "", param: str | None = None) -> None:
+    """A 400 naming the fields of ``body`` that ``body_type`` (a request Struct; anything
+    else is not checked) does not have; ``where`` begins the message and ``param`` names
+    the field the body came in (a batch line's: the file), else the first unknown one."""
+    fields = getattr(body_type, "__struct_encode_fields__", None)
+    unknown = sorted(key for key in body if key not in fields) if fields is not None else []
+    if unknown:
+        raise BadRequestError(
+            f"{where}unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: this server "
+            "does not take it (start it with --lenient to ignore fields it does not know)",
+            param=param or unknown[0],
+        )
 
 
 async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> Any:

@@ -102,7 +102,10 @@ def normalise_image(image: ImageInput, *, max_pixels: int, param: str) -> bytes:
                 opened.load()  # truncated or corrupt data fails here, not in onnxruntime-genai
                 if opened.format == "PNG":
                     return image.data
-                rgb = opened.convert("RGB")
+                # convert() copies even an RGB image: one decoded copy less held at the peak
+                rgb = opened if opened.mode == "RGB" else opened.convert("RGB")
+                out = io.BytesIO()
+                rgb.save(out, format="PNG", compress_level=0)
     except InvalidRequestError:
         raise
     except PIL.UnidentifiedImageError:
@@ -117,6 +120,4 @@ def normalise_image(image: ImageInput, *, max_pixels: int, param: str) -> bytes:
         PIL.Image.DecompressionBombWarning,
     ) as exc:
         raise InvalidRequestError(f"the image could not be decoded: {exc}", param=param) from exc
-    out = io.BytesIO()
-    rgb.save(out, format="PNG", compress_level=0)
     return out.getvalue()

@@ -10,6 +10,7 @@ model's og process (see ``engines._og_process``), which keeps the inputs until t
 from __future__ import annotations
 
 import json
+import threading
 from typing import TYPE_CHECKING
 
 from .._config import ModelConfig
@@ -41,6 +42,13 @@ _FAMILIES: dict[str, Placeholders] = {
 }
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
 """``model.type`` values of genai_config.json served with images/audio."""
+_DECODING_AT_ONCE = 2
+"""Requests of a model whose images are decoded and handed to og's processor at once: the
+processor takes one request at a time (its lane in the og process), so a second one
+decoding meanwhile keeps it busy, and a third would only wait holding its decoded images
+(a 25-megapixel JPEG or TIFF becomes a 75 MB uncompressed PNG, with Pillow's copies on the
+way). Without the bound every worker thread did so: twelve such requests at once took the
+server +1.6 GB."""
 
 
 class MediaProcessor:
@@ -63,6 +71,7 @@ class MediaProcessor:
         self.model_type = folder.model_type
         self.max_sequence_length = folder.max_sequence_length(config)
         self._og = og
+        self._decoding = threading.BoundedSemaphore(_DECODING_AT_ONCE)
         try:
             og.call("media", "load_processor")
             self.image_tokens = self._image_token_rule(folder) if ImageInput in self.placeholders else None
@@ -91,11 +100,14 @@ class MediaProcessor:
                 param="messages",
             )
         self._check_image_tokens(images)
-        pngs = [normalise_image(image, max_pixels=self.config.max_image_pixels, param=where) for where, image in images]
         for where, part in media:
             if isinstance(part, AudioInput) and not part.data:
                 raise InvalidRequestError("the audio is empty", param=where)
-        ids, inputs = self._og.process(text, pngs, audios, self.model_type)
+        with self._decoding:  # a worker thread waits here holding only the encoded images
+            pngs = [
+                normalise_image(image, max_pixels=self.config.max_image_pixels, param=where) for where, image in images
+            ]
+            ids, inputs = self._og.process(text, pngs, audios, self.model_type)
         return Prompt(ids, inputs)
 
     def _check_image_tokens(self, images: list[tuple[str, ImageInput]]) -> None:
