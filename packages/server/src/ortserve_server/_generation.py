@@ -35,6 +35,7 @@ from ._state import OrtServe
 
 __all__ = [
     "Generation",
+    "encoded_off_loop",
     "error_detail",
     "include_usage",
     "json_answer",
@@ -373,6 +374,13 @@ async def json_answer(make: Callable[[], tuple[Any, str, list[Any]]]) -> Respons
         return _encode(envelope).replace(empty, empty[:-1] + b",".join(map(_encode, items)) + b"]", 1)
 
     return Response(await asyncio.to_thread(made), media_type=MediaType.JSON)
+
+
+async def encoded_off_loop(make: Callable[[], Any]) -> Response[Any]:
+    """The JSON answer ``make`` (run on a worker thread) gives, encoded there too: a chat
+    answer of n=8 x 900 tokens with 20 alternatives each is 10.6 MB, and twelve of them
+    joined and encoded on the event loop held ``/health`` 130-161 ms."""
+    return Response(await asyncio.to_thread(lambda: _encode(make())), media_type=MediaType.JSON)
 
 
 def stream_response(chunks: AsyncIterator[bytes]) -> Stream:

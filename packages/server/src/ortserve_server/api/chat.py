@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import msgspec
@@ -22,7 +22,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import Generation, include_usage, sse_event, stream_response
+from .._generation import Generation, encoded_off_loop, include_usage, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
 from .._messages import decode_base64
@@ -101,6 +101,25 @@ async def chat_completions(
         return stream_response(run.sse(events, usage_chunk, opening))
     item = _chat_logprob if data.logprobs is True else None
     texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(logprob_item=item))
+
+    def answer() -> p.ChatCompletion:
+        choices = _choices(data, run, texts, calls, finish, call_id)
+        return p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
+
+    if data.logprobs is True:  # the tokens' logprobs make it large: built and encoded off the loop
+        return await encoded_off_loop(answer)
+    return Response(answer())
+
+
+def _choices(
+    data: p.ChatCompletionRequest,
+    run: Generation,
+    texts: list[str],
+    calls: list[list[ToolCall]],
+    finish: list[str],
+    call_id: Callable[[int, int], str],
+) -> list[p.ChatCompletionChoice]:
+    """The choices of a chat answer not streamed, from what :meth:`Generation.collect` gave."""
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
         tool_calls = [
@@ -119,7 +138,7 @@ async def chat_completions(
             content = msgspec.Raw(b"[" + b",".join(run.encoded_logprobs[i]) + b"]")
             logprobs = p.ChoiceLogprobs(content=cast("list[p.ChatCompletionTokenLogprob]", content))
         choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
-    return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
+    return choices
 
 
 async def _transcribe_chat(
