@@ -35,7 +35,6 @@ from ._state import OrtServe
 
 __all__ = [
     "Generation",
-    "encoded_off_loop",
     "error_detail",
     "include_usage",
     "json_answer",
@@ -364,7 +363,8 @@ async def json_answer(make: Callable[[], tuple[Any, str, list[Any]]]) -> Respons
     """A large JSON answer made off the event loop: ``make`` (run on a worker thread) gives
     the answer with its list ``field`` left empty, and that list's items, each encoded on its
     own and spliced in. Built on the loop, or encoded in one call (which holds the GIL), 2,048
-    embeddings (16.6 MB) held every request 116-180 ms. (Pure-Python work that long on a
+    embeddings (16.6 MB) held every request 116-180 ms; twelve chat answers at once of n=8 x
+    900 tokens with 20 logprob alternatives (10.6 MB each) 130-161 ms. (Pure-Python work that long on a
     thread still slows the loop: each of its GIL acquisitions may wait the 5 ms switch
     interval, so 1 s of building in a thread cost /health about 200-290 ms.)"""
 
@@ -374,13 +374,6 @@ async def json_answer(make: Callable[[], tuple[Any, str, list[Any]]]) -> Respons
         return _encode(envelope).replace(empty, empty[:-1] + b",".join(map(_encode, items)) + b"]", 1)
 
     return Response(await asyncio.to_thread(made), media_type=MediaType.JSON)
-
-
-async def encoded_off_loop(make: Callable[[], Any]) -> Response[Any]:
-    """The JSON answer ``make`` (run on a worker thread) gives, encoded there too: a chat
-    answer of n=8 x 900 tokens with 20 alternatives each is 10.6 MB, and twelve of them
-    joined and encoded on the event loop held ``/health`` 130-161 ms."""
-    return Response(await asyncio.to_thread(lambda: _encode(make())), media_type=MediaType.JSON)
 
 
 def stream_response(chunks: AsyncIterator[bytes]) -> Stream:

@@ -22,7 +22,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import Generation, encoded_off_loop, include_usage, sse_event, stream_response
+from .._generation import Generation, include_usage, json_answer, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
 from .._messages import decode_base64
@@ -102,13 +102,16 @@ async def chat_completions(
     item = _chat_logprob if data.logprobs is True else None
     texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(logprob_item=item))
 
-    def answer() -> p.ChatCompletion:
-        choices = _choices(data, run, texts, calls, finish, call_id)
-        return p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
-
     if data.logprobs is True:  # the tokens' logprobs make it large: built and encoded off the loop
-        return await encoded_off_loop(answer)
-    return Response(answer())
+        return await json_answer(
+            lambda: (
+                p.ChatCompletion(id=response_id, created=created, model=data.model, choices=[], usage=usage),
+                "choices",
+                _choices(data, run, texts, calls, finish, call_id),
+            )
+        )
+    choices = _choices(data, run, texts, calls, finish, call_id)
+    return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
 
 
 def _choices(
