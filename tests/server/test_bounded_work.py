@@ -317,6 +317,7 @@ def test_an_answer_of_many_logprobs_is_no_stall(url: str) -> None:
         answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     assert answer.status_code == 200, answer.text[:300]
     seen.assert_within()
+    assert int(answer.headers["content-length"]) == len(answer.content)  # sent in chunks, its length known
     completion = ChatCompletion.model_validate_json(answer.content)  # outside the watch: the SDK's parse holds the GIL
     assert len(completion.choices) == 8
     for choice in completion.choices:
@@ -324,3 +325,4 @@ def test_an_answer_of_many_logprobs_is_no_stall(url: str) -> None:
         tokens = choice.logprobs.content
         assert len(tokens) == 900 and all(len(t.top_logprobs) == 20 for t in tokens)
         assert all(t.logprob == max(top.logprob for top in t.top_logprobs) for t in tokens)  # greedy
+

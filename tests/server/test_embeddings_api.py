@@ -216,6 +216,7 @@ def test_a_large_float_answer_is_made_off_the_event_loop(url: str) -> None:
         )
     assert response.status_code == 200, response.text
     seen.assert_within()
+    assert int(response.headers["content-length"]) == len(response.content)  # sent in chunks, its length known
     answer = response.json()
     assert [item["index"] for item in answer["data"]] == list(range(2048))
     assert {len(item["embedding"]) for item in answer["data"]} == {384}

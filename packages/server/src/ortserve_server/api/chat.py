@@ -22,7 +22,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import Generation, include_usage, json_answer, sse_event, stream_response
+from .._generation import SPLICE, Generation, include_usage, json_answer, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
 from .._messages import decode_base64
@@ -102,16 +102,11 @@ async def chat_completions(
     item = _chat_logprob if data.logprobs is True else None
     texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(logprob_item=item))
 
-    if data.logprobs is True:  # the tokens' logprobs make it large: built and encoded off the loop
-        return await json_answer(
-            lambda: (
-                p.ChatCompletion(id=response_id, created=created, model=data.model, choices=[], usage=usage),
-                "choices",
-                _choices(data, run, texts, calls, finish, call_id),
-            )
-        )
     choices = _choices(data, run, texts, calls, finish, call_id)
-    return Response(p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
+    answer = p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
+    if data.logprobs is True:  # the tokens' logprobs make it large: spliced in off the loop
+        return await json_answer(lambda: (answer, run.encoded_logprobs))
+    return Response(answer)
 
 
 def _choices(
@@ -122,7 +117,8 @@ def _choices(
     finish: list[str],
     call_id: Callable[[int, int], str],
 ) -> list[p.ChatCompletionChoice]:
-    """The choices of a chat answer not streamed, from what :meth:`Generation.collect` gave."""
+    """The choices of a chat answer not streamed, from what :meth:`Generation.collect` gave;
+    each choice's logprobs (when asked for) a :data:`SPLICE` for its encoded tokens."""
     choices = []
     for i, (text, made, reason) in enumerate(zip(texts, calls, finish, strict=True)):
         tool_calls = [
@@ -138,8 +134,7 @@ def _choices(
             message.reasoning_content = message.reasoning = run.reasonings[i]
         logprobs = None
         if data.logprobs is True:  # the tokens' JSON, encoded as they came (see Generation.collect)
-            content = msgspec.Raw(b"[" + b",".join(run.encoded_logprobs[i]) + b"]")
-            logprobs = p.ChoiceLogprobs(content=cast("list[p.ChatCompletionTokenLogprob]", content))
+            logprobs = p.ChoiceLogprobs(content=cast("list[p.ChatCompletionTokenLogprob]", SPLICE))
         choices.append(p.ChatCompletionChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
     return choices
 

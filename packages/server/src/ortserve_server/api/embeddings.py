@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 from litestar import Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
@@ -14,7 +15,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import json_answer
+from .._generation import SPLICE, json_answer
 from .._leases import require_embedding_model
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
@@ -22,6 +23,8 @@ from .._record import note
 from .._state import OrtServe
 
 __all__ = ["embeddings"]
+
+_encode = msgspec.json.Encoder().encode
 
 
 @post("/embeddings", status_code=200, summary="Create embeddings", responses=error_responses(*POST_ERRORS))
@@ -47,14 +50,19 @@ async def embeddings(
     usage = p.EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
     as_base64 = data.encoding_format == "base64"
 
-    def answer() -> tuple[p.CreateEmbeddingResponse, str, list[p.Embedding]]:
+    def answer() -> tuple[p.CreateEmbeddingResponse, list[list[bytes]]]:
         items = [
-            p.Embedding(
-                index=i,
-                embedding=base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist(),
+            _encode(
+                p.Embedding(
+                    index=i,
+                    embedding=base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                    if as_base64
+                    else vector.tolist(),
+                )
             )
             for i, vector in enumerate(result.vectors)
         ]
-        return p.CreateEmbeddingResponse(data=[], model=data.model, usage=usage), "data", items
+        spliced = cast("list[p.Embedding]", SPLICE)
+        return p.CreateEmbeddingResponse(data=spliced, model=data.model, usage=usage), [items]
 
     return await json_answer(answer)
