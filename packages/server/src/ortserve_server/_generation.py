@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -142,10 +142,9 @@ class Generation:
         """The request's record (log line, usage per key, spans), where there is one."""
         self.turn = self.record.open_turn(self.model.name) if self.record is not None else None
         """A tool loop's turn, as a span (tracing only)."""
-        self.logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
-        """Per stream, its tokens' log-probabilities, when asked for (:meth:`collect`)."""
-        self.encoded_logprobs: list[list[bytes]] = [[] for _ in streams]
-        """The same as JSON, where :meth:`collect` was given ``logprob_item``."""
+        self.encoded_logprobs: list[list[Any]] = [[] for _ in streams]
+        """Per stream, its tokens' log-probabilities as :meth:`collect`'s ``encode_logprobs``
+        made them, when asked for."""
         self.event_logprobs: TokenLogprob | None = None
         """Those of the event that :meth:`sse`'s ``events`` callback is turning into chunks."""
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(streams)
@@ -268,14 +267,14 @@ class Generation:
         )
 
     async def collect(
-        self, *, logprob_item: Callable[[TokenLogprob], Any] | None = None
+        self, *, encode_logprobs: Callable[[int, TokenLogprob], Any] | None = None
     ) -> tuple[list[str], list[list[ToolCall]], list[str], p.CompletionUsage]:
-        """Every stream to the end: texts, tool calls, finish reasons, usage; each token's
-        log-probabilities in :attr:`logprobs`, or, with ``logprob_item`` (the API's item for
-        them), that item encoded as it comes into :attr:`encoded_logprobs`. Encoded, an answer's thousands of them are no
-        objects to build at the end: n=8 x 900 tokens with 20 alternatives each made 300,000
-        objects whose building, and the garbage collector's passes over them, held the
-        event loop 640-790 ms at once."""
+        """Every stream to the end: texts, tool calls, finish reasons, usage; with
+        ``encode_logprobs``, what it makes of each token's log-probabilities (given the
+        stream's index: the answer's JSON for them) into :attr:`encoded_logprobs`, as they
+        come. Encoded, an answer's thousands of them are no objects to build at the end: n=8 x
+        900 tokens with 20 alternatives each made 300,000 objects whose building, and the
+        garbage collector's passes over them, held the event loop 640-790 ms at once."""
         texts = [""] * len(self.streams)
         calls: list[list[ToolCall]] = [[] for _ in self.streams]
         finish = ["stop"] * len(self.streams)
@@ -287,10 +286,8 @@ class Generation:
             texts[index] += text
             calls[index] += made
             completion_tokens += self._record(index, event)
-            if event.logprobs is not None and logprob_item is not None:
-                self.encoded_logprobs[index].append(_encode(logprob_item(event.logprobs)))
-            elif event.logprobs is not None:
-                self.logprobs[index].append(event.logprobs)
+            if event.logprobs is not None and encode_logprobs is not None:
+                self.encoded_logprobs[index].append(encode_logprobs(index, event.logprobs))
             if event.prompt_logprobs is not None:
                 self.prompt_logprobs[index] = event.prompt_logprobs
             if reason is not None:
@@ -372,7 +369,7 @@ _ANSWER_CHUNK = 1 << 20
 _answer_maker = ThreadPoolExecutor(1, thread_name_prefix="ortserve-answer")
 
 
-async def json_answer(make: Callable[[], tuple[Any, list[list[bytes]]]]) -> Response[Any]:
+async def json_answer(make: Callable[[], tuple[Any, Sequence[Sequence[bytes]]]]) -> Response[Any]:
     """A large JSON answer, made off the event loop and sent in pieces: ``make`` (run on a
     worker thread) gives the answer with a :data:`SPLICE` for each large array, and each
     array's items, already JSON, in order. Built on the loop, or encoded in one call (which
@@ -412,7 +409,7 @@ async def json_answer(make: Callable[[], tuple[Any, list[list[bytes]]]]) -> Resp
     return Stream(body(), media_type=MediaType.JSON, headers={"content-length": str(length)})
 
 
-def _comma_separated(items: list[bytes]) -> Iterator[bytes]:
+def _comma_separated(items: Sequence[bytes]) -> Iterator[bytes]:
     for i, item in enumerate(items):
         if i:
             yield b","

@@ -33,6 +33,8 @@ from .._state import OrtServe
 
 __all__ = ["chat_completions"]
 
+_encode = msgspec.json.Encoder().encode
+
 
 @post(
     "/chat/completions",
@@ -99,8 +101,8 @@ async def chat_completions(
         opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
         return stream_response(run.sse(events, usage_chunk, opening))
-    item = _chat_logprob if data.logprobs is True else None
-    texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(logprob_item=item))
+    encode = (lambda _, item: _encode(_chat_logprob(item))) if data.logprobs is True else None
+    texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(encode_logprobs=encode))
 
     choices = _choices(data, run, texts, calls, finish, call_id)
     answer = p.ChatCompletion(id=response_id, created=created, model=data.model, choices=choices, usage=usage)

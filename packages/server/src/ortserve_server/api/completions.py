@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
+import msgspec
 from litestar import Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
@@ -17,7 +19,7 @@ from ortserve_runtime import (
 )
 
 from .._connection import while_connected
-from .._generation import Generation, include_usage, sse_event, stream_response
+from .._generation import SPLICE, Generation, include_usage, json_answer, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model
 from .._openapi import generation_docs
@@ -26,6 +28,8 @@ from .._record import note
 from .._state import OrtServe
 
 __all__ = ["completions"]
+
+_encode = msgspec.json.Encoder().encode
 
 
 @post(
@@ -76,17 +80,61 @@ async def completions(
     if data.stream is True:
         usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
         return stream_response(run.sse(events, usage_chunk))
-    texts, _, finish, usage = await while_connected(request, ortserve, run.collect())
+
+    def encode(index: int, item: TokenLogprob) -> tuple[bytes, bytes, bytes, bytes]:
+        return _logprob_columns(item, item.offset + (len(echoed[index // n]) if echoed is not None else 0))
+
+    collecting = run.collect(encode_logprobs=encode if wanted else None)
+    texts, _, finish, usage = await while_connected(request, ortserve, collecting)
     choices = []
     for i, (text, reason) in enumerate(zip(texts, finish, strict=True)):
         prompt = echoed[i // n] if echoed is not None else ""
         if run.prompt_only:
             text, reason = "", "length"
-        logprobs = None
-        if wanted:
-            logprobs = _completion_logprobs(run.logprobs[i], run.prompt_logprobs[i], shift=len(prompt))
+        logprobs = _SPLICED if wanted else None
         choices.append(p.CompletionChoice(index=i, text=prompt + text, finish_reason=reason, logprobs=logprobs))
-    return Response(p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage))
+    answer = p.Completion(id=response_id, created=created, model=data.model, choices=choices, usage=usage)
+    if not wanted:
+        return Response(answer)
+
+    def columns() -> tuple[p.Completion, list[Sequence[bytes]]]:
+        """Each choice's four lists, its prompt's tokens first (echo)."""
+        arrays: list[Sequence[bytes]] = []
+        for i in range(len(choices)):
+            rows = [*_prompt_rows(run.prompt_logprobs[i]), *run.encoded_logprobs[i]]
+            arrays += list(zip(*rows, strict=True)) if rows else [(), (), (), ()]
+        return answer, arrays
+
+    return await json_answer(columns)
+
+
+# An answer's logprobs are four lists per choice, spliced in (see json_answer).
+_SPLICED = p.CompletionLogprobs(
+    tokens=cast("list[str]", SPLICE),
+    token_logprobs=cast("list[float | None]", SPLICE),
+    top_logprobs=cast("list[dict[str, float] | None]", SPLICE),
+    text_offset=cast("list[int]", SPLICE),
+)
+
+
+def _logprob_columns(item: TokenLogprob, offset: int) -> tuple[bytes, bytes, bytes, bytes]:
+    """One token's entries in the legacy shape's four lists, as JSON."""
+    return _encode(item.text), _encode(item.logprob), _encode(_best(item)), b"%d" % offset
+
+
+def _best(item: TokenLogprob) -> dict[str, float]:
+    """A step's ``top_logprobs``: as OpenAI documents, the chosen token is always among them
+    (so it may hold one more than asked for)."""
+    best = {t.text: t.logprob for t in item.top}
+    best.setdefault(item.text, item.logprob)
+    return best
+
+
+def _prompt_rows(prompt: PromptLogprobs | None) -> list[tuple[bytes, bytes, bytes, bytes]]:
+    if prompt is None:
+        return []
+    first = (_encode(prompt.first_text), b"null", b"null", b"0")  # nothing before it to score it
+    return [first, *(_logprob_columns(item, item.offset) for item in prompt.scored)]
 
 
 def _prompt_texts(model: ChatModel, data: p.CompletionRequest) -> list[str]:
@@ -98,9 +146,8 @@ def _prompt_texts(model: ChatModel, data: p.CompletionRequest) -> list[str]:
 def _completion_logprobs(
     items: list[TokenLogprob], prompt: PromptLogprobs | None = None, *, shift: int = 0
 ) -> p.CompletionLogprobs:
-    """The legacy shape; as OpenAI documents, the chosen token is always among a step's
-    ``top_logprobs`` (so it may hold one more than asked for). With ``prompt`` (echo), the
-    prompt's tokens come first, the first of them unscored (``null``, as OpenAI and vLLM);
+    """The legacy shape, for a streamed chunk. With ``prompt`` (echo), the prompt's tokens
+    come first, the first of them unscored (``null``, as OpenAI and vLLM);
     ``shift``: characters of echoed prompt before the output's text."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -108,11 +155,9 @@ def _completion_logprobs(
     offsets: list[int] = []
 
     def add(item: TokenLogprob, offset: int) -> None:
-        best = {t.text: t.logprob for t in item.top}
-        best.setdefault(item.text, item.logprob)
         tokens.append(item.text)
         token_logprobs.append(item.logprob)
-        top.append(best)
+        top.append(_best(item))
         offsets.append(offset)
 
     if prompt is not None:
