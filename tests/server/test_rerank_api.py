@@ -17,7 +17,7 @@ from ortserve_client import AsyncClient, BadRequestError, NotFoundError
 from ortserve_client import protocol as p
 from ortserve_runtime import ModelConfig, RerankConfig
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, running, watched
 
 FOLDER = Path(__file__).parents[1] / "fixtures" / "tiny-cross-encoder"
 REFERENCE = json.loads((FOLDER / "reference.json").read_text("utf-8"))
@@ -217,3 +217,19 @@ def test_the_root_aliases_can_be_left_to_the_host() -> None:
         assert httpx.post(f"{base}/v1/rerank", json=body).status_code == 200
         assert httpx.post(f"{base}/rerank", json=body).status_code == 404
         assert httpx.post(f"{base}/v2/rerank", json=body).status_code == 404
+
+
+def test_many_long_documents_are_tokenized_a_few_at_a_time() -> None:
+    """Sixth probe of issue 45: 1,000 documents under the characters a 128-token model's
+    pair may have (some 1,150 tokens each) were all tokenized at once before the first was
+    refused for its length. Now the first few are, and the first is refused."""
+    documents = ["word " * 1150] * 1000
+    content = json.dumps({"model": "ce", "query": "q", "documents": documents}).encode()
+    with running(create_app(ServerConfig(models={"ce": FOLDER}))) as url, watched(url) as seen:
+        response = httpx.post(
+            f"{url}/v1/rerank", content=content, headers={"content-type": "application/json"}, timeout=120
+        )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "documents" and "documents[0] with its query has 1154 tokens" in error["message"]
+    seen.assert_within(grown=48 * 2**20)

@@ -17,13 +17,10 @@ import numpy.typing as npt
 
 from .._config import ModelConfig
 from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
-from ._encoder import BatchedEncoder, Tokens, read_json
+from ._encoder import ENCODE_BATCH, BatchedEncoder, Tokens, read_json
 
 __all__ = ["EmbeddingInput", "EmbeddingModel", "EmbeddingResult", "Pooling"]
 
-_ENCODE_BATCH = 64
-"""Texts tokenized at once: their encodings (ids, offsets, token strings) are some 150
-bytes a token, so 64 of the longest texts a model takes hold tens of MiB, not hundreds."""
 
 Pooling = Literal["mean", "cls", "last"]
 EmbeddingInput = str | Sequence[str | int | Sequence[int]]
@@ -109,8 +106,8 @@ class EmbeddingModel(BatchedEncoder):
         encoded: dict[int, list[int]] = {}
         total = sum(min(len(x), self.max_tokens) if cut else len(x) for x in items if not isinstance(x, str))
         self._check_total(total)
-        for start in range(0, len(texts), _ENCODE_BATCH):
-            batch = texts[start : start + _ENCODE_BATCH]
+        for start in range(0, len(texts), ENCODE_BATCH):
+            batch = texts[start : start + ENCODE_BATCH]
             for (index, _), encoding in zip(batch, self.tokenizer.encode_batch([t for _, t in batch]), strict=True):
                 encoded[index] = self._fit(index, list(encoding.ids), cut, text=True)
                 total += len(encoded[index])

@@ -36,7 +36,12 @@ from .._contract import resolve_future
 from .._errors import EngineClosedError, ModelLoadError
 from .._providers import check_session_provider, ort_providers
 
-__all__ = ["BatchedEncoder", "Tokens", "create_session", "read_json"]
+__all__ = ["ENCODE_BATCH", "BatchedEncoder", "Tokens", "create_session", "read_json"]
+
+ENCODE_BATCH = 64
+"""Texts (or pairs) tokenized at once, each checked as soon as it is: their encodings (ids,
+offsets, token strings) are some 150 bytes a token, so 64 of the longest texts a model
+takes hold tens of MiB, not hundreds."""
 
 _ONNX_CANDIDATES = ("model.onnx", "onnx/model.onnx")
 _ALLOW_SPINNING = "session.intra_op.allow_spinning"

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from .._config import ModelConfig
 from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
-from ._encoder import BatchedEncoder, Tokens, read_json
+from ._encoder import ENCODE_BATCH, BatchedEncoder, Tokens, read_json
 
 __all__ = ["RerankModel", "RerankResult"]
 
@@ -130,16 +130,17 @@ class RerankModel(BatchedEncoder):
                         param=second,
                     )
                 pairs[index] = (query[: self.max_input_chars], document[: self.max_input_chars])
-        encoded = (self._truncating if cut else self.tokenizer).encode_batch(pairs)
+        tokenizer = self._truncating if cut else self.tokenizer
         result = []
-        for index, encoding in enumerate(encoded):
-            if len(encoding.ids) > self.max_tokens:  # only without truncation
-                raise ContextLengthError(
-                    f"{second}[{index}] with its query has {len(encoding.ids)} tokens, more than this model's "
-                    f"{self.max_tokens}; shorten it or ask for truncation",
-                    param=second,
-                )
-            result.append(Tokens(list(encoding.ids), list(encoding.type_ids)))
+        for start in range(0, len(pairs), ENCODE_BATCH):  # a pair too long is refused before the rest
+            for index, encoding in enumerate(tokenizer.encode_batch(pairs[start : start + ENCODE_BATCH]), start):
+                if len(encoding.ids) > self.max_tokens:  # only without truncation
+                    raise ContextLengthError(
+                        f"{second}[{index}] with its query has {len(encoding.ids)} tokens, more than this model's "
+                        f"{self.max_tokens}; shorten it or ask for truncation",
+                        param=second,
+                    )
+                result.append(Tokens(list(encoding.ids), list(encoding.type_ids)))
         return result
 
     async def score(
