@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -785,3 +786,18 @@ def test_the_server_description_reaches_the_prompt(client: openai.OpenAI) -> Non
     plain = prompt_tokens()
     described = prompt_tokens(server_description="A calculator for small sums, used by the accounting team")
     assert described > plain + 5
+
+
+def test_an_answer_the_sdk_cannot_parse_is_one_warning_line(
+    client: openai.OpenAI, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sixth probe of issue 45: over streamable HTTP, an answer nested past the depth the
+    MCP SDK's parser reads failed the call (it says why), and the SDK also logged its
+    traceback at ERROR. It is one WARNING line naming the error."""
+    with caplog.at_level(logging.DEBUG, logger="mcp.client.streamable_http"):
+        call = _call_alone(client, "faulty-web", "deep")
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    said = [r for r in caplog.records if r.name == "mcp.client.streamable_http" and "parsing" in r.getMessage()]
+    assert said, caplog.text
+    assert all(r.levelno == logging.WARNING and r.exc_info is None and "\n" not in r.getMessage() for r in said)
+    assert "ValidationError" in said[0].getMessage()

@@ -56,6 +56,25 @@ __all__ = [
 logger = logging.getLogger("ortserve.mcp")
 
 
+class _OneLine(logging.Filter):
+    """The MCP SDK logs an answer it cannot parse (a faulty server's, nested too deep...)
+    with its traceback at ERROR, though the call fails and says why (the error the caller
+    gets names it): one WARNING line here, as ortserve logs a server that misbehaves."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is not None and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            first = next(iter(str(error).splitlines()), "")[:300]
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {first}"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+logging.getLogger("mcp.client.streamable_http").addFilter(_OneLine())
+
+
 class McpUnavailableError(ServerError):
     """An MCP server could not be reached or could not list its tools: 424, as OpenAI
     answers (the request depended on it)."""
