@@ -138,6 +138,8 @@ class ChatModel:
     async def close(self) -> None:
         """Finish: pending requests get :class:`EngineClosedError`; the engine's thread exits."""
         await self.engine.close()
+        if self._media is not None:
+            self._media.preparing.shutdown(wait=False, cancel_futures=True)
 
     # -- public API (any thread / asyncio) -------------------------------------------------
 
@@ -269,14 +271,19 @@ class ChatModel:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         """:meth:`prepare_chat` in a worker thread: rendering the template, tokenizing and
-        decoding media take long enough for a large request to stall the event loop."""
-        return await asyncio.to_thread(
+        decoding media take long enough for a large request to stall the event loop. A
+        multimodal model's requests wait for its own threads (its media processor's), not
+        the shared pool's."""
+        prepare = functools.partial(
             self.prepare_chat,
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=template_kwargs,
         )
+        if self._media is not None:
+            return await asyncio.get_running_loop().run_in_executor(self._media.preparing, prepare)
+        return await asyncio.to_thread(prepare)
 
     def generate(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .._config import ModelConfig
@@ -72,6 +73,10 @@ class MediaProcessor:
         self.max_sequence_length = folder.max_sequence_length(config)
         self._og = og
         self._decoding = threading.BoundedSemaphore(_DECODING_AT_ONCE)
+        self.preparing = ThreadPoolExecutor(_DECODING_AT_ONCE, thread_name_prefix="ortserve-media")
+        """Where asyncio callers prepare this model's prompts (:meth:`ChatModel.aprepare_chat`):
+        waiting in the shared pool, twelve requests' large images held its six threads and
+        queued work of every other model behind them (a text chat waited 7.5 s)."""
         try:
             og.call("media", "load_processor")
             self.image_tokens = self._image_token_rule(folder) if ImageInput in self.placeholders else None
