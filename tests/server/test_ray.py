@@ -223,6 +223,21 @@ def test_bad_requests_get_openai_errors_through_ray(client: openai.OpenAI, root:
     assert card["kv_cache_dtype"] == "float16"
 
 
+def test_an_answer_sent_in_chunks_comes_whole_through_ray(client: openai.OpenAI) -> None:
+    """Answers past 1 MiB (here 900 tokens with 20 alternatives each) are written in pieces
+    as the client reads them; Ray's proxy passes them on whole."""
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=900,
+        extra_body={"min_tokens": 900},
+        logprobs=True,
+        top_logprobs=20,
+    )
+    content = reply.choices[0].logprobs and reply.choices[0].logprobs.content
+    assert content is not None and len(content) == 900 and all(len(t.top_logprobs) == 20 for t in content)
+
+
 def _chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 4) -> tuple[str, Any]:
     raw = client.chat.completions.with_raw_response.create(
         model="tiny", messages=messages, max_tokens=max_tokens, temperature=0
