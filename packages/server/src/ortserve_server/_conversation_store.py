@@ -28,10 +28,11 @@ MAX_CONVERSATIONS = 1000
 """Conversations one owner may keep."""
 MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
 """The largest conversation (its JSON, inline images included)."""
-MAX_OWNER_BYTES = 256 * 1024 * 1024
-"""The JSON of all the conversations one owner may keep (32 of the largest): 1,000 of
-8 MiB, with their search text, were 16 GiB, in the server's memory where the state is
-(``state_dir`` None, a mounted app's default); 60 of 7 MiB grew it 970 MiB."""
+MAX_OWNER_BYTES = 128 * 1024 * 1024
+"""The JSON of all the conversations one owner may keep (16 of the largest); their search
+text is stored beside it, up to as much again. 1,000 of 8 MiB were 16 GiB with it, in the
+server's memory where the state is (``state_dir`` None, a mounted app's default): 60 of
+7 MiB grew it 970 MiB, and 36 of them (256 MiB of JSON) still 609 MiB."""
 
 
 class _Body(msgspec.Struct, kw_only=True):
