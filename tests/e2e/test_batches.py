@@ -126,6 +126,27 @@ def test_every_endpoint_runs_in_a_batch(shared: openai.OpenAI) -> None:
         assert answer["response"]["body"]["usage"], answer
 
 
+def test_lines_with_answers_of_megabytes_are_answered(shared: openai.OpenAI) -> None:
+    """Issue 45, seventh probe: an answer past 1 MiB is streamed to the client in pieces
+    (json_answer), and the runner's receive() then raised CancelledError (the future it
+    awaited was cancelled with the route's disconnect watch): each line was cancelled, run
+    again, and cancelled again, the batch never ended, and /health stalled up to 164 ms."""
+    big = {"n": 8, "max_tokens": 150, "min_tokens": 150, "logprobs": True, "top_logprobs": 20}
+    lines = [_chat_line(i, **big) for i in range(2)]
+    client = shared
+    uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = _wait(client, batch.id, within=60)
+    assert done.request_counts is not None and done.request_counts.completed == 2, done.request_counts
+    output = _lines(client, done.output_file_id)
+    body = dict(lines[1]["body"])
+    extra = {"min_tokens": body.pop("min_tokens")}
+    direct = client.chat.completions.create(**body, extra_body=extra)
+    answer = output[1]["response"]["body"]
+    assert len(json.dumps(answer)) > 1 << 20  # past one piece of json_answer
+    assert [c["message"]["content"] for c in answer["choices"]] == [c.message.content for c in direct.choices]
+
+
 @pytest.mark.parametrize(
     ("line", "says"),
     [

@@ -92,6 +92,54 @@ def test_a_body_still_coming_after_the_answer_is_cut() -> None:
         assert time.monotonic() - start < 5
 
 
+def _chunked(body: bytes, size: int) -> bytes:
+    """``body`` as a chunked POST's body in chunks of ``size`` bytes, with its final chunk."""
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+
+
+def test_a_body_in_tiny_chunks_is_refused_while_health_answers() -> None:
+    """Issue 45, seventh probe: h11 parses each chunk of a chunked body in Python (7 us
+    apiece), so 200,000 one-byte chunks (1.2 MB on the wire) held the event loop 0.6 s,
+    0.3 s each 256 KiB read, whatever the route did with the body."""
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    body = json.dumps(request).encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    slowest: list[float] = []
+    with serving() as (process, url), httpx.Client(base_url=url, timeout=30) as client:
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(0.02):
+                sent = time.perf_counter()
+                client.get("/health")
+                slowest.append(time.perf_counter() - sent)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as tiny:
+                with suppress(OSError):  # the server may close before it has read it all
+                    tiny.sendall(head + _chunked(body + b" " * (200_000 - len(body)), 1))
+                answer = _answer(tiny, within=10)
+        finally:
+            stop.set()
+            poller.join()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "body_pieces_too_small", error
+        assert max(slowest) < 0.1, f"/health took {max(slowest) * 1000:.0f} ms"
+        # Chunks of 40 bytes (as small as a client sends unless told to) are taken as before.
+        with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as fine:
+            fine.sendall(head + _chunked(body + b" " * (80_000 - len(body)), 40))
+            fine.settimeout(30)
+            assert fine.recv(65536).startswith(b"HTTP/1.1 200 ")
+        assert process.poll() is None
+
+
 def test_bodies_in_memory_are_bounded_and_refused_with_503() -> None:
     """The probe's case, scaled: 24 connections each send 15 MB of a 16 MB body and stall.
     With a 64 MiB budget the server holds at most that (then 503s the rest before reading

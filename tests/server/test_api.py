@@ -127,6 +127,27 @@ def test_n_choices(client: openai.OpenAI) -> None:
     assert [c.message.content for c in again.choices] == [c.message.content for c in result.choices]
 
 
+@pytest.mark.parametrize("bias", [None, -100], ids=["logits as they are", "every logit negative"])
+def test_a_subnormal_temperature_samples_like_greedy(client: openai.OpenAI, bias: int | None) -> None:
+    # Issue 45, seventh probe: 5e-324 is in [0, 2] but takes every positive logit to +inf
+    # (the sampler chose evenly among them: not greedy) and, where every logit is negative
+    # (a logit_bias of -100 on each id), every one to -inf: NaN probabilities, a 500.
+    extra = {} if bias is None else {"logit_bias": {str(i): bias for i in range(1024)}}
+    greedy = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=8, temperature=0, extra_body={"min_tokens": 8, **extra}
+    )
+    for seed in (1, 2, 3):
+        tiny = client.chat.completions.create(
+            model="tiny",
+            messages=HELLO,
+            max_tokens=8,
+            temperature=5e-324,
+            seed=seed,
+            extra_body={"min_tokens": 8, **extra},
+        )
+        assert tiny.choices[0].message.content == greedy.choices[0].message.content
+
+
 def test_n_choices_streamed(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=6, n=2, temperature=0, stream=True)

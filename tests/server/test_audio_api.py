@@ -16,7 +16,7 @@ import soundfile
 from audio import TINY_WHISPER, tone_wav
 from ortserve_client import AsyncClient, BadRequestError
 from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, rss_growth, running
+from serving import TINY_MODEL, rss_growth, running, watched
 
 pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 
@@ -66,6 +66,23 @@ def test_language_and_prompt_are_used(client: openai.OpenAI) -> None:
     prompted = client.audio.transcriptions.create(model="whisper", file=audio, prompt="Earlier words").text
     german = client.audio.transcriptions.create(model="whisper", file=audio, language="de").text
     assert len({plain, prompted, german}) > 1
+
+
+def test_a_prompt_too_long_for_the_decoder_is_refused_untokenized(url: str, client: openai.OpenAI) -> None:
+    # Issue 45, seventh probe: a 1 MB prompt was tokenized (the worker, holding the GIL, and
+    # og's processor) before "the prompt leaves no room": /health 443-616 ms. Now refused by
+    # its length (448 positions, tokens of at most 33 characters) before any tokenizer sees it.
+    audio = ("tone.wav", tone_wav(0.3))
+    with watched(url) as seen, pytest.raises(openai.BadRequestError) as refused:
+        client.audio.transcriptions.create(model="whisper", file=audio, prompt="hello " * 30_000)
+    assert refused.value.body is not None
+    assert refused.value.body["param"] == "prompt"  # type: ignore[index]
+    assert "180000 characters, more than this model's 448 tokens" in refused.value.message
+    seen.assert_within()
+    # A prompt that fits is still taken, and one just over the decoder's room is told so.
+    assert client.audio.transcriptions.create(model="whisper", file=audio, prompt="hello " * 50).text
+    with pytest.raises(openai.BadRequestError, match="leaves no room"):
+        client.audio.transcriptions.create(model="whisper", file=audio, prompt="hello " * 500)
 
 
 @pytest.mark.parametrize(

@@ -325,4 +325,3 @@ def test_an_answer_of_many_logprobs_is_no_stall(url: str) -> None:
         tokens = choice.logprobs.content
         assert len(tokens) == 900 and all(len(t.top_logprobs) == 20 for t in tokens)
         assert all(t.logprob == max(top.logprob for top in t.top_logprobs) for t in tokens)  # greedy
-

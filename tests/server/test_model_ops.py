@@ -324,6 +324,9 @@ def test_unloading_or_pinning_through_keep_alive_needs_the_admin_key() -> None:
                     chat(client, extra_body={"keep_alive": value})
                 assert refused.value.body["param"] == "keep_alive", value  # type: ignore[index]
             assert chat(client, extra_body={"keep_alive": "5m"}) == "length"
+            # Past 100 years is for ever, so pinning: the 403 says so (it said "0 or negative").
+            with pytest.raises(openai.PermissionDeniedError, match="past 100 years"):
+                chat(client, extra_body={"keep_alive": 1e308})
         with sdk(base, "admin-key") as admin:
             assert chat(admin, extra_body={"keep_alive": -1}) == "length"
             assert chat(admin, extra_body={"keep_alive": 0}) == "length"

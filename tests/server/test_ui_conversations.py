@@ -166,6 +166,29 @@ def test_bounds(http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     assert full.status_code == 413 and "at most" in full.json()["error"]["message"]
 
 
+def test_a_key_keeps_a_bounded_number_of_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 45, seventh probe: 1000 conversations of 8 MiB a key, with their search text,
+    were 16 GiB held in the server's memory (state_dir None: 60 of 7 MiB grew it 970 MiB)."""
+    monkeypatch.setattr(store, "MAX_OWNER_BYTES", 300_000)
+    turn = {"messages": [{"role": "user", "content": "x" * 100_000}]}
+    with running(create_app(keyed_config())) as url, httpx.Client(base_url=url, timeout=30) as http:
+        first, second = (http.post("/v1/ui/conversations", json=turn, headers=ALICE) for _ in range(2))
+        assert first.status_code == second.status_code == 200
+        full = http.post("/v1/ui/conversations", json=turn, headers=ALICE)
+        assert full.status_code == 413, full.text[:200]
+        assert "at most 300000 bytes of conversations" in full.json()["error"]["message"]
+        both = {"data": [{"title": "a"}, turn]}  # all or none
+        assert http.post("/v1/ui/conversations/import", json=both, headers=ALICE).status_code == 413
+        assert len(http.get("/v1/ui/conversations", headers=ALICE).json()["data"]) == 2
+        assert http.post("/v1/ui/conversations", json=turn, headers=BOB).status_code == 200  # each key its own
+        # An update counts in place of the conversation it replaces.
+        grown = {"messages": [{"role": "user", "content": "x" * 205_000}]}
+        assert http.post(f"/v1/ui/conversations/{first.json()['id']}", json=grown, headers=ALICE).status_code == 413
+        assert http.post(f"/v1/ui/conversations/{first.json()['id']}", json=turn, headers=ALICE).status_code == 200
+        assert http.delete(f"/v1/ui/conversations/{second.json()['id']}", headers=ALICE).status_code == 200
+        assert http.post("/v1/ui/conversations", json=turn, headers=ALICE).status_code == 200
+
+
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_an_import_past_the_bound_is_refused_before_its_work(http: httpx.Client, url: str) -> None:
     """45,000 conversations (under the JSON body's key bound) were each made and encoded on
@@ -184,15 +207,15 @@ def test_an_export_is_written_a_conversation_at_a_time() -> None:
     with running(create_app(keyed_config())) as base, httpx.Client(base_url=base, timeout=60) as http:
         text = "y" * (7 * 2**20)
         content = json.dumps({"title": "big", "messages": [{"role": "user", "content": text}]}).encode()
-        for _ in range(20):
+        for _ in range(16):  # 112 MiB, under a key's 128 MiB
             assert http.post("/v1/ui/conversations", content=content, headers={**ALICE, **JSON}).status_code == 200
         http.post("/v1/ui/conversations", json=CONVERSATION, headers=ALICE)
         with rss_growth() as grown, http.stream("GET", "/v1/ui/conversations/export", headers=ALICE) as answer:
             size = sum(len(chunk) for chunk in answer.iter_raw())  # as a client reading it would
-        assert answer.status_code == 200 and size > 20 * len(text)
+        assert answer.status_code == 200 and size > 16 * len(text)
         assert grown[0] < 100 * 2**20, f"+{grown[0] >> 20} MiB"
         exported = http.get("/v1/ui/conversations/export", headers=ALICE).json()
-    assert exported["object"] == "list" and len(exported["data"]) == 21
+    assert exported["object"] == "list" and len(exported["data"]) == 17
     assert exported["data"][0]["title"] == CONVERSATION["title"]  # most recently updated first
     assert all(c["messages"][0]["content"] == text for c in exported["data"][1:])
 

@@ -242,14 +242,21 @@ class BatchRunner:
         sent = False
         status = 500
         chunks: list[bytes] = []
-        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # An Event, not a future every receive() awaits: the route's disconnect watch
+        # (while_connected) is cancelled once the answer is ready, and cancelling a task that
+        # awaits a future cancels the future, so the next receive() (a streamed answer's, which
+        # large JSON answers are) raised CancelledError and the line was cancelled, run again,
+        # and cancelled again without end.
+        answered = asyncio.Event()
 
         async def receive() -> dict[str, Any]:
             nonlocal sent
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            await never  # no disconnect: the line runs until it ends or is cancelled
+            # No disconnect while the line runs (it runs until it ends or is cancelled); once
+            # its answer is whole, as a server says: a streamed answer waits for it to end.
+            await answered.wait()
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
@@ -258,6 +265,8 @@ class BatchRunner:
                 status = message["status"]
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    answered.set()
 
         await app(scope, receive, send)  # type: ignore[arg-type]
         raw = b"".join(chunks)

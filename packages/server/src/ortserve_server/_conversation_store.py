@@ -17,6 +17,7 @@ from ._ids import new_id
 __all__ = [
     "MAX_CONVERSATIONS",
     "MAX_CONVERSATION_BYTES",
+    "MAX_OWNER_BYTES",
     "ConversationStore",
     "ConversationTooLarge",
     "ConversationsFull",
@@ -27,6 +28,11 @@ MAX_CONVERSATIONS = 1000
 """Conversations one owner may keep."""
 MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
 """The largest conversation (its JSON, inline images included)."""
+MAX_OWNER_BYTES = 128 * 1024 * 1024
+"""The JSON of all the conversations one owner may keep (16 of the largest); their search
+text is stored beside it, up to as much again. 1,000 of 8 MiB were 16 GiB with it, in the
+server's memory where the state is (``state_dir`` None, a mounted app's default): 60 of
+7 MiB grew it 970 MiB, and 36 of them (256 MiB of JSON) still 609 MiB."""
 
 
 class _Body(msgspec.Struct, kw_only=True):
@@ -43,7 +49,23 @@ _COLUMNS = "id, title, model, created, updated, message_count"
 
 
 class ConversationsFull(Exception):
-    """The owner already keeps :data:`MAX_CONVERSATIONS`."""
+    """The owner already keeps :data:`MAX_CONVERSATIONS`, or :data:`MAX_OWNER_BYTES`."""
+
+
+def _check_room(db: Connection, owner: str, adding: int, replacing: str | None = None) -> None:
+    """Raise :class:`ConversationsFull` unless the owner's conversations, with ``adding``
+    bytes more (in place of conversation ``replacing``'s), stay within :data:`MAX_OWNER_BYTES`."""
+    query = "SELECT COALESCE(SUM(size), 0) FROM ui_conversations WHERE owner = ?"
+    args: tuple[str, ...] = (owner,)
+    if replacing is not None:
+        query += " AND id <> ?"
+        args = (owner, replacing)
+    (held,) = db.execute(query, args).fetchone()
+    if int(held) + adding > MAX_OWNER_BYTES:
+        raise ConversationsFull(
+            f"a key keeps at most {MAX_OWNER_BYTES} bytes of conversations; it holds {int(held)}, and this "
+            f"adds {adding}: delete some first"
+        )
 
 
 class ConversationTooLarge(Exception):
@@ -127,6 +149,7 @@ class ConversationStore:
                 (count,) = db.execute("SELECT COUNT(*) FROM ui_conversations WHERE owner = ?", (owner,)).fetchone()
                 if count + len(rows) > MAX_CONVERSATIONS:
                     raise ConversationsFull(f"a key keeps at most {MAX_CONVERSATIONS} conversations: delete some first")
+                _check_room(db, owner, sum(int(row[7]) for row in rows))  # type: ignore[call-overload]
                 db.executemany("INSERT INTO ui_conversations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
         await self._db.run(create)
@@ -155,6 +178,7 @@ class ConversationStore:
                 conversation = _merge(_conversation(found), write_)
                 conversation.updated_at = time.time()
                 row = _row(owner, conversation)
+                _check_room(db, owner, int(row[7]), replacing=conversation_id)  # type: ignore[call-overload]
                 db.execute(
                     "UPDATE ui_conversations SET title = ?, model = ?, updated = ?, message_count = ?, size = ?,"
                     " body = ?, text = ? WHERE id = ? AND owner = ?",

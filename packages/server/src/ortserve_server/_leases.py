@@ -96,13 +96,14 @@ def mark_admin_callers(admin_key: str) -> Callable[[ASGIApp], ASGIApp]:
 
 def keep_alive_by_admin(seconds: float | None, admin_key: str | None) -> None:
     """Refuse (403 naming ``keep_alive``) a request's ``keep_alive`` of 0 (unload now) or
-    negative (keep loaded for ever) unless it comes with the admin key, where one is set:
-    unloading and pinning models are the control routes' to do, not any API caller's."""
+    negative (keep loaded for ever; :func:`parse_keep_alive` makes one past 100 years so)
+    unless it comes with the admin key, where one is set: unloading and pinning models are
+    the control routes' to do, not any API caller's."""
     if admin_key is None or seconds is None or seconds > 0 or _admin.get():
         return
     raise ForbiddenError(
-        "keep_alive 0 (unload) or negative (keep loaded) needs the admin key on this server: send it "
-        "(Authorization: Bearer <admin key>), use the control routes (/v1/models/load, /v1/models/unload), "
+        "keep_alive 0 (unload), or negative or past 100 years (keep loaded), needs the admin key on this server: "
+        "send it (Authorization: Bearer <admin key>), use the control routes (/v1/models/load, /v1/models/unload), "
         "or give a positive duration",
         param="keep_alive",
     )

@@ -20,6 +20,7 @@ from .._contract import Request
 from .._drafts import Drafter
 from .._errors import AdapterNotFoundError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
+from .._text_bounds import max_text_chars
 from ._constraints import Grammar, GrammarCompiler
 from ._logprobs import TokenBytes
 from ._media import Media, flatten_messages
@@ -194,17 +195,10 @@ class ChatModel:
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
-        """Characters a prompt may have before it is tokenized (its tokens are checked after).
-
-        No token of the vocabulary spans more characters than its longest entry (byte-level
-        vocabularies spell one byte per character, so never fewer characters than bytes); a
-        normaliser may compose up to 3 characters into one (Hangul jamo). A text longer than
-        this cannot fit the context, and is refused before the tokenizer sees it: tokenizing
-        a 15 MB prompt takes over 10 s of a core. Found at the first prompt that needs it:
-        listing the vocabulary holds the GIL 50 ms (SmolLM2), which a load beside the
-        server's start-up would take from it."""
-        longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
-        return self.max_sequence_length * max(longest, 1) * 3
+        """Characters a prompt may have before it is tokenized (its tokens are checked after;
+        see :func:`max_text_chars`). Found at the first prompt that needs it: listing the
+        vocabulary holds the GIL, which a load beside the server's start-up would take from it."""
+        return max_text_chars(self.tokenizer, self.max_sequence_length)
 
     def check_prompt_size(self, text: str, param: str = "prompt") -> None:
         """Refuse ``text`` with :class:`ContextLengthError` when it has more characters than

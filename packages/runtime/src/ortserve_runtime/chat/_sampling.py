@@ -206,18 +206,27 @@ class Sampler:
             self._scores = scores  # kept for scored(): log-probabilities before temperature
         if options.greedy:
             return int(np.argmax(scores))
-        with np.errstate(over="ignore"):  # a tiny temperature overflows to +inf: see below
-            if options.logprobs is None:
-                scores /= options.temperature  # a copy already (_process): no second row to allocate
-            else:
-                scores = scores / options.temperature  # the kept row stays untempered
-        if 0 < options.top_k < scores.size:
-            kth = np.partition(scores, -options.top_k)[-options.top_k]
-            scores[scores < kth] = -np.inf
-        top = scores.max()
-        # A temperature or penalty near zero (valid, e.g. 1e-308) scales logits past the float
-        # range, and inf - inf would be NaN; softmax's limit: the largest ones share evenly.
-        probs = (scores == top).astype(np.float64) if np.isposinf(top) else np.exp(scores - top)
+        peak = scores.max()
+        with np.errstate(over="ignore"):
+            tempered_peak = peak / options.temperature
+        if np.isfinite(peak) and not np.isfinite(tempered_peak):
+            # A temperature near zero (valid, e.g. 5e-324) scales the best score past the float
+            # range: every positive score would tie at +inf, every negative one at -inf (and
+            # -inf - -inf is NaN). Softmax's limit as the temperature goes to 0: the best share.
+            probs = (scores == peak).astype(np.float64)
+        else:
+            with np.errstate(over="ignore"):  # a tiny temperature overflows lesser scores to -inf
+                if options.logprobs is None:
+                    scores /= options.temperature  # a copy already (_process): no second row to allocate
+                else:
+                    scores = scores / options.temperature  # the kept row stays untempered
+            if 0 < options.top_k < scores.size:
+                kth = np.partition(scores, -options.top_k)[-options.top_k]
+                scores[scores < kth] = -np.inf
+            top = scores.max()
+            # A penalty near zero (valid, e.g. 1e-308) scales logits past the float range, and
+            # inf - inf would be NaN; softmax's limit: the largest ones share evenly.
+            probs = (scores == top).astype(np.float64) if np.isposinf(top) else np.exp(scores - top)
         probs /= probs.sum()
         if options.min_p > 0.0:
             # Relative to the most likely token after temperature, as vLLM and transformers.

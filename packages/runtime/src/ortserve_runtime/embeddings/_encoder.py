@@ -35,6 +35,7 @@ from .._config import ModelConfig
 from .._contract import resolve_future
 from .._errors import EngineClosedError, ModelLoadError
 from .._providers import check_session_provider, ort_providers
+from .._text_bounds import max_text_chars
 
 __all__ = ["ENCODE_BATCH", "BatchedEncoder", "Tokens", "create_session", "read_json"]
 
@@ -129,11 +130,8 @@ class BatchedEncoder:
         """The session output :meth:`_reduce` reads (the subclass picks it)."""
         self.runs = 0
         """Session runs so far: fewer than requests when micro-batching merges them."""
-        # As ChatModel's max_prompt_chars: no token spans more characters than the longest
-        # in the vocabulary, and a normaliser composes at most 3 into one. A text longer
-        # than this is over the limit whatever its tokens; it is cut or refused untokenized.
-        longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
-        self.max_input_chars = self.max_tokens * max(longest, 1) * 3
+        # A text longer than this is over the limit whatever its tokens; it is cut or refused untokenized.
+        self.max_input_chars = max_text_chars(self.tokenizer, self.max_tokens)
         self._waiting = 0
         self._waiting_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()

@@ -11,6 +11,7 @@ recording; a cancelled request leaves at once, or stops at its next token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import itertools
 import json
@@ -33,6 +34,7 @@ from .._config import ModelConfig
 from .._contract import resolve_future
 from .._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
 from .._og_process import OgProcess
+from .._text_bounds import max_text_chars
 from ..chat._sampling import GenerationOptions, Sampler
 
 __all__ = ["Segment", "SpeechModel", "Transcription"]
@@ -182,6 +184,15 @@ class SpeechModel:
             raise InvalidRequestError("temperature must be in [0, 1]", param="temperature")
         if max_tokens is not None and max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        # Every token spans a character at least: a prompt this short needs no vocabulary scan.
+        # A longer one past what the decoder's positions can spell is refused untokenized: the
+        # worker tokenized a 1 MB prompt (and og's processor too) holding the GIL 0.5 s.
+        if prompt and len(prompt) > 3 * self.context_length and len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} characters, more than this model's {self.context_length} "
+                "tokens could hold",
+                param="prompt",
+            )
         language_id = None
         if language is not None:
             language_id = self.tokenizer.token_to_id(f"<|{language.lower()}|>")
@@ -212,6 +223,11 @@ class SpeechModel:
         text = " ".join(segment.text for segment in segments if segment.text)
         tokens = sum(len(window.tokens) for window in windows)
         return Transcription(text, self._languages[language_id], duration, tokens, segments)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters a prompt may have before it is tokenized (see :func:`max_text_chars`)."""
+        return max_text_chars(self.tokenizer, self.context_length)
 
     @property
     def failed(self) -> str | None:

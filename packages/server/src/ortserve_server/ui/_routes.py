@@ -239,7 +239,7 @@ async def update_conversation(
 ) -> cp.Conversation:
     try:
         found = await ortserve.conversations.update(caller_of(request).owner, conversation_id, data)
-    except ConversationTooLarge as exc:
+    except (ConversationsFull, ConversationTooLarge) as exc:
         raise _bounds_error(exc) from None
     if found is None:
         raise _not_found(conversation_id)
