@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import openai
@@ -121,6 +121,17 @@ def test_reasoning_effort_and_earlier_reasoning_are_accepted(client: openai.Open
         reasoning_effort="low",
     )
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_reasoning_effort_for_a_model_that_does_not_reason_is_a_400(client: openai.OpenAI) -> None:
+    """Seventh probe of issue 45: chat took ``reasoning_effort`` for a model without thinking
+    markup (whose template does not read it) and ignored it; the Responses API refused the
+    same ``reasoning.effort``. Both refuse it now, naming it."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, reasoning_effort="high")  # type: ignore[arg-type]
+    assert refused.value.status_code == 400
+    body = cast("dict[str, Any]", refused.value.body)
+    assert body["param"] == "reasoning_effort" and "not a reasoning model" in body["message"]
 
 
 def test_a_model_without_thinking_markup_has_no_reasoning_fields(client: openai.OpenAI) -> None:

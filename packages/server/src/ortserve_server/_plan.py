@@ -463,6 +463,16 @@ def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerCon
     """Check a chat request (a 400 naming any parameter it cannot honour) and map it;
     ``caller``: who sent it (:func:`caller_of`), for its prefix-cache scope and priority."""
     check_chat_request(data, config)
+    if (
+        isinstance(data.reasoning_effort, str)
+        and model.reasoning is None
+        and not _template_reads(model, "reasoning_effort")
+    ):
+        # As the Responses API's reasoning.effort: taken and ignored, it would be a setting that does nothing.
+        raise UnsupportedParameterError(
+            f"'reasoning_effort' is not supported with model {data.model!r}: it is not a reasoning model",
+            param="reasoning_effort",
+        )
     constraint = _grammar_of(data, config)
     tools = _tool_plan(data, model, constraint, config)
     grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
@@ -470,6 +480,11 @@ def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerCon
     return GenerationPlan(
         n, _generation_options(data, config, n, grammar, caller), tools, {"prompt": "messages", "grammar": field}
     )
+
+
+def _template_reads(model: ChatModel, variable: str) -> bool:
+    """Whether ``model``'s chat template names ``variable`` (and so may act on it)."""
+    return model.chat_template is not None and variable in model.chat_template.source
 
 
 def template_kwargs(data: p.ChatCompletionRequest) -> dict[str, Any]:
