@@ -156,6 +156,43 @@ def test_idle_and_slowloris_connections_are_closed() -> None:
         assert process.poll() is None
 
 
+def test_a_request_head_past_the_header_bound_is_a_431_however_it_arrives() -> None:
+    """Seventh probe of issue 45: ``--max-header-size`` bounded only a head still incomplete
+    (h11's buffer), so 20 KB of headers in one read were taken and answered 200, and in
+    pieces the connection was closed with uvicorn's plain 400. Both are a 431 in the API's
+    error shape now, and a head under the bound is served."""
+
+    def ask(port: int, header_bytes: int, pieces: int) -> bytes:
+        head = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: {'a' * header_bytes}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            step = -(-len(head) // pieces)
+            try:
+                for start in range(0, len(head), step):
+                    sock.sendall(head[start : start + step])
+                    time.sleep(0.01 if pieces > 1 else 0)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before the rest went out
+            received = b""
+            try:
+                while chunk := sock.recv(65536):
+                    received += chunk
+                    if received.startswith(b"HTTP/1.1 200") and received.endswith(b"}"):
+                        break
+            except ConnectionResetError:
+                pass
+            return received
+
+    with serving("--max-header-size", "16384") as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        assert ask(port, 10_000, 1).startswith(b"HTTP/1.1 200")
+        for pieces in (1, 20):
+            answer = ask(port, 20_000, pieces)
+            assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), answer[:200]
+            error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["code"] == "request_header_fields_too_large" and "16384 bytes" in error["message"]
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_fd_limit_is_raised_to_the_hard_limit() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard < 512:

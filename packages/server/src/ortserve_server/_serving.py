@@ -27,6 +27,7 @@ import json
 import logging
 import socket
 import time
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -79,26 +80,39 @@ class _PieceCountingConnection(h11.Connection):
     """h11's server connection, counting the current request's body pieces (``Data``
     events) and their bytes; once they are too small (:data:`BODY_MIN_PIECE` on average, past
     :data:`BODY_PIECES_FREE`) it stops parsing (:attr:`too_small`) and reports no more
-    events, for the protocol to refuse the request."""
+    events, for the protocol to refuse the request. A request line and headers longer than
+    ``max_head`` are a protocol error with status 431 (:attr:`head_too_large`), whether
+    they came in pieces (h11's own limit) or in one read (which h11 takes whole)."""
 
-    def __init__(self, max_incomplete_event_size: int) -> None:
-        super().__init__(h11.SERVER, max_incomplete_event_size)
+    def __init__(self, max_head: int) -> None:
+        super().__init__(h11.SERVER, max_head)
+        self.max_head = max_head
         self.pieces = 0
         self.piece_bytes = 0
         self.too_small = False
+        self.head_too_large = False
 
     def next_event(self) -> Any:
         if self.too_small:
             return h11.NEED_DATA
-        event = super().next_event()
-        if isinstance(event, h11.Data):
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.head_too_large = exc.error_status_hint == 431  # h11's own: a head still incomplete
+            raise
+        if isinstance(event, h11.Request):
+            head = len(event.method) + len(event.target)
+            head += sum(len(name) + len(value) + 4 for name, value in event.headers)  # ": ", CRLF
+            if head > self.max_head:
+                self.head_too_large = True
+                raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            self.pieces = self.piece_bytes = 0
+        elif isinstance(event, h11.Data):
             self.pieces += 1
             self.piece_bytes += len(event.data)
             if self.pieces > BODY_PIECES_FREE and self.piece_bytes < BODY_MIN_PIECE * self.pieces:
                 self.too_small = True
                 return h11.NEED_DATA
-        elif isinstance(event, h11.Request):
-            self.pieces = self.piece_bytes = 0
         return event
 
 
@@ -285,12 +299,32 @@ class GuardedH11Protocol(H11Protocol):
             408, f"the request body came too slowly (at least {self.limits.body_min_rate} bytes/s)", "request_timeout"
         )
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 could not parse; one whose head is past
+        ``--max-header-size`` gets 431 in the API's error shape."""
+        conn = self.conn
+        if isinstance(conn, _PieceCountingConnection) and conn.head_too_large:
+            self._refuse(
+                431,
+                f"the request line and headers are longer than this server's {conn.max_head} bytes",
+                "request_header_fields_too_large",
+                app_started=False,
+            )
+            return
+        super().send_400_response(msg)
+
+    def _refuse(self, status: int, message: str, code: str, *, app_started: bool = True) -> None:
         """Answer ``status`` with the API's error shape where the app has not begun to
-        answer (its own answer, if it comes, goes nowhere), and close the connection."""
+        answer (its own answer, if it comes, goes nowhere), and close the connection.
+        ``app_started``: the request reached the app (``False``: its head was refused)."""
         cycle = self.cycle
-        if cycle is not None and not cycle.response_started and self.conn.our_state is h11.SEND_RESPONSE:
-            cycle.disconnected = True  # the app's own answer, if it comes, goes nowhere
+        if app_started:
+            answering = cycle is not None and not cycle.response_started and self.conn.our_state is h11.SEND_RESPONSE
+        else:
+            answering = True  # h11 lets a server answer a request it could not parse
+        if answering:
+            if app_started and cycle is not None:
+                cycle.disconnected = True  # the app's own answer, if it comes, goes nowhere
             error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
             body = json.dumps({"error": error}).encode()
             headers = [
@@ -298,7 +332,9 @@ class GuardedH11Protocol(H11Protocol):
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),
             ]
-            for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            reason = HTTPStatus(status).phrase.encode()
+            answer = h11.Response(status_code=status, headers=headers, reason=reason)
+            for event in (answer, h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
         self.transport.close()
 
