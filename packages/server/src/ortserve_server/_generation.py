@@ -37,6 +37,7 @@ from ._state import OrtServe
 __all__ = [
     "SPLICE",
     "Generation",
+    "encode_json",
     "error_detail",
     "include_usage",
     "json_answer",
@@ -45,7 +46,8 @@ __all__ = [
 ]
 
 
-_encode = msgspec.json.Encoder().encode
+encode_json = msgspec.json.Encoder().encode
+"""msgspec's JSON encoder, made once for the generation routes."""
 
 
 T = TypeVar("T")
@@ -63,7 +65,7 @@ them so, but readers that split lines the way ``str.splitlines`` does (httpx's
 def sse_event(payload: Any, name: str | None = None) -> bytes:
     """``payload`` as one server-sent event (``event: name`` first, when named), its JSON
     on one line whoever splits it."""
-    data = _encode(payload)
+    data = encode_json(payload)
     for raw, escaped in _LINE_BREAKS_JSON_KEEPS:
         if raw in data:
             data = data.replace(raw, escaped)
@@ -381,7 +383,7 @@ async def json_answer(make: Callable[[], tuple[Any, Sequence[Sequence[bytes]]]])
 
     def made() -> list[bytes]:
         envelope, arrays = make()
-        around = _encode(envelope).split(b"\x00")  # at each SPLICE
+        around = encode_json(envelope).split(b"\x00")  # at each SPLICE
         if len(around) != len(arrays) + 1:
             raise RuntimeError(f"answer has {len(around) - 1} places to splice, given {len(arrays)} arrays")
         chunks: list[bytes] = []

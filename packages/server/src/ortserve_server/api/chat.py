@@ -22,7 +22,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import SPLICE, Generation, include_usage, json_answer, sse_event, stream_response
+from .._generation import SPLICE, Generation, encode_json, include_usage, json_answer, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
 from .._messages import decode_base64
@@ -32,8 +32,6 @@ from .._record import note
 from .._state import OrtServe
 
 __all__ = ["chat_completions"]
-
-_encode = msgspec.json.Encoder().encode
 
 
 @post(
@@ -101,7 +99,7 @@ async def chat_completions(
         opening = [delta(i, role="assistant", content="") for i in range(n)]
         usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
         return stream_response(run.sse(events, usage_chunk, opening))
-    encode = (lambda _, item: _encode(_chat_logprob(item))) if data.logprobs is True else None
+    encode = (lambda _, item: encode_json(_chat_logprob(item))) if data.logprobs is True else None
     texts, calls, finish, usage = await while_connected(request, ortserve, run.collect(encode_logprobs=encode))
 
     choices = _choices(data, run, texts, calls, finish, call_id)

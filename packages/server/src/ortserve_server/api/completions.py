@@ -19,7 +19,7 @@ from ortserve_runtime import (
 )
 
 from .._connection import while_connected
-from .._generation import SPLICE, Generation, include_usage, json_answer, sse_event, stream_response
+from .._generation import SPLICE, Generation, encode_json, include_usage, json_answer, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model
 from .._openapi import generation_docs
@@ -28,8 +28,6 @@ from .._record import note
 from .._state import OrtServe
 
 __all__ = ["completions"]
-
-_encode = msgspec.json.Encoder().encode
 
 
 @post(
@@ -67,13 +65,13 @@ async def completions(
             if not started[index]:  # the prompt first, in a chunk of its own (as vLLM sends it)
                 started[index] = True
                 scores = run.event_prompt_logprobs
-                logprobs = _completion_logprobs([], scores) if wanted and scores is not None else None
+                logprobs = _raw_logprobs(_prompt_rows(scores)) if wanted and scores is not None else None
                 out.append(chunk([p.CompletionChoice(index=index, text=prompt, logprobs=logprobs)]))
             if run.prompt_only:
                 text, scored, reason = "", None, "length" if reason is not None else None
         if not text and reason is None and scored is None:
             return out
-        logprobs = _completion_logprobs([scored], shift=shift) if scored is not None else None
+        logprobs = _raw_logprobs([_logprob_columns(scored, scored.offset + shift)]) if scored is not None else None
         out.append(chunk([p.CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)]))
         return out
 
@@ -81,7 +79,7 @@ async def completions(
         usage_chunk = (lambda usage: chunk([], usage)) if include_usage(data.stream_options) else None
         return stream_response(run.sse(events, usage_chunk))
 
-    def encode(index: int, item: TokenLogprob) -> tuple[bytes, bytes, bytes, bytes]:
+    def encode(index: int, item: TokenLogprob) -> Row:
         return _logprob_columns(item, item.offset + (len(echoed[index // n]) if echoed is not None else 0))
 
     collecting = run.collect(encode_logprobs=encode if wanted else None)
@@ -101,8 +99,7 @@ async def completions(
         """Each choice's four lists, its prompt's tokens first (echo)."""
         arrays: list[Sequence[bytes]] = []
         for i in range(len(choices)):
-            rows = [*_prompt_rows(run.prompt_logprobs[i]), *run.encoded_logprobs[i]]
-            arrays += list(zip(*rows, strict=True)) if rows else [(), (), (), ()]
+            arrays += _transposed([*_prompt_rows(run.prompt_logprobs[i]), *run.encoded_logprobs[i]])
         return answer, arrays
 
     return await json_answer(columns)
@@ -117,9 +114,13 @@ _SPLICED = p.CompletionLogprobs(
 )
 
 
-def _logprob_columns(item: TokenLogprob, offset: int) -> tuple[bytes, bytes, bytes, bytes]:
-    """One token's entries in the legacy shape's four lists, as JSON."""
-    return _encode(item.text), _encode(item.logprob), _encode(_best(item)), b"%d" % offset
+Row = tuple[bytes, bytes, bytes, bytes]
+"""One token's entries in the legacy shape's four lists, as JSON."""
+
+
+def _logprob_columns(item: TokenLogprob, offset: int) -> Row:
+    """``item``'s row; ``offset``: characters of text (echoed prompt included) before it."""
+    return encode_json(item.text), encode_json(item.logprob), encode_json(_best(item)), b"%d" % offset
 
 
 def _best(item: TokenLogprob) -> dict[str, float]:
@@ -130,43 +131,32 @@ def _best(item: TokenLogprob) -> dict[str, float]:
     return best
 
 
-def _prompt_rows(prompt: PromptLogprobs | None) -> list[tuple[bytes, bytes, bytes, bytes]]:
+def _prompt_rows(prompt: PromptLogprobs | None) -> list[Row]:
+    """An echoed prompt's rows (none without its scores): its first token unscored (``null``,
+    as OpenAI and vLLM)."""
     if prompt is None:
         return []
-    first = (_encode(prompt.first_text), b"null", b"null", b"0")  # nothing before it to score it
+    first = (encode_json(prompt.first_text), b"null", b"null", b"0")  # nothing before it to score it
     return [first, *(_logprob_columns(item, item.offset) for item in prompt.scored)]
+
+
+def _transposed(rows: list[Row]) -> list[Sequence[bytes]]:
+    """The four lists of ``rows``."""
+    return list(zip(*rows, strict=True)) if rows else [(), (), (), ()]
+
+
+def _raw_logprobs(rows: list[Row]) -> p.CompletionLogprobs:
+    """The legacy shape of a streamed chunk, from its rows."""
+    tokens, logprobs, top, offsets = (msgspec.Raw(b"[" + b",".join(column) + b"]") for column in _transposed(rows))
+    return p.CompletionLogprobs(
+        tokens=cast("list[str]", tokens),
+        token_logprobs=cast("list[float | None]", logprobs),
+        top_logprobs=cast("list[dict[str, float] | None]", top),
+        text_offset=cast("list[int]", offsets),
+    )
 
 
 def _prompt_texts(model: ChatModel, data: p.CompletionRequest) -> list[str]:
     """The text each prompt echoes: as sent, or its token ids decoded (as output is: special
     tokens skipped). Called once the streams started, so the ids are known to be valid."""
     return [prompt if isinstance(prompt, str) else model.decode(prompt) for prompt in completion_prompts(data.prompt)]
-
-
-def _completion_logprobs(
-    items: list[TokenLogprob], prompt: PromptLogprobs | None = None, *, shift: int = 0
-) -> p.CompletionLogprobs:
-    """The legacy shape, for a streamed chunk. With ``prompt`` (echo), the prompt's tokens
-    come first, the first of them unscored (``null``, as OpenAI and vLLM);
-    ``shift``: characters of echoed prompt before the output's text."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-
-    def add(item: TokenLogprob, offset: int) -> None:
-        tokens.append(item.text)
-        token_logprobs.append(item.logprob)
-        top.append(_best(item))
-        offsets.append(offset)
-
-    if prompt is not None:
-        tokens.append(prompt.first_text)
-        token_logprobs.append(None)
-        top.append(None)
-        offsets.append(0)
-        for item in prompt.scored:
-            add(item, item.offset)
-    for item in items:
-        add(item, item.offset + shift)
-    return p.CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)

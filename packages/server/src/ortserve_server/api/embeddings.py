@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 from typing import Any, cast
 
-import msgspec
 from litestar import Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
@@ -15,7 +14,7 @@ from .._connection import while_connected
 from .._errors import (
     BadRequestError,
 )
-from .._generation import SPLICE, json_answer
+from .._generation import SPLICE, encode_json, json_answer
 from .._leases import require_embedding_model
 from .._openapi import POST_ERRORS, error_responses
 from .._plan import check_room
@@ -23,8 +22,6 @@ from .._record import note
 from .._state import OrtServe
 
 __all__ = ["embeddings"]
-
-_encode = msgspec.json.Encoder().encode
 
 
 @post("/embeddings", status_code=200, summary="Create embeddings", responses=error_responses(*POST_ERRORS))
@@ -52,7 +49,7 @@ async def embeddings(
 
     def answer() -> tuple[p.CreateEmbeddingResponse, list[list[bytes]]]:
         items = [
-            _encode(
+            encode_json(
                 p.Embedding(
                     index=i,
                     embedding=base64.b64encode(vector.astype("<f4").tobytes()).decode()
