@@ -171,6 +171,8 @@ def test_a_chat_with_audio_is_answered_with_its_transcription(client: openai.Ope
         ({"n": 2}, [_audio_part(0.2)], "n"),
         ({"max_tokens": -1}, [_audio_part(0.2)], "max_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, [_audio_part(0.2)], "tools"),
+        ({"reasoning_effort": "high"}, [_audio_part(0.2)], "reasoning_effort"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, [_audio_part(0.2)], "chat_template_kwargs"),
         ({}, [{"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}], "input_audio.data"),
         ({}, [{"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}], "input_audio.data"),
     ],

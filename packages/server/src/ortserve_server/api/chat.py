@@ -146,8 +146,8 @@ async def _transcribe_chat(
     ``input_audio`` part the messages carry (text parts are not instructions to it)."""
     model = await require_speech_model(ortserve, data.model, data.keep_alive)
     check_chat_request(data, ortserve.config)
-    for name in ("tools", "response_format", "stop"):
-        if getattr(data, name) not in (None, msgspec.UNSET, []):
+    for name in ("tools", "response_format", "stop", "reasoning_effort", "chat_template_kwargs"):
+        if getattr(data, name) not in (None, msgspec.UNSET, [], {}):
             raise BadRequestError(f"'{name}' does not apply to a speech-to-text model", param=name)
     if data.n not in (None, msgspec.UNSET, 1):
         raise BadRequestError("a speech-to-text model gives one choice ('n' must be 1)", param="n")
