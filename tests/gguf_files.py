@@ -9,11 +9,13 @@ gguf-py's dequantized weights: the independent reference the converter is held t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
+import onnxruntime as ort
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
@@ -91,6 +93,11 @@ _SEEDS = {"nemotron": 3}
 GRANITE_SCALES = {"embedding": 6.0, "residual": 0.5, "attention": 0.1, "logit": 2.0}
 GEMMA2_SOFTCAPS = {"attention": 2.0, "final": 4.0}
 """Far below Gemma 2's own (50, 30), where tanh bends random weights' scores and logits."""
+
+
+# Types with minimums are tied only to a head of their own in the tests (a tied one is requantized).
+WITH_MINIMUMS = (Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K)
+PROMPT = [256 + 2, 104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 257, 258, 32, 116, 104, 101]
 
 
 def write_tiny_gguf(
@@ -236,6 +243,22 @@ def _add_norm(writer: gguf.GGUFWriter, arch: str, name: str, vector: Callable[..
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:
     raw_dtype = None if qtype in (Q.F32, Q.F16) else qtype
     writer.add_tensor(name, data, raw_dtype=raw_dtype)
+
+
+def run_folder(folder: Path, ids: list[int], provider: str = "CPUExecutionProvider") -> np.ndarray:
+    """Every position's logits of the converted folder's graph, onnxruntime directly on
+    ``provider`` (an execution provider's name)."""
+    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=[provider])
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": np.array([ids], np.int64),
+        "attention_mask": np.ones((1, len(ids)), np.int64),
+    }
+    shape = (1, decoder["num_key_value_heads"], len(ids), decoder["head_size"])
+    for i in range(decoder["num_hidden_layers"]):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros(shape, np.float32)
+    return session.run(["logits"], feeds)[0][0]
 
 
 def reference_logits(path: Path, ids: list[int]) -> np.ndarray:

@@ -1,5 +1,7 @@
-"""On an NVIDIA GPU: the og engines on CUDA give raw onnxruntime-genai's tokens on CUDA,
-embeddings run on the CUDA execution provider, and the API serves from the GPU.
+"""On an NVIDIA GPU: the og engines on CUDA give raw onnxruntime-genai's tokens on CUDA, a
+folder built for paged attention is batched dynamically by og-engine (requests together give
+what each gives alone, per-request seeds, stop strings; reproducible refused), embeddings run
+on the CUDA execution provider, and the API serves from the GPU.
 
 Marked ``gpu``; they skip unless onnxruntime-genai really loads a folder on CUDA (checked
 by loading, never by asking). Run on a GPU machine with the cuda extra:
@@ -8,6 +10,7 @@ by loading, never by asking). Run on a GPU machine with the cuda extra:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator
@@ -18,10 +21,16 @@ import onnxruntime as ort
 import onnxruntime_genai as og
 import pytest
 from og_reference import og_greedy
-from ortserve_runtime import ChatModel, EmbeddingModel, GenerationOptions, ModelConfig, ModelRegistry
+from ortserve_runtime import ChatModel, EmbeddingModel, GenerationOptions, ModelConfig, ModelLoadError, ModelRegistry
 from serving import TINY_MODEL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.anyio]
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+PAGED_MODEL = FIXTURES / "tiny-qwen2-paged"
+"""TINY_MODEL's checkpoint in fp16 for CUDA with paged attention (build_fixtures.py --only paged)."""
+FP16_MODEL = FIXTURES / "tiny-qwen2-fp16"
+"""The same checkpoint in fp16 without paged attention: og.Generator's reference for it."""
 
 
 @functools.cache
@@ -67,8 +76,6 @@ async def test_greedy_tokens_equal_raw_og_on_cuda(model: ChatModel) -> None:
 
 
 async def test_stops_and_concurrency_on_cuda(model: ChatModel) -> None:
-    import asyncio
-
     options = GenerationOptions(max_tokens=16, temperature=0)
     alone = [await model.generate(p, options=options).collect() for p in ("a", "b c", "hello")]
     together = await asyncio.gather(*(model.generate(p, options=options).collect() for p in ("a", "b c", "hello")))
@@ -80,6 +87,45 @@ async def test_stops_and_concurrency_on_cuda(model: ChatModel) -> None:
             "hello", options=GenerationOptions(max_tokens=16, temperature=0, stop=(stop,))
         ).collect()
         assert cut[0] == full[: full.index(stop)]
+
+
+async def test_a_paged_folder_is_batched_dynamically_on_cuda() -> None:
+    registry = ModelRegistry(ModelConfig(provider="cuda"))
+    registry.add("paged", PAGED_MODEL)
+    try:
+        model: ChatModel = await registry.get("paged")
+        assert (model.engine.name, model.engine.capabilities.batching) == ("og-engine", "dynamic")
+        greedy = GenerationOptions(max_tokens=16, temperature=0)
+        prompts = ("a", "b c", "hello", "the quick brown fox")
+        alone = [await model.generate(p, options=greedy).collect() for p in prompts]
+        together = await asyncio.gather(*(model.generate(p, options=greedy).collect() for p in prompts))
+        assert [t[1] for t in together] == [a[1] for a in alone]
+        ids = model.encode("hello")
+        assert alone[2][1] == og_greedy(ids, 16, FP16_MODEL, provider="cuda")[: len(alone[2][1])]
+
+        def sampled(seed: int) -> GenerationOptions:
+            return GenerationOptions(max_tokens=16, temperature=1.5, seed=seed)
+
+        runs = await asyncio.gather(*(model.generate("hello", options=sampled(s)).collect() for s in (7, 7, 8, 9, 10)))
+        assert runs[0][1] == runs[1][1]  # og applies each request's own seed in a shared batch
+        assert len({tuple(r[1]) for r in runs}) >= 2
+        full = alone[2][0]
+        if len(full) > 6:
+            stop = full[3:6]
+            cut = model.generate("hello", options=GenerationOptions(max_tokens=16, temperature=0, stop=(stop,)))
+            assert (await cut.collect())[0] == full[: full.index(stop)]
+    finally:
+        await registry.close()
+
+
+async def test_reproducible_is_refused_on_dynamic_batches() -> None:
+    registry = ModelRegistry(ModelConfig(provider="cuda", reproducible=True))
+    registry.add("paged", PAGED_MODEL)
+    try:
+        with pytest.raises(ModelLoadError, match="reproducible cannot be kept on og-engine's dynamic batches"):
+            await registry.get("paged")
+    finally:
+        await registry.close()
 
 
 def test_embeddings_on_the_cuda_execution_provider(tmp_path: Path) -> None:

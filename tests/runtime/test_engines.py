@@ -197,7 +197,8 @@ def _folder(tmp_path: Path, genai_extra: dict[str, object], model_type: str = "q
 
 def test_auto_picks_the_engine_from_provider_and_folder(tmp_path: Path) -> None:
     text = _folder(tmp_path, {})
-    paged = GenaiFolder(tmp_path, {"model": {"type": "qwen2", "decoder": {"use_paged_attention": True}}})
+    # As og 0.18's builder writes a folder with use_paged_attention=true (tests/gpu's paged fixture).
+    paged = _folder(tmp_path, {"engine": {"dynamic_batching": {"block_size": 256, "max_batch_size": 100}}})
     vision = GenaiFolder(tmp_path, {"model": {"type": "phi3v", "decoder": {}, "vision": {}}})
     assert pick_engine(text, ModelConfig()) == "ort-cpu"
     assert pick_engine(vision, ModelConfig()) == "og-generator"
@@ -205,6 +206,18 @@ def test_auto_picks_the_engine_from_provider_and_folder(tmp_path: Path) -> None:
     assert pick_engine(paged, ModelConfig(provider="cuda")) == "og-engine"
     assert pick_engine(vision, ModelConfig(provider="cuda")) == "og-generator"
     assert pick_engine(text, ModelConfig(engine="og-engine")) == "og-engine"
+
+
+async def test_a_paged_attention_folder_is_refused_on_the_cpu_by_name() -> None:
+    from ortserve_runtime import ModelLoadError
+
+    paged = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2-paged"  # tests/gpu run it on CUDA
+    for engine in ("auto", "og-engine", "og-generator"):
+        registry = ModelRegistry(ModelConfig(engine=engine))  # type: ignore[arg-type]
+        registry.add("paged", paged)
+        with pytest.raises(ModelLoadError, match="built with paged attention .* serve it with --provider cuda"):
+            await registry.get("paged")
+        await registry.close()
 
 
 async def test_a_multimodal_folder_refuses_the_text_only_engines() -> None:

@@ -13,39 +13,20 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf_files import random_matrix, reference_logits, write_tiny_gguf
+from gguf_files import PROMPT, WITH_MINIMUMS, random_matrix, reference_logits, run_folder, write_tiny_gguf
 from og_reference import og_greedy
 from ortserve_runtime.sources import GgufError, _gguf_process, converted_folder
 from ortserve_runtime.sources._gguf_arch import Hyperparameters
 from ortserve_runtime.sources._gguf_file import GgufFile
 from ortserve_runtime.sources._gguf_weights import dequantize, pack_matrix
 
-WITH_MINIMUMS = (Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K)
-PROMPT = [256 + 2, 104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 257, 258, 32, 116, 104, 101]
-
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("ORTSERVE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
-
-
-def run_folder(folder: Path, ids: list[int]) -> np.ndarray:
-    """Every position's logits of the converted folder's graph, onnxruntime directly."""
-    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
-    feeds: dict[str, np.ndarray] = {
-        "input_ids": np.array([ids], np.int64),
-        "attention_mask": np.ones((1, len(ids)), np.int64),
-    }
-    shape = (1, decoder["num_key_value_heads"], len(ids), decoder["head_size"])
-    for i in range(decoder["num_hidden_layers"]):
-        for kind in ("key", "value"):
-            feeds[f"past_key_values.{i}.{kind}"] = np.zeros(shape, np.float32)
-    return session.run(["logits"], feeds)[0][0]
 
 
 @pytest.mark.parametrize(

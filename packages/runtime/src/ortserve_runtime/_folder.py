@@ -97,15 +97,14 @@ class GenaiFolder:
 
     @property
     def paged_attention(self) -> bool:
-        """Built for ``og.Engine``'s dynamic batching (the builder's ``use_paged_attention``)."""
-        search = self.genai.get("search", {})
-        flags = [self.decoder.get("use_paged_attention"), self.model.get("use_paged_attention")]
-        if isinstance(search, dict):
-            flags.append(search.get("use_paged_attention"))
-        options = self.decoder.get("session_options", {})
-        if isinstance(options, dict):
-            flags.append(options.get("use_paged_attention"))
-        return any(flag is True for flag in flags)
+        """Built for ``og.Engine``'s dynamic batching: the builder's ``use_paged_attention``
+        writes ``engine.dynamic_batching`` into genai_config.json (og 0.18 schedules by it)
+        and a decoder that takes a ``block_table``."""
+        engine = self.genai.get("engine")
+        inputs = self.decoder.get("inputs")
+        return (isinstance(engine, dict) and isinstance(engine.get("dynamic_batching"), dict)) or (
+            isinstance(inputs, dict) and "block_table" in inputs
+        )
 
 
 def check_og_runs(og_model: Any, folder: GenaiFolder, provider: str, *, speculative: bool = False) -> None:

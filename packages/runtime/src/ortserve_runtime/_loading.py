@@ -125,6 +125,13 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             f"are {sorted(MULTIMODAL_TYPES)}, and decoder-only text models",
             path=path,
         )
+    if folder.paged_attention and config.provider == "cpu":
+        # onnxruntime's CPU provider has no PagedAttention kernel: og's own error names a cast.
+        raise ModelLoadError(
+            f"{path} was built with paged attention (og.Engine's dynamic batches on CUDA or WebGPU), which the "
+            "CPU cannot run; serve it with --provider cuda, or use a folder built without use_paged_attention",
+            path=path,
+        )
     if multimodal and choice != "og-generator":
         raise ModelLoadError(
             f"{path} is a multimodal model ({folder.model_type}); it runs on the og-generator engine only, "
