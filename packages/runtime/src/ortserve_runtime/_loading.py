@@ -113,18 +113,9 @@ def _pick_engine(folder: GenaiFolder, config: ModelConfig) -> tuple[EngineName, 
     return "og-generator", f"auto: {why} on {config.provider}"
 
 
-def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
-    """A generative model: the front (:class:`ChatModel`) over the engine :func:`pick_engine` chose."""
-    folder = GenaiFolder.read(path)
+def _check_folder(path: Path, folder: GenaiFolder, config: ModelConfig, choice: EngineName) -> None:
+    """Refuse, by name, a folder that ``choice`` on ``config.provider`` cannot serve."""
     multimodal = folder.model_type in MULTIMODAL_TYPES
-    choice, reason = _pick_engine(folder, config)
-    folder.tokenizer_path  # noqa: B018  # a missing tokenizer is named before an engine loads
-    if (folder.is_multimodal and not multimodal) or folder.is_encoder_decoder:
-        raise ModelLoadError(
-            f"{path} is a multimodal or encoder-decoder model ({folder.model_type}); the multimodal types served "
-            f"are {sorted(MULTIMODAL_TYPES)}, and decoder-only text models",
-            path=path,
-        )
     if folder.paged_attention and config.provider == "cpu":
         # onnxruntime's CPU provider has no PagedAttention kernel: og's own error names a cast.
         raise ModelLoadError(
@@ -138,6 +129,21 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             f"not {choice}",
             path=path,
         )
+
+
+def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
+    """A generative model: the front (:class:`ChatModel`) over the engine :func:`pick_engine` chose."""
+    folder = GenaiFolder.read(path)
+    multimodal = folder.model_type in MULTIMODAL_TYPES
+    choice, reason = _pick_engine(folder, config)
+    folder.tokenizer_path  # noqa: B018  # a missing tokenizer is named before an engine loads
+    if (folder.is_multimodal and not multimodal) or folder.is_encoder_decoder:
+        raise ModelLoadError(
+            f"{path} is a multimodal or encoder-decoder model ({folder.model_type}); the multimodal types served "
+            f"are {sorted(MULTIMODAL_TYPES)}, and decoder-only text models",
+            path=path,
+        )
+    _check_folder(path, folder, config, choice)
     if config.adapters and choice == "og-engine":
         raise ModelLoadError(
             f"{path}: the og-engine engine cannot serve LoRA adapters (onnxruntime-genai's og.Engine takes no "
@@ -167,9 +173,10 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
             from .engines import OgEngine
 
             og_model = load_og_model(path, config)
-            _checked_og(
-                lambda: check_og_runs(og_model, folder, config.provider, speculative=speculative), refusal, path
-            )
+            if not folder.paged_attention:  # og.Generator cannot drive it: OgEngine runs its own check
+                _checked_og(
+                    lambda: check_og_runs(og_model, folder, config.provider, speculative=speculative), refusal, path
+                )
             engine = OgEngine(
                 name,
                 og_model,

@@ -115,9 +115,7 @@ class OgEngine(OwnerThread):
 
     def _run(self) -> None:
         try:
-            engine = og.Engine(self._model)
-            self.batch_size = int(engine.get_capabilities().configured_max_batch_size)
-            buffer = engine.create_event_buffer(_EVENTS)
+            engine, buffer = self._start_engine()
         except Exception as exc:  # noqa: BLE001  # reported to the constructor
             self._load_error = exc
             self._ready.set()
@@ -158,6 +156,37 @@ class OgEngine(OwnerThread):
             turn.og_request.close()
         self._inbox.clear()
         self._turns.clear()
+
+    def _start_engine(self) -> tuple[Any, Any]:
+        """og.Engine over the model and its event buffer; a paged folder checked by a probe."""
+        engine = og.Engine(self._model)
+        self.batch_size = int(engine.get_capabilities().configured_max_batch_size)
+        buffer = engine.create_event_buffer(_EVENTS)
+        if self.capabilities.batching == "dynamic":
+            self._probe(engine, buffer)
+        return engine, buffer
+
+    def _probe(self, engine: Any, buffer: Any) -> None:
+        """Run a 3-token prompt for 2 tokens through og.Engine, or raise og's error: the load
+        check of a paged-attention folder, which og.Generator cannot drive (its input_ids are
+        one packed axis), so check_og_runs does not apply."""
+        request_options = og.RequestOptions()
+        request_options.set_max_session_tokens(max(5, self._shortest))
+        og_request = engine.create_request(options=request_options)
+        turn = og.TurnOptions(og_request)
+        turn.set_max_generated_tokens(2)
+        turn.set_do_sample(False)
+        try:
+            og_request.begin_turn(np.asarray([0, 1, 2], dtype=np.int32), turn)
+            for _ in range(64):  # a few steps are enough; never spin on an engine that keeps it pending
+                if not engine.has_pending_requests():
+                    return
+                for event in engine.run(buffer):
+                    if int(event.flags) & int(og.EngineEventFlags.FAILED):
+                        raise RuntimeError(f"og.Engine reported {event.error_code} on a 3-token prompt")
+            raise RuntimeError("og.Engine did not finish a 3-token prompt in 64 steps")
+        finally:
+            og_request.close()
 
     def _gather(self) -> None:
         """With the lock held and og idle: wait while requests keep arriving (static batches)."""
