@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -126,6 +129,21 @@ async def test_reproducible_is_refused_on_dynamic_batches() -> None:
             await registry.get("paged")
     finally:
         await registry.close()
+
+
+def test_the_cuda_libraries_load_without_a_library_path() -> None:
+    # The cuda extra installs CUDA 13, cuBLAS and cuDNN as wheels in site-packages, where
+    # neither onnxruntime nor og looks: ortserve loads them (onnxruntime.preload_dlls).
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from serving import TINY_MODEL; "
+        "from ortserve_runtime import ModelConfig; from ortserve_runtime._folder import load_og_model; "
+        "load_og_model(TINY_MODEL, ModelConfig(provider='cuda')); print('loaded')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
 
 
 def test_embeddings_on_the_cuda_execution_provider(tmp_path: Path) -> None:

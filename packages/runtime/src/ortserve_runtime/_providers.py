@@ -7,11 +7,17 @@ QNN and OpenVINO checks) answer True in the CPU wheel, whose loads then fail.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from ._errors import ModelLoadError
+
+log = logging.getLogger("ortserve.providers")
 
 __all__ = [
     "PROVIDERS",
@@ -49,8 +55,8 @@ _ORT_NAMES: dict[Provider, str] = {
 
 _INSTALL: dict[Provider, str] = {
     "cpu": 'the cpu extra (pip install "ortserve-runtime[cpu]")',
-    "cuda": 'the cuda extra (pip install "ortserve-runtime[cuda]": onnxruntime-genai-cuda and onnxruntime-gpu) '
-    "and an NVIDIA driver with CUDA 12",
+    "cuda": 'the cuda extra (pip install "ortserve-runtime[cuda]": onnxruntime-genai-cuda, onnxruntime-gpu and '
+    "the CUDA 13 and cuDNN 9 libraries) and an NVIDIA driver for CUDA 13",
     "dml": 'the directml extra on Windows (pip install "ortserve-runtime[directml]")',
     "qnn": "onnxruntime-qnn and an onnxruntime-genai build with QNN (Windows on Snapdragon)",
     "openvino": 'the openvino extra (pip install "ortserve-runtime[openvino]": onnxruntime-openvino, which '
@@ -72,11 +78,35 @@ def check_provider(provider: str) -> Provider:
     return provider
 
 
+@functools.cache
+def _load_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries the ``nvidia-*`` wheels of the cuda extra put in
+    site-packages (onnxruntime's ``preload_dlls``), once per process: neither onnxruntime's
+    CUDA provider nor onnxruntime-genai's looks there, so without it they load only from
+    the library path (measured: ``libcublasLt.so.13: cannot open shared object file``).
+    Libraries found on the library path instead (a CUDA install) load as before."""
+    import onnxruntime as ort
+
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # it prints what it could not load
+        try:
+            preload(cuda=True, cudnn=True)
+        except Exception as exc:  # noqa: BLE001  # the load that follows names what is missing
+            log.debug("onnxruntime.preload_dlls failed: %s", exc)
+    for line in said.getvalue().splitlines():
+        log.debug("onnxruntime.preload_dlls: %s", line)
+
+
 def apply_og_provider(config: Any, provider: Provider, options: Mapping[str, str]) -> None:
     """Point an ``og.Config`` at ``provider`` (replacing the folder's own choice)."""
     config.clear_providers()
     if provider == "cpu":
         return  # ModelConfig refuses provider options for the CPU
+    if provider == "cuda":
+        _load_cuda_libraries()
     name = _OG_NAMES[provider]
     config.append_provider(name)
     for key, value in options.items():
@@ -106,6 +136,8 @@ def ort_providers(
 
     if provider == "cpu":
         return ["CPUExecutionProvider"]
+    if provider == "cuda":
+        _load_cuda_libraries()
     name = _ORT_NAMES[provider]
     if name not in ort.get_available_providers():
         raise ModelLoadError(
