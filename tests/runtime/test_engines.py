@@ -215,9 +215,16 @@ async def test_a_paged_attention_folder_is_refused_on_the_cpu_by_name() -> None:
     for engine in ("auto", "og-engine", "og-generator"):
         registry = ModelRegistry(ModelConfig(engine=engine))  # type: ignore[arg-type]
         registry.add("paged", paged)
-        with pytest.raises(ModelLoadError, match="built with paged attention .* serve it with --provider cuda"):
+        with pytest.raises(ModelLoadError, match=r"built with paged attention .* serve it with --provider cuda"):
             await registry.get("paged")
         await registry.close()
+    # On an accelerator, only og.Engine feeds its packed inputs (og.Generator: "Invalid rank
+    # for input: input_ids", measured on an H100); refused before anything loads.
+    registry = ModelRegistry(ModelConfig(provider="cuda", engine="og-generator"))
+    registry.add("paged", paged)
+    with pytest.raises(ModelLoadError, match="only the og-engine engine runs"):
+        await registry.get("paged")
+    await registry.close()
 
 
 async def test_a_multimodal_folder_refuses_the_text_only_engines() -> None:

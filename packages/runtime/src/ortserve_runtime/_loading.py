@@ -123,6 +123,13 @@ def _check_folder(path: Path, folder: GenaiFolder, config: ModelConfig, choice: 
             "CPU cannot run; serve it with --provider cuda, or use a folder built without use_paged_attention",
             path=path,
         )
+    if folder.paged_attention and choice != "og-engine":
+        # Its decoder takes one packed token axis and block tables, which only og.Engine feeds.
+        raise ModelLoadError(
+            f"{path} was built with paged attention, which only the og-engine engine runs (not {choice}); "
+            "use --engine og-engine or auto",
+            path=path,
+        )
     if multimodal and choice != "og-generator":
         raise ModelLoadError(
             f"{path} is a multimodal model ({folder.model_type}); it runs on the og-generator engine only, "
