@@ -8,9 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from ortserve_runtime import ModelConfig
-from ortserve_server import ServerConfig, create_app
-from serving import TINY_MODEL, running
+from serving import TINY_MODEL, serving_templates
 
 TEMPLATES = {
     # 10^10 steps, each within the sandbox's 100,000 a range: rendered for ever before.
@@ -29,13 +27,7 @@ SAID = {
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder = tmp_path_factory.mktemp("templates")
-    configs = {}
-    for name, source in TEMPLATES.items():
-        (folder / f"{name}.jinja").write_text(source)
-        configs[name] = ModelConfig(chat_template=folder / f"{name}.jinja")
-    models = {**dict.fromkeys(TEMPLATES, TINY_MODEL), "plain": TINY_MODEL}
-    with running(create_app(ServerConfig(models=models, model_configs=configs))) as base:
+    with serving_templates(tmp_path_factory.mktemp("templates"), TEMPLATES, plain=TINY_MODEL) as base:
         yield base
 
 

@@ -47,7 +47,7 @@ def _bounded_range() -> Callable[..., range]:
         steps = jinja2.sandbox.safe_range(*args)
         left -= len(steps)
         if left < 0:
-            raise jinja2.sandbox.SecurityError(f"its ranges make more than {_RANGE_STEPS} steps in all")
+            raise jinja2.exceptions.SecurityError(f"its ranges make more than {_RANGE_STEPS} steps in all")
         return steps
 
     return bounded
