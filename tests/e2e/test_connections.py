@@ -166,7 +166,7 @@ def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout() -> None:
     body = {"model": "tiny", "prompt": "y" * 5000}
     lines = ({"custom_id": f"{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(4000))
     content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    with serving("--send-timeout", "1") as (process, url), httpx.Client(base_url=url, timeout=60) as client:
+    with serving("--send-timeout", "0.5") as (process, url), httpx.Client(base_url=url, timeout=60) as client:
         uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("big.jsonl", content)})
         assert uploaded.status_code == 200, uploaded.text
         port = int(url.rsplit(":", 1)[1])
@@ -175,7 +175,7 @@ def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout() -> None:
         stalled.connect(("127.0.0.1", port))
         path = f"/v1/files/{uploaded.json()['id']}/content"
         stalled.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-        time.sleep(4)  # the answer fills the buffers at once, then waits past the send timeout
+        time.sleep(3)  # the answer fills the buffers at once, then waits past the send timeout
         received = 0
         stalled.settimeout(10)
         with contextlib.suppress(ConnectionResetError):
@@ -183,6 +183,18 @@ def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout() -> None:
                 received += len(chunk)
         stalled.close()
         assert 0 < received < len(content) // 2, received
+        # A slow reader is no stalled one: at ~1 MB/s the kernel's send buffer (megabytes)
+        # wakes the writer only every second or so, but its queue keeps shrinking.
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        slow.settimeout(10)
+        received = 0
+        while received < 6_000_000:
+            chunk = slow.recv(65536)
+            assert chunk, f"cut after {received} bytes"
+            received += len(chunk)
+            time.sleep(0.05)
+        slow.close()
         again = client.get(path)  # the server and the file are as they were
         assert again.status_code == 200 and len(again.content) == len(content)
         assert process.poll() is None

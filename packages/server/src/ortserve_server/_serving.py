@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import socket
+import struct
 import time
 from http import HTTPStatus
 from typing import Any
@@ -36,6 +37,12 @@ from typing import Any
 import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    import fcntl
+    import termios
+except ImportError:  # Windows: no ioctl, so a paused send times out without asking the socket
+    fcntl = termios = None  # type: ignore[assignment]
 
 __all__ = [
     "AcceptErrorLog",
@@ -69,7 +76,8 @@ class ConnectionLimits:
     """Open connections at most; past it, the one waiting longest for its request goes."""
     send_timeout: float = 60.0
     """Seconds an answer may wait for the client to take any of it (the connection's send
-    buffer full all that time); past it the connection closes and the answer is dropped."""
+    buffer full, and on Linux its socket's queue not shrinking, all that time); past it the
+    connection closes and the answer is dropped."""
 
 
 BODY_MIN_PIECE = 32
@@ -198,6 +206,8 @@ class GuardedH11Protocol(H11Protocol):
         self._body_bytes = 0
         """Body bytes received in the current ``body_timeout`` window."""
         self._send_deadline: asyncio.TimerHandle | None = None
+        self._send_queue: int | None = None
+        """The socket's unsent bytes when the send deadline was armed (``None``: unknown)."""
         self.waiting_since: float | None = None
         """When this connection began waiting for its current request (head or body);
         ``None`` while a request is being answered. The connection cap closes the oldest."""
@@ -228,6 +238,7 @@ class GuardedH11Protocol(H11Protocol):
         """The transport's buffer is full: the client has not taken what was sent."""
         super().pause_writing()
         if self._send_deadline is None:
+            self._send_queue = _unsent_bytes(self.transport)
             self._send_deadline = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
 
     def resume_writing(self) -> None:
@@ -240,11 +251,19 @@ class GuardedH11Protocol(H11Protocol):
             self._send_deadline = None
 
     def _send_timed_out(self) -> None:
-        """Nothing of the answer taken for ``send_timeout`` seconds: close the connection.
-        uvicorn then marks the request disconnected, so the rest of its answer goes
-        nowhere and is freed (a stream's generation ends as when a client leaves)."""
+        """``send_timeout`` seconds with the transport paused: close the connection unless
+        the client took some of the answer meanwhile (the socket's queue of unsent bytes
+        shrank: a slow reader, whose kernel buffer of megabytes wakes the writer only once
+        it is a third empty, is not a stalled one). uvicorn then marks the request
+        disconnected, so the rest of its answer goes nowhere and is freed (a stream's
+        generation ends as when a client leaves)."""
         self._send_deadline = None
         if self.transport.is_closing():
+            return
+        queue = _unsent_bytes(self.transport)
+        if queue is not None and self._send_queue is not None and queue < self._send_queue:
+            self._send_queue = queue
+            self._send_deadline = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
             return
         _SEND_TIMEOUT_LOG.report(
             f"closing a connection: its client took nothing of its answer for {self.limits.send_timeout:g} s "
@@ -377,6 +396,20 @@ class GuardedH11Protocol(H11Protocol):
             for event in (answer, h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+def _unsent_bytes(transport: asyncio.BaseTransport) -> int | None:
+    """Bytes the kernel still holds for the peer on ``transport``'s socket (Linux's
+    SIOCOUTQ), or ``None`` where that cannot be asked."""
+    sock = transport.get_extra_info("socket")
+    request = getattr(termios, "TIOCOUTQ", None) if termios is not None else None
+    if sock is None or request is None:
+        return None
+    try:
+        (unsent,) = struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0"))
+    except OSError:
+        return None
+    return int(unsent)
 
 
 class _OncePerInterval:
