@@ -101,7 +101,13 @@ PROMPT = [256 + 2, 104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10,
 
 
 def write_tiny_gguf(
-    path: Path, *, arch: str = "llama", qtype: Q = Q.Q4_0, seed: int | None = None, tied: bool = True
+    path: Path,
+    *,
+    arch: str = "llama",
+    qtype: Q = Q.Q4_0,
+    seed: int | None = None,
+    tied: bool = True,
+    sentencepiece_pieces: list[str] | None = None,
 ) -> Path:
     """A tiny decoder of ``arch`` (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, granite,
     olmo, olmo2, nemotron) whose matrices are ``qtype``, each with what its architecture adds:
@@ -109,9 +115,12 @@ def write_tiny_gguf(
     norms and local/global rope, Phi-3's fused matrices, Granite's multipliers, OLMo 1's
     weightless LayerNorms and query/key/value clamp, OLMo 2's post-norms, Nemotron's
     LayerNorms with biases, squared-ReLU feed-forward, partial rotary embeddings and biases
-    on every projection."""
+    on every projection. ``sentencepiece_pieces``: a SentencePiece vocabulary instead
+    (``tokenizer.ggml.model`` "llama", scores 0) of the byte-level one plus these pieces."""
     rng = np.random.default_rng(_SEEDS.get(arch, 0) if seed is None else seed)
     tokens, types = _vocabulary()
+    if sentencepiece_pieces is not None:
+        tokens, types = tokens + sentencepiece_pieces, types + [1] * len(sentencepiece_pieces)
     if arch == "phi3":  # llama.cpp's Phi-3 vocabulary loader looks these up by text (unordered_map::at)
         tokens, types = [*tokens, "<unk>", "<s>", "</s>"], [*types, 2, 3, 3]
     vocab = len(tokens)
@@ -130,11 +139,15 @@ def write_tiny_gguf(
         writer.add_layer_norm_eps(1e-5)
     else:
         writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    if sentencepiece_pieces is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_merges(MERGES)
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([0.0] * len(tokens))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(MERGES)
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)

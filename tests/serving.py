@@ -60,6 +60,23 @@ def running(app: Any, *, http: Any = "auto") -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def serving_templates(folder: Path, templates: dict[str, str], **models: Path) -> Iterator[str]:
+    """The tiny model served once per chat template of ``templates`` (under its name; each
+    written to ``folder`` and given as the model's ``chat_template`` file), with ``models``
+    as they are; yields the URL as :func:`running`."""
+    from ortserve_runtime import ModelConfig
+    from ortserve_server import ServerConfig, create_app
+
+    configs = {}
+    for name, source in templates.items():
+        (folder / f"{name}.jinja").write_text(source)
+        configs[name] = ModelConfig(chat_template=folder / f"{name}.jinja")
+    config = ServerConfig(models={**dict.fromkeys(templates, TINY_MODEL), **models}, model_configs=configs)
+    with running(create_app(config)) as url:
+        yield url
+
+
+@contextlib.contextmanager
 def rss_growth() -> Iterator[list[int]]:
     """The peak growth of this process's resident memory, in bytes, while the block runs:
     ``with rss_growth() as grown: ...`` then ``grown[0]``. Sampled every 5 ms from

@@ -185,6 +185,16 @@ def test_batch_metadata_has_openais_bounds(shared: openai.OpenAI) -> None:
     assert shared.batches.retrieve(made.id).metadata == most
 
 
+@pytest.mark.parametrize("limit", [-1, 0, 101])
+def test_a_list_limit_out_of_range_is_refused(shared: openai.OpenAI, limit: int) -> None:
+    """Issue 45: the batch list clamped its limit (-1 and 0 listed one batch, 10**23 a
+    hundred) where the file list refuses one outside its range."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        shared.batches.list(limit=limit)
+    assert caught.value.body["param"] == "limit", caught.value.body  # type: ignore[index]
+    assert "between 1 and 100" in caught.value.body["message"]  # type: ignore[index]
+
+
 def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
     with (
         serving("--state-dir", str(tmp_path), "--api-key", "alice", "--api-key", "bob") as (_, url),

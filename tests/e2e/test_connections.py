@@ -4,6 +4,7 @@ requests, idle and slowloris connections, file descriptor exhaustion."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -153,6 +154,49 @@ def test_idle_and_slowloris_connections_are_closed() -> None:
             assert client.get(f"{url}/health").status_code == 200
         idle.close()
         slow.close()
+        assert process.poll() is None
+
+
+def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout() -> None:
+    """Eighth probe of issue 45: an answer is held until it is sent, and a client that
+    never read it kept it (and its connection) for as long as it stayed connected: twenty
+    clients asking for 16.6 MB embeddings answers held 428 MiB. Here a 20 MB file's
+    content, asked for on a connection that reads nothing: past --send-timeout the server
+    closes it, and what the client can still read is what the buffers held, not the file."""
+    body = {"model": "tiny", "prompt": "y" * 5000}
+    lines = ({"custom_id": f"{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(4000))
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    with serving("--send-timeout", "0.5") as (process, url), httpx.Client(base_url=url, timeout=60) as client:
+        uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("big.jsonl", content)})
+        assert uploaded.status_code == 200, uploaded.text
+        port = int(url.rsplit(":", 1)[1])
+        stalled = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", port))
+        path = f"/v1/files/{uploaded.json()['id']}/content"
+        stalled.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        time.sleep(3)  # the answer fills the buffers at once, then waits past the send timeout
+        received = 0
+        stalled.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := stalled.recv(1 << 20):
+                received += len(chunk)
+        stalled.close()
+        assert 0 < received < len(content) // 2, received
+        # A slow reader is no stalled one: at ~1 MB/s the kernel's send buffer (megabytes)
+        # wakes the writer only every second or so, but its queue keeps shrinking.
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        slow.settimeout(10)
+        received = 0
+        while received < 6_000_000:
+            chunk = slow.recv(65536)
+            assert chunk, f"cut after {received} bytes"
+            received += len(chunk)
+            time.sleep(0.05)
+        slow.close()
+        again = client.get(path)  # the server and the file are as they were
+        assert again.status_code == 200 and len(again.content) == len(content)
         assert process.poll() is None
 
 

@@ -5,11 +5,14 @@ and og-generator engines, with greedy output equal to onnxruntime-genai's own.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anthropic
 import httpx
+import numpy as np
+import onnxruntime as ort
 import openai
 import pytest
 from og_reference import og_greedy, ordinary_ids
@@ -211,3 +214,48 @@ def test_adapters_load_and_unload_over_http_as_in_vllm(tmp_path: Path) -> None:
     with running(create_app(ServerConfig(models={"lora": LORA_MODEL}))) as base:
         off = httpx.post(f"{base}/v1/load_lora_adapter", json=body)
         assert off.status_code == 403 and "--allow-runtime-adapters" in off.json()["error"]["message"]
+
+
+def _adapter_like(path: Path, change: Callable[[dict[str, np.ndarray]], None]) -> Path:
+    """The alpha adapter with ``change`` made to its tensors, written to ``path``."""
+    tensors = {
+        name: value.numpy()
+        for name, value in ort.AdapterFormat.read_adapter(str(LORA_ADAPTERS["alpha"])).get_parameters().items()
+    }
+    change(tensors)
+    adapter = ort.AdapterFormat()
+    adapter.set_adapter_version(1)
+    adapter.set_model_version(1)
+    adapter.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in tensors.items()})
+    adapter.export_adapter(str(path))
+    return path
+
+
+def test_an_adapter_the_decoder_cannot_take_is_refused_when_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Eighth probe of issue 45: an adapter whose tensors had the decoder's input names but
+    another shape, element type, LoRA rank, or NaN values loaded (200) and then every
+    request that picked it was a bare 500 "the model failed to process the request"."""
+    first = "model.layers.0.attn.k_proj.lora_A.MatMul.weight"
+    changes: dict[str, Callable[[dict[str, np.ndarray]], None]] = {
+        "shape": lambda t: t.update({first: np.zeros((3, 5), np.float32)}),
+        "dtype": lambda t: t.update({first: t[first].astype(np.float16)}),
+        "rank": lambda t: t.update({first: np.zeros((t[first].shape[0], 6), np.float32)}),
+        "nan": lambda t: t.update({first: np.full_like(t[first], np.nan)}),
+    }
+    said = {"shape": "of shape [3, 5]", "dtype": "is float16", "rank": "has lora_rank = 6", "nan": "not finite"}
+    config = ServerConfig(models={"lora": LORA_MODEL}, runtime_adapters=True, admin_key="admin")
+    with running(create_app(config)) as base:
+        for name, change in changes.items():
+            path = _adapter_like(tmp_path / f"{name}.onnx_adapter", change)
+            body = {"lora_name": f"lora:{name}", "lora_path": str(path)}
+            with caplog.at_level(logging.WARNING, logger="ortserve.server"):
+                response = httpx.post(
+                    f"{base}/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer admin"}, timeout=60
+                )
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["error"]["param"] == "lora_path"
+            assert said[name] in caplog.text, (name, caplog.text)
+            chat = {"model": f"lora:{name}", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert httpx.post(f"{base}/v1/chat/completions", json=chat).status_code == 404

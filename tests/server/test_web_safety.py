@@ -4,6 +4,7 @@ Origin, "simple" content types), undecodable bodies, and what needs the API key.
 
 from __future__ import annotations
 
+import gzip
 import logging
 from collections.abc import Iterator
 
@@ -81,6 +82,20 @@ def test_only_json_bodies_on_json_routes(url: str) -> None:
         f"{url}/v1/completions", content=body, headers={"Content-Type": "application/json; charset=utf-8"}
     )
     assert charset.status_code == 200
+
+
+def test_a_compressed_body_is_refused_by_its_coding(url: str) -> None:
+    """Issue 45: no route undoes a Content-Encoding; a gzipped body was a 400 "JSON is
+    malformed" and a plain one labelled gzip (or br) was served as if unlabelled."""
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1}'
+    json_type = {"Content-Type": "application/json"}
+    for coding, content in (("gzip", gzip.compress(body)), ("gzip", body), ("br", body)):
+        refused = httpx.post(
+            f"{url}/v1/completions", content=content, headers={**json_type, "Content-Encoding": coding}
+        )
+        _refused(refused, 415, f"Content-Encoding {coding!r}")
+    identity = httpx.post(f"{url}/v1/completions", content=body, headers={**json_type, "Content-Encoding": "identity"})
+    assert identity.status_code == 200
 
 
 def test_cors_when_configured() -> None:

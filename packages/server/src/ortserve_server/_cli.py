@@ -546,6 +546,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="bytes a second a request body must average over each --body-timeout window (default 1024)",
     )
     connections.add_argument(
+        "--send-timeout",
+        type=float,
+        default=60.0,
+        help="seconds an answer may wait for its client to read any of it; then the connection closes (default 60)",
+    )
+    connections.add_argument(
         "--max-body-memory-mb",
         type=float,
         default=256.0,
@@ -805,6 +811,7 @@ def _serve(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         body_min_rate=args.body_min_rate,
+        send_timeout=args.send_timeout,
         max_connections=args.max_connections or default_max_connections(fd_limit),
     )
     server = uvicorn.Server(

@@ -11,7 +11,8 @@ both before any handler runs:
 - ``Origin``, when a browser sends one, must be loopback, the server's own origin, or
   configured; requests without ``Origin`` (SDKs, curl) pass;
 - a body must have the route's own content type (``application/json``, or
-  ``multipart/form-data`` on the one multipart route), which no simple request can forge;
+  ``multipart/form-data`` on the one multipart route), which no simple request can forge,
+  and no content coding (none is undone);
 - a body that cannot be decoded (invalid UTF-8, JSON nested past msgspec's limit) is a 400
   here rather than an unhandled error inside Litestar's decoder, and so is one with more
   keys or items than a request needs (``_json_bounds``), before it is decoded.
@@ -97,6 +98,14 @@ class SiteGuard:
             if media != expected:
                 what = f"Content-Type {given!r}" if given else "a request without Content-Type"
                 raise UnsupportedMediaTypeError(f"{what} is not accepted here: send the body as {expected!r}")
+            # No route undoes a content coding: a gzipped body was read as it came ("JSON is
+            # malformed: invalid character (byte 0)"), and one labelled gzip but sent plain
+            # was served. RFC 9110 (8.4.1) answers a coding the server does not take with 415.
+            coding = connection.headers.get("content-encoding", "").strip().lower()
+            if coding not in ("", "identity"):
+                raise UnsupportedMediaTypeError(
+                    f"Content-Encoding {coding!r} is not accepted here: send the body uncompressed"
+                )
 
     def _checks_host(self, connection: ASGIConnection[Any, Any, Any, Any]) -> bool:
         if self.host_check is not None:

@@ -9,17 +9,24 @@ Hugging Face templates expect (``raise_exception``, ``tojson``, ``strftime_now``
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .._errors import InvalidRequestError, ModelLoadError
 
 __all__ = ["ChatTemplate", "Message"]
+
+_RANGE_STEPS = 1_000_000
+"""The steps every ``range()`` of one rendering may make together. The sandbox bounds each
+range to 100,000 but not a range inside a loop: two nested ones made a template that
+rendered for ever (a request thread spinning, the request never answered). Templates loop
+over the messages and tools; their ranges count a few of those."""
 
 Message = Mapping[str, Any]
 """One chat message as plain data: ``{"role": ..., "content": ...}`` plus optional
@@ -28,6 +35,22 @@ Message = Mapping[str, Any]
 
 def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"the chat template rejected the messages: {message}", param="messages")
+
+
+def _bounded_range() -> Callable[..., range]:
+    """``range`` for one rendering: the sandbox's (100,000 steps each), with
+    :data:`_RANGE_STEPS` in all."""
+    left = _RANGE_STEPS
+
+    def bounded(*args: int) -> range:
+        nonlocal left
+        steps = jinja2.sandbox.safe_range(*args)
+        left -= len(steps)
+        if left < 0:
+            raise jinja2.exceptions.SecurityError(f"its ranges make more than {_RANGE_STEPS} steps in all")
+        return steps
+
+    return bounded
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
@@ -105,12 +128,23 @@ class ChatTemplate:
                 messages=[dict(m) for m in messages],
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
+                range=_bounded_range(),
                 **self._special_tokens,
             )
             return self._template.render(variables)
         except InvalidRequestError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        # What a template's own expressions raise: a range past the sandbox's bound is an
+        # OverflowError, a macro that calls itself a RecursionError (both were a bare 500).
+        except (
+            jinja2.TemplateError,
+            TypeError,
+            ValueError,
+            LookupError,
+            AttributeError,
+            ArithmeticError,
+            RecursionError,
+        ) as exc:
             raise InvalidRequestError(
                 f"the chat template could not render the messages: {exc}", param="messages"
             ) from exc

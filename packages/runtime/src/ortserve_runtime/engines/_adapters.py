@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
@@ -30,7 +31,7 @@ def check_adapters(folder: GenaiFolder, adapters: Mapping[str, Path]) -> dict[st
         graph = onnx.load(str(decoder_path), load_external_data=False).graph
     except Exception as exc:  # onnx raises its own untyped errors for missing or corrupt files
         raise ModelLoadError(f"{decoder_path} could not be read: {exc}", path=decoder_path) from exc
-    inputs = {i.name for i in graph.input}
+    inputs = {i.name: i.type.tensor_type for i in graph.input}
     # An adapter is smaller than the model it adapts: a larger file is no adapter, and is
     # refused before onnxruntime reads it whole.
     largest = sum(
@@ -48,10 +49,10 @@ def check_adapters(folder: GenaiFolder, adapters: Mapping[str, Path]) -> dict[st
                 path=path,
             )
         try:
-            tensors = set(ort.AdapterFormat.read_adapter(str(path)).get_parameters())
+            tensors = {k: v.numpy() for k, v in ort.AdapterFormat.read_adapter(str(path)).get_parameters().items()}
         except Exception as exc:  # onnxruntime raises plain RuntimeErrors for bad files
             raise ModelLoadError(f"adapter {name!r}: {path} is not an .onnx_adapter file: {exc}", path=path) from exc
-        unknown = sorted(tensors - inputs)
+        unknown = sorted(set(tensors) - set(inputs))
         if not tensors or unknown:
             raise ModelLoadError(
                 f"adapter {name!r}: {path} was not made for {folder.path}: its decoder has no inputs "
@@ -59,5 +60,34 @@ def check_adapters(folder: GenaiFolder, adapters: Mapping[str, Path]) -> dict[st
                 "(a base model with LoRA inputs is exported with the adapters, e.g. by Olive)",
                 path=path,
             )
+        wrong = _mismatch(tensors, inputs)
+        if wrong is not None:
+            raise ModelLoadError(f"adapter {name!r}: {path} was not made for {folder.path}: {wrong}", path=path)
         checked[name] = path
     return checked
+
+
+def _mismatch(tensors: Mapping[str, np.ndarray], inputs: Mapping[str, onnx.TypeProto.Tensor]) -> str | None:
+    """What in an adapter's tensors the decoder's inputs would refuse (their element type,
+    rank, fixed sizes, a named size such as ``lora_rank`` the same wherever it appears) or
+    turn into NaN logits (values that are not finite); ``None`` when nothing. Before, such
+    an adapter loaded and every request that picked it failed with a bare 500."""
+    named: dict[str, tuple[int, str]] = {}
+    for tensor_name, values in sorted(tensors.items()):
+        wanted = inputs[tensor_name]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(wanted.elem_type)
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in wanted.shape.dim]
+        shown = "[" + ", ".join(str(d) if d is not None else "?" for d in dims) + "]"
+        said = f"its tensor {tensor_name} is {values.dtype} of shape {list(values.shape)}, the decoder takes {dtype} of shape {shown}"
+        if values.dtype != dtype or values.ndim != len(dims):
+            return said
+        for size, dim in zip(values.shape, dims, strict=True):
+            if isinstance(dim, int) and dim > 0 and size != dim:
+                return said
+            if isinstance(dim, str):
+                first = named.setdefault(dim, (size, tensor_name))
+                if first[0] != size:
+                    return f"{said}, where {first[1]} has {dim} = {first[0]}"
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            return f"its tensor {tensor_name} holds values that are not finite (NaN or infinity)"
+    return None

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,6 +32,9 @@ __all__ = ["cache_root", "converted_folder", "file_digest"]
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 22
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+"""What the index may give for a file: a digest names the converted folder, so any other
+text there ('../../x') would name a folder outside the cache."""
 
 
 def cache_root() -> Path:
@@ -45,10 +49,9 @@ def file_digest(path: Path, progress: Callable[[float], None] = lambda fraction:
     stats = [part.stat() for part in parts]
     key = "|".join(f"{part.resolve()}:{s.st_size}:{s.st_mtime_ns}" for part, s in zip(parts, stats, strict=True))
     index_path = cache_root() / "digests.json"
-    with contextlib.suppress(OSError, ValueError):
-        known = json.loads(index_path.read_text(encoding="utf-8")).get(key)
-        if isinstance(known, str):
-            return known
+    known = _digest_index(index_path).get(key)
+    if isinstance(known, str) and _DIGEST.fullmatch(known):
+        return known
     digest = hashlib.sha256()
     total = sum(s.st_size for s in stats) or 1
     done = 0
@@ -61,13 +64,20 @@ def file_digest(path: Path, progress: Callable[[float], None] = lambda fraction:
     value = digest.hexdigest()
     with contextlib.suppress(OSError, ValueError):
         index_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            index = {}
+        index = _digest_index(index_path)
         index[key] = value
         _write_atomically(index_path, json.dumps(index))
     return value
+
+
+def _digest_index(path: Path) -> dict[str, object]:
+    """The cache's index of digests, or an empty one where it is missing or not an object
+    (a list there made every GGUF model fail to load: ``'list' object has no attribute 'get'``)."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 def converted_folder(

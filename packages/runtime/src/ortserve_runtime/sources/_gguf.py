@@ -8,6 +8,7 @@ see :mod:`._gguf_tokenizer`), and ``ortserve_source.json`` saying where it came 
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from collections.abc import Callable
@@ -30,6 +31,11 @@ def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] =
     files = [GgufFile(part) for part in split_parts(source)]
     fields = files[0].fields
     tensors = [tensor for file in files for tensor in file.tensors]
+    names = collections.Counter(tensor.name for tensor in tensors)
+    repeated = sorted(name for name, count in names.items() if count > 1)
+    if repeated:  # as llama.cpp's loader refuses it; one of them was taken silently before
+        more = f" (and {len(repeated) - 3} more)" if len(repeated) > 3 else ""
+        raise GgufError(f"{source.name} has tensors more than once: {', '.join(repeated[:3])}{more}")
     try:
         params, summary = write_graph(tensors, fields, folder, progress)
     except GgufError:

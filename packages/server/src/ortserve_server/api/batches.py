@@ -45,6 +45,7 @@ _BODY_TYPES: dict[str, type[Any]] = {
 
 _decode_line = msgspec.json.Decoder(bp.BatchInputLine).decode
 _MAX_LISTED_FILES = 10_000
+_MAX_LISTED_BATCHES = 100
 
 
 # -- files -----------------------------------------------------------------------------------
@@ -254,7 +255,8 @@ async def list_batches(
     after: FromQuery[str | None] = None,
 ) -> bp.BatchList:
     ortserve.batch_runner.start()
-    limit = max(1, min(limit, 100))
+    if not 1 <= limit <= _MAX_LISTED_BATCHES:  # OpenAI's range; was clamped, so -1 or 0 listed one
+        raise BadRequestError(f"'limit' must be between 1 and {_MAX_LISTED_BATCHES}, not {limit}", param="limit")
     found = await ortserve.batches.batches(caller_of(request).owner, limit + 1, after)
     shown = found[:limit]
     return bp.BatchList(
