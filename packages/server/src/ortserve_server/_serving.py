@@ -206,8 +206,8 @@ class GuardedH11Protocol(H11Protocol):
         self._body_bytes = 0
         """Body bytes received in the current ``body_timeout`` window."""
         self._send_deadline: asyncio.TimerHandle | None = None
-        self._send_queue: int | None = None
-        """The socket's unsent bytes when the send deadline was armed (``None``: unknown)."""
+        self._send_queue = 0
+        """The answer's bytes not yet taken by the client when the send deadline was armed."""
         self.waiting_since: float | None = None
         """When this connection began waiting for its current request (head or body);
         ``None`` while a request is being answered. The connection cap closes the oldest."""
@@ -238,7 +238,7 @@ class GuardedH11Protocol(H11Protocol):
         """The transport's buffer is full: the client has not taken what was sent."""
         super().pause_writing()
         if self._send_deadline is None:
-            self._send_queue = _unsent_bytes(self.transport)
+            self._send_queue = self._untaken()
             self._send_deadline = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
 
     def resume_writing(self) -> None:
@@ -252,16 +252,17 @@ class GuardedH11Protocol(H11Protocol):
 
     def _send_timed_out(self) -> None:
         """``send_timeout`` seconds with the transport paused: close the connection unless
-        the client took some of the answer meanwhile (the socket's queue of unsent bytes
-        shrank: a slow reader, whose kernel buffer of megabytes wakes the writer only once
-        it is a third empty, is not a stalled one). uvicorn then marks the request
+        the client took some of the answer meanwhile (its untaken bytes shrank: a slow
+        reader, whose kernel buffer of megabytes wakes the writer only once it is a third
+        empty, is not a stalled one; where the socket cannot be asked, the transport's own
+        buffer still shows what the kernel took). uvicorn then marks the request
         disconnected, so the rest of its answer goes nowhere and is freed (a stream's
         generation ends as when a client leaves)."""
         self._send_deadline = None
         if self.transport.is_closing():
             return
-        queue = _unsent_bytes(self.transport)
-        if queue is not None and self._send_queue is not None and queue < self._send_queue:
+        queue = self._untaken()
+        if queue < self._send_queue:
             self._send_queue = queue
             self._send_deadline = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
             return
@@ -271,6 +272,13 @@ class GuardedH11Protocol(H11Protocol):
             level=logging.INFO,
         )
         self.transport.abort()  # close() would wait to flush the buffer the client does not read
+
+    def _untaken(self) -> int:
+        """Bytes of the answer the client has not taken: the transport's buffer and, where
+        the socket can be asked, the kernel's. Paused, nothing is added to either, so the sum
+        shrinks exactly when the client reads (the kernel's alone may stay full while the
+        transport refills it)."""
+        return self.transport.get_write_buffer_size() + (_unsent_bytes(self.transport) or 0)
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.SEND_BODY:
