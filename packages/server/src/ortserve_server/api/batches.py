@@ -247,7 +247,7 @@ async def create_batch(
     return batch
 
 
-@get("/batches", summary="List batches", responses=error_responses(*GET_ERRORS))
+@get("/batches", summary="List batches", responses=error_responses(400, *GET_ERRORS))
 async def list_batches(
     ortserve: NamedDependency[OrtServe],
     request: Request[Any, Any, Any],
