@@ -1,6 +1,6 @@
 """For every test: servers it starts keep their state (stored Responses) in the test's own
 folder, never in the user's state directory; SDK clients it made with
-:func:`serving.closing` are closed when it ends."""
+:func:`serving.closing` are closed when it ends. The longest files run first."""
 
 from __future__ import annotations
 
@@ -22,3 +22,32 @@ def private_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 def _close_clients() -> Iterator[None]:
     yield
     close_clients()
+
+
+_LONGEST_FILES = (
+    "server/test_ray.py",
+    "server/test_gguf_api.py",
+    "e2e/test_sidecar.py",
+    "runtime/test_speculative.py",
+    "runtime/test_engines.py",
+    "e2e/test_examples.py",
+    "runtime/test_engine_choice.py",
+    "e2e/test_shared_state.py",
+    "server/test_model_ops.py",
+)
+"""The files that take longest (``--durations``, 2026-11-28: test_ray.py alone some two
+minutes). The README's command hands whole files to two workers in collection order
+(``--dist loadfile``); these last, one worker ran on alone while the other had finished."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+    here = Path(__file__).parent
+
+    def order(item: pytest.Item) -> int:
+        try:
+            return rank.get(item.path.relative_to(here).as_posix(), len(rank))
+        except ValueError:  # a test outside tests/
+            return len(rank)
+
+    items.sort(key=order)  # stable: each file's tests stay together and in order

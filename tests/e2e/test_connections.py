@@ -175,7 +175,7 @@ def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout() -> None:
         stalled.connect(("127.0.0.1", port))
         path = f"/v1/files/{uploaded.json()['id']}/content"
         stalled.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-        time.sleep(3)  # the answer fills the buffers at once, then waits past the send timeout
+        time.sleep(1.5)  # the answer fills the buffers at once, then waits past the send timeout (0.5 s)
         received = 0
         stalled.settimeout(10)
         with contextlib.suppress(ConnectionResetError):
@@ -183,7 +183,7 @@ def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout() -> None:
                 received += len(chunk)
         stalled.close()
         assert 0 < received < len(content) // 2, received
-        # A slow reader is no stalled one: at ~1 MB/s the kernel's send buffer (megabytes)
+        # A slow reader is no stalled one: at ~2 MB/s the kernel's send buffer (megabytes)
         # wakes the writer only every second or so, but its queue keeps shrinking.
         slow = socket.create_connection(("127.0.0.1", port))
         slow.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
@@ -193,7 +193,7 @@ def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout() -> None:
             chunk = slow.recv(65536)
             assert chunk, f"cut after {received} bytes"
             received += len(chunk)
-            time.sleep(0.05)
+            time.sleep(0.03)
         slow.close()
         again = client.get(path)  # the server and the file are as they were
         assert again.status_code == 200 and len(again.content) == len(content)
