@@ -245,6 +245,14 @@ def serve_and_fail(*args: str) -> str:
     return process.stderr
 
 
+@pytest.mark.parametrize("flag", ["--send-timeout", "--header-timeout", "--body-timeout"])
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_a_timeout_that_is_not_a_positive_number_stops_startup_naming_it(flag: str, value: str) -> None:
+    # Taken as given, -1 and 0 cut every connection at once and NaN was accepted.
+    error = serve_and_fail(flag, value)
+    assert flag in error and "expected a positive number" in error
+
+
 def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix() -> None:
     error = serve_and_fail("--provider", "cuda", "--model", f"tiny={TINY_MODEL}")
     assert "provider 'cuda'" in error and "install" in error and str(TINY_MODEL) in error

@@ -181,7 +181,7 @@ def _positive(kind: type[int | float]) -> Callable[[str], int | float]:
             number = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-        if number <= 0:
+        if not number > 0:  # NaN too
             raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
         return number
 
@@ -529,13 +529,13 @@ def _build_parser() -> argparse.ArgumentParser:
     connections = serve.add_argument_group("connections")
     connections.add_argument(
         "--header-timeout",
-        type=float,
+        type=_positive(float),
         default=10.0,
         help="seconds a request's headers may take to arrive, from connect or the previous response (default 10)",
     )
     connections.add_argument(
         "--body-timeout",
-        type=float,
+        type=_positive(float),
         default=10.0,
         help="seconds in which a request body must bring --body-min-rate bytes a second, else 408 (default 10)",
     )
@@ -547,7 +547,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     connections.add_argument(
         "--send-timeout",
-        type=float,
+        type=_positive(float),
         default=60.0,
         help="seconds an answer may wait for its client to read any of it; then the connection closes (default 60)",
     )
