@@ -14,11 +14,17 @@ from audio import TINY_WHISPER, tone_wav
 from ortserve_runtime import InvalidRequestError, ModelConfig, ModelRegistry, SpeechModel, detect_model_kind
 from serving import rss_growth
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timing]
+pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"  # one event loop for the module, so that its tests share one loaded model
+
+
+@pytest.fixture(scope="module")
 async def whisper() -> AsyncIterator[SpeechModel]:
+    """Loaded once for the module (0.8 s a load): every test leaves it idle, as it found it."""
     registry = ModelRegistry()
     registry.add("whisper", TINY_WHISPER)
     model: SpeechModel = await registry.get("whisper")
@@ -166,6 +172,7 @@ async def test_speech_rates_go_window_by_window(whisper: SpeechModel, audio: byt
     assert all(s.tokens for s in result.segments)
 
 
+@pytest.mark.timing  # a wall-clock bound: run apart (see the README's test command)
 @pytest.mark.parametrize(
     ("audio", "words"), [(tone_wav(16_000.0, rate=1), "1 Hz"), (tone_wav(0.5, rate=3999), "3999 Hz")]
 )
