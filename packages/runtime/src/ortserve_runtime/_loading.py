@@ -305,8 +305,11 @@ def measured_load(kind: ModelKind, name: str, path: Path, config: ModelConfig) -
     resident set of a process the model runs in).
 
     Garbage is collected first: objects of an earlier model freed during this load made
-    the growth read 0 (seen in a test process that had served other models)."""
-    gc.collect()
+    the growth read 0 (seen in a test process that had served other models). Not while the
+    collector is off (``ortserve serve``'s start-up): then none runs during the load, and
+    the pass over the start-up's objects took 33 ms of the GIL."""
+    if gc.isenabled():
+        gc.collect()
     before = resident_memory()
     model = load_model(kind, name, path, config)
     elsewhere = getattr(model, "process_resident_bytes", 0)  # og's own process
