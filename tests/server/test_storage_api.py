@@ -53,6 +53,19 @@ def test_a_files_limit_out_of_range_is_a_400(client: openai.OpenAI, app_url: tup
     assert len(client.files.list(limit=1).data) == 1
 
 
+def test_files_list_in_either_order_a_page_at_a_time(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
+    """Eighth probe of issue 45: `order` was ignored (newest first always), as OpenAI's
+    list takes it; a value other than asc or desc is a 400 naming it."""
+    made = [client.files.create(file=(f"{i}.jsonl", _line(CHAT)), purpose="batch").id for i in range(3)]
+    oldest_first = [f.id for f in client.files.list(order="asc") if f.id in made]  # the SDK follows `after`
+    newest_first = [f.id for f in client.files.list(order="desc") if f.id in made]
+    assert oldest_first == made and newest_first == made[::-1]
+    page = client.files.list(order="asc", limit=1, after=made[0])
+    assert [f.id for f in page.data] == [made[1]]
+    refused = httpx.get(f"{app_url[1]}/v1/files", params={"order": "up"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "order"
+
+
 def test_a_form_past_the_multipart_bounds_says_which(app_url: tuple[Any, str]) -> None:
     """Fifth probe of issue 45: 100,000 parts, or a 1 MB file name, were a 400 saying only
     "Request Entity Too Large" (Litestar's multipart parser)."""

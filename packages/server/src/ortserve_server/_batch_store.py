@@ -157,8 +157,12 @@ class BatchStore:
 
         return await self._db.run(delete)
 
-    async def files(self, owner: str, purpose: str | None, limit: int, after: str | None) -> list[bp.FileObject]:
-        """The owner's files, newest first; ``after``: those older than that file."""
+    async def files(
+        self, owner: str, purpose: str | None, limit: int, after: str | None, *, newest_first: bool = True
+    ) -> list[bp.FileObject]:
+        """The owner's files, newest first (or oldest first); ``after``: those that come
+        after that file in that order."""
+        beyond, direction = ("<", "DESC") if newest_first else (">", "ASC")
 
         def listed(db: Connection) -> list[bp.FileObject]:
             query = f"SELECT {_FILE_COLUMNS} FROM files WHERE owner = ? AND expires > ?"
@@ -167,9 +171,10 @@ class BatchStore:
                 query += " AND purpose = ?"
                 args.append(purpose)
             if after is not None:
-                query += " AND (created, id) < (SELECT created, id FROM files WHERE id = ?)"
+                query += f" AND (created, id) {beyond} (SELECT created, id FROM files WHERE id = ?)"
                 args.append(after)
-            rows = db.execute(query + " ORDER BY created DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
+            order = f" ORDER BY created {direction}, id {direction} LIMIT ?"
+            rows = db.execute(query + order, (*args, limit)).fetchall()
             return [_file(row) for row in rows]
 
         return await self._db.run(listed)

@@ -8,7 +8,7 @@ import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from litestar import Request, delete, get, post
@@ -151,10 +151,13 @@ async def list_files(
     purpose: FromQuery[str | None] = None,
     limit: FromQuery[int] = _MAX_LISTED_FILES,
     after: FromQuery[str | None] = None,
+    order: FromQuery[Literal["asc", "desc"]] = "desc",
 ) -> bp.FileList:
     if not 1 <= limit <= _MAX_LISTED_FILES:  # OpenAI's range
         raise BadRequestError(f"'limit' must be between 1 and {_MAX_LISTED_FILES}, not {limit}", param="limit")
-    found = await ortserve.batches.files(caller_of(request).owner, purpose, limit + 1, after)
+    found = await ortserve.batches.files(
+        caller_of(request).owner, purpose, limit + 1, after, newest_first=order == "desc"
+    )
     return bp.FileList(
         data=found[:limit],
         has_more=len(found) > limit,
