@@ -268,6 +268,20 @@ def test_malformed_json(base_url: str) -> None:
     _error(response, 400)
 
 
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        # Eighth probe of issue 45: msgspec said "Input data was truncated" of this whole body.
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "without the low surrogate"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi', "truncated"),  # it was cut short
+    ],
+)
+def test_a_lone_surrogate_at_the_end_is_named_not_called_truncated(base_url: str, body: bytes, words: str) -> None:
+    json_body = {"content-type": "application/json"}
+    error = _error(httpx.post(f"{base_url}/v1/chat/completions", content=body, headers=json_body), 400)
+    assert words in error["message"], error["message"]
+
+
 def test_unknown_model_and_route(base_url: str, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=HELLO)

@@ -21,6 +21,7 @@ both before any handler runs:
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -200,12 +201,26 @@ async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: Ba
     except RecursionError:
         raise BadRequestError("the JSON body is nested too deeply") from None
     except SerializationException as exc:  # malformed JSON, as Litestar itself reports it
-        raise BadRequestError(str(exc)) from None
+        raise BadRequestError(_decode_error_message(str(exc), body)) from None
     if not isinstance(decoded, dict):
         raise BadRequestError(
             f"the request body must be a JSON object, not {_JSON_KINDS.get(type(decoded), 'a value')}"
         )
     return decoded
+
+
+_LONE_HIGH_SURROGATE_AT_END = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}[^\\]{0,5}$")
+"""A ``\\ud800``-``\\udbff`` escape near the end of a body, no escape after it: msgspec,
+reading on for its low surrogate, says the input was truncated."""
+
+
+def _decode_error_message(message: str, body: bytes) -> str:
+    """msgspec's message for an undecodable body, with its misleading case said plainly: a
+    lone high surrogate close to the end (``{"a": "\\ud800"}``) reads as truncated input
+    (elsewhere msgspec names the unpaired surrogate itself)."""
+    if message == "Input data was truncated" and _LONE_HIGH_SURROGATE_AT_END.search(body[-16:]):
+        return "JSON is malformed: a \\ud800-\\udbff escape without the low surrogate that must follow it"
+    return message
 
 
 _JSON_KINDS = {
