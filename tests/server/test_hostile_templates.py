@@ -4,10 +4,14 @@ and the server serves the next one (issue 45)."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from ortserve_runtime import ChatTemplate, ModelLoadError
 from serving import TINY_MODEL, serving_templates
 
 TEMPLATES = {
@@ -17,12 +21,25 @@ TEMPLATES = {
     "recursive-macro": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
     # The sandbox's OverflowError, a bare 500 too.
     "range-past-the-sandbox": "{% for i in range(1000000) %}{% endfor %}x",
+    # The eighth probe: a 2 GB string made and dropped per request (1.4 s), and loops over
+    # the messages inside loops over the messages (a body of 100,000 messages: 10^15 steps).
+    "center": "{{ messages[0].content|center(2000000000) }}",
+    "repeat": "{{ 'x' * 2000000000 }}",
+    "format-width": "{{ '{:>2000000000}'.format(messages[0].content) }}",
+    "messages-in-messages": (
+        "{% for a in messages %}{% for b in messages[1:] %}{% for c in messages %}{% endfor %}{% endfor %}{% endfor %}x"
+    ),
 }
 SAID = {
-    "nested-ranges": "ranges make more than 1000000 steps",
+    "nested-ranges": "make more than 1000000 steps",
     "recursive-macro": "recursion",
     "range-past-the-sandbox": "Range too big",
+    "center": "its center makes a value of 2,000,000,000 items",
+    "repeat": "its '*' makes a value of 2,000,000,000 items",
+    "format-width": "its str.format makes a value of 2,000,000,000 items",
+    "messages-in-messages": "make more than 1000000 steps",
 }
+MESSAGES = {"messages-in-messages": [{"role": "user", "content": "hi"}] * 200}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +50,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_a_template_that_cannot_render_is_a_400_at_once(url: str, name: str) -> None:
-    messages = [{"role": "user", "content": "hi"}]
+    messages = MESSAGES.get(name, [{"role": "user", "content": "hi"}])
     response = httpx.post(
         f"{url}/v1/chat/completions", json={"model": name, "messages": messages, "max_tokens": 2}, timeout=30
     )
@@ -41,5 +58,14 @@ def test_a_template_that_cannot_render_is_a_400_at_once(url: str, name: str) -> 
     error = response.json()["error"]
     assert error["param"] == "messages" and "the chat template could not render" in error["message"], error
     assert SAID[name] in error["message"], error
-    plain = httpx.post(f"{url}/v1/chat/completions", json={"model": "plain", "messages": messages, "max_tokens": 2})
+    plain = httpx.post(f"{url}/v1/chat/completions", json={"model": "plain", "messages": messages[:1], "max_tokens": 2})
     assert plain.status_code == 200
+
+
+def test_a_template_past_a_megabyte_fails_its_load_naming_the_size(tmp_path: Path) -> None:
+    """Eighth probe: a 22 MB template (a GGUF file may carry any) compiled for 128 s at load."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'x' }}" * 120_000}))
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=r"is 1,080,000 characters; a template may have at most 1,048,576"):
+        ChatTemplate.from_folder(tmp_path)
+    assert time.perf_counter() - started < 1  # refused before compiling

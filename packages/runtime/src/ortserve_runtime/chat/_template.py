@@ -9,7 +9,9 @@ Hugging Face templates expect (``raise_exception``, ``tojson``, ``strftime_now``
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,22 @@ from .._errors import InvalidRequestError, ModelLoadError
 
 __all__ = ["ChatTemplate", "Message"]
 
-_RANGE_STEPS = 1_000_000
-"""The steps every ``range()`` of one rendering may make together. The sandbox bounds each
-range to 100,000 but not a range inside a loop: two nested ones made a template that
-rendered for ever (a request thread spinning, the request never answered). Templates loop
-over the messages and tools; their ranges count a few of those."""
+_RENDER_STEPS = 1_000_000
+"""The steps one rendering's loops may make together: every ``range()`` item and every pass
+over the messages or tools. The sandbox bounds each range to 100,000 but not a loop inside a
+loop: two nested ranges (or loops over the messages inside loops over the messages) made a
+template that rendered for ever (a request thread spinning, the request never answered).
+Templates loop over the messages and tools a few times; their ranges count a few of those."""
+
+_MAX_MADE_CHARS = 1_000_000
+"""The longest value a template may make by repeating or padding (``'x' * n``,
+``center``, ``indent``, ``%``/``format`` widths; what ``replace`` adds): ``center(2e9)``
+made a 2 GB string. Templates pad by a few spaces; their text comes from the messages."""
+
+_MAX_TEMPLATE_CHARS = 1_048_576
+"""The longest chat template a model may have. Compiling takes time in proportion to the
+source (a 22 MB one took 128 s, a GGUF file can carry any); published templates are a few
+KB to some 60 KB, so a megabyte leaves them room and bounds a load to seconds."""
 
 Message = Mapping[str, Any]
 """One chat message as plain data: ``{"role": ..., "content": ...}`` plus optional
@@ -37,20 +50,127 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"the chat template rejected the messages: {message}", param="messages")
 
 
-def _bounded_range() -> Callable[..., range]:
-    """``range`` for one rendering: the sandbox's (100,000 steps each), with
-    :data:`_RANGE_STEPS` in all."""
-    left = _RANGE_STEPS
+class _Steps:
+    """One rendering's loop budget (:data:`_RENDER_STEPS`)."""
 
-    def bounded(*args: int) -> range:
-        nonlocal left
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = _RENDER_STEPS
+
+    def spend(self, steps: int) -> None:
+        self.left -= steps
+        if self.left < 0:
+            raise jinja2.exceptions.SecurityError(
+                f"its loops (ranges, passes over the messages and tools) make more than {_RENDER_STEPS} steps in all"
+            )
+
+    def range(self, *args: int) -> range:
+        """``range`` as the sandbox has it (100,000 steps at most), counted."""
         steps = jinja2.sandbox.safe_range(*args)
-        left -= len(steps)
-        if left < 0:
-            raise jinja2.exceptions.SecurityError(f"its ranges make more than {_RANGE_STEPS} steps in all")
+        self.spend(len(steps))
         return steps
 
-    return bounded
+
+class _Counted(list[Any]):
+    """The messages or tools as the template sees them: a list whose every pass counts its
+    items against the rendering's :class:`_Steps` (the sandbox keeps it read-only as it
+    keeps any list)."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, items: Iterable[Any], steps: _Steps) -> None:
+        super().__init__(items)
+        self._steps = steps
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in super().__iter__():
+            self._steps.spend(1)
+            yield item
+
+    def __getitem__(self, index: Any) -> Any:
+        item = super().__getitem__(index)
+        return _Counted(item, self._steps) if isinstance(index, slice) else item  # messages[1:] counts too
+
+
+def _made(size: int, what: str) -> None:
+    if size > _MAX_MADE_CHARS:
+        raise jinja2.exceptions.SecurityError(
+            f"its {what} makes a value of {size:,} items; at most {_MAX_MADE_CHARS:,}"
+        )
+
+
+_WIDTHS = re.compile(r"%[-#0 +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?:[^{}]*?(\d+)")
+"""Widths and precisions in ``%`` and ``str.format`` specifications."""
+
+
+def _replace_growth(text: str, old: str, new: str) -> int:
+    """How many characters ``text.replace(old, new)`` adds."""
+    return (text.count(old) if old else len(text) + 1) * (len(new) - len(old))
+
+
+def _check_widths(spec: Any, what: str) -> None:
+    if isinstance(spec, str):
+        for match in _WIDTHS.finditer(spec):
+            _made(max((int(n) for n in match.groups() if n), default=0), what)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with the ways one expression could make a huge value bounded
+    (:data:`_MAX_MADE_CHARS`): repetition, powers, widths in ``%`` and ``format``, and
+    the string methods and filters that pad."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(times, int):
+                    _made(len(seq) * times, "'*'")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            _made(int(right * math.log10(abs(left))), "'**' (digits)")
+        elif operator == "%":
+            _check_widths(left, "'%'")
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+        if isinstance(owner, str):
+            if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
+                _made(args[0], f"str.{name}")
+            elif name == "expandtabs":
+                _made(owner.count("\t") * int(args[0] if args else kwargs.get("tabsize", 8)), "str.expandtabs")
+            elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+                _made(_replace_growth(owner, args[0], args[1]), "str.replace")
+        elif name in ("format", "format_map"):  # the sandbox's wrapper of a string's own method
+            _check_widths(getattr(getattr(obj, "__wrapped__", None), "__self__", None), f"str.{name}")
+        return super().call(context, obj, *args, **kwargs)
+
+
+def _bounded_filters(env: _Sandbox) -> None:
+    """The padding filters, bounded as the string methods are (filters do not pass
+    through the sandbox's ``call``)."""
+    center, indent, replace, fmt = (env.filters[n] for n in ("center", "indent", "replace", "format"))
+
+    def bounded_center(value: Any, width: int = 80) -> str:
+        _made(int(width), "center")
+        return str(center(value, width))
+
+    def bounded_indent(value: Any, width: int | str = 4, *args: Any, **kwargs: Any) -> Any:
+        pad = len(width) if isinstance(width, str) else int(width)
+        _made(pad * (str(value).count("\n") + 1), "indent")
+        return indent(value, width, *args, **kwargs)
+
+    def bounded_replace(context: Any, value: Any, old: Any, new: Any, count: int | None = None) -> Any:
+        _made(_replace_growth(str(value), str(old), str(new)), "replace")
+        return replace(context, value, old, new, count)
+
+    def bounded_format(value: Any, *args: Any, **kwargs: Any) -> str:
+        _check_widths(value, "format")
+        return str(fmt(value, *args, **kwargs))
+
+    bounded_replace.jinja_pass_arg = replace.jinja_pass_arg  # type: ignore[attr-defined]  # the eval context
+    env.filters.update(center=bounded_center, indent=bounded_indent, replace=bounded_replace, format=bounded_format)
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
@@ -61,7 +181,8 @@ class ChatTemplate:
     """A compiled chat template plus the special tokens it may refer to."""
 
     def __init__(self, source: str, *, special_tokens: Mapping[str, str | None]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        _bounded_filters(env)
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -98,6 +219,12 @@ class ChatTemplate:
                 source = named.get("default")
         if not isinstance(source, str) or not source:
             return None
+        if len(source) > _MAX_TEMPLATE_CHARS:
+            what = f"the chat template {override}" if override else f"the chat template of {folder}"
+            raise ModelLoadError(
+                f"{what} is {len(source):,} characters; a template may have at most {_MAX_TEMPLATE_CHARS:,}",
+                path=override or folder,
+            )
         special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         try:
             return cls(source, special_tokens=special)
@@ -123,12 +250,13 @@ class ChatTemplate:
             raise InvalidRequestError("messages must not be empty", param="messages")
         try:
             variables = dict(extra or {})
+            steps = _Steps()
             # Set last, so that no extra variable can stand in for them.
             variables.update(
-                messages=[dict(m) for m in messages],
-                tools=list(tools) if tools else None,
+                messages=_Counted((dict(m) for m in messages), steps),
+                tools=_Counted(tools, steps) if tools else None,
                 add_generation_prompt=add_generation_prompt,
-                range=_bounded_range(),
+                range=steps.range,
                 **self._special_tokens,
             )
             return self._template.render(variables)
