@@ -205,6 +205,26 @@ def test_a_tool_result_round_trip(client: anthropic.Anthropic) -> None:
     )
 
 
+def test_the_assistants_tool_use_reaches_the_prompt(client: anthropic.Anthropic) -> None:
+    """Ninth session: an assistant turn's tool_use blocks were lost on the way to the
+    template (the list of calls was cleared after the message took it), so the model read
+    results of calls it had never made; and a tool_result answering no tool_use is a 400."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}
+
+    def counted(turn: list[Any]) -> int:
+        history = [*ASK, {"role": "assistant", "content": turn}, {"role": "user", "content": [result]}]
+        return client.messages.count_tokens(model="tiny", messages=history, tools=TOOLS).input_tokens
+
+    assert counted([{"type": "text", "text": "Let me look."}, use]) > counted(
+        [{"type": "text", "text": "Let me look."}, {**use, "input": {}}]
+    )  # the call's arguments are in the prompt
+    with pytest.raises(anthropic.BadRequestError, match="did not make"):
+        client.messages.count_tokens(
+            model="tiny", messages=[*ASK, {"role": "user", "content": [{**result, "tool_use_id": "toolu_9"}]}]
+        )
+
+
 def test_tools_reach_the_prompt_and_count_tokens_says_how_much(client: anthropic.Anthropic) -> None:
     bare = client.messages.count_tokens(model="tiny", messages=ASK).input_tokens
     with_tools = client.messages.count_tokens(model="tiny", messages=ASK, tools=TOOLS).input_tokens

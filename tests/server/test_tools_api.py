@@ -164,6 +164,39 @@ def test_history_with_tool_calls_and_results(tiny_client: openai.OpenAI, tiny_ur
 
 
 @pytest.mark.parametrize(
+    "history",
+    [
+        [*ASK, {"role": "tool", "tool_call_id": "call_1", "content": "21"}],  # no call at all
+        [  # a call, but another id
+            *ASK,
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "call_2", "content": "21"},
+        ],
+        [  # the call two turns back
+            *ASK,
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+            {"role": "user", "content": "and?"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22"},
+        ],
+    ],
+)
+def test_a_tool_result_for_no_call_before_it_is_a_400(tiny_url: str, history: list[Any]) -> None:
+    """Ninth probe of issue 45: a result answering no call was rendered as if it answered
+    one (OpenAI's and Anthropic's APIs refuse it)."""
+    response = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": "tiny", "messages": history})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == f"messages[{len(history) - 1}].tool_call_id" and "did not make" in error["message"]
+
+
+@pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tool_choice": "required"}, "tool_choice"),

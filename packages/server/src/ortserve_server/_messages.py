@@ -53,6 +53,7 @@ async def chat_messages(
     result: list[dict[str, Any]] = []
     remote: list[tuple[list[Any], int, _RemoteImage]] = []
     images: list[str] = []
+    _check_tool_results(messages)
     for index, message in enumerate(messages):
         content = message.content
         parts: str | list[Any] = content if isinstance(content, str) else ""
@@ -86,6 +87,26 @@ async def chat_messages(
         fetching = _fetch_remote(remote, config)
         await (while_connected(fetching) if while_connected is not None else fetching)
     return result
+
+
+def _check_tool_results(messages: Sequence[p.ChatMessage]) -> None:
+    """Each tool message answers a call of the assistant message before it (tool messages
+    between them), as OpenAI's and Anthropic's APIs require: a result for no call was
+    rendered as if answering one, and the model read a conversation that never happened."""
+    calls: set[str] = set()  # the ids the results that follow may answer
+    for index, message in enumerate(messages):
+        role = message.__struct_config__.tag
+        if role == "tool":
+            answered = getattr(message, "tool_call_id", None)
+            if answered not in calls:
+                raise BadRequestError(
+                    f"a tool result for call {answered!r}, which the assistant message before it did not make "
+                    "(a tool result follows the message with its tool call)",
+                    param=f"messages[{index}].tool_call_id",
+                )
+            continue
+        made = getattr(message, "tool_calls", None) if role == "assistant" else None
+        calls = {call.id for call in made} if isinstance(made, list) else set()
 
 
 def _check_images(model: ChatModel, images: list[str]) -> None:

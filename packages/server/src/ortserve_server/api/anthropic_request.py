@@ -128,7 +128,10 @@ def _assistant(mapped: _Mapped, message: a.MessageParam, path: str) -> None:
         thought = "\n\n".join(thoughts) if thoughts else msgspec.UNSET
         content = "".join(texts)
         mapped.add(
-            p.AssistantMessage(content=content, tool_calls=calls or msgspec.UNSET, reasoning_content=thought), path
+            # A copy: the list is cleared for the next turn (the message lost its calls, so the
+            # template rendered the assistant's tool_use blocks as nothing).
+            p.AssistantMessage(content=content, tool_calls=[*calls] or msgspec.UNSET, reasoning_content=thought),
+            path,
         )
         texts.clear()
         thoughts.clear()
