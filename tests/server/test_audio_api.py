@@ -18,8 +18,6 @@ from ortserve_client import AsyncClient, BadRequestError
 from ortserve_server import ServerConfig, create_app
 from serving import TINY_MODEL, rss_growth, running, watched
 
-pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
-
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
@@ -68,6 +66,7 @@ def test_language_and_prompt_are_used(client: openai.OpenAI) -> None:
     assert len({plain, prompted, german}) > 1
 
 
+@pytest.mark.timing  # /health's latency meanwhile: run apart (see the README's test command)
 def test_a_prompt_too_long_for_the_decoder_is_refused_untokenized(url: str, client: openai.OpenAI) -> None:
     # Issue 45, seventh probe: a 1 MB prompt was tokenized (the worker, holding the GIL, and
     # og's processor) before "the prompt leaves no room": /health 443-616 ms. Now refused by
@@ -224,6 +223,7 @@ def test_fields_we_cannot_honour_are_refused(url: str, field: str) -> None:
     assert response.json()["error"]["param"] == field.removesuffix("[]")
 
 
+@pytest.mark.timing  # a wall-clock bound: run apart
 def test_a_hostile_sample_rate_is_refused_at_once_in_little_memory(url: str) -> None:
     """Issue 14: a 32 KB WAV whose header says 1 Hz took 104 s and 8.7 GB to refuse."""
     hostile = tone_wav(16_000.0, rate=1)

@@ -26,8 +26,6 @@ from ortserve_server import ServerConfig, create_app
 from PIL import Image
 from serving import TINY_MODEL, running, watched
 
-pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
-
 MAX_IMAGES = 3
 
 
@@ -270,6 +268,7 @@ def test_allowed_hosts_are_fetched(url: str, client: openai.OpenAI, image_host: 
         assert error["message"] == "the image could not be fetched", (where, error)
 
 
+@pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 def test_an_encoded_image_is_inflated_a_piece_at_a_time(url: str, client: openai.OpenAI, image_host: str) -> None:
     """Issue 45: a content coding is undone a counted piece at a time. httpx decoded a whole
     network chunk before the size check: the zstd bomb grew the server 2 GiB and held
@@ -285,6 +284,7 @@ def test_an_encoded_image_is_inflated_a_piece_at_a_time(url: str, client: openai
     assert not_asked["message"] == "the image could not be fetched", not_asked
 
 
+@pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 def test_a_dripping_host_ends_at_the_fetch_deadline(url: str, image_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from ortserve_server import _messages
 
@@ -294,6 +294,7 @@ def test_a_dripping_host_ends_at_the_fetch_deadline(url: str, image_host: str, m
     assert "within 1 s" in error["message"] and time.monotonic() - started < 5
 
 
+@pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 def test_a_fetch_stops_when_its_client_leaves(url: str, image_host: str) -> None:
     """The client gives up after 1 s: the server hangs up on the dripping host then, not at
     the fetch deadline (30 s)."""
@@ -311,6 +312,7 @@ def test_a_fetch_stops_when_its_client_leaves(url: str, image_host: str) -> None
     assert ended and ended[0] - left < 2.0, "the fetch went on after the client left"
 
 
+@pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 def test_images_a_model_cannot_take_are_refused_before_any_is_fetched(url: str, image_host: str) -> None:
     many = [{"type": "image_url", "image_url": {"url": f"{image_host}/drip.png?{i}"}} for i in range(MAX_IMAGES + 1)]
     started = time.monotonic()
@@ -345,6 +347,7 @@ def test_audio_output_is_refused_text_modality_is_fine(url: str, client: openai.
     assert reply.choices[0].message.content is not None
 
 
+@pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 def test_large_images_sent_at_once_are_decoded_a_few_at_a_time() -> None:
     # Issue 45, sixth probe: og's processor takes one request at a time, and each request
     # waiting for it held its images decoded (a TIFF or JPEG is re-encoded as an
