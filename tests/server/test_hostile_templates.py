@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ortserve_runtime import ChatTemplate, ModelLoadError
+from ortserve_runtime import ChatTemplate, InvalidRequestError, ModelLoadError
 from serving import TINY_MODEL, serving_templates
 
 TEMPLATES = {
@@ -29,6 +29,15 @@ TEMPLATES = {
     "messages-in-messages": (
         "{% for a in messages %}{% for b in messages[1:] %}{% for c in messages %}{% endfor %}{% endfor %}{% endfor %}x"
     ),
+    # Tenth session: loops over a copy of the messages went uncounted; '*' widths, '~', '+'
+    # and join made values past the bound; a loop writing a bounded value a million times.
+    "messages-copied": (
+        "{% set ms = messages|list %}{% for a in ms %}{% for b in ms %}{% for c in ms %}{% endfor %}{% endfor %}{% endfor %}"
+    ),
+    "star-width": "{{ '%*d' % (2000000000, 1) }}",
+    "doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "join": "{{ (['x' * 1000000] * 1000)|join }}",
+    "writes": "{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}",
 }
 SAID = {
     "nested-ranges": "make more than 1000000 steps",
@@ -38,8 +47,13 @@ SAID = {
     "repeat": "its '*' makes a value of 2,000,000,000 items",
     "format-width": "its str.format makes a value of 2,000,000,000 items",
     "messages-in-messages": "make more than 1000000 steps",
+    "messages-copied": "make more than 1000000 steps",
+    "star-width": "its '%' makes a value of 2,000,000,000 items",
+    "doubling": "its '~' makes a value of 1,048,576 items",
+    "join": "its join makes a value of 1,000,000,000 items",
+    "writes": "it writes more than 67,108,864 characters",
 }
-MESSAGES = {"messages-in-messages": [{"role": "user", "content": "hi"}] * 200}
+MESSAGES = {name: [{"role": "user", "content": "hi"}] * 200 for name in ("messages-in-messages", "messages-copied")}
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +83,31 @@ def test_a_template_past_a_megabyte_fails_its_load_naming_the_size(tmp_path: Pat
     with pytest.raises(ModelLoadError, match=r"is 1,080,000 characters; a template may have at most 1,048,576"):
         ChatTemplate.from_folder(tmp_path)
     assert time.perf_counter() - started < 1  # refused before compiling
+
+
+def test_a_template_that_renders_past_its_time_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step bounded is not enough: a million steps of a slow one (``in`` between two
+    long strings) take minutes, so a rendering also has a deadline (10 s; 0.3 s here)."""
+    monkeypatch.setattr("ortserve_runtime.chat._template._RENDER_SECONDS", 0.3)
+    template = ChatTemplate(
+        "{% set a = 'a' * 999999 %}{% set b = 'a' * 5000 ~ 'b' %}"
+        "{% for i in range(100000) %}{% if b in a %}{% endif %}{% endfor %}",
+        special_tokens={},
+    )
+    started = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match=r"it renders for more than 0.3 s"):
+        template.render([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - started < 2
+
+
+def test_real_templates_loop_and_recurse_as_before() -> None:
+    """The counting wraps every loop and call: what templates do with them still works."""
+    template = ChatTemplate(
+        "{% macro show(m) %}<|{{ m.role }}|>{{ m.content }}{% endmacro %}"
+        "{% for m in messages %}{{ show(m) }}{% if loop.last %}[{{ loop.length }}]{% endif %}{% endfor %}"
+        "{% for x in [[1, [2]], 3] recursive %}{% if x is iterable %}({{ loop(x) }}){% else %}{{ x }}{% endif %}{% endfor %}"
+        "{{ '%-3s|%*d' % ('a', 3, 7) }}{{ messages|map(attribute='role')|join(',') }}",
+        special_tokens={},
+    )
+    text = template.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    assert text == "<|system|>s<|user|>u[2](1(2))3a  |  7system,user"

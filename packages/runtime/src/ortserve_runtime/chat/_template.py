@@ -8,9 +8,11 @@ Hugging Face templates expect (``raise_exception``, ``tojson``, ``strftime_now``
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import re
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +20,8 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
+from jinja2 import nodes
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .._errors import InvalidRequestError, ModelLoadError
@@ -25,16 +29,27 @@ from .._errors import InvalidRequestError, ModelLoadError
 __all__ = ["ChatTemplate", "Message"]
 
 _RENDER_STEPS = 1_000_000
-"""The steps one rendering's loops may make together: every ``range()`` item and every pass
-over the messages or tools. The sandbox bounds each range to 100,000 but not a loop inside a
-loop: two nested ranges (or loops over the messages inside loops over the messages) made a
-template that rendered for ever (a request thread spinning, the request never answered).
-Templates loop over the messages and tools a few times; their ranges count a few of those."""
+"""The steps one rendering may make: every pass of a ``for`` loop (over anything: a range,
+the messages, a copy of them, a recursive ``loop()``) and every call. The sandbox bounds each
+range to 100,000 but not a loop inside a loop: two nested ranges (or loops over the messages
+inside loops over the messages) made a template that rendered for ever (a request thread
+spinning, the request never answered). Templates loop over the messages and tools a few times."""
+
+_RENDER_SECONDS = 10.0
+"""The longest one rendering may take: a step can still be slow (``in`` between two
+megabyte strings), and steps times such steps is more than a request may cost. Real
+templates render in milliseconds."""
 
 _MAX_MADE_CHARS = 1_000_000
-"""The longest value a template may make by repeating or padding (``'x' * n``,
-``center``, ``indent``, ``%``/``format`` widths; what ``replace`` adds): ``center(2e9)``
-made a 2 GB string. Templates pad by a few spaces; their text comes from the messages."""
+"""The longest value a template may make by repeating, padding or joining (``'x' * n``,
+``+``, ``~``, ``join``, ``center``, ``indent``, ``%``/``format`` widths; what ``replace``
+adds): ``center(2e9)`` made a 2 GB string. Templates pad by a few spaces; their text comes
+from the messages."""
+
+_MAX_RENDERED_CHARS = 64 * 1024 * 1024
+"""The longest text one rendering may write: a loop writing a megabyte value a million
+times made a terabyte. Past a model's context in any case (its prompt is refused after
+rendering when longer than it could hold); this bounds what a rendering costs before that."""
 
 _MAX_TEMPLATE_CHARS = 1_048_576
 """The longest chat template a model may have. Compiling takes time in proportion to the
@@ -50,47 +65,30 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"the chat template rejected the messages: {message}", param="messages")
 
 
-class _Steps:
-    """One rendering's loop budget (:data:`_RENDER_STEPS`)."""
+class _Budget:
+    """One rendering's steps and time (:data:`_RENDER_STEPS`, :data:`_RENDER_SECONDS`)."""
 
-    __slots__ = ("left",)
+    __slots__ = ("deadline", "left")
 
     def __init__(self) -> None:
         self.left = _RENDER_STEPS
+        self.deadline = time.monotonic() + _RENDER_SECONDS
 
     def spend(self, steps: int) -> None:
         self.left -= steps
         if self.left < 0:
-            raise jinja2.exceptions.SecurityError(
-                f"its loops (ranges, passes over the messages and tools) make more than {_RENDER_STEPS} steps in all"
-            )
+            raise jinja2.exceptions.SecurityError(f"its loops and calls make more than {_RENDER_STEPS} steps in all")
+        if time.monotonic() > self.deadline:
+            raise jinja2.exceptions.SecurityError(f"it renders for more than {_RENDER_SECONDS:g} s")
 
-    def range(self, *args: int) -> range:
-        """``range`` as the sandbox has it (100,000 steps at most), counted."""
-        steps = jinja2.sandbox.safe_range(*args)
-        self.spend(len(steps))
-        return steps
-
-
-class _Counted(list[Any]):
-    """The messages or tools as the template sees them: a list whose every pass counts its
-    items against the rendering's :class:`_Steps` (the sandbox keeps it read-only as it
-    keeps any list)."""
-
-    __slots__ = ("_steps",)
-
-    def __init__(self, items: Iterable[Any], steps: _Steps) -> None:
-        super().__init__(items)
-        self._steps = steps
-
-    def __iter__(self) -> Iterator[Any]:
-        for item in super().__iter__():
-            self._steps.spend(1)
+    def counted(self, items: Iterable[Any]) -> Iterator[Any]:
+        for item in items:
+            self.spend(1)
             yield item
 
-    def __getitem__(self, index: Any) -> Any:
-        item = super().__getitem__(index)
-        return _Counted(item, self._steps) if isinstance(index, slice) else item  # messages[1:] counts too
+
+_BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("chat_template_budget")
+"""The budget of the rendering under way on this thread (renderings run on worker threads)."""
 
 
 def _made(size: int, what: str) -> None:
@@ -100,8 +98,11 @@ def _made(size: int, what: str) -> None:
         )
 
 
-_WIDTHS = re.compile(r"%[-#0 +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?:[^{}]*?(\d+)")
-"""Widths and precisions in ``%`` and ``str.format`` specifications."""
+_PERCENT = re.compile(r"%(\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?(.?)", re.DOTALL)
+"""One ``%`` conversion: its mapping key, width, precision and type."""
+
+_FORMAT_WIDTHS = re.compile(r"\{[^{}]*?:[^{}]*?(\d+)")
+"""Widths and precisions in ``str.format`` specifications."""
 
 
 def _replace_growth(text: str, old: str, new: str) -> int:
@@ -109,10 +110,34 @@ def _replace_growth(text: str, old: str, new: str) -> int:
     return (text.count(old) if old else len(text) + 1) * (len(new) - len(old))
 
 
-def _check_widths(spec: Any, what: str) -> None:
-    if isinstance(spec, str):
-        for match in _WIDTHS.finditer(spec):
-            _made(max((int(n) for n in match.groups() if n), default=0), what)
+def _check_widths(spec: Any, what: str, args: Any = ()) -> None:
+    """Refuse a ``%`` or ``str.format`` specification whose widths or precisions make a
+    value past :data:`_MAX_MADE_CHARS`; a ``*`` width takes its number from ``args`` (the
+    right side of ``%``), in order, as Python does."""
+    if not isinstance(spec, str):
+        return
+    for match in _FORMAT_WIDTHS.finditer(spec):
+        _made(int(match.group(1)), what)
+    values = args if isinstance(args, tuple) else (args,)
+    position = 0
+    for match in _PERCENT.finditer(spec):
+        key, width, precision, kind = match.groups()
+        for number in (width, precision):
+            if number == "*":
+                star = values[position] if position < len(values) else 0
+                position += 1
+                if isinstance(star, int):
+                    _made(abs(star), what)
+            elif number:
+                _made(int(number), what)
+        if kind != "%" and key is None:
+            position += 1
+
+
+def _join_size(items: Any, separator: Any) -> int:
+    if not isinstance(items, list | tuple):
+        return 0  # an iterator: its items are made one at a time, each one bounded
+    return sum(len(item) for item in items if isinstance(item, str)) + len(str(separator)) * len(items)
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -120,20 +145,52 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     (:data:`_MAX_MADE_CHARS`): repetition, powers, widths in ``%`` and ``format``, and
     the string methods and filters that pad."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        """The parsed template with every ``for`` loop's items counted (:meth:`counted`) and
+        every ``~`` bounded (:meth:`bounded_concat`): neither passes through a sandbox hook."""
+        template = super()._parse(source, name, filename)
+        for loop in template.find_all(nodes.For):
+            loop.iter = nodes.Call(
+                nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None, lineno=loop.iter.lineno
+            )
+        for concat in template.find_all(nodes.Concat):
+            concat.nodes = [
+                nodes.Call(
+                    nodes.EnvironmentAttribute("bounded_concat"), concat.nodes, [], None, None, lineno=concat.lineno
+                )
+            ]
+        return template
+
+    @staticmethod
+    def counted(items: Any) -> Any:
+        return _BUDGET.get().counted(items)
+
+    @staticmethod
+    def bounded_concat(*parts: Any) -> str:  # not "concat": Jinja's own name for "".join
+        texts = [str(part) for part in parts]
+        _made(sum(map(len, texts)), "'~'")
+        return "".join(texts)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
+        if operator == "+":
+            if isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
+                _made(len(left) + len(right), "'+'")
+        elif operator == "*":
             for seq, times in ((left, right), (right, left)):
                 if isinstance(seq, str | list | tuple) and isinstance(times, int):
                     _made(len(seq) * times, "'*'")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
             _made(int(right * math.log10(abs(left))), "'**' (digits)")
         elif operator == "%":
-            _check_widths(left, "'%'")
+            _check_widths(left, "'%'", right)
         return super().call_binop(context, operator, left, right)
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        _BUDGET.get().spend(1)  # a macro calling itself, a recursive loop() or any call
+        if isinstance(obj, LoopContext) and args:  # loop(children) in a recursive loop: count its items too
+            args = (self.counted(args[0]), *args[1:])
         owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
         if isinstance(owner, str):
             if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
@@ -150,7 +207,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 def _bounded_filters(env: _Sandbox) -> None:
     """The padding filters, bounded as the string methods are (filters do not pass
     through the sandbox's ``call``)."""
-    center, indent, replace, fmt = (env.filters[n] for n in ("center", "indent", "replace", "format"))
+    center, indent, replace, fmt, join = (env.filters[n] for n in ("center", "indent", "replace", "format", "join"))
 
     def bounded_center(value: Any, width: int = 80) -> str:
         _made(int(width), "center")
@@ -161,6 +218,7 @@ def _bounded_filters(env: _Sandbox) -> None:
         _made(pad * (str(value).count("\n") + 1), "indent")
         return indent(value, width, *args, **kwargs)
 
+    @jinja2.pass_eval_context  # as the filters they wrap
     def bounded_replace(context: Any, value: Any, old: Any, new: Any, count: int | None = None) -> Any:
         _made(_replace_growth(str(value), str(old), str(new)), "replace")
         return replace(context, value, old, new, count)
@@ -169,8 +227,15 @@ def _bounded_filters(env: _Sandbox) -> None:
         _check_widths(value, "format")
         return str(fmt(value, *args, **kwargs))
 
-    bounded_replace.jinja_pass_arg = replace.jinja_pass_arg  # type: ignore[attr-defined]  # the eval context
-    env.filters.update(center=bounded_center, indent=bounded_indent, replace=bounded_replace, format=bounded_format)
+    @jinja2.pass_eval_context
+    def bounded_join(context: Any, value: Any, d: Any = "", attribute: Any = None) -> Any:
+        if attribute is None:
+            _made(_join_size(value, d), "join")
+        return join(context, value, d, attribute)
+
+    env.filters.update(
+        center=bounded_center, indent=bounded_indent, replace=bounded_replace, format=bounded_format, join=bounded_join
+    )
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
@@ -248,18 +313,17 @@ class ChatTemplate:
         they never replace the messages, tools, generation prompt or special tokens."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        budget = _BUDGET.set(_Budget())
         try:
             variables = dict(extra or {})
-            steps = _Steps()
             # Set last, so that no extra variable can stand in for them.
             variables.update(
-                messages=_Counted((dict(m) for m in messages), steps),
-                tools=_Counted(tools, steps) if tools else None,
+                messages=[dict(m) for m in messages],
+                tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
-                range=steps.range,
                 **self._special_tokens,
             )
-            return self._template.render(variables)
+            return self._write(variables)
         except InvalidRequestError:
             raise
         # What a template's own expressions raise: a range past the sandbox's bound is an
@@ -276,6 +340,18 @@ class ChatTemplate:
             raise InvalidRequestError(
                 f"the chat template could not render the messages: {exc}", param="messages"
             ) from exc
+        finally:
+            _BUDGET.reset(budget)
+
+    def _write(self, variables: dict[str, Any]) -> str:
+        """The rendered text, refused past :data:`_MAX_RENDERED_CHARS` as it is written."""
+        pieces, written = [], 0
+        for piece in self._template.generate(variables):
+            written += len(piece)
+            if written > _MAX_RENDERED_CHARS:
+                raise jinja2.exceptions.SecurityError(f"it writes more than {_MAX_RENDERED_CHARS:,} characters")
+            pieces.append(piece)
+        return "".join(pieces)
 
 
 def _token_text(value: Any) -> str | None:
