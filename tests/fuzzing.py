@@ -217,6 +217,7 @@ OPERATIONS = [
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
     ("GET", "/v1/responses/{response_id}"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
     ("DELETE", "/v1/responses/{response_id}"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"),

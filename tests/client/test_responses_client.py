@@ -81,6 +81,10 @@ async def test_function_call_round_trip_with_structs_and_store(server_url: str) 
         assert follow.previous_response_id == first.id and follow.usage is not None
         assert follow.usage.input_tokens_details.cached_tokens > 0
         assert (await client.responses.retrieve(first.id)).id == first.id
+        listed = await client.responses.input_items(first.id, order="asc")
+        [message] = listed.data
+        assert isinstance(message, rp.InputMessage) and message.content == [rp.InputText(text="Add 2 and 3")]
+        assert listed.first_id == listed.last_id == message.id and not listed.has_more
         assert (await client.responses.delete(first.id)).deleted is True
         with pytest.raises(NotFoundError):
             await client.responses.retrieve(first.id)

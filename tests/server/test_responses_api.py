@@ -147,6 +147,43 @@ def test_previous_response_id_continues_from_the_prefix_cache(client: openai.Ope
         client.responses.retrieve(first.id)
 
 
+def test_input_items_list_what_a_stored_response_took_in(client: openai.OpenAI) -> None:
+    """``responses.input_items.list``: the conversation a response continued and then its own
+    input, each item with an id that stays the same along the chain, newest first by
+    default, paged by ``limit``/``after``/``before`` as OpenAI pages."""
+    first = client.responses.create(
+        model="tiny",
+        input=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+        max_output_tokens=2,
+        store=True,
+    )
+    follow = client.responses.create(
+        model="tiny", input="Another?", previous_response_id=first.id, max_output_tokens=2, store=True
+    )
+    mine = list(client.responses.input_items.list(first.id, order="asc"))
+    assert [(item.type, getattr(item, "role", None)) for item in mine] == [("message", "system"), ("message", "user")]
+    assert all(item.id.startswith("msg_") for item in mine)
+    chain = client.responses.input_items.list(follow.id, order="asc").data
+    assert [item.id for item in chain[:2]] == [item.id for item in mine]  # the same items, the same ids
+    assert chain[2].id == first.output[0].id and chain[2].role == "assistant"  # the first reply
+    assert chain[3].content[0].text == "Another?"  # type: ignore[union-attr]
+    newest_first = client.responses.input_items.list(follow.id).data
+    assert [item.id for item in newest_first] == [item.id for item in reversed(chain)]
+    page = client.responses.input_items.list(follow.id, order="asc", limit=3)
+    assert [item.id for item in page.data] == [item.id for item in chain[:3]] and page.has_more
+    assert [item.id for item in page.get_next_page().data] == [chain[3].id]  # after the last id
+    before = client.responses.input_items.list(follow.id, order="asc", limit=2, extra_query={"before": chain[3].id})
+    assert [item.id for item in before.data] == [chain[1].id, chain[2].id] and before.has_more
+    with pytest.raises(openai.BadRequestError) as limit:
+        client.responses.input_items.list(follow.id, limit=101)
+    assert isinstance(limit.value.body, dict) and limit.value.body["param"] == "limit"
+    with pytest.raises(openai.BadRequestError) as cursor:
+        client.responses.input_items.list(follow.id, after="msg_elsewhere")
+    assert isinstance(cursor.value.body, dict) and cursor.value.body["param"] == "after"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nothing")
+
+
 def test_unknown_previous_response_id(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:  # OpenAI's status and code
         client.responses.create(model="tiny", input="Hi", previous_response_id="resp_nothing")
@@ -172,6 +209,8 @@ def test_stored_responses_belong_to_their_key() -> None:
                 bob.responses.retrieve(first.id)
             with pytest.raises(openai.NotFoundError) as continued:
                 bob.responses.create(model="tiny", input="go on", previous_response_id=first.id, max_output_tokens=1)
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.input_items.list(first.id)
             with pytest.raises(openai.NotFoundError):
                 bob.responses.delete(first.id)
         seen.assert_within()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack, cast, overload
+from urllib.parse import urlencode
 
 import msgspec
 
@@ -117,6 +118,22 @@ class Responses:
         return await self._transport.send(
             "GET", f"{self._transport.base_url}/responses/{response_id}", None, rp.Response
         )
+
+    async def input_items(
+        self,
+        response_id: str,
+        *,
+        limit: int | None = None,
+        order: Literal["asc", "desc"] | None = None,
+        after: str | None = None,
+        before: str | None = None,
+    ) -> rp.InputItemList:
+        """``GET /responses/{id}/input_items``: a page of what a stored response took as input
+        (the conversation it continued, then its own input; newest first unless ``order="asc"``)."""
+        given = {"limit": limit, "order": order, "after": after, "before": before}
+        query = urlencode({key: value for key, value in given.items() if value is not None})
+        url = f"{self._transport.base_url}/responses/{response_id}/input_items{'?' if query else ''}{query}"
+        return await self._transport.send("GET", url, None, rp.InputItemList)
 
     async def delete(self, response_id: str) -> rp.ResponseDeleted:
         """``DELETE /responses/{id}``."""

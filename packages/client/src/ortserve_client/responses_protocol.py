@@ -40,6 +40,7 @@ __all__ = [
     "InputContent",
     "InputImage",
     "InputItem",
+    "InputItemList",
     "InputMessage",
     "InputText",
     "InputTokensDetails",
@@ -512,6 +513,17 @@ class Response(_Response):
     def output_text(self) -> str:
         """The text of every ``output_text`` part, joined (what OpenAI's SDKs compute)."""
         return "".join(part.text for item in self.output if isinstance(item, OutputMessage) for part in item.content)
+
+
+class InputItemList(_Response):
+    """``GET /v1/responses/{id}/input_items``: a page of the items a stored response took as
+    input (the conversation it continued, then its own ``input``), each with its id."""
+
+    data: list[InputItem]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+    object: Literal["list"] = "list"
 
 
 class ResponseDeleted(_Response):
