@@ -119,6 +119,49 @@ def test_a_forced_call_cut_short_is_still_a_call(tiny_client: openai.OpenAI, too
     assert single.message.tool_calls is not None and single.message.tool_calls[0].function.name == "add"
 
 
+# pydantic writes nested models as "$defs" and "$ref"s from the parameters' root (LangChain,
+# openai-agents and the SDK's pydantic_function_tool send them so); a recursive one refers
+# to the root itself.
+TRIP_PARAMS = {
+    "type": "object",
+    "properties": {"home": {"$ref": "#/$defs/City"}, "stops": {"type": "array", "items": {"$ref": "#/$defs/City"}}},
+    "required": ["home", "stops"],
+    "$defs": {
+        "City": {
+            "type": "object",
+            "properties": {"name": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+            "required": ["name", "days"],
+        }
+    },
+}
+TREE_PARAMS = {
+    "type": "object",
+    "properties": {"leaf": {"type": "boolean"}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+    "required": ["leaf", "kids"],
+}
+
+
+@pytest.mark.parametrize("named", ["plan_trip", "tree", None])
+def test_forced_calls_follow_schemas_with_defs_and_references(tiny_client: openai.OpenAI, named: str | None) -> None:
+    """Tenth probe: a forced call to a tool whose parameters refer to their own ``$defs``
+    (or to their root) was a 400 ("Pointer '/$defs/City' does not exist"): the parameters
+    sit inside the call's schema, so their references must point from there."""
+    params = {"plan_trip": TRIP_PARAMS, "tree": TREE_PARAMS, "add": ADD_PARAMS}
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}} for name, schema in params.items()]
+    choice: Any = {"type": "function", "function": {"name": named}} if named else "required"
+    message = (
+        tiny_client.chat.completions.create(
+            model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=300, temperature=0
+        )
+        .choices[0]
+        .message
+    )
+    assert message.tool_calls is not None
+    [call] = message.tool_calls
+    assert call.function.name == named or named is None
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
 def test_stream_puts_id_and_name_first_then_arguments(tiny_client: openai.OpenAI) -> None:
     chunks = list(
         tiny_client.chat.completions.create(

@@ -259,6 +259,35 @@ def _unfinished(body: str, arguments_key: str) -> tuple[str | None, str]:
     return name, body[arguments.end() :].rstrip() if arguments is not None else ""
 
 
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are data, not schemas: a "$ref" inside them is not a reference."""
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, list):
+        return any(_has_local_ref(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        return True
+    return any(_has_local_ref(value) for key, value in schema.items() if key not in _DATA_KEYWORDS)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with its local references (``#...``, JSON pointers from its root) made to
+    point from ``base``, where it is moved to."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: value if key in _DATA_KEYWORDS else _rebased(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        moved["$ref"] = base + ref[1:]
+    return moved
+
+
 def forced_tool_grammar(
     format: ToolCallFormat,
     tools: Sequence[Mapping[str, Any]],
@@ -275,12 +304,18 @@ def forced_tool_grammar(
     response format: the model calls a tool or answers in the format). Objects admit only
     their declared properties unless a schema says otherwise (:func:`closed_schema`)."""
     markers = _FORMATS[format]
-    options = []
-    for tool in tools:
+    options, moved = [], {}
+    for number, tool in enumerate(tools):
         function = tool.get("function", {})
         if name is not None and function.get("name") != name:
             continue
         parameters = closed_schema(function.get("parameters") or {"type": "object"})
+        if _has_local_ref(parameters):
+            # Its "#/$defs/..." (pydantic's nested models, a recursive schema) point into
+            # the parameters, which are not the root here: they move to the root's $defs
+            # and their references with them.
+            moved[f"tool{number}"] = _rebased(parameters, f"#/$defs/tool{number}")
+            parameters = {"$ref": f"#/$defs/tool{number}"}
         key = markers.arguments_key
         options.append(
             {
@@ -295,7 +330,7 @@ def forced_tool_grammar(
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     if markers.many:  # a JSON list of calls between the markers: here a list of one
         schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}, **({"$defs": moved} if moved else {})}
 
     def literal(text: str) -> str:
         token = token_id(text)
