@@ -213,6 +213,20 @@ def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
         with pytest.raises(openai.NotFoundError):
             bob.batches.retrieve(batch.id)
         assert _wait(alice, batch.id).status == "completed"
+        # Tenth probe: as a list's cursor, Alice's id gave Bob his own files and batches
+        # older than hers (so it told him hers existed, and when); now it finds what an
+        # unknown id finds.
+        mine = bob.files.create(file=("mine.jsonl", _jsonl([_chat_line(1)])), purpose="batch")
+        bob.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions", completion_window="24h")
+        later = alice.files.create(file=("later.jsonl", _jsonl([_chat_line(1)])), purpose="batch")
+        for cursor in (later.id, "file-unknown"):
+            assert bob.files.list(after=cursor).data == [], cursor
+        later_batch = alice.batches.create(
+            input_file_id=later.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        for cursor in (later_batch.id, "batch_unknown"):
+            assert bob.batches.list(after=cursor).data == [], cursor
+        assert mine.id in [f.id for f in bob.files.list()]
 
 
 def test_a_cancelled_batch_keeps_its_answers(shared: openai.OpenAI) -> None:

@@ -171,8 +171,10 @@ class BatchStore:
                 query += " AND purpose = ?"
                 args.append(purpose)
             if after is not None:
-                query += f" AND (created, id) {beyond} (SELECT created, id FROM files WHERE id = ?)"
-                args.append(after)
+                # The cursor is one of the owner's files: another key's id finds what an
+                # unknown one finds (nothing), not the owner's files older than it.
+                query += f" AND (created, id) {beyond} (SELECT created, id FROM files WHERE id = ? AND owner = ?)"
+                args += [after, owner]
             order = f" ORDER BY created {direction}, id {direction} LIMIT ?"
             rows = db.execute(query + order, (*args, limit)).fetchall()
             return [_file(row) for row in rows]
@@ -236,8 +238,8 @@ class BatchStore:
             query = "SELECT batch FROM batches WHERE owner = ?"
             args: list[object] = [owner]
             if after is not None:
-                query += " AND (created, id) < (SELECT created, id FROM batches WHERE id = ?)"
-                args.append(after)
+                query += " AND (created, id) < (SELECT created, id FROM batches WHERE id = ? AND owner = ?)"
+                args += [after, owner]
             rows = db.execute(query + " ORDER BY created DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
             return [_counted(db, _decode_batch(row[0])) for row in rows]
 
