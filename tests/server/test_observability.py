@@ -162,9 +162,16 @@ def test_usage_per_key_is_counted_by_label_and_survives_a_restart(tmp_path: Path
         a, b = before[("team-a", "tiny")], before[("team-b", "tiny")]
         assert (a["requests"], a["errors"], a["input_tokens"], a["output_tokens"]) == (3, 1, *spent["team-a"])
         assert (b["requests"], b["errors"], b["input_tokens"], b["output_tokens"]) == (1, 0, *spent["team-b"])
-        metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {KEY_A}"}).text
+        metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
         assert 'ortserve_key_requests_total{key="team-a",model="tiny"} 3.0' in metrics
         assert f'ortserve_key_output_tokens_total{{key="team-b",model="tiny"}} {float(spent["team-b"][1])}' in metrics
+        # Tenth probe: an API key read every key's usage there, which /v1/usage keeps to the
+        # admin key; now it sees the rest of the metrics only.
+        theirs = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {KEY_B}"})
+        assert theirs.status_code == 200 and 'ortserve_requests_total{endpoint="/v1/chat/completions"' in theirs.text
+        assert "ortserve_key_" not in theirs.text.replace("# HELP ortserve_key_", "").replace(
+            "# TYPE ortserve_key_", ""
+        )
     with serve(log, *args) as url:  # the same state dir: the totals are there
         assert _usage(url, ADMIN) == before
         closing(openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_B, max_retries=0)).chat.completions.create(
@@ -172,7 +179,7 @@ def test_usage_per_key_is_counted_by_label_and_survives_a_restart(tmp_path: Path
         )
         after = _usage(url, ADMIN, key="team-b")
         assert list(after) == [("team-b", "tiny")] and after[("team-b", "tiny")]["requests"] == 2
-        metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {KEY_A}"}).text
+        metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
         assert 'ortserve_key_requests_total{key="team-a",model="tiny"} 3.0' in metrics
     for secret in (KEY_A, KEY_B, ADMIN):
         assert secret not in log.read_text()

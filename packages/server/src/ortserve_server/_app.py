@@ -50,11 +50,19 @@ logger = logging.getLogger("ortserve.server")
 
 
 def _guards(
-    config: ServerConfig, *, keyed: bool = True, x_api_key: bool = False, key: str | None = None
+    config: ServerConfig,
+    *,
+    keyed: bool = True,
+    x_api_key: bool = False,
+    key: str | None = None,
+    or_admin: bool = False,
 ) -> list[Guard]:
     """Host/Origin/content type first (a rebinding page learns nothing, not even whether a
-    key is set), then the key where the route needs it (``key``, else the API keys)."""
+    key is set), then the key where the route needs it (``key``, else the API keys, or the
+    admin key too with ``or_admin``)."""
     keys = {key: "admin"} if key else config.api_key_labels
+    if or_admin and keys and config.admin_key:
+        keys = {**keys, config.admin_key: "admin"}
     scoped = config.prefix_cache_scope == "key" and not key
     guard = make_auth_guard(keys, x_api_key=x_api_key, scoped=scoped)
     return [SiteGuard(config), *([guard] if keyed and keys else [])]
@@ -138,14 +146,14 @@ def _routers(state: OrtServe) -> list[Router]:
     # and traffic, so they need the key unless the operator says otherwise.
     extras = [
         (config.health_path, health_handler, False),
-        (config.metrics_path, metrics_handler, not config.public_metrics),
+        (config.metrics_path, metrics_handler, not config.public_metrics),  # the admin key too: usage per key
     ]
     routers += [
         Router(
             path=path,
             route_handlers=[handler],
             dependencies=provide,
-            guards=_guards(config, keyed=keyed),
+            guards=_guards(config, keyed=keyed, or_admin=True),
             exception_handlers=exception_handlers,
             middleware=[observe_requests(state.observer, usage=False)],
         )

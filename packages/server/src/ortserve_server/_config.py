@@ -144,7 +144,9 @@ class ServerConfig:
     """When set, the model control routes (``POST /v1/models/load`` and ``/unload``, and the
     LoRA adapter routes where ``runtime_adapters`` allows them) need
     ``Authorization: Bearer <admin_key>`` (the API key is not enough); unset, they need
-    the API key when one is set, like every other route."""
+    the API key when one is set, like every other route. So does what shows every key's
+    traffic: ``GET /v1/usage``, and the ``ortserve_key_*`` series of ``/metrics`` (which
+    takes the admin key too; an API key gets the other series)."""
     response_id_tag: str = ""
     """Put into the ids of Responses this server makes (``resp_<tag>-<hex>``):
     ``ortserve_server.ray`` sets it to each replica's id, so that a request naming a stored

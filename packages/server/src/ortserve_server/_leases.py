@@ -14,7 +14,7 @@ import contextvars
 import hmac
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -41,6 +41,7 @@ __all__ = [
     "mark_admin_callers",
     "model_adapters",
     "parse_keep_alive",
+    "presents_key",
     "release_leases",
     "require_embedding_model",
     "require_model",
@@ -74,16 +75,10 @@ _admin: contextvars.ContextVar[bool] = contextvars.ContextVar("ortserve_admin_ca
 def mark_admin_callers(admin_key: str) -> Callable[[ASGIApp], ASGIApp]:
     """Middleware factory: remember whether a request presents the admin key
     (``Authorization: Bearer`` or ``x-api-key``), for :func:`keep_alive_by_admin`."""
-    expected = admin_key.encode()
 
     def factory(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-            headers = dict(scope.get("headers", []))
-            bearer = headers.get(b"authorization", b"").partition(b" ")
-            given = [headers.get(b"x-api-key", b"").strip()]
-            if bearer[0].lower() == b"bearer":
-                given.append(bearer[2].strip())
-            token = _admin.set(any(hmac.compare_digest(key, expected) for key in given if key))
+            token = _admin.set(presents_key(scope.get("headers", []), admin_key))
             try:
                 await app(scope, receive, send)
             finally:
@@ -92,6 +87,16 @@ def mark_admin_callers(admin_key: str) -> Callable[[ASGIApp], ASGIApp]:
         return middleware
 
     return factory
+
+
+def presents_key(headers: Iterable[tuple[bytes, bytes]], key: str) -> bool:
+    """Whether ASGI ``headers`` carry ``key`` (``Authorization: Bearer`` or ``x-api-key``)."""
+    named = dict(headers)
+    bearer = named.get(b"authorization", b"").partition(b" ")
+    given = [named.get(b"x-api-key", b"").strip()]
+    if bearer[0].lower() == b"bearer":
+        given.append(bearer[2].strip())
+    return any(hmac.compare_digest(value, key.encode()) for value in given if value)
 
 
 def keep_alive_by_admin(seconds: float | None, admin_key: str | None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 from collections.abc import Iterator
@@ -17,7 +18,12 @@ from prometheus_client.registry import Collector
 
 from ._database import Connection, Database, write
 
-__all__ = ["FLUSH_SECONDS", "UsageLedger", "UsageTotals"]
+__all__ = ["FLUSH_SECONDS", "UsageLedger", "UsageTotals", "usage_per_key_shown"]
+
+usage_per_key_shown: contextvars.ContextVar[bool] = contextvars.ContextVar("ortserve_usage_per_key", default=True)
+"""Whether the scrape under way may see the ``ortserve_key_*`` series: not where an admin
+key is set and the caller did not present it (they show every key's traffic, which
+``GET /v1/usage`` keeps to the admin key)."""
 
 logger = logging.getLogger("ortserve.server")
 
@@ -172,6 +178,8 @@ class _UsageCollector(Collector):
                 "ortserve_key_output_tokens", "Generated tokens per API key label and model", labels=["key", "model"]
             ),
         }
+        if not usage_per_key_shown.get():
+            return
         for (key, model), totals in sorted(self._ledger.totals().items()):
             for attribute, family in families.items():
                 family.add_metric([key, model], getattr(totals, attribute))

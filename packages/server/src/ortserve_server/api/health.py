@@ -10,8 +10,10 @@ from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from ortserve_client import protocol as p
 
+from .._leases import presents_key
 from .._openapi import GET_ERRORS, error_responses
 from .._state import OrtServe
+from .._usage import usage_per_key_shown
 
 __all__ = ["health_handler", "metrics_handler"]
 
@@ -61,11 +63,18 @@ def _key_proof(ortserve: OrtServe, request: Request[Any, Any, Any]) -> dict[str,
     media_type="text/plain; version=0.0.4",
     responses=error_responses(*GET_ERRORS),
 )
-async def metrics_handler(ortserve: NamedDependency[OrtServe]) -> bytes:
+async def metrics_handler(ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]) -> bytes:
+    """Every model's load, and usage per key label where the caller may see every key's
+    traffic: without an admin key, anyone the route lets in; with one, its holder."""
     for name in ortserve.registry.names():
         model = ortserve.registry.loaded(name)  # every kind: generative, speech, embedding, rerank
         if model is None:
             ortserve.metrics.set_load(name, None, None)
         else:
             ortserve.metrics.set_load(name, model.queued, model.active)
-    return ortserve.metrics.render()
+    admin_key = ortserve.config.admin_key
+    shown = usage_per_key_shown.set(admin_key is None or presents_key(request.scope["headers"], admin_key))
+    try:
+        return ortserve.metrics.render()
+    finally:
+        usage_per_key_shown.reset(shown)
