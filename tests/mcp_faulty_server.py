@@ -9,7 +9,8 @@ log notifications before it answers (the SDK handles each on the event loop); ``
 fails with an error message of 200 KB; ``crowd`` answers 30,000 content items (900 KB: the SDK
 made each a model on the event loop); ``nested`` answers ``structuredContent`` holding
 200,000 empty arrays (600 KB). ``python mcp_faulty_server.py crowded`` lists 10,000
-tools instead (parsing them held the event loop 0.6 s; over HTTP, 2 s for 50,000). HTTP
+tools instead (parsing them held the event loop 0.6 s; over HTTP, 2 s for 50,000), and
+``heavy`` 999 tools of 14 properties each (47,000 keys, 830 KB: 100-200 ms of the loop). HTTP
 only: ``huge`` answers 2 MB; ``zipped`` answers "ok" gzip-encoded; ``bomb`` answers 100 MB
 of text gzip-encoded into 100 KB (httpx decoded it above the transport's bounds); ``stuck``
 never answers, sending an SSE comment every 0.1 s until its client closes the connection
@@ -28,6 +29,8 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _CROWDED = sys.argv[-1:] == ["crowded"]
+_HEAVY = sys.argv[-1:] == ["heavy"]
+_PROPERTIES = {f"p{n}": {"type": "string", "description": "x"} for n in range(14)}
 _TOOLS = [
     {"name": name, "description": description, "inputSchema": {"type": "object", "properties": {}}}
     for name, description in (
@@ -54,6 +57,9 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
     if method == "tools/list":
         if _CROWDED:
             return {"tools": [{**_TOOLS[0], "name": f"t{n}"} for n in range(10_000)]}
+        if _HEAVY:
+            schema = {"type": "object", "properties": _PROPERTIES}
+            return {"tools": [{**_TOOLS[0], "name": f"t{n}", "inputSchema": schema} for n in range(999)]}
         return {"tools": _TOOLS}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "huge":
         return {"content": [{"type": "text", "text": "x" * 2_000_000}]}

@@ -68,10 +68,14 @@ def http_mcp() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def faulty_http() -> Iterator[tuple[str, str]]:
-    """The faulty server over streamable HTTP, and its crowded twin."""
-    with _http_server(FAULTY_SERVER) as faulty, _http_server(FAULTY_SERVER, "crowded") as crowded:
-        yield faulty, crowded
+def faulty_http() -> Iterator[tuple[str, str, str]]:
+    """The faulty server over streamable HTTP, and its crowded and heavy twins."""
+    with (
+        _http_server(FAULTY_SERVER) as faulty,
+        _http_server(FAULTY_SERVER, "crowded") as crowded,
+        _http_server(FAULTY_SERVER, "heavy") as heavy,
+    ):
+        yield faulty, crowded, heavy
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,7 @@ def marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def url(http_mcp: str, faulty_http: tuple[str, str], marker: Path) -> Iterator[str]:
+def url(http_mcp: str, faulty_http: tuple[str, str, str], marker: Path) -> Iterator[str]:
     config = ServerConfig(
         models={"tiny": TINY_MODEL},
         mcp_servers=(
@@ -88,9 +92,11 @@ def url(http_mcp: str, faulty_http: tuple[str, str], marker: Path) -> Iterator[s
             McpServer("fragile", command=(sys.executable, str(TOOLS_SERVER), "stdio", str(marker), "fragile")),
             McpServer("faulty", command=(sys.executable, str(FAULTY_SERVER))),
             McpServer("crowded", command=(sys.executable, str(FAULTY_SERVER), "crowded")),
+            McpServer("heavy", command=(sys.executable, str(FAULTY_SERVER), "heavy")),
             McpServer("web", url=http_mcp),
             McpServer("faulty-web", url=faulty_http[0]),
             McpServer("crowded-web", url=faulty_http[1]),
+            McpServer("heavy-web", url=faulty_http[2]),
             McpServer("hang", command=(sys.executable, "-c", "import time; time.sleep(600)")),
             McpServer("gone", command=("/nonexistent/mcp-server",)),
         ),
@@ -397,6 +403,10 @@ def test_a_flood_of_notifications_stops_the_server(client: openai.OpenAI, url: s
     [
         ("crowded", "a list of 10000 tools (at most 1000 are taken)"),
         ("crowded-web", "a list of more than 1000 tools (the most taken)"),  # refused as they arrive
+        # Tenth probe: 999 tools of 14 properties (47,000 keys) passed the bounds of other
+        # messages and held /health 106-200 ms while the SDK made them models.
+        ("heavy", "object keys (at most 16384)"),
+        ("heavy-web", "object keys (at most 16384)"),
     ],
 )
 def test_a_listing_of_too_many_tools_is_refused_before_it_is_parsed(

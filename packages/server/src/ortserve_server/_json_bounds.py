@@ -53,21 +53,22 @@ async def check_json_counts(body: bytes) -> None:
         )
 
 
-async def json_past_bounds(body: bytes) -> tuple[str, str | None] | None:
-    """What ``body`` (JSON, or JSON an SSE event carries) has more of than the bounds allow,
+async def json_past_bounds(body: bytes, max_keys: int = MAX_JSON_KEYS) -> tuple[str, str | None] | None:
+    """What ``body`` (JSON, or JSON an SSE event carries) has more of than the bounds allow
+    (``max_keys`` object keys, or objects and arrays, where what it becomes costs more a key),
     and the top-level field holding the most; ``None`` within them. Counted on a worker
     thread, for any text that is to be decoded on the event loop (request bodies, MCP
-    messages); a small one is not counted."""
-    if len(body) <= _LOOK_ABOVE:
+    messages); one too small to hold that many (5 bytes a key at the least) is not counted."""
+    if len(body) <= min(_LOOK_ABOVE, 5 * max_keys):
         return None
-    return await anyio.to_thread.run_sync(_past_bounds, body)
+    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys)
 
 
-def _past_bounds(body: bytes) -> tuple[str, str | None] | None:
+def _past_bounds(body: bytes, max_keys: int) -> tuple[str, str | None] | None:
     """What ``body`` has too many of, and the top-level field that holds the most; ``None``
     when within the bounds."""
     containers = body.count(b"{") + body.count(b"[")
-    if max(body.count(b":"), containers) <= MAX_JSON_KEYS and body.count(b",") <= MAX_JSON_ITEMS:
+    if max(body.count(b":"), containers) <= max_keys and body.count(b",") <= MAX_JSON_ITEMS:
         return None  # upper bounds, within: nothing to scan
     keys = objects = separators = depth = 0
     field: str | None = None
@@ -96,10 +97,10 @@ def _past_bounds(body: bytes) -> tuple[str, str | None] | None:
         else:
             depth -= 1
     items = max(separators - keys, 0)  # the commas not between keys: one fewer than each array's items
-    if keys > MAX_JSON_KEYS:
-        what = f"{keys} object keys (at most {MAX_JSON_KEYS})"
-    elif objects > MAX_JSON_KEYS:
-        what = f"{objects} objects and arrays (at most {MAX_JSON_KEYS}, as keys)"
+    if keys > max_keys:
+        what = f"{keys} object keys (at most {max_keys})"
+    elif objects > max_keys:
+        what = f"{objects} objects and arrays (at most {max_keys}, as keys)"
     elif items > MAX_JSON_ITEMS:
         what = f"about {items} array items (at most {MAX_JSON_ITEMS})"
     else:

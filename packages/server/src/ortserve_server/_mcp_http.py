@@ -30,8 +30,7 @@ from typing import Any
 import httpx2
 
 from ._inflate import ACCEPT_ENCODING, CodingError, Inflater
-from ._json_bounds import json_past_bounds
-from ._mcp_stdio import MAX_LISTED_TOOLS, MAX_NOTIFICATIONS_PER_SECOND, PerSecond, is_notification
+from ._mcp_stdio import MAX_LISTED_TOOLS, MAX_NOTIFICATIONS_PER_SECOND, PerSecond, is_notification, message_past_bounds
 
 __all__ = ["MessageRefusedError", "bounded_http_client"]
 
@@ -155,7 +154,7 @@ async def _check_counts(message: bytes | bytearray) -> None:
     """Refuses a message with more keys or items than a request body may have, counted on a
     worker thread before the SDK parses it on the event loop: a result of 200,000 content
     items (3 MB) held the loop 2.8-4 s while the SDK made them models."""
-    past = await json_past_bounds(bytes(message))
+    past = await message_past_bounds(bytes(message))
     if past is not None:
         raise MessageRefusedError(f"a message of {past[0]}")
 
