@@ -325,3 +325,48 @@ def test_an_answer_of_many_logprobs_is_no_stall(url: str) -> None:
         tokens = choice.logprobs.content
         assert len(tokens) == 900 and all(len(t.top_logprobs) == 20 for t in tokens)
         assert all(t.logprob == max(top.logprob for top in t.top_logprobs) for t in tokens)  # greedy
+
+
+BOMB = "^((((a{1000}){1000}){1000}){1000})$"  # 36 bytes; its lexer takes 1.4-2 s and 250 MB to build
+
+
+def test_a_grammar_slow_to_build_holds_no_other_request(url: str) -> None:
+    """Tenth probe: a grammar's lexer is built at its first mask, which the engine computed
+    in its step: a plain chat of another caller waited 2.1 s behind one such request, 14 s
+    behind eight. The first mask is now made with the constraint, in the request's worker
+    thread; the plain chat goes on beside it."""
+    bomb = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "s", "schema": {"type": "string", "pattern": BOMB}},
+        },
+    }
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with httpx.Client(timeout=60) as client:
+        alone = min(_timed(lambda: client.post(f"{url}/v1/chat/completions", json=plain)) for _ in range(3))
+        answers: list[httpx.Response] = []
+        bombs = [
+            threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{url}/v1/chat/completions", json=bomb, timeout=60))
+            )
+            for _ in range(2)
+        ]
+        for thread in bombs:
+            thread.start()
+        time.sleep(0.3)  # both in: their constraints being made
+        beside = _timed(lambda: client.post(f"{url}/v1/chat/completions", json=plain))
+        for thread in bombs:
+            thread.join()
+    print(f"plain chat alone {alone:.3f} s, beside two slow grammars {beside:.3f} s")
+    assert len(answers) == 2 and all(a.status_code in (200, 400) for a in answers), [a.text[:200] for a in answers]
+    assert beside < 0.6, (alone, beside)
+
+
+def _timed(call: Callable[[], httpx.Response]) -> float:
+    started = time.perf_counter()
+    response = call()
+    assert response.status_code == 200, response.text[:300]
+    return time.perf_counter() - started
