@@ -95,8 +95,11 @@ class _PieceCountingConnection(h11.Connection):
     events) and their bytes; once they are too small (:data:`BODY_MIN_PIECE` on average, past
     :data:`BODY_PIECES_FREE`) it stops parsing (:attr:`too_small`) and reports no more
     events, for the protocol to refuse the request. A request line and headers longer than
-    ``max_head`` are a protocol error with status 431 (:attr:`head_too_large`), whether
-    they came in pieces (h11's own limit) or in one read (which h11 takes whole)."""
+    ``max_head`` are a protocol error with status 431, whether they came in pieces (h11's
+    own limit) or in one read (which h11 takes whole); a request with both
+    ``Transfer-Encoding`` and ``Content-Length`` one with status 400 (RFC 9112, 6.3: h11
+    takes the chunks, a proxy in front may take the length, and the rest of the body
+    becomes a smuggled request). :attr:`head_refused` says why, for the answer."""
 
     def __init__(self, max_head: int) -> None:
         super().__init__(h11.SERVER, max_head)
@@ -104,7 +107,8 @@ class _PieceCountingConnection(h11.Connection):
         self.pieces = 0
         self.piece_bytes = 0
         self.too_small = False
-        self.head_too_large = False
+        self.head_refused: tuple[int, str, str] | None = None
+        """The status, message and code of the answer to a head refused here."""
 
     def next_event(self) -> Any:
         if self.too_small:
@@ -112,14 +116,17 @@ class _PieceCountingConnection(h11.Connection):
         try:
             event = super().next_event()
         except h11.RemoteProtocolError as exc:
-            self.head_too_large = exc.error_status_hint == 431  # h11's own: a head still incomplete
+            if exc.error_status_hint == 431:  # h11's own: a head still incomplete
+                self._refuse_head(431, "request_header_fields_too_large")
             raise
         if isinstance(event, h11.Request):
             head = len(event.method) + len(event.target)
             head += sum(len(name) + len(value) + 4 for name, value in event.headers)  # ": ", CRLF
             if head > self.max_head:
-                self.head_too_large = True
-                raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+                self._refuse_head(431, "request_header_fields_too_large")
+            names = {name for name, _ in event.headers}  # h11 gives them lower-case
+            if b"transfer-encoding" in names and b"content-length" in names:
+                self._refuse_head(400, "ambiguous_body_length")
             self.pieces = self.piece_bytes = 0
         elif isinstance(event, h11.Data):
             self.pieces += 1
@@ -128,6 +135,14 @@ class _PieceCountingConnection(h11.Connection):
                 self.too_small = True
                 return h11.NEED_DATA
         return event
+
+    def _refuse_head(self, status: int, code: str) -> None:
+        message = {
+            431: f"the request line and headers are longer than this server's {self.max_head} bytes",
+            400: "the request has both Transfer-Encoding and Content-Length; send one (RFC 9112, 6.3)",
+        }[status]
+        self.head_refused = (status, message, code)
+        raise h11.RemoteProtocolError(message, error_status_hint=status)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -367,16 +382,12 @@ class GuardedH11Protocol(H11Protocol):
         )
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request h11 could not parse; one whose head is past
-        ``--max-header-size`` gets 431 in the API's error shape."""
+        """uvicorn's answer to a request h11 could not parse; one whose head was refused
+        here (past ``--max-header-size``: 431; an ambiguous body length: 400) gets its answer
+        in the API's error shape."""
         conn = self.conn
-        if isinstance(conn, _PieceCountingConnection) and conn.head_too_large:
-            self._refuse(
-                431,
-                f"the request line and headers are longer than this server's {conn.max_head} bytes",
-                "request_header_fields_too_large",
-                app_started=False,
-            )
+        if isinstance(conn, _PieceCountingConnection) and conn.head_refused is not None:
+            self._refuse(*conn.head_refused, app_started=False)
             return
         super().send_400_response(msg)
 
