@@ -8,7 +8,8 @@ timeout: the SDK's session only logs a message it cannot read); ``chatty`` sends
 log notifications before it answers (the SDK handles each on the event loop); ``loud``
 fails with an error message of 200 KB; ``crowd`` answers 30,000 content items (900 KB: the SDK
 made each a model on the event loop); ``nested`` answers ``structuredContent`` holding
-200,000 empty arrays (600 KB). ``python mcp_faulty_server.py crowded`` lists 10,000
+200,000 empty arrays (600 KB); ``throng`` 12,000 content items (within a request body's
+bounds, 210-380 ms of the loop) and ``wide`` an array of 200,000 numbers. ``python mcp_faulty_server.py crowded`` lists 10,000
 tools instead (parsing them held the event loop 0.6 s; over HTTP, 2 s for 50,000), and
 ``heavy`` 999 tools of 14 properties each (47,000 keys, 830 KB: 100-200 ms of the loop). HTTP
 only: ``huge`` answers 2 MB; ``zipped`` answers "ok" gzip-encoded; ``bomb`` answers 100 MB
@@ -41,6 +42,8 @@ _TOOLS = [
         ("loud", "Fails with an error message of 200 KB"),
         ("crowd", "Answers 30,000 content items"),
         ("nested", "Answers with 200,000 empty arrays"),
+        ("throng", "Answers 12,000 content items"),
+        ("wide", "Answers with an array of 200,000 numbers"),
         ("zipped", "Answers ok, gzip-encoded"),
         ("bomb", "Answers 100 MB gzip-encoded into 100 KB"),
         ("stuck", "Never answers (HTTP: trickles SSE comments until the connection is closed)"),
@@ -65,6 +68,10 @@ def _answer(message: dict[str, object]) -> dict[str, object]:
         return {"content": [{"type": "text", "text": "x" * 2_000_000}]}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "crowd":
         return {"content": [{"type": "text", "text": "x"}] * 30_000}
+    if method == "tools/call" and isinstance(params, dict) and params.get("name") == "throng":
+        return {"content": [{"type": "text", "text": "x"}] * 12_000}
+    if method == "tools/call" and isinstance(params, dict) and params.get("name") == "wide":
+        return {"content": [{"type": "text", "text": "x"}], "structuredContent": {"a": [0] * 200_000}}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "nested":
         return {"content": [{"type": "text", "text": "x"}], "structuredContent": {"a": [[]] * 200_000}}
     if method == "tools/call" and isinstance(params, dict) and params.get("name") == "dropped":

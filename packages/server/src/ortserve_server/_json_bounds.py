@@ -53,22 +53,25 @@ async def check_json_counts(body: bytes) -> None:
         )
 
 
-async def json_past_bounds(body: bytes, max_keys: int = MAX_JSON_KEYS) -> tuple[str, str | None] | None:
+async def json_past_bounds(
+    body: bytes, max_keys: int = MAX_JSON_KEYS, max_items: int = MAX_JSON_ITEMS
+) -> tuple[str, str | None] | None:
     """What ``body`` (JSON, or JSON an SSE event carries) has more of than the bounds allow
-    (``max_keys`` object keys, or objects and arrays, where what it becomes costs more a key),
-    and the top-level field holding the most; ``None`` within them. Counted on a worker
-    thread, for any text that is to be decoded on the event loop (request bodies, MCP
-    messages); one too small to hold that many (5 bytes a key at the least) is not counted."""
-    if len(body) <= min(_LOOK_ABOVE, 5 * max_keys):
+    (``max_keys`` object keys, or objects and arrays; ``max_items`` array items: lower where
+    what it becomes costs more an item), and the top-level field holding the most; ``None``
+    within them. Counted on a worker thread, for any text that is to be decoded on the event
+    loop (request bodies, MCP messages); one too small to hold that many (5 bytes a key, 2 an
+    item at the least) is not counted."""
+    if len(body) <= min(_LOOK_ABOVE, 5 * max_keys, 2 * max_items):
         return None
-    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys)
+    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys, max_items)
 
 
-def _past_bounds(body: bytes, max_keys: int) -> tuple[str, str | None] | None:
+def _past_bounds(body: bytes, max_keys: int, max_items: int) -> tuple[str, str | None] | None:
     """What ``body`` has too many of, and the top-level field that holds the most; ``None``
     when within the bounds."""
     containers = body.count(b"{") + body.count(b"[")
-    if max(body.count(b":"), containers) <= max_keys and body.count(b",") <= MAX_JSON_ITEMS:
+    if max(body.count(b":"), containers) <= max_keys and body.count(b",") <= max_items:
         return None  # upper bounds, within: nothing to scan
     keys = objects = separators = depth = 0
     field: str | None = None
@@ -101,8 +104,8 @@ def _past_bounds(body: bytes, max_keys: int) -> tuple[str, str | None] | None:
         what = f"{keys} object keys (at most {max_keys})"
     elif objects > max_keys:
         what = f"{objects} objects and arrays (at most {max_keys}, as keys)"
-    elif items > MAX_JSON_ITEMS:
-        what = f"about {items} array items (at most {MAX_JSON_ITEMS})"
+    elif items > max_items:
+        what = f"about {items} array items (at most {max_items})"
     else:
         return None
     return what, max(weights, key=lambda name: weights[name], default=None)

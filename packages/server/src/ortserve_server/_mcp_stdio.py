@@ -31,7 +31,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from ._json_bounds import MAX_JSON_KEYS, json_past_bounds
+from ._json_bounds import json_past_bounds
 
 __all__ = [
     "MAX_LISTED_TOOLS",
@@ -49,11 +49,16 @@ _PARSE_INLINE = 64 * 1024
 MAX_LISTED_TOOLS = 1000
 """Tools one message may list: 50,000 took 1.9 s to parse and 0.6 s more to read as tools,
 holding the event loop (a request takes at most 128 tools anyway)."""
-MAX_LISTED_KEYS = 16_384
-"""Object keys a message that lists tools may have in all: the SDK makes its tools models on
-the event loop at some 2 µs a key of their schemas (999 tools of 14 properties, 47,000
-keys: 100 ms here, 106-200 ms of /health beside a probe), against 0.7 µs for other messages
-(:data:`._json_bounds.MAX_JSON_KEYS`). 128 tools of 30 properties each fit."""
+MAX_MESSAGE_KEYS = 16_384
+"""Object keys (and objects and arrays) an MCP message may have in all: the SDK makes its
+models on the event loop at some 2 µs a key (a tool list of 999 tools of 14 properties,
+47,000 keys, held /health 106-200 ms; a result of 16,000 text blocks 210-380 ms, with their
+``model_dump`` after), against 0.7 µs for a request body
+(:data:`._json_bounds.MAX_JSON_KEYS`). 128 tools of 30 properties each fit, and a result is
+cut to ``mcp_max_output_bytes`` (64 KiB) for the model anyway."""
+MAX_MESSAGE_ITEMS = 100_000
+"""Array items an MCP message may have in all (490,000 in a result's ``structuredContent``
+held /health 100-113 ms)."""
 MAX_NOTIFICATIONS_PER_SECOND = 1000
 """Notifications (progress, log lines) a server may send in a second: 200,000 from one call,
 each handed to the SDK, held the event loop up to 0.5 s at a time until the call timed out
@@ -78,10 +83,9 @@ class PerSecond:
 
 
 async def message_past_bounds(message: bytes) -> tuple[str, str | None] | None:
-    """:func:`._json_bounds.json_past_bounds` for an MCP message: one that lists tools
-    (every tool has an ``inputSchema``) within :data:`MAX_LISTED_KEYS` keys."""
-    listing = b'"inputSchema"' in message
-    return await json_past_bounds(message, MAX_LISTED_KEYS if listing else MAX_JSON_KEYS)
+    """:func:`._json_bounds.json_past_bounds` for an MCP message, within
+    :data:`MAX_MESSAGE_KEYS` and :data:`MAX_MESSAGE_ITEMS`."""
+    return await json_past_bounds(message, MAX_MESSAGE_KEYS, MAX_MESSAGE_ITEMS)
 
 
 def is_notification(message: object) -> bool:
