@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -20,6 +19,7 @@ from ._config import EngineName, ModelConfig
 from ._contract import OwnerThread
 from ._errors import ModelLoadError
 from ._folder import GenaiFolder, check_og_runs, load_og_model
+from ._memory import resident_memory
 from ._og_process import OgProcess
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
 from .embeddings import EmbeddingModel, RerankModel
@@ -38,7 +38,6 @@ __all__ = [
     "load_model",
     "measured_load",
     "pick_engine",
-    "resident_memory",
 ]
 
 ModelKind = Literal["generative", "embedding", "rerank", "speech", "voice"]
@@ -314,16 +313,3 @@ def measured_load(kind: ModelKind, name: str, path: Path, config: ModelConfig) -
     model = load_model(kind, name, path, config)
     elsewhere = getattr(model, "process_resident_bytes", 0)  # og's own process
     return model, max(0, resident_memory() - before) + elsewhere
-
-
-def resident_memory() -> int:
-    """This process's resident set size in bytes (Linux ``/proc/self/statm``; 0 where
-    there is none, and then resident sizes read 0)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            return int(statm.read().split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

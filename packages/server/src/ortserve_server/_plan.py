@@ -10,11 +10,10 @@ the route delivers through ``_generation``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 import dataclasses
+import functools
 import json
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -457,35 +456,15 @@ class GenerationPlan:
         wanted = len(prompts) * self.n
         param = "prompt" if len(prompts) > 1 else "n"
         check_room(state, model, wanted, param, "generations")
-        if any(o.grammar is not None for o in self.options):
-            # Its model's own grammar threads: building a grammar can take seconds (a
-            # pattern bomb: 2 s), and six such requests held every thread of the pool the
-            # other requests are prepared on (a plain chat of another key waited 7-15 s).
-            context = contextvars.copy_context()
-            pool = _grammar_threads(model)
-            streams = await asyncio.get_running_loop().run_in_executor(pool, context.run, self.start, model, prompts)
+        if any(o.grammar is not None for o in self.options):  # on its model's grammar threads
+            run = functools.partial(contextvars.copy_context().run, self.start, model, prompts)
+            streams = await asyncio.get_running_loop().run_in_executor(model.grammars.threads, run)
         else:
             streams = await asyncio.to_thread(self.start, model, prompts)
         # Others may have queued while this one was prepared: looked at again, with no
         # await between this check and handing the streams back to be read.
         check_room(state, model, wanted, param, "generations")
         return streams
-
-
-_GRAMMAR_THREADS = 2
-"""Threads a model prepares its grammar requests on (the machine's cores are what they share)."""
-_grammar_pools: weakref.WeakKeyDictionary[ChatModel, concurrent.futures.ThreadPoolExecutor] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _grammar_threads(model: ChatModel) -> concurrent.futures.ThreadPoolExecutor:
-    """``model``'s grammar threads, made at its first grammar; gone with the model."""
-    pool = _grammar_pools.get(model)
-    if pool is None:
-        pool = concurrent.futures.ThreadPoolExecutor(_GRAMMAR_THREADS, thread_name_prefix=f"grammar-{model.name}")
-        _grammar_pools[model] = pool
-    return pool
 
 
 def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerConfig, caller: Caller) -> GenerationPlan:

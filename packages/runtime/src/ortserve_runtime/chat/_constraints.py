@@ -8,6 +8,7 @@ parses and validates against a schema, a regular expression, or a Lark grammar.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import contextvars
 import json
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import InvalidRequestError
+from .._memory import resident_memory
 from ._grammar_depth import MAX_GRAMMAR_DEPTH, json_schema_depth, lark_depth
 from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
 
@@ -130,6 +132,17 @@ class GrammarCompiler:
         self._kept: collections.OrderedDict[str, Constraint] = collections.OrderedDict()
         self.reused = 0
         """Constraints copied from a kept grammar (for tests and curiosity)."""
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Two threads of this model's own to prepare requests with a grammar on (made at
+        the first one): building a grammar can take seconds (a pattern bomb: 2 s), and six
+        such requests held every thread of the pool a server prepares all requests on."""
+        with self._lock:
+            if self._threads is None:
+                self._threads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
+            return self._threads
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         import llguidance
@@ -177,8 +190,6 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
         if error:
             raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
-        from .._loading import resident_memory  # not at import: _loading imports this package
-
         before = resident_memory()
         constraint = Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size)
         # Other threads' growth counts too (kept less, never more); where there is no
