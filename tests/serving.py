@@ -157,42 +157,44 @@ class Watched:
         assert self.slowest < health and self.grown < grown, seen
 
 
+_POLLER: list[subprocess.Popen[str]] = []
+
+
+def _poller() -> subprocess.Popen[str]:
+    """The /health poller process (tests/health_poller.py), started once a test process."""
+    if not _POLLER or _POLLER[0].poll() is not None:
+        script = Path(__file__).resolve().parent / "health_poller.py"
+        _POLLER[:] = [
+            subprocess.Popen(
+                [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            )
+        ]
+    return _POLLER[0]
+
+
 @contextlib.contextmanager
 def watched(url: str, *, every: float = 0.02) -> Iterator[Watched]:
-    """``GET {url}/health`` every ``every`` seconds from a thread of its own (one kept-alive
-    connection) while the block runs, and this process's resident growth (the server runs
-    in it; see :func:`running`): ``with watched(url) as seen: ...`` then
-    ``seen.assert_within()``. A poll that fails or is not a 200 is recorded as infinitely
-    slow, so it fails the bound."""
-    import httpx
-
+    """``GET {url}/health`` every ``every`` seconds from a process of its own (one
+    kept-alive connection; see tests/health_poller.py for why not a thread) while the block
+    runs, and this process's resident growth (the server runs in it; see :func:`running`):
+    ``with watched(url) as seen: ...`` then ``seen.assert_within()``. A poll that fails or
+    is not a 200 is recorded as infinitely slow, so it fails the bound."""
+    poller = _poller()
+    assert poller.stdin is not None and poller.stdout is not None
     seen = Watched()
-    started, done = threading.Event(), threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(timeout=30) as client:
-            client.get(f"{url}/health")  # the connection made before timing starts
-            started.set()
-            while True:  # at least once, however short the block
-                sent = time.perf_counter()
-                try:
-                    ok = client.get(f"{url}/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                seen.health.append(time.perf_counter() - sent if ok else float("inf"))
-                if done.wait(every):
-                    break
-
-    poller = threading.Thread(target=poll, daemon=True)
-    with rss_growth() as grown:
-        poller.start()
-        started.wait(30)
-        try:
-            yield seen
-        finally:
-            done.set()
-            poller.join(timeout=60)
-    seen.grown = grown[0]
+    grown = [0]
+    try:
+        with rss_growth() as grown:
+            poller.stdin.write(f"watch {url} {every}\n")
+            assert poller.stdout.readline() == "ready\n", "the /health poller did not start"
+            try:
+                yield seen
+            finally:
+                poller.stdin.write("stop\n")
+                times = json.loads(poller.stdout.readline())
+                seen.health = [float("inf") if took is None else took for took in times]
+    finally:  # also when the block raises (a test may expect it to)
+        seen.grown = grown[0]
 
 
 T = TypeVar("T")
