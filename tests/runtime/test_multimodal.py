@@ -256,3 +256,21 @@ async def test_a_broken_folder_is_a_load_error_naming_it(tmp_path: Path, damage:
     with pytest.raises(ModelLoadError, match=words) as info:
         await registry.get("broken")
     assert str(folder) in str(info.value)
+
+
+async def test_processed_images_wait_for_room_while_the_engine_is_busy(vision: ChatModel) -> None:
+    """Issue 45: the og process kept every queued request's processed images (twelve
+    25-megapixel ones: +720 MiB while they waited for the engine's two slots). It keeps
+    those of prompts alive up to the engine's concurrency plus the two being decoded; the
+    next waits until a prompt is gone. Text alone takes no room."""
+    first = [await vision.aprepare_chat(ask(ImageInput(image_bytes(colour=(i, 0, 0))))) for i in range(4)]
+    text_only = await asyncio.wait_for(vision.aprepare_chat([{"role": "user", "content": "hi"}]), 30)
+    assert len(text_only) > 0
+    waiting = asyncio.ensure_future(vision.aprepare_chat(ask(ImageInput(image_bytes(colour=(9, 9, 9))))))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+    _, tokens, _, _ = await vision.generate(first.pop(), options=GREEDY).collect()  # then the prompt is gone
+    assert len(tokens) == 8
+    fifth = await asyncio.wait_for(waiting, 30)
+    _, tokens, _, _ = await vision.generate(fifth, options=GREEDY).collect()
+    assert len(tokens) == 8

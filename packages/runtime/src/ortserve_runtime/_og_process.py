@@ -20,6 +20,7 @@ The child exits when the parent closes the lanes or dies (they read end-of-file)
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import pickle
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -66,15 +68,30 @@ kind and engine: 0.96 s, against the child's own few modules)."""
 
 class RemoteMedia:
     """A multimodal prompt's processed inputs, held in the child under ``key``; dropped
-    there once this object is gone."""
+    there once this object is gone (a prompt may be generated from more than once)."""
 
-    __slots__ = ("__weakref__", "key")
+    __slots__ = ("__weakref__", "_room", "key")
 
-    def __init__(self, process: OgProcess, key: int) -> None:
+    def __init__(self, process: OgProcess, key: int, room: threading.Semaphore | None = None) -> None:
         self.key = key
-        import weakref
+        self._room = [] if room is None else [room]
+        weakref.finalize(self, _drop_media, process, key, self._room)
 
-        weakref.finalize(self, process.forget_media, key)
+    def give_back_room(self) -> None:
+        """Give back the ``room`` the inputs were made in (once; else when this object is
+        gone): the engine does when a request of them ends, as its owner thread may hold
+        its last requests until it wakes again."""
+        _give_back(self._room)
+
+
+def _give_back(room: list[threading.Semaphore]) -> None:
+    with contextlib.suppress(IndexError):  # given back already
+        room.pop().release()
+
+
+def _drop_media(process: OgProcess, key: int, room: list[threading.Semaphore]) -> None:
+    process.forget_media(key)
+    _give_back(room)
 
 
 class OgProcess:
@@ -171,12 +188,14 @@ class OgProcess:
         *,
         lane: str = "media",
         param: str = "messages",
+        room: threading.Semaphore | None = None,
     ) -> tuple[list[int], RemoteMedia]:
         """og's multimodal processor on a rendered chat and its media (decoded and checked
         already): the prompt's ids (none for Whisper), and its inputs as the child keeps
-        them; what og cannot process is an :class:`InvalidRequestError` naming ``param``."""
+        them; what og cannot process is an :class:`InvalidRequestError` naming ``param``.
+        ``room``, acquired by the caller, is given back with the inputs."""
         ids, key = self.call(lane, "process", text, pngs, audios, model_type, param)
-        return ids, RemoteMedia(self, key)
+        return ids, RemoteMedia(self, key, room)
 
     def forget_media(self, key: int) -> None:
         with self._forgetting:

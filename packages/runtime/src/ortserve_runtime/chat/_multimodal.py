@@ -73,6 +73,12 @@ class MediaProcessor:
         self.max_sequence_length = folder.max_sequence_length(config)
         self._og = og
         self._decoding = threading.BoundedSemaphore(_DECODING_AT_ONCE)
+        self.held = threading.BoundedSemaphore(config.multimodal_concurrency + _DECODING_AT_ONCE)
+        """Room for the processed images and audio the og process keeps, one a prompt until
+        the prompt is gone: the engine's running requests' and the next few. Kept for every
+        queued request, twelve 25-megapixel images' inputs grew the og process +720 MiB
+        while they waited for the engine. (A caller of :meth:`prepare` that keeps more such
+        prompts alive waits for room.)"""
         self.preparing = ThreadPoolExecutor(_DECODING_AT_ONCE, thread_name_prefix="ortserve-media")
         """Where asyncio callers prepare this model's prompts (:meth:`ChatModel.aprepare_chat`):
         waiting in the shared pool, twelve requests' large images held its six threads and
@@ -108,11 +114,20 @@ class MediaProcessor:
         for where, part in media:
             if isinstance(part, AudioInput) and not part.data:
                 raise InvalidRequestError("the audio is empty", param=where)
-        with self._decoding:  # a worker thread waits here holding only the encoded images
-            pngs = [
-                normalise_image(image, max_pixels=self.config.max_image_pixels, param=where) for where, image in images
-            ]
-            ids, inputs = self._og.process(text, pngs, audios, self.model_type)
+        room = self.held if images or audios else None
+        if room is not None:
+            room.acquire()  # given back with the processed inputs, when the prompt is gone
+        try:
+            with self._decoding:  # a worker thread waits here holding only the encoded images
+                pngs = [
+                    normalise_image(image, max_pixels=self.config.max_image_pixels, param=where)
+                    for where, image in images
+                ]
+                ids, inputs = self._og.process(text, pngs, audios, self.model_type, room=room)
+        except BaseException:
+            if room is not None:
+                room.release()
+            raise
         return Prompt(ids, inputs)
 
     def _check_image_tokens(self, images: list[tuple[str, ImageInput]]) -> None:

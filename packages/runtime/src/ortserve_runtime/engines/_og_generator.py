@@ -205,10 +205,11 @@ class OgGeneratorEngine(OwnerThread):
 
     def _end(self, request: Request) -> None:
         """Stop generating ``request``; its generator (and og's hold on its adapter) goes
-        with og's next call."""
+        with og's next call, and the room its media took is given back."""
         if request in self._running:
             del self._running[request]
             self._og.forget_generator(request.id)
+        _give_back_room(request)
 
     def _og_speculates(self, request: Request) -> bool:
         """Whether og decodes ``request`` itself with n-gram speculation: greedy, and nothing
@@ -254,6 +255,7 @@ class OgGeneratorEngine(OwnerThread):
             return
         if error is not None:
             self._og.forget_generator(request.id)
+            _give_back_room(request)
             request.deliver(error if isinstance(error, EngineError) else EngineError(f"generation failed: {error}"))
             return
         step = self._og_step if request.drafter is not None else self._accept
@@ -296,3 +298,8 @@ class OgGeneratorEngine(OwnerThread):
         if event.finish_reason is not None:
             self._end(request)
         request.deliver(event)
+
+
+def _give_back_room(request: Request) -> None:
+    if isinstance(request.media, RemoteMedia):
+        request.media.give_back_room()
