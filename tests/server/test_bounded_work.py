@@ -383,3 +383,67 @@ def _timed(call: Callable[[], httpx.Response]) -> float:
     response = call()
     assert response.status_code == 200, response.text[:300]
     return time.perf_counter() - started
+
+
+def test_a_requests_choices_and_prompts_copy_the_first_mask_too(url: str) -> None:
+    """Twelfth probe: each copy of a shared grammar filled its first mask again, which for
+    a pattern bomb takes 0.2 s: two completions of 16 prompts x 4 choices held the model's
+    grammar threads 14-19 s. The copies take the first mask along: 16 streams cost what
+    one does."""
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 2, "response_format": _bomb()["response_format"]}
+    with httpx.Client(timeout=120) as client:
+        one = _timed_refusal(lambda: client.post(f"{url}/v1/completions", json=body))
+        sixteen = _timed_refusal(
+            lambda: client.post(f"{url}/v1/completions", json={**body, "prompt": list("abcd"), "n": 4})
+        )
+    print(f"one stream {one:.2f} s, sixteen {sixteen:.2f} s")
+    assert sixteen < one + 1.0, (one, sixteen)  # 15 more fills: +3 s
+
+
+def _timed_refusal(call: Callable[[], httpx.Response]) -> float:
+    started = time.perf_counter()
+    refused = call()
+    took = time.perf_counter() - started
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["param"] == "response_format", error
+    assert error["message"].startswith("the output could not be made to follow the grammar"), error
+    return took
+
+
+@pytest.fixture(scope="module")
+def keyed_url() -> Iterator[str]:
+    config = ServerConfig(models={"tiny": TINY_MODEL}, api_key={"alice": "key-a", "bob": "key-b"})
+    with running(create_app(config)) as base:
+        yield base
+
+
+def test_one_callers_slow_grammars_do_not_hold_anothers(keyed_url: str) -> None:
+    """Twelfth probe: a model's two grammar threads took requests first come, first
+    served, so six different pattern bombs of one key (2 s each) held another key's
+    json_object chat 14-19 s. The threads take the callers in turn: it waits at most for
+    the builds already under way."""
+    bob = {"Authorization": "Bearer key-b"}
+    answers: list[httpx.Response] = []
+
+    def bomb(repeat: int) -> None:
+        body = _bomb()
+        body["response_format"]["json_schema"]["schema"]["pattern"] = BOMB.replace("1000", str(1000 + repeat))
+        answers.append(httpx.post(f"{keyed_url}/v1/chat/completions", json=body, headers=bob, timeout=120))
+
+    asked = {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_object"},
+    }  # fmt: skip
+    bombs = [threading.Thread(target=bomb, args=(i,)) for i in range(6)]
+    with httpx.Client(timeout=120, headers={"Authorization": "Bearer key-a"}) as alice:
+        alone = _timed(lambda: alice.post(f"{keyed_url}/v1/chat/completions", json=asked))
+        for thread in bombs:
+            thread.start()
+        time.sleep(0.3)  # two being built, four waiting
+        beside = _timed(lambda: alice.post(f"{keyed_url}/v1/chat/completions", json=asked))
+    for thread in bombs:
+        thread.join()
+    print(f"json_object chat alone {alone:.3f} s, beside six slow grammars of another key {beside:.3f} s")
+    assert len(answers) == 6 and all(a.status_code == 400 for a in answers), [a.text[:200] for a in answers]
+    assert beside < 3.5, (alone, beside)  # one build (1.4-2 s) at most, not six

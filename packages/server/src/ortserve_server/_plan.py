@@ -418,6 +418,9 @@ class GenerationPlan:
     prompt_only: bool = False
     """A completion with ``echo`` and ``max_tokens`` 0: its answer is the prompt alone; what
     the runtime generates (one token, where the prompt is not scored) is dropped."""
+    lane: tuple[str, bool] = ("", False)
+    """Whose it is (the caller's owner, and whether a batch line): a model's grammar
+    threads take the lanes in turn."""
 
     def start(self, model: ChatModel, prompts: Sequence[str | list[int] | Prompt]) -> list[GenerationStream]:
         """One stream per prompt and choice (their grammar built once and copied); a refusal
@@ -456,9 +459,9 @@ class GenerationPlan:
         wanted = len(prompts) * self.n
         param = "prompt" if len(prompts) > 1 else "n"
         check_room(state, model, wanted, param, "generations")
-        if any(o.grammar is not None for o in self.options):  # on its model's grammar threads
+        if any(o.grammar is not None for o in self.options):  # on its model's grammar threads, callers in turn
             run = functools.partial(contextvars.copy_context().run, self.start, model, prompts)
-            streams = await asyncio.get_running_loop().run_in_executor(model.grammars.threads, run)
+            streams = await asyncio.wrap_future(model.grammars.threads.submit(self.lane, run))
         else:
             streams = await asyncio.to_thread(self.start, model, prompts)
         # Others may have queued while this one was prepared: looked at again, with no
@@ -485,9 +488,9 @@ def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerCon
     tools = _tool_plan(data, model, constraint, config)
     grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
-    return GenerationPlan(
-        n, _generation_options(data, config, n, grammar, caller), tools, {"prompt": "messages", "grammar": field}
-    )
+    options = _generation_options(data, config, n, grammar, caller)
+    fields = {"prompt": "messages", "grammar": field}
+    return GenerationPlan(n, options, tools, fields, lane=(caller.owner, caller.background))
 
 
 def _template_reads(model: ChatModel, variable: str) -> bool:
@@ -512,7 +515,9 @@ def plan_completion(data: p.CompletionRequest, config: ServerConfig, caller: Cal
     n = data.n if isinstance(data.n, int) else 1
     options = _generation_options(data, config, n, grammar, caller)
     fields = {"grammar": field, "prompt_logprobs": "echo"}
-    return GenerationPlan(n, options, ToolPlan(), fields, prompt_only=_prompt_only(data))
+    return GenerationPlan(
+        n, options, ToolPlan(), fields, prompt_only=_prompt_only(data), lane=(caller.owner, caller.background)
+    )
 
 
 @dataclass(frozen=True, slots=True)
