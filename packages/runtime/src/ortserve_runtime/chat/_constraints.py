@@ -71,6 +71,9 @@ class Constraint:
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         self._matcher = matcher
+        self._owned = first_mask is None
+        """Whether the matcher is this constraint's own: a copy shares its original's (never
+        advanced) until its first token."""
         self._vocab = vocab_size
         self._fill = fill_next_token_bitmask
         if first_mask is None:
@@ -83,11 +86,13 @@ class Constraint:
         """Whether the bitmask is the current state's (the first one, until a token comes)."""
 
     def copy(self) -> Constraint:
-        """A constraint in this one's first state, for another request: llguidance copies
-        the matcher with the lexer it has built (0.4 ms where building took 0.5 s), and the
-        first mask comes along (a pattern bomb's took 0.2 s to fill for each copy: 64 a
-        request with 16 prompts x 4 choices)."""
-        return Constraint(self._matcher.deep_copy(), self._vocab, self._first_mask)
+        """A constraint in this one's first state (this one must never advance), for
+        another request or choice. It takes the first mask along (a pattern bomb's took
+        0.2 s to fill, for each of a request's 16 prompts x 4 choices), and copies the
+        matcher only at its first token, when the engine runs it: llguidance copies the
+        lexer it has built (0.4 ms where building took 0.5 s; a bomb's is 5.5 MB, which
+        64 copies made at once took +350 MiB)."""
+        return Constraint(self._matcher, self._vocab, self._first_mask)
 
     def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """A copy of ``logits`` where every token the grammar forbids is -inf."""
@@ -100,6 +105,8 @@ class Constraint:
     def advance(self, token: int) -> bool:
         """Feed the chosen token; True once the grammar is complete (generation must end),
         or the matcher failed (then :attr:`error` says why)."""
+        if not self._owned:
+            self._matcher, self._owned = self._matcher.deep_copy(), True
         self._matcher.consume_token(token)
         self._filled = False
         return bool(self._matcher.is_stopped() or self._matcher.is_error())
@@ -174,10 +181,10 @@ class GrammarCompiler:
         shared = _SHARED.get()
         if shared is not None and text in shared:
             return shared[text].copy()
-        constraint = self._compiled(text, grammar)
+        built = self._compiled(text, grammar)
         if shared is not None:
-            shared[text] = constraint.copy()
-        return constraint
+            shared[text] = built
+        return built.copy()
 
     def _compiled(self, text: str, grammar: Grammar) -> Constraint:
         import llguidance
@@ -198,7 +205,7 @@ class GrammarCompiler:
         # resident size to read (not Linux) it reads 0 and every grammar is kept.
         if resident_memory() - before < _KEPT_GROWTH:
             with self._lock:
-                self._kept[text] = constraint.copy()
+                self._kept[text] = constraint
                 while len(self._kept) > _KEPT_GRAMMARS:
                     self._kept.popitem(last=False)
         return constraint
