@@ -183,7 +183,8 @@ class Request:
         """Sample the next token from ``logits`` on the host, then :meth:`take` it."""
         sampler = self.sampler
         options = sampler.options
-        if sampler.argmax_unless_eos and self.constraint is None:
+        constraint = self.constraint  # once: its stream may drop it meanwhile (GenerationStream._drop)
+        if sampler.argmax_unless_eos and constraint is None:
             # The sampler's greedy pick without its float64 copy: the first maximum of the
             # row stays the first maximum once EOS is masked, unless it is an EOS the
             # request may not end with yet (then the sampler masks and picks again).
@@ -191,8 +192,8 @@ class Request:
             if token not in self.eos or len(self.tokens) >= options.min_tokens:
                 return self.take(token)
         history = [t for t in self.prompt if t >= 0] + self.tokens if sampler.options.repetition_penalty != 1.0 else []
-        if self.constraint is not None:
-            logits = self.constraint.mask(logits)
+        if constraint is not None:
+            logits = constraint.mask(logits)
         token = sampler.choose(logits, history, len(self.tokens), self.tokens)
         if self.token_bytes is None:
             return self.take(token)
@@ -227,7 +228,8 @@ class Request:
         if not self.tokens:
             self.first_token = time.perf_counter()
         self.tokens.append(token)
-        complete = self.constraint is not None and self.constraint.advance(token)
+        constraint = self.constraint
+        complete = constraint is not None and constraint.advance(token)
         if token in self.eos:  # the end is no output token: its logprob is not reported
             return self.final("stop", self.stops.feed(self._tail())[0] + self.stops.flush())
         piece = self.decoder.step(self.tokenizer, token) or ""

@@ -8,11 +8,14 @@ import asyncio
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._contract import Engine, FinishReason, GenerationEvent, Request, Usage, hand_back
 from .._errors import EngineClosedError, InvalidRequestError
 from ._reasoning import ReasoningStart
+
+if TYPE_CHECKING:
+    from ._constraints import Constraint
 
 __all__ = ["GenerationStream", "Prompt"]
 
@@ -59,6 +62,7 @@ class GenerationStream:
             raise StopAsyncIteration
         if not self._started and self._request.cancelled:  # cancelled before it was read
             self._done = True
+            self._drop()
             return self._request.final("cancelled")
         if not self._started:
             self._started = True
@@ -79,10 +83,11 @@ class GenerationStream:
             raise
         if isinstance(item, BaseException):
             self._done = True
+            self._drop()
             raise item
         if item.finish_reason is not None:
             self._done = True
-            constraint = self._request.constraint
+            constraint = self._drop()
             if constraint is not None and constraint.error is not None:
                 # The matcher gave up (a schema that compiles but cannot be followed, such as
                 # an object that must hold itself): what came out does not match it.
@@ -106,6 +111,15 @@ class GenerationStream:
         if self._started and not self._done:
             self._done = True
             self._engine.cancel(self._request)
+        self._drop()
+
+    def _drop(self) -> Constraint | None:
+        """Let go of the request's grammar matcher once the stream is over (returned, for a
+        last look): an ended request's frames can stay in reference cycles until a full
+        collection (a refused request's error and its tracebacks), and each refused pattern
+        bomb kept its lexers there, 170 MiB a request. The engine reads it once a step."""
+        constraint, self._request.constraint = self._request.constraint, None
+        return constraint
 
     async def collect(self) -> tuple[str, list[int], FinishReason, Usage]:
         """Run to the end and return text, token ids, finish reason and usage."""
