@@ -341,33 +341,6 @@ def _bomb(**more: Any) -> dict[str, Any]:
     }
 
 
-def test_grammars_slow_to_build_hold_no_other_request(url: str) -> None:
-    """Tenth probe: a grammar's lexer is built at its first mask, which the engine computed
-    in its step: a plain chat of another caller waited 2.1 s behind one such request, 14 s
-    behind eight. Eleventh: made in the request's worker thread instead, six at once held
-    every thread of the pool other requests are prepared on (7-15 s). Grammar requests are
-    now prepared on their model's own two threads; the plain chat goes on beside them."""
-    plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    with httpx.Client(timeout=60) as client:
-        alone = min(_timed(lambda: client.post(f"{url}/v1/chat/completions", json=plain)) for _ in range(3))
-        answers: list[httpx.Response] = []
-        bombs = [
-            threading.Thread(
-                target=lambda: answers.append(httpx.post(f"{url}/v1/chat/completions", json=_bomb(), timeout=120))
-            )
-            for _ in range(6)
-        ]
-        for thread in bombs:
-            thread.start()
-        time.sleep(0.3)  # all in: two being built, four waiting for the model's grammar threads
-        beside = _timed(lambda: client.post(f"{url}/v1/chat/completions", json=plain))
-        for thread in bombs:
-            thread.join()
-    print(f"plain chat alone {alone:.3f} s, beside six slow grammars {beside:.3f} s")
-    assert len(answers) == 6 and all(a.status_code in (200, 400) for a in answers), [a.text[:200] for a in answers]
-    assert beside < 0.6, (alone, beside)
-
-
 def test_one_request_builds_its_grammar_once_for_all_its_choices(url: str) -> None:
     """Eleventh probe: each of a request's choices (and prompts) built the grammar afresh,
     a pattern bomb's 170-250 MB lexer as many times (n=8: +1.4 GiB, 17-20 s; 2 prompts x 8:
@@ -427,11 +400,15 @@ def keyed_url() -> Iterator[str]:
         yield base
 
 
-def test_one_callers_slow_grammars_do_not_hold_anothers(keyed_url: str) -> None:
-    """Twelfth probe: a model's two grammar threads took requests first come, first
-    served, so six different pattern bombs of one key (2 s each) held another key's
-    json_object chat 14-19 s. The threads take the callers in turn: it waits at most for
-    the builds already under way."""
+def test_one_callers_slow_grammars_hold_no_other_request(keyed_url: str) -> None:
+    """Tenth probe: a grammar's lexer is built at its first mask, which the engine computed
+    in its step: a plain chat of another caller waited 2.1 s behind one such request, 14 s
+    behind eight. Eleventh: made in the request's worker thread instead, six at once held
+    every thread of the pool other requests are prepared on (7-15 s). Grammar requests are
+    now prepared on their model's own two threads, and the plain chat goes on beside them.
+    Twelfth: those threads took requests first come, first served, so six different bombs
+    of one key held another key's json_object chat 14-19 s (5.5 s here). They take the
+    callers in turn: it waits at most for the builds already under way."""
     bob = {"Authorization": "Bearer key-b"}
     answers: list[httpx.Response] = []
 
@@ -440,22 +417,25 @@ def test_one_callers_slow_grammars_do_not_hold_anothers(keyed_url: str) -> None:
         body["response_format"]["json_schema"]["schema"]["pattern"] = BOMB.replace("1000", str(1000 + repeat))
         answers.append(httpx.post(f"{keyed_url}/v1/chat/completions", json=body, headers=bob, timeout=120))
 
-    asked = {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "response_format": {"type": "json_object"},
-    }  # fmt: skip
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    asked = {**plain, "max_tokens": 4, "response_format": {"type": "json_object"}}
     bombs = [threading.Thread(target=bomb, args=(i,)) for i in range(6)]
     with httpx.Client(timeout=120, headers={"Authorization": "Bearer key-a"}) as alice:
-        alone = _timed(lambda: alice.post(f"{keyed_url}/v1/chat/completions", json=asked))
+        chat = f"{keyed_url}/v1/chat/completions"
+        alone = min(_timed(lambda: alice.post(chat, json=plain)) for _ in range(3))
+        alone_json = _timed(lambda: alice.post(chat, json=asked))
         for thread in bombs:
             thread.start()
-        time.sleep(0.3)  # two being built, four waiting
-        beside = _timed(lambda: alice.post(f"{keyed_url}/v1/chat/completions", json=asked))
+        time.sleep(0.3)  # all in: two being built, four waiting for the model's grammar threads
+        beside = _timed(lambda: alice.post(chat, json=plain))
+        beside_json = _timed(lambda: alice.post(chat, json=asked))
     for thread in bombs:
         thread.join()
-    print(f"json_object chat alone {alone:.3f} s, beside six slow grammars of another key {beside:.3f} s")
+    print(f"plain chat {alone:.3f} s alone, {beside:.3f} s beside six slow grammars of another key;")
+    print(f"json_object chat {alone_json:.3f} s alone, {beside_json:.3f} s beside them")
     assert len(answers) == 6 and all(a.status_code == 400 for a in answers), [a.text[:200] for a in answers]
-    assert beside < 3.5, (alone, beside)  # one build (1.4-2 s) at most, not six
+    assert beside < 0.6, (alone, beside)
+    assert beside_json < 3.5, (alone_json, beside_json)  # one build (1.4-2 s) at most, not six
 
 
 def test_refused_grammars_leave_no_memory_behind(url: str) -> None:
