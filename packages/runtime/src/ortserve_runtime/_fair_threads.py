@@ -15,7 +15,7 @@ T = TypeVar("T")
 
 class FairThreads:
     """``threads`` threads (started at the first call) for calls submitted under a *lane*
-    (a caller: an API key's label): a free thread takes the oldest call of the lane whose
+    (whose call it is: the server gives a caller's owner and whether a batch line): a free thread takes the oldest call of the lane whose
     turn it is, then that lane goes to the back. One lane's backlog so delays another's
     call by at most the calls already running, where a first-in-first-out pool made it
     wait for the whole backlog (six slow grammars of one key, 2 s each, held another key's

@@ -79,9 +79,11 @@ class Constraint:
         if first_mask is None:
             self._bitmask = allocate_token_bitmask(1, vocab_size)
             self._fill(matcher, self._bitmask)
+            first_mask = self._bitmask.copy()
         else:
             self._bitmask = first_mask.copy()
-        self._first_mask = self._bitmask.copy()
+        self._first_mask = first_mask
+        """The first state's mask, never written: its copies share it."""
         self._filled = True
         """Whether the bitmask is the current state's (the first one, until a token comes)."""
 
