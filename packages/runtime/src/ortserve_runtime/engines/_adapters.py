@@ -49,7 +49,11 @@ def check_adapters(folder: GenaiFolder, adapters: Mapping[str, Path]) -> dict[st
                 path=path,
             )
         try:
-            tensors = {k: v.numpy() for k, v in ort.AdapterFormat.read_adapter(str(path)).get_parameters().items()}
+            # The OrtValues own the memory: ``numpy()`` is a view that keeps no reference to
+            # its value, so they are held while the views are read (dropped at once, the
+            # check read freed memory and saw NaN in a good file, now and then).
+            values = ort.AdapterFormat.read_adapter(str(path)).get_parameters()
+            tensors = {k: v.numpy() for k, v in values.items()}
         except Exception as exc:  # onnxruntime raises plain RuntimeErrors for bad files
             raise ModelLoadError(f"adapter {name!r}: {path} is not an .onnx_adapter file: {exc}", path=path) from exc
         unknown = sorted(set(tensors) - set(inputs))
