@@ -98,7 +98,10 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        types = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
+        # The decoder's own JSON (its pickled state), not the whole tokenizer's: parsing
+        # SmolLM2's 2 MB tokenizer.json held the GIL 80 ms at a model's first logprobs request.
+        decoder = tokenizer.decoder
+        types = _decoder_types(json.loads(decoder.__getstate__()) if decoder is not None else None)
         self._byte_level = "ByteLevel" in types
         self._added = {int(i) for i in tokenizer.get_added_tokens_decoder()}
         self._cache: dict[int, tuple[str, bytes]] = {}

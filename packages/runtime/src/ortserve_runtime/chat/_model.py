@@ -20,7 +20,7 @@ from .._contract import Request
 from .._drafts import Drafter
 from .._errors import AdapterNotFoundError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
-from .._text_bounds import max_text_chars
+from .._text_bounds import TextLimit
 from ._constraints import Grammar, GrammarCompiler
 from ._logprobs import TokenBytes
 from ._media import Media, flatten_messages
@@ -86,6 +86,7 @@ class ChatModel:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
+        self._prompt_limit = TextLimit(self.tokenizer, self.max_sequence_length)
         self.chat_template = ChatTemplate.from_folder(path, config.chat_template)
         self.tool_format: ToolCallFormat | None = detect_tool_format(
             self.chat_template.source if self.chat_template else None
@@ -193,12 +194,11 @@ class ChatModel:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    @functools.cached_property
+    @property
     def max_prompt_chars(self) -> int:
         """Characters a prompt may have before it is tokenized (its tokens are checked after;
-        see :func:`max_text_chars`). Found at the first prompt that needs it: listing the
-        vocabulary holds the GIL, which a load beside the server's start-up would take from it."""
-        return max_text_chars(self.tokenizer, self.max_sequence_length)
+        see :class:`TextLimit`)."""
+        return self._prompt_limit.chars
 
     def check_prompt_size(self, text: str, param: str = "prompt") -> None:
         """Refuse ``text`` with :class:`ContextLengthError` when it has more characters than

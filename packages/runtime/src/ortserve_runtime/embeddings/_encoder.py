@@ -35,7 +35,7 @@ from .._config import ModelConfig
 from .._contract import resolve_future
 from .._errors import EngineClosedError, ModelLoadError
 from .._providers import check_session_provider, ort_providers
-from .._text_bounds import max_text_chars
+from .._text_bounds import TextLimit
 
 __all__ = ["ENCODE_BATCH", "BatchedEncoder", "Tokens", "create_session", "read_json"]
 
@@ -130,8 +130,7 @@ class BatchedEncoder:
         """The session output :meth:`_reduce` reads (the subclass picks it)."""
         self.runs = 0
         """Session runs so far: fewer than requests when micro-batching merges them."""
-        # A text longer than this is over the limit whatever its tokens; it is cut or refused untokenized.
-        self.max_input_chars = max_text_chars(self.tokenizer, self.max_tokens)
+        self._input_limit = TextLimit(self.tokenizer, self.max_tokens)
         self._waiting = 0
         self._waiting_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -139,6 +138,12 @@ class BatchedEncoder:
         """Requests in the session runs under way (worker thread writes, anyone reads)."""
         self._closed = False
         self._worker = threading.Thread(target=self._run, name=f"ortserve-{self.kind_label}-{name}", daemon=True)
+
+    @property
+    def max_input_chars(self) -> int:
+        """Characters an input may have before it is tokenized: a longer one is over the
+        limit whatever its tokens, and is cut or refused untokenized (see :class:`TextLimit`)."""
+        return self._input_limit.chars
 
     def _start(self) -> None:
         self._worker.start()

@@ -11,7 +11,6 @@ recording; a cancelled request leaves at once, or stops at its next token.
 from __future__ import annotations
 
 import asyncio
-import functools
 import io
 import itertools
 import json
@@ -34,7 +33,7 @@ from .._config import ModelConfig
 from .._contract import resolve_future
 from .._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
 from .._og_process import OgProcess
-from .._text_bounds import max_text_chars
+from .._text_bounds import TextLimit
 from ..chat._sampling import GenerationOptions, Sampler
 
 __all__ = ["Segment", "SpeechModel", "Transcription"]
@@ -117,6 +116,7 @@ class SpeechModel:
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
             genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
             self.context_length = int(genai["model"]["context_length"])
+            self._prompt_limit = TextLimit(self.tokenizer, self.context_length)
             special = {
                 name: self.tokenizer.token_to_id(f"<|{name}|>")
                 for name in ("endoftext", "startoftranscript", "translate", "transcribe", "notimestamps", "0.00")
@@ -224,10 +224,10 @@ class SpeechModel:
         tokens = sum(len(window.tokens) for window in windows)
         return Transcription(text, self._languages[language_id], duration, tokens, segments)
 
-    @functools.cached_property
+    @property
     def max_prompt_chars(self) -> int:
-        """Characters a prompt may have before it is tokenized (see :func:`max_text_chars`)."""
-        return max_text_chars(self.tokenizer, self.context_length)
+        """Characters a prompt may have before it is tokenized (see :class:`TextLimit`)."""
+        return self._prompt_limit.chars
 
     @property
     def failed(self) -> str | None:
