@@ -197,8 +197,8 @@ class ChatModel:
     @property
     def max_prompt_chars(self) -> int:
         """Characters a prompt may have before it is tokenized (its tokens are checked after;
-        see :class:`TextLimit`)."""
-        return self._prompt_limit.chars
+        see :class:`TextLimit`; its first use scans the vocabulary: call it off the event loop)."""
+        return self._prompt_limit.chars()
 
     def check_prompt_size(self, text: str, param: str = "prompt") -> None:
         """Refuse ``text`` with :class:`ContextLengthError` when it has more characters than

@@ -143,7 +143,7 @@ class BatchedEncoder:
     def max_input_chars(self) -> int:
         """Characters an input may have before it is tokenized: a longer one is over the
         limit whatever its tokens, and is cut or refused untokenized (see :class:`TextLimit`)."""
-        return self._input_limit.chars
+        return self._input_limit.chars()
 
     def _start(self) -> None:
         self._worker.start()

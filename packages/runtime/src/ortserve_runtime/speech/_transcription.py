@@ -187,7 +187,12 @@ class SpeechModel:
         # Every token spans a character at least: a prompt this short needs no vocabulary scan.
         # A longer one past what the decoder's positions can spell is refused untokenized: the
         # worker tokenized a 1 MB prompt (and og's processor too) holding the GIL 0.5 s.
-        if prompt and len(prompt) > 3 * self.context_length and len(prompt) > self.max_prompt_chars:
+        # (The bound's first use scans the vocabulary: off the loop.)
+        if (
+            prompt
+            and len(prompt) > 3 * self.context_length
+            and len(prompt) > await asyncio.to_thread(self._prompt_limit.chars)
+        ):
             raise InvalidRequestError(
                 f"the prompt has {len(prompt)} characters, more than this model's {self.context_length} "
                 "tokens could hold",
@@ -223,11 +228,6 @@ class SpeechModel:
         text = " ".join(segment.text for segment in segments if segment.text)
         tokens = sum(len(window.tokens) for window in windows)
         return Transcription(text, self._languages[language_id], duration, tokens, segments)
-
-    @property
-    def max_prompt_chars(self) -> int:
-        """Characters a prompt may have before it is tokenized (see :class:`TextLimit`)."""
-        return self._prompt_limit.chars
 
     @property
     def failed(self) -> str | None:

@@ -9,6 +9,7 @@ from litestar import post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
+from ortserve_runtime import ChatModel
 
 from .._errors import (
     BadRequestError,
@@ -45,8 +46,7 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
         tokens = list(prompt)  # a multimodal prompt counts each image as the features it becomes
     else:
         assert isinstance(data.prompt, str)
-        model.check_prompt_size(data.prompt)  # too long to generate from: not worth tokenizing
-        tokens = await asyncio.to_thread(model.encode, data.prompt)
+        tokens = await asyncio.to_thread(_checked_encode, model, data.prompt)
     return p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_sequence_length)
 
 
@@ -65,3 +65,10 @@ async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDepende
             f"tokens has {len(data.tokens)} ids, more than this model's {model.max_sequence_length}", param="tokens"
         )
     return p.DetokenizeResponse(prompt=await asyncio.to_thread(model.decode, data.tokens))
+
+
+def _checked_encode(model: ChatModel, prompt: str) -> list[int]:
+    """``prompt``'s tokens, unless it is too long to generate from: then refused untokenized
+    (a worker thread's work: the length bound's first use scans the vocabulary)."""
+    model.check_prompt_size(prompt)
+    return model.encode(prompt)
