@@ -124,7 +124,12 @@ def test_undecodable_bodies_are_400_without_a_traceback(url: str, caplog: pytest
     with caplog.at_level(logging.DEBUG):
         bad_utf8 = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "t\xffiny"}', headers=json_type)
         _refused(bad_utf8, 400, "UTF-8")
-        _refused(httpx.post(f"{url}/v1/chat/completions", content=nested, headers=json_type), 400, "nested")
+        too_deep = httpx.post(f"{url}/v1/chat/completions", content=nested, headers=json_type)
+        _refused(too_deep, 400, "nested too deeply in 'messages'")
+        assert too_deep.json()["error"]["param"] == "messages"  # the field, after those that nest less
+        flat_first = b'{"n": [[1]], "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b', "model": "tiny"}'
+        too_deep = httpx.post(f"{url}/v1/chat/completions", content=flat_first, headers=json_type)
+        assert too_deep.json()["error"]["param"] == "stop", too_deep.text
         form = httpx.post(f"{url}/v1/audio/transcriptions", data={"model": b"\xff\xfe"}, files=files)  # type: ignore[dict-item]
         _refused(form, 400, "UTF-8")
         _refused(httpx.post(f"{url}/v1/embeddings", content=b"[1, 2]", headers=json_type), 400, "JSON object")

@@ -26,7 +26,7 @@ import anyio.to_thread
 
 from ._errors import BadRequestError
 
-__all__ = ["MAX_JSON_ITEMS", "MAX_JSON_KEYS", "check_json_counts", "json_past_bounds"]
+__all__ = ["MAX_JSON_ITEMS", "MAX_JSON_KEYS", "check_json_counts", "deepest_field", "json_past_bounds"]
 
 MAX_JSON_KEYS = 50_000
 """Object keys a JSON body may have in all: some 60 ms of decoding at most. Requests hold a
@@ -109,3 +109,31 @@ def _past_bounds(body: bytes, max_keys: int, max_items: int) -> tuple[str, str |
     else:
         return None
     return what, max(weights, key=lambda name: weights[name], default=None)
+
+
+async def deepest_field(body: bytes) -> str | None:
+    """The top-level field of ``body`` (a JSON object) whose value nests deepest, to name
+    in the 400 for a body too deep to decode; ``None`` if no field's value nests. Scanned a
+    token at a time on a worker thread, as :func:`json_past_bounds` scans."""
+    return await anyio.to_thread.run_sync(_deepest_field, body)
+
+
+def _deepest_field(body: bytes) -> str | None:
+    depth = deepest = 0
+    field = found = None
+    last_string = (0, 0)
+    for token in _TOKEN.finditer(body):
+        kind = token.lastindex
+        if kind is None:
+            if depth == 1:
+                last_string = token.span()
+        elif kind == 1:
+            if depth == 1:
+                field = body[last_string[0] + 1 : last_string[1] - 1].decode("utf-8", "replace")
+        elif kind in (3, 4):
+            depth += 1
+            if depth > max(deepest, 1):
+                deepest, found = depth, field
+        elif kind == 5:
+            depth -= 1
+    return found

@@ -33,7 +33,7 @@ from litestar.handlers import BaseRouteHandler
 
 from ._config import ServerConfig
 from ._errors import BadRequestError, ForbiddenError, UnsupportedMediaTypeError
-from ._json_bounds import check_json_counts
+from ._json_bounds import check_json_counts, deepest_field
 
 __all__ = ["SiteGuard", "body_guard", "check_known_fields", "make_body_guard"]
 
@@ -199,7 +199,10 @@ async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: Ba
         where = "a multipart text field" if kind == _MULTIPART else "the JSON body"
         raise BadRequestError(f"{where} is not valid UTF-8") from None
     except RecursionError:
-        raise BadRequestError("the JSON body is nested too deeply") from None
+        field = await deepest_field(body)
+        raise BadRequestError(
+            "the JSON body is nested too deeply" + (f" in {field!r}" if field else ""), param=field
+        ) from None
     except SerializationException as exc:  # malformed JSON, as Litestar itself reports it
         raise BadRequestError(_decode_error_message(str(exc), body)) from None
     if not isinstance(decoded, dict):
