@@ -170,7 +170,7 @@ def test_adapters_load_and_unload_over_http_as_in_vllm(tmp_path: Path) -> None:
         client = closing(openai.OpenAI(base_url=f"{base}/v1", api_key="user", max_retries=0))
         body = {"lora_name": "lora:alpha", "lora_path": str(LORA_ADAPTERS["alpha"])}
         user = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer user"})
-        assert user.status_code == 401, user.text  # the API key is not enough
+        assert user.status_code == 403, user.text  # the API key is not enough (and is told so)
         loaded = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=admin, timeout=60)
         assert loaded.status_code == 200, loaded.text
         assert (loaded.json()["id"], loaded.json()["parent"]) == ("lora:alpha", "lora")

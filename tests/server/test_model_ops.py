@@ -303,9 +303,13 @@ def test_control_routes_need_the_api_key_or_the_admin_key() -> None:
         assert httpx.get(f"{base}/v1/models").status_code == 401
         assert control(base, "load", "tiny", key="user-key").json()["status"] == "ready"
     with serve(api_key="user-key", admin_key="admin-key") as base:
+        # An API key is a good key, not enough here: a 403 that says what the route needs.
         refused = control(base, "load", "tiny", key="user-key")
-        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
-        assert control(base, "unload", "tiny", key="user-key").status_code == 401
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+        assert "needs the admin key" in refused.json()["error"]["message"]
+        assert control(base, "unload", "tiny", key="user-key").status_code == 403
+        assert control(base, "unload", "tiny", key="wrong").status_code == 401
+        assert httpx.get(f"{base}/v1/usage", headers={"Authorization": "Bearer user-key"}).status_code == 403
         assert control(base, "load", "tiny", key="admin-key").json()["status"] == "ready"
         with sdk(base, "user-key") as client:
             assert chat(client) == "length"

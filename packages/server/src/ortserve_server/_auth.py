@@ -11,9 +11,7 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
-from ._errors import (
-    AuthenticationError,
-)
+from ._errors import AuthenticationError, ForbiddenError
 
 __all__ = ["CALLER", "Caller", "caller_of", "key_digest", "make_auth_guard"]
 
@@ -51,29 +49,41 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def make_auth_guard(api_keys: Mapping[str, str], *, x_api_key: bool = False, scoped: bool = False) -> Any:
+def make_auth_guard(
+    api_keys: Mapping[str, str],
+    *,
+    x_api_key: bool = False,
+    scoped: bool = False,
+    not_enough: tuple[str, Mapping[str, str]] | None = None,
+) -> Any:
     """A guard that wants ``Authorization: Bearer <key>`` for one of ``api_keys`` (each key
     with its label; or, with ``x_api_key``, the ``x-api-key`` header Anthropic's clients
     send), compared in constant time. It records which key came (:data:`CALLER`): files and
     batches belong to it, usage is counted under its label, and with ``scoped`` it is the
-    prefix cache's scope too."""
+    prefix cache's scope too. ``not_enough``: what the route needs, and keys that are good
+    elsewhere but not here: those get a 403 that says so, not the 401 of a wrong key."""
     expected = [(key.encode(), key_digest(key), label) for key, label in api_keys.items()]
+    lesser = [(key.encode(), "", label) for key, label in (not_enough[1] if not_enough else {}).items()]
     ask = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if x_api_key else "'Authorization: Bearer <key>'"
 
-    def matching(given: str) -> tuple[str, str] | None:
+    def matching(given: str, keys: list[tuple[bytes, str, str]] = expected) -> tuple[str, str] | None:
         found = None
-        for key, digest, label in expected:  # every key compared: the time does not tell which matched
+        for key, digest, label in keys:  # every key compared: the time does not tell which matched
             if hmac.compare_digest(given.strip().encode(), key):
                 found = digest, label
         return found
 
     async def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         # async (see SiteGuard.__call__): comparing a few keys needs no worker thread.
-        given_key = connection.headers.get("x-api-key") if x_api_key else None
-        found = matching(given_key) if given_key is not None else None
-        if found is None:
-            scheme, _sep, given = connection.headers.get("authorization", "").partition(" ")
-            found = matching(given) if scheme.lower() == "bearer" else None
+        scheme, _sep, bearer = connection.headers.get("authorization", "").partition(" ")
+        sent = [
+            connection.headers.get("x-api-key") if x_api_key else None,
+            bearer if scheme.lower() == "bearer" else None,
+        ]
+        given = [key for key in sent if key is not None]
+        found = next((match for key in given if (match := matching(key)) is not None), None)
+        if found is None and not_enough is not None and any(matching(key, lesser) for key in given):
+            raise ForbiddenError(f"this route needs {not_enough[0]}: this API key is not enough")
         if found is None:
             raise AuthenticationError(f"missing or wrong API key: send {ask}")
         digest, label = found
