@@ -27,6 +27,7 @@ from ortserve_client import (
     NotFoundError,
     OrtServeError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     RateLimitError,
     ServiceUnavailableError,
     StreamError,
@@ -233,6 +234,7 @@ async def test_models_tokenize_detokenize_health(client: AsyncClient) -> None:
     [
         (400, BadRequestError),
         (401, AuthenticationError),
+        (403, PermissionDeniedError),
         (404, NotFoundError),
         (413, PayloadTooLargeError),
         (429, RateLimitError),

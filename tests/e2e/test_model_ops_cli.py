@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ortserve_client import AsyncClient, AuthenticationError, LocalServer, NotFoundError, ServiceUnavailableError
+from ortserve_client import AsyncClient, LocalServer, NotFoundError, PermissionDeniedError, ServiceUnavailableError
 
 pytestmark = pytest.mark.anyio
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -40,7 +40,7 @@ async def test_lazy_sidecar_loads_unloads_and_ps_shows_it() -> None:
         table = rows(listed.stdout)
         assert table["a"][:3] == ["a", "generative", "unloaded"] and table["a"][4] == "-"
 
-        with pytest.raises(AuthenticationError):  # the control routes want the admin key
+        with pytest.raises(PermissionDeniedError):  # the control routes want the admin key
             await server.load("a")
         async with AsyncClient(server.base_url, api_key="adm", max_retries=0) as admin:
             loaded = await admin.models.load("a", keep_alive="10m")

@@ -157,7 +157,7 @@ def test_usage_per_key_is_counted_by_label_and_survives_a_restart(tmp_path: Path
             )
         # The usage of every key is the admin's to read.
         forbidden = httpx.get(f"{url}/v1/usage", headers={"authorization": f"Bearer {KEY_A}"})
-        assert forbidden.status_code == 401
+        assert forbidden.status_code == 403
         before = _usage(url, ADMIN)
         a, b = before[("team-a", "tiny")], before[("team-b", "tiny")]
         assert (a["requests"], a["errors"], a["input_tokens"], a["output_tokens"]) == (3, 1, *spent["team-a"])

@@ -8,6 +8,7 @@ OrtServeError                    root of everything this package raises
 │   │                            response); raised as is for the statuses not listed below
 │   ├── BadRequestError          400
 │   ├── AuthenticationError      401
+│   ├── PermissionDeniedError    403
 │   ├── NotFoundError            404
 │   ├── PayloadTooLargeError     413
 │   ├── RateLimitError           429
@@ -43,6 +44,7 @@ __all__ = [
     "NotFoundError",
     "OrtServeError",
     "PayloadTooLargeError",
+    "PermissionDeniedError",
     "PortInUseError",
     "RateLimitError",
     "ServerExited",
@@ -107,6 +109,14 @@ class AuthenticationError(APIStatusError):
     """401: the API key is missing or wrong."""
 
     status_code = 401
+
+
+class PermissionDeniedError(APIStatusError):
+    """403: the key is good but not for this (``/v1/models/load`` and the other routes that
+    want the admin key, a ``keep_alive`` only the admin key may give), or the request's
+    ``Host``/``Origin`` is not allowed."""
+
+    status_code = 403
 
 
 class NotFoundError(APIStatusError):
@@ -182,6 +192,7 @@ _BY_STATUS: dict[int, type[APIStatusError]] = {
     for cls in (
         BadRequestError,
         AuthenticationError,
+        PermissionDeniedError,
         NotFoundError,
         PayloadTooLargeError,
         RateLimitError,
