@@ -328,15 +328,26 @@ def test_unloading_or_pinning_through_keep_alive_needs_the_admin_key() -> None:
                     chat(client, extra_body={"keep_alive": value})
                 assert refused.value.body["param"] == "keep_alive", value  # type: ignore[index]
             assert chat(client, extra_body={"keep_alive": "5m"}) == "length"
+            # A moment is as good as 0: every key's next request would load the model again.
+            for value in (0.001, "1ms", 5e-324, "59s"):
+                with pytest.raises(openai.PermissionDeniedError, match="shorter than 60 seconds") as refused:
+                    chat(client, extra_body={"keep_alive": value})
+                assert refused.value.body["param"] == "keep_alive", value  # type: ignore[index]
+            assert chat(client, extra_body={"keep_alive": "60s"}) == "length"
             # Past 100 years is for ever, so pinning: the 403 says so (it said "0 or negative").
             with pytest.raises(openai.PermissionDeniedError, match="past 100 years"):
                 chat(client, extra_body={"keep_alive": 1e308})
         with sdk(base, "admin-key") as admin:
             assert chat(admin, extra_body={"keep_alive": -1}) == "length"
             assert chat(admin, extra_body={"keep_alive": 0}) == "length"
+            assert chat(admin, extra_body={"keep_alive": 0.001}) == "length"
         messages = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "keep_alive": 0}
         assert httpx.post(f"{base}/v1/messages", json=messages).status_code == 403
         assert httpx.post(f"{base}/v1/messages", json=messages, headers={"x-api-key": "admin-key"}).status_code == 200
+    with serve(admin_key="admin-key", idle_unload=10) as base, sdk(base) as client:
+        assert chat(client, extra_body={"keep_alive": "10s"}) == "length"  # the operator's own idle time
+        with pytest.raises(openai.PermissionDeniedError, match="shorter than 10 seconds"):
+            chat(client, extra_body={"keep_alive": "5s"})
     with serve() as base, sdk(base) as client:  # no admin key: the API caller decides, as before
         assert chat(client, extra_body={"keep_alive": 0}) == "length"
 

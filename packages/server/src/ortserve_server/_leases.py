@@ -99,13 +99,28 @@ def presents_key(headers: Iterable[tuple[bytes, bytes]], key: str) -> bool:
     return any(hmac.compare_digest(value, key.encode()) for value in given if value)
 
 
-def keep_alive_by_admin(seconds: float | None, admin_key: str | None) -> None:
-    """Refuse (403 naming ``keep_alive``) a request's ``keep_alive`` of 0 (unload now) or
+MIN_KEEP_ALIVE = 60.0
+"""The shortest ``keep_alive`` an API caller may give where an admin key is set (unless the
+server's own ``idle_unload`` is shorter): each reload walks the whole heap for the model
+left behind (Residency unfreezes it), holding the GIL 110-200 ms on a server of six models,
+and ``keep_alive: 0.001`` let any key make every other key's next request pay it."""
+
+
+def keep_alive_by_admin(seconds: float | None, admin_key: str | None, idle_unload: float | None = None) -> None:
+    """Refuse (403 naming ``keep_alive``) a request's ``keep_alive`` of 0 (unload now),
     negative (keep loaded for ever; :func:`parse_keep_alive` makes one past 100 years so)
-    unless it comes with the admin key, where one is set: unloading and pinning models are
-    the control routes' to do, not any API caller's."""
-    if admin_key is None or seconds is None or seconds > 0 or _admin.get():
+    or shorter than :data:`MIN_KEEP_ALIVE` (or ``idle_unload``, if shorter) unless it comes
+    with the admin key, where one is set: unloading and pinning models are the control
+    routes' to do, not any API caller's."""
+    shortest = MIN_KEEP_ALIVE if idle_unload is None else min(MIN_KEEP_ALIVE, idle_unload)
+    if admin_key is None or seconds is None or seconds >= shortest or _admin.get():
         return
+    if seconds > 0:
+        raise ForbiddenError(
+            f"keep_alive shorter than {shortest:g} seconds needs the admin key on this server: each unload makes "
+            "the next request of every key load the model again; give a longer duration, or send the admin key",
+            param="keep_alive",
+        )
     raise ForbiddenError(
         "keep_alive 0 (unload), or negative or past 100 years (keep loaded), needs the admin key on this server: "
         "send it (Authorization: Bearer <admin key>), use the control routes (/v1/models/load, /v1/models/unload), "
@@ -233,7 +248,7 @@ async def require_voice_model(state: OrtServe, name: str, keep_alive: KeepAlive 
 
 async def _loaded(state: OrtServe, name: str, kind: ModelKind, keep_alive: KeepAlive = msgspec.UNSET) -> Any:
     seconds = parse_keep_alive(keep_alive)
-    keep_alive_by_admin(seconds, state.config.admin_key)
+    keep_alive_by_admin(seconds, state.config.admin_key, state.config.idle_unload)
     registry = state.registry
     if name not in registry.names():
         raise ModelNotFoundHTTPError(f"model {name!r} does not exist", param="model")
