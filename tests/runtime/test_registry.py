@@ -7,9 +7,13 @@ import gc
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+from audio import TINY_WHISPER
+from fuzzing import CROSS_ENCODER
+from images import TINY_PHI3V
 from ortserve_runtime import (
     EngineClosedError,
     ModelCapacityError,
@@ -101,8 +105,9 @@ async def test_load_unload_status() -> None:
 async def test_a_loaded_model_is_out_of_full_collections_until_it_is_unloaded() -> None:
     """What is alive at a load is frozen (gc.freeze): a full collection, which holds the
     GIL and so the event loop, walks only what requests made since (before, 40-74 ms every
-    0.7 s under a batch of prompt-logprob answers). The unload gives it back, so that a
-    closed model's cycles are collected."""
+    0.7 s under a batch of prompt-logprob answers). An unload that leaves the model alive
+    (held here, as by a request still ending or a cycle) gives it back, so that a closed
+    model's cycles are collected."""
     gc.unfreeze()
     registry = ModelRegistry()
     registry.add("tiny", TINY_MODEL)
@@ -114,6 +119,33 @@ async def test_a_loaded_model_is_out_of_full_collections_until_it_is_unloaded() 
         await registry.unload("tiny")
         assert gc.get_freeze_count() == 0
         assert any(o is model for o in gc.get_objects())
+    finally:
+        await registry.close()
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("name", ["tiny", "whisper", "reranker", "vision"])
+async def test_an_unloaded_model_frees_itself_without_a_full_collection(name: str) -> None:
+    """Thirteenth probe of issue 45: the finished load's task kept the model as its result,
+    so an unloaded model (session, weights, KV cache) stayed in memory until its next load
+    (SmolLM2: RSS 251 MiB loaded, 251 after the unload; now 144), and the unload gave the
+    whole heap back to the collector, whose next full collection held the GIL 110-200 ms.
+    Now nothing holds it: reference counting frees it at the unload, with the collector
+    off, and what was frozen stays frozen."""
+    folders = {"tiny": TINY_MODEL, "whisper": TINY_WHISPER, "reranker": CROSS_ENCODER, "vision": TINY_PHI3V}
+    gc.unfreeze()
+    registry = ModelRegistry()
+    registry.add(name, folders[name])
+    try:
+        left = weakref.ref(await registry.get(name))
+        frozen = gc.get_freeze_count()
+        gc.disable()
+        try:
+            await registry.unload(name)
+            assert left() is None
+            assert frozen // 2 < gc.get_freeze_count() <= frozen  # the model's own objects freed, the rest kept frozen
+        finally:
+            gc.enable()
     finally:
         await registry.close()
         gc.unfreeze()
