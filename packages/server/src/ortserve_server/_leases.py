@@ -101,9 +101,9 @@ def presents_key(headers: Iterable[tuple[bytes, bytes]], key: str) -> bool:
 
 MIN_KEEP_ALIVE = 60.0
 """The shortest ``keep_alive`` an API caller may give where an admin key is set (unless the
-server's own ``idle_unload`` is shorter): each reload walks the whole heap for the model
-left behind (Residency unfreezes it), holding the GIL 110-200 ms on a server of six models,
-and ``keep_alive: 0.001`` let any key make every other key's next request pay it."""
+server's own ``idle_unload`` is shorter): ``keep_alive: 0.001`` let any key unload a model
+after each of its requests, so that every other key's next request waited for its load
+(0.2-1.4 s on the thirteenth probe's server, whose /health that load held 110-200 ms)."""
 
 
 def keep_alive_by_admin(seconds: float | None, admin_key: str | None, idle_unload: float | None = None) -> None:
