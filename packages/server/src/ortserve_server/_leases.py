@@ -141,6 +141,9 @@ def release_leases(app: ASGIApp) -> ASGIApp:
             _held.reset(token)
             for lease in held:
                 lease.release()
+            # Tasks and timers started by the request copied the context, this list in it:
+            # left full, a timer kept the leases, so the model, alive after its unload.
+            held.clear()
 
     return middleware
 
