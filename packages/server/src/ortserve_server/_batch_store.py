@@ -9,6 +9,7 @@ answered once or not at all, and a restart runs exactly the lines without an ans
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import socket
@@ -123,41 +124,18 @@ class BatchStore:
         return await self._db.run(get)
 
     async def file_content(self, owner: str, file_id: str) -> bytes | None:
-        def get(db: Connection) -> bytes | None:
-            found = db.execute(
-                "SELECT content FROM files WHERE id = ? AND owner = ? AND expires > ?", (file_id, owner, time.time())
-            ).fetchone()
-            return None if found is None else bytes(found[0])
-
-        return await self._db.run(get)
+        """The whole content of the owner's file ``file_id``; ``None`` if there is none."""
+        return await self._db.run(functools.partial(_read_content, owner=owner, file_id=file_id, start=0, size=None))
 
     async def file_pieces(self, owner: str, file: bp.FileObject) -> AsyncIterator[bytes]:
         """The content of ``file`` (found by :meth:`file`), read :data:`FILE_PIECE` bytes at a
         time: a download holds a piece, not the file (four downloads of a 95 MiB file at once
         grew the process 467 MiB and held ``/health`` 350 ms). It ends early when the file is
-        deleted or expires meanwhile, so the answer is shorter than its Content-Length.
-        SQLite's ``substr`` reads the whole value for each piece (95 MiB took 10 s), so there
-        a piece is read through an incremental blob handle; PostgreSQL reads a slice itself."""
+        deleted or expires meanwhile, so the answer is shorter than its Content-Length."""
         for start in range(0, file.bytes, FILE_PIECE):
-
-            def get(db: Connection, start: int = start) -> bytes | None:
-                mine = (file.id, owner, time.time())
-                if isinstance(db, sqlite3.Connection):
-                    kept = db.execute("SELECT rowid FROM files WHERE id = ? AND owner = ? AND expires > ?", mine)
-                    rowid = kept.fetchone()
-                    if rowid is None:
-                        return None
-                    with db.blobopen("files", "content", rowid[0], readonly=True) as blob:
-                        blob.seek(start)
-                        return blob.read(FILE_PIECE)
-                found = db.execute(  # substr counts from 1
-                    "SELECT substr(content, ?, ?) FROM files WHERE id = ? AND owner = ? AND expires > ?",
-                    (start + 1, FILE_PIECE, *mine),
-                )
-                row = found.fetchone()
-                return None if row is None or row[0] is None else bytes(row[0])
-
-            piece = await self._db.run(get)
+            piece = await self._db.run(
+                functools.partial(_read_content, owner=owner, file_id=file.id, start=start, size=FILE_PIECE)
+            )
             if not piece:
                 return
             yield piece
@@ -501,3 +479,29 @@ def _counted(db: Connection, batch: bp.Batch) -> bp.Batch:
     ).fetchone()
     batch.request_counts = bp.BatchRequestCounts(total=total, completed=completed, failed=failed)
     return batch
+
+
+def _read_content(db: Connection, owner: str, file_id: str, start: int, size: int | None) -> bytes | None:
+    """``size`` bytes (``None``: all) of the owner's file ``file_id`` from ``start``;
+    ``None`` if there is no such file (or it expired). On SQLite through an incremental blob
+    handle, whose reads let go of the GIL: a ``SELECT`` of the content converts the value
+    holding it (a 60 MiB file: 60 ms of the event loop's turns), and ``substr`` reads the
+    whole value for each piece (a 95 MiB file's pieces took 10 s). PostgreSQL reads a
+    slice itself."""
+    mine = (file_id, owner, time.time())
+    if isinstance(db, sqlite3.Connection):
+        rowid = db.execute("SELECT rowid FROM files WHERE id = ? AND owner = ? AND expires > ?", mine).fetchone()
+        if rowid is None:
+            return None
+        with db.blobopen("files", "content", rowid[0], readonly=True) as blob:
+            blob.seek(start)
+            return blob.read(-1 if size is None else size)
+    if size is None:
+        found = db.execute("SELECT content FROM files WHERE id = ? AND owner = ? AND expires > ?", mine)
+    else:
+        found = db.execute(  # substr counts from 1
+            "SELECT substr(content, ?, ?) FROM files WHERE id = ? AND owner = ? AND expires > ?",
+            (start + 1, size, *mine),
+        )
+    row = found.fetchone()
+    return None if row is None or row[0] is None else bytes(row[0])
