@@ -8,7 +8,7 @@ import os
 import pickle
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -178,10 +178,17 @@ _OPS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _received(connection: Connection) -> Iterator[bytes]:
+    """The out-of-band buffers that follow a call's message (its media files), each read
+    when the unpickling reaches it."""
+    while True:
+        yield connection.recv_bytes()
+
+
 def _serve(child: _Child, connection: Connection) -> None:
     while True:
         try:
-            forgotten, op, args = pickle.loads(connection.recv_bytes())
+            forgotten, op, args = pickle.loads(connection.recv_bytes(), buffers=_received(connection))
         except (EOFError, OSError):
             return
         child.forget(forgotten)

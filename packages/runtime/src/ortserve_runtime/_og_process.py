@@ -11,8 +11,8 @@ that model's requests with an error rather than the server.
 loopback once per *lane* (``step``, ``prefill``, ``media``; each connection opens with a
 token the child got in its environment), so the engine's owner thread, its prefill thread and the chat
 front's media preparation each talk to a thread of their own in the child and go on side
-by side as they did in one process. A call is one pickled message and its answer; logits
-come back as a NumPy array (one copy of vocabulary-sized floats, tens of microseconds,
+by side as they did in one process. A call is one pickled message (media files follow it
+as they are, pickle's out-of-band buffers) and its answer; logits come back as a NumPy array (one copy of vocabulary-sized floats, tens of microseconds,
 against a decode step of milliseconds). The child holds the ``og.Model``, the generators by
 request id and the processed media by id; the parent names what to drop with its next call.
 The child exits when the parent closes the lanes or dies (they read end-of-file).
@@ -158,7 +158,11 @@ class OgProcess:
         connection = self._lanes[lane]
         with self._locks[lane]:
             try:
-                connection.send_bytes(pickle.dumps((forgotten, op, args), protocol=pickle.HIGHEST_PROTOCOL))
+                large: list[pickle.PickleBuffer] = []
+                message = pickle.dumps((forgotten, op, args), protocol=5, buffer_callback=large.append)
+                connection.send_bytes(message)
+                for buffer in large:  # after the message, as they are (see _og_child._received)
+                    connection.send_bytes(buffer.raw())
                 status, value = pickle.loads(connection.recv_bytes())
                 if status == "array":  # an array's bytes follow, unpickled (see _og_child._serve)
                     dtype, shape = value
@@ -194,7 +198,10 @@ class OgProcess:
         already): the prompt's ids (none for Whisper), and its inputs as the child keeps
         them; what og cannot process is an :class:`InvalidRequestError` naming ``param``.
         ``room``, acquired by the caller, is given back with the inputs."""
-        ids, key = self.call(lane, "process", text, pngs, audios, model_type, param)
+        # Out of the pickle: pickling copied each file into the message holding the GIL (two
+        # 12-megapixel images, 74 MB as the PNGs they become: 88 ms of the event loop's turns).
+        files = [[pickle.PickleBuffer(data) for data in kind] for kind in (pngs, audios)]
+        ids, key = self.call(lane, "process", text, *files, model_type, param)
         return ids, RemoteMedia(self, key, room)
 
     def forget_media(self, key: int) -> None:
