@@ -253,6 +253,40 @@ def test_a_request_head_past_the_bound_is_a_431_and_an_ambiguous_body_length_a_4
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_a_request_that_is_not_http_gets_the_api_error_shape() -> None:
+    """Thirteenth probe of issue 45: what h11 could not parse (a malformed request line, a
+    header without a colon, a bad chunk size) got uvicorn's plain-text "Invalid HTTP request
+    received."; it is a 400 in the API's error shape now, saying why, and then a close."""
+
+    def ask(port: int, data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(data)
+            answer = b""
+            while chunk := sock.recv(65536):  # the server closes after its answer
+                answer += chunk
+            return answer
+
+    fine = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    cases = {
+        "request line": b"GET /health\r\nHost: 127.0.0.1\r\n\r\n",
+        "header": b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n\r\n",
+        "chunk": b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        "second request": fine.replace(b"\r\n\r\n", b"\r\nConnection: keep-alive\r\n\r\n") + b"BAD\r\n\r\n",
+    }
+    with serving() as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        for what, data in cases.items():
+            answer = ask(port, data)
+            last = answer[answer.rfind(b"HTTP/1.1 ") :]  # the second request's answer after the first's
+            assert last.startswith(b"HTTP/1.1 400 Bad Request"), (what, answer[:300])
+            assert b"content-type: application/json" in last.lower(), (what, last[:300])
+            error = json.loads(last.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["code"] == "invalid_http_request", (what, error)
+            assert error["message"].startswith("the request is not valid HTTP/1.1: "), (what, error)
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_fd_limit_is_raised_to_the_hard_limit() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard < 512:

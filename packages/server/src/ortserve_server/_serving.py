@@ -109,6 +109,8 @@ class _PieceCountingConnection(h11.Connection):
         self.too_small = False
         self.head_refused: tuple[int, str, str] | None = None
         """The status, message and code of the answer to a head refused here."""
+        self.protocol_error: str | None = None
+        """Why h11 could not parse what came (a malformed request line, header or chunk)."""
 
     def next_event(self) -> Any:
         if self.too_small:
@@ -118,6 +120,8 @@ class _PieceCountingConnection(h11.Connection):
         except h11.RemoteProtocolError as exc:
             if exc.error_status_hint == 431:  # h11's own: a head still incomplete
                 self._refuse_head(431, "request_header_fields_too_large")
+            if self.head_refused is None:  # h11's reason, for the answer (uvicorn drops it)
+                self.protocol_error = str(exc)
             raise
         if isinstance(event, h11.Request):
             head = len(event.method) + len(event.target)
@@ -382,14 +386,22 @@ class GuardedH11Protocol(H11Protocol):
         )
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request h11 could not parse; one whose head was refused
-        here (past ``--max-header-size``: 431; an ambiguous body length: 400) gets its answer
-        in the API's error shape."""
+        """uvicorn's answer to a request h11 could not parse, in the API's error shape (uvicorn
+        sends a plain "Invalid HTTP request received."): a head refused here (past
+        ``--max-header-size``: 431; an ambiguous body length: 400) says why, and so does any
+        other request h11 could not read (a malformed line, header or chunk: 400)."""
         conn = self.conn
         if isinstance(conn, _PieceCountingConnection) and conn.head_refused is not None:
             self._refuse(*conn.head_refused, app_started=False)
             return
-        super().send_400_response(msg)
+        why = conn.protocol_error if isinstance(conn, _PieceCountingConnection) else None
+        message = "the request is not valid HTTP/1.1" + (f": {why}" if why else "")
+        if conn.our_state is h11.IDLE:  # its head: no app has it
+            self._refuse(400, message, "invalid_http_request", app_started=False)
+        elif conn.our_state is h11.SEND_RESPONSE:  # its body: the app's answer, not begun, goes nowhere
+            self._refuse(400, message, "invalid_http_request")
+        else:  # the app's answer has begun: nothing else can be said on this connection
+            self.transport.close()
 
     def _refuse(self, status: int, message: str, code: str, *, app_started: bool = True) -> None:
         """Answer ``status`` with the API's error shape where the app has not begun to
