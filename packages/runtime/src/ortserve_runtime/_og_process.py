@@ -12,8 +12,9 @@ loopback once per *lane* (``step``, ``prefill``, ``media``; each connection open
 token the child got in its environment), so the engine's owner thread, its prefill thread and the chat
 front's media preparation each talk to a thread of their own in the child and go on side
 by side as they did in one process. A call is one pickled message (media files follow it
-as they are, pickle's out-of-band buffers) and its answer; logits come back as a NumPy array (one copy of vocabulary-sized floats, tens of microseconds,
-against a decode step of milliseconds). The child holds the ``og.Model``, the generators by
+as they are, pickle's out-of-band buffers) and its answer; logits come back as a NumPy
+array (one copy of vocabulary-sized floats, tens of microseconds, against a decode step of
+milliseconds). The child holds the ``og.Model``, the generators by
 request id and the processed media by id; the parent names what to drop with its next call.
 The child exits when the parent closes the lanes or dies (they read end-of-file).
 """

@@ -67,7 +67,8 @@ def _shape(body: bytes) -> _Shape:
     read, the depth and the top-level field."""
     in_string = backslashes = depth = field = 0
     keys = containers = separators = 0
-    colons: list[np.ndarray] = []  # body offsets of the top-level keys' colons: field k's is colons[k - 1]
+    names: list[np.ndarray] = []  # the top-level keys' quotes (opening, closing): field k's is row k - 1
+    last_quotes = np.full(2, -1, np.int64)  # the last two string boundaries read, for a key cut by a chunk
     weights = np.zeros(1, np.int64)  # by field, 0: before the first top-level key
     deepest, deepest_field = 1, 0
     for start in range(0, len(body), _CHUNK):
@@ -100,22 +101,22 @@ def _shape(body: bytes) -> _Shape:
         keys += int(colon.sum())
         containers += int(opens.sum())
         separators += int(comma.sum())
-        colons.append(np.flatnonzero(top_colon) + start)
+        # A key is the string just before its colon: the last two boundaries before it.
+        boundaries = np.concatenate((last_quotes, np.flatnonzero(quotes) + start))
+        before = np.searchsorted(boundaries, np.flatnonzero(top_colon) + start)
+        names.append(np.stack((boundaries[before - 2], boundaries[before - 1]), axis=1))
+        last_quotes = boundaries[-2:]
         in_string, depth, field = int(not outside[-1]), int(depths[-1]), int(fields[-1])
-    offsets = np.concatenate(colons) if colons else np.zeros(0, np.int64)
-    heaviest = _key_before(body, offsets, int(weights.argmax()) if weights.any() else 0)
-    return _Shape(keys, containers, separators, heaviest, _key_before(body, offsets, deepest_field))
+    quoted = np.concatenate(names) if names else np.zeros((0, 2), np.int64)
 
+    def name(field: int) -> str | None:  # 1 the first top-level field; 0 none
+        if field == 0:
+            return None
+        begin, end = (int(at) for at in quoted[field - 1])
+        return body[begin + 1 : end].decode("utf-8", "replace") if begin >= 0 else None  # malformed: no key
 
-def _key_before(body: bytes, colons: np.ndarray, field: int) -> str | None:
-    """The name of top-level field ``field`` (1 the first; 0 none): the string before its colon."""
-    if field == 0:
-        return None
-    end = body.rfind(b'"', 0, int(colons[field - 1]))
-    begin = body.rfind(b'"', 0, end)
-    while begin > 0 and (begin - len(body[:begin].rstrip(b"\\"))) % 2:  # an escaped quote: look further back
-        begin = body.rfind(b'"', 0, begin)
-    return body[begin + 1 : end].decode("utf-8", "replace")
+    heaviest = name(int(weights.argmax()) if weights.any() else 0)
+    return _Shape(keys, containers, separators, heaviest, name(deepest_field))
 
 
 async def check_json_counts(body: bytes) -> None:
