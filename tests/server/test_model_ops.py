@@ -439,3 +439,51 @@ def test_a_model_unloaded_after_serving_frees_itself() -> None:
         assert control(base, "unload", "tiny", key="admin-key").json()["status"] == "unloaded"
         assert gc.get_freeze_count() > 0  # not given back: nothing kept the model
         assert chat(client) == "length"
+
+
+def test_model_files_that_never_end_or_nest_without_end_fail_alone(tmp_path: Path) -> None:
+    """Fourteenth probe of issue 45: a tokenizer.json (or genai_config.json, or the decoder
+    graph) linked to /dev/zero was read whole, growing the server until the kernel killed it
+    with every model; a 500 MB genai_config.json held the GIL over a second; one nested
+    100,000 deep ended start-up with a RecursionError; 1,000,000 layers held the GIL 4 s.
+    Each is a load error naming the file now, found before anything reads it whole."""
+
+    def hostile(name: str, edit: Callable[[dict[str, Any]], None] = lambda genai: None, zero: str = "") -> Path:
+        folder = tmp_path / name
+        shutil.copytree(TINY_MODEL, folder)
+        genai = json.loads((folder / "genai_config.json").read_text())
+        edit(genai)
+        (folder / "genai_config.json").write_text(json.dumps(genai))
+        if zero:
+            (folder / zero).unlink()
+            (folder / zero).symlink_to("/dev/zero")
+        return folder
+
+    def huge(genai: dict[str, Any]) -> None:
+        genai["padding"] = "x" * (17 << 20)
+
+    def layers(genai: dict[str, Any]) -> None:
+        genai["model"]["decoder"]["num_hidden_layers"] = 1_000_000
+
+    def deep(genai: dict[str, Any]) -> None:
+        genai["model"]["deep"] = json.loads("[" * 900 + "]" * 900)  # nested further below, as text
+
+    expected = {
+        "zero_tokenizer": (hostile("zero_tokenizer", zero="tokenizer.json"), "tokenizer.json is not a regular file"),
+        "zero_config": (hostile("zero_config", zero="genai_config.json"), "genai_config.json is not a regular file"),
+        "zero_graph": (hostile("zero_graph", zero="model.onnx"), "model.onnx is not a regular file"),
+        "huge_config": (hostile("huge_config", huge), "a genai_config.json may have at most 16,777,216"),
+        "deep_config": (hostile("deep_config", deep), "is not valid JSON: nested too deep"),
+        "layers": (hostile("layers", layers), "gives 1,000,000 layers (model.decoder.num_hidden_layers)"),
+    }
+    deep_config = tmp_path / "deep_config" / "genai_config.json"
+    deep_config.write_text(deep_config.read_text().replace("[]", "[" * 100_000 + "]" * 100_000))
+    models = {"tiny": TINY_MODEL} | {name: folder for name, (folder, _) in expected.items()}
+    with serve(models=models) as base, sdk(base) as client:
+        for name, (_, reason) in expected.items():
+            started = time.monotonic()
+            refused = control(base, "load", name)
+            assert refused.status_code >= 400 and reason in refused.json()["error"]["message"], (name, refused.text)
+            assert time.monotonic() - started < 5, name
+            assert card(base, name)["status"] == "error" and reason in card(base, name)["error"]
+        assert chat(client) == "length"  # the good model serves beside them

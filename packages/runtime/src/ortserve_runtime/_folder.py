@@ -13,6 +13,7 @@ from typing import Any
 
 from ._config import ModelConfig
 from ._errors import ModelLoadError
+from ._model_files import MAX_GRAPH_BYTES, MAX_TOKENIZER_BYTES, checked_file, read_json_file
 from ._providers import apply_og_provider, og_load_error
 
 __all__ = ["GenaiFolder", "load_og_model", "read_json"]
@@ -22,12 +23,7 @@ log = logging.getLogger("ortserve.runtime")
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``, or :class:`ModelLoadError` naming the file."""
-    if not path.exists():
-        raise ModelLoadError(f"{path} does not exist", path=path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}", path=path) from exc
+    data = read_json_file(path)
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} does not hold a JSON object", path=path)
     return data
@@ -69,11 +65,26 @@ class GenaiFolder:
     @property
     def context_length(self) -> int:
         try:
-            return int(self.model["context_length"])
-        except (KeyError, TypeError, ValueError) as exc:
+            length = int(self.model["context_length"])
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ModelLoadError(
                 f"{self.path / 'genai_config.json'} lacks a required field: {exc}", path=self.path
             ) from exc
+        if length < 1:
+            raise ModelLoadError(
+                f"{self.path / 'genai_config.json'}: model.context_length must be positive, not {length}",
+                path=self.path,
+            )
+        return length
+
+    def check_graph_files(self) -> None:
+        """Each ONNX graph the config names (decoder, vision, speech, embedding, encoder) is
+        a regular file onnx and og can read whole: one linked to ``/dev/zero`` grew the
+        server past 3 GB in seconds (fourteenth probe of the hardening issue)."""
+        for section in self.model.values():
+            filename = section.get("filename") if isinstance(section, dict) else None
+            if isinstance(filename, str):
+                checked_file(self.path / filename, MAX_GRAPH_BYTES)
 
     @property
     def shortest_sequence(self) -> int:
@@ -86,10 +97,7 @@ class GenaiFolder:
     @property
     def tokenizer_path(self) -> Path:
         """``tokenizer.json``, which the front reads (checked before any engine loads)."""
-        path = self.path / "tokenizer.json"
-        if not path.exists():
-            raise ModelLoadError(f"{path} does not exist", path=path)
-        return path
+        return checked_file(self.path / "tokenizer.json", MAX_TOKENIZER_BYTES)
 
     def max_sequence_length(self, config: ModelConfig) -> int:
         """Prompt plus completion tokens per request: the context, capped by the config."""

@@ -9,7 +9,6 @@ resident memory, which the registry's residency weighs against its budget.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from ._contract import OwnerThread
 from ._errors import ModelLoadError
 from ._folder import GenaiFolder, check_og_runs, load_og_model
 from ._memory import resident_memory
+from ._model_files import read_json_file
 from ._og_process import OgProcess
 from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
 from .embeddings import EmbeddingModel, RerankModel
@@ -54,9 +54,9 @@ def detect_model_kind(folder: Path) -> ModelKind:
         raise ModelLoadError(f"{folder} is neither a model folder nor a GGUF file (.gguf)", path=folder)
     config_path = folder / "genai_config.json"
     if config_path.exists():
-        try:
-            model_type = json.loads(config_path.read_text(encoding="utf-8")).get("model", {}).get("type")
-        except (OSError, ValueError, AttributeError):
+        try:  # bounded: every --model's kind is read at start, --lazy or not
+            model_type = read_json_file(config_path).get("model", {}).get("type")
+        except (ModelLoadError, AttributeError):
             return "generative"  # loading it reports what is wrong, naming the file
         return "speech" if model_type == "whisper" else "generative"
     has_onnx = (folder / "model.onnx").exists() or (folder / "onnx" / "model.onnx").exists()
@@ -76,8 +76,8 @@ def detect_model_kind(folder: Path) -> ModelKind:
 def _is_sequence_classifier(folder: Path) -> bool:
     """config.json's architectures name a ``*ForSequenceClassification`` (a cross-encoder)."""
     try:
-        architectures = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures")
-    except (OSError, ValueError, AttributeError):
+        architectures = read_json_file(folder / "config.json").get("architectures")
+    except (ModelLoadError, AttributeError):
         return False  # no config.json, or not one of transformers': an embedding model
     return isinstance(architectures, list) and any(
         isinstance(a, str) and a.endswith("ForSequenceClassification") for a in architectures
@@ -143,6 +143,7 @@ def load_chat_model(name: str, path: Path, config: ModelConfig) -> ChatModel:
     multimodal = folder.model_type in MULTIMODAL_TYPES
     choice, reason = _pick_engine(folder, config)
     folder.tokenizer_path  # noqa: B018  # a missing tokenizer is named before an engine loads
+    folder.check_graph_files()
     if (folder.is_multimodal and not multimodal) or folder.is_encoder_decoder:
         raise ModelLoadError(
             f"{path} is a multimodal or encoder-decoder model ({folder.model_type}); the multimodal types served "

@@ -25,6 +25,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .._errors import InvalidRequestError, ModelLoadError
+from .._model_files import MAX_SETTINGS_BYTES, checked_file, read_json_file
 
 __all__ = ["ChatTemplate", "Message"]
 
@@ -262,21 +263,19 @@ class ChatTemplate:
         config_path = folder / "tokenizer_config.json"
         config: dict[str, Any] = {}
         if config_path.exists():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise ModelLoadError(f"{config_path} is not valid JSON: {exc}", path=config_path) from exc
+            found = read_json_file(config_path)
+            config = found if isinstance(found, dict) else {}
         source: Any = None
         jinja_path = folder / "chat_template.jinja"
         if override is not None:
             try:
-                source = override.read_text(encoding="utf-8")
+                source = checked_file(override, MAX_SETTINGS_BYTES).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise ModelLoadError(f"the chat template {override} could not be read: {exc}", path=override) from exc
             if not source.strip():
                 raise ModelLoadError(f"the chat template {override} is empty", path=override)
         elif jinja_path.exists():
-            source = jinja_path.read_text(encoding="utf-8")
+            source = checked_file(jinja_path, MAX_SETTINGS_BYTES).read_text(encoding="utf-8")
         else:
             source = config.get("chat_template")
             if isinstance(source, list):  # named templates: take "default"

@@ -17,7 +17,6 @@ in turn (small requests' inputs merged into shared runs), so a request arriving 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import threading
@@ -34,6 +33,7 @@ from tokenizers import Tokenizer
 from .._config import ModelConfig
 from .._contract import resolve_future
 from .._errors import EngineClosedError, ModelLoadError
+from .._model_files import MAX_TOKENIZER_BYTES, checked_file, read_json_file
 from .._providers import check_session_provider, ort_providers
 from .._text_bounds import TextLimit
 
@@ -108,6 +108,7 @@ class BatchedEncoder:
                     path=folder / "tokenizer.model",
                 )
             raise ModelLoadError(f"{tokenizer_path} does not exist", path=tokenizer_path)
+        checked_file(tokenizer_path, MAX_TOKENIZER_BYTES)
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # tokenizers raises plain Exception on bad files
@@ -362,10 +363,7 @@ def create_session(model_path: Path, folder: Path, config: ModelConfig) -> ort.I
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``, or :class:`ModelLoadError` naming it."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}", path=path) from exc
+    data = read_json_file(path)
     return data if isinstance(data, dict) else {}
 
 

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 from .._config import ModelConfig
 from .._errors import ModelLoadError
+from .._model_files import MAX_GRAPH_BYTES, checked_file
 from ._int8_prefill import int8_cache, int8_prefill_folder
 from ._kv_storage import CALIBRATION_TEXT, KvScales, load_or_measure_scales, scales_from_cache, store_kv_as
 
@@ -59,9 +60,6 @@ class DecoderGraph:
         past_value = names.get("past_value_names", "past_key_values.%d.value")
         present_key = outputs.get("present_key_names", "present.%d.key")
         present_value = outputs.get("present_value_names", "present.%d.value")
-        self.cache_names = [
-            (past_key % i, present_key % i, past_value % i, present_value % i) for i in range(self.layers)
-        ]
         self.input_ids = names.get("input_ids", "input_ids")
         self.attention_mask = names.get("attention_mask", "attention_mask")
         self.position_ids = names.get("position_ids", "position_ids")
@@ -74,8 +72,7 @@ class DecoderGraph:
         keeps them in a ring (``sliding_window_cache``) that must hold at least the window."""
 
         model_path = folder / decoder.get("filename", "model.onnx")
-        if not model_path.exists():
-            raise ModelLoadError(f"{model_path} does not exist", path=model_path)
+        checked_file(model_path, MAX_GRAPH_BYTES)
         try:
             # Weights stay on disk: the graph alone says how the session is opened and
             # whether the model uses LongRoPE.
@@ -83,6 +80,17 @@ class DecoderGraph:
         except Exception as exc:  # onnx raises its own untyped errors for corrupt files
             raise ModelLoadError(f"{model_path} could not be loaded by onnxruntime: {exc}", path=model_path) from exc
         self.model_path = model_path
+        if not 0 < self.layers <= len(graph_model.graph.input):
+            # Checked before any per-layer work: 1,000,000 layers made 4 million names and
+            # sorted them, holding the GIL 4 s (fourteenth probe of the hardening issue).
+            raise ModelLoadError(
+                f"genai_config.json gives {self.layers:,} layers (model.decoder.num_hidden_layers); "
+                f"{model_path} has {len(graph_model.graph.input)} inputs",
+                path=model_path,
+            )
+        self.cache_names = [
+            (past_key % i, present_key % i, past_value % i, present_value % i) for i in range(self.layers)
+        ]
         reason = self._undrivable(graph_model.graph)
         if reason is not None:
             raise NotDrivableError(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
-import json
 import queue
 import threading
 from collections import deque
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
 from .._config import ModelConfig
 from .._contract import resolve_future
 from .._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
+from .._folder import GenaiFolder
 from .._og_process import OgProcess
 from .._text_bounds import TextLimit
 from ..chat._sampling import GenerationOptions, Sampler
@@ -110,11 +110,13 @@ class SpeechModel:
         # On the provider the config names, or a ModelLoadError that says what to install.
         # Whisper keeps og's own thread default unless intra_op_threads (--threads) is set,
         # which then reaches its encoder and decoder, as session_options do.
+        files = GenaiFolder.read(folder)  # each file bounded (see _model_files), before og reads them
+        tokenizer_path = files.tokenizer_path
         self._og = OgProcess(folder, config, every_core=False)
         try:
             self._og.call("step", "load_processor")
-            self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-            genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+            genai = files.genai
             self.context_length = int(genai["model"]["context_length"])
             self._prompt_limit = TextLimit(self.tokenizer, self.context_length)
             special = {
