@@ -126,7 +126,8 @@ def test_concurrent_requests_all_complete(url: str) -> None:
 
 
 def _bad(url: str, messages: list[dict[str, Any]], model: str = "vision", status: int = 400) -> dict[str, Any]:
-    response = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
+    body = {"model": model, "messages": messages, "max_tokens": 2}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == status, response.text
     error: dict[str, Any] = response.json()["error"]
     return error
@@ -227,6 +228,14 @@ def image_host() -> Iterator[str]:
                 self.end_headers()
                 with contextlib.suppress(OSError):  # the fetcher may hang up at its bound
                     self.wfile.write(body)
+            elif self.path.startswith("/interim"):  # interim answers before the image
+                count = 20_000 if self.path == "/interim.png" else 400_000
+                with contextlib.suppress(OSError):  # the fetcher may hang up at its bound
+                    self.wfile.write(b"HTTP/1.1 102 Processing\r\n\r\n" * count)
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(png)))
+                    self.end_headers()
+                    self.wfile.write(png)
             elif self.path == "/moved.png":
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
@@ -282,6 +291,23 @@ def test_an_encoded_image_is_inflated_a_piece_at_a_time(url: str, client: openai
     seen.assert_within()
     assert too_large["message"] == "the image is larger than 2000000 bytes", too_large
     assert not_asked["message"] == "the image could not be fetched", not_asked
+
+
+@pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
+def test_interim_answers_are_parsed_a_piece_at_a_time_and_counted(
+    url: str, client: openai.OpenAI, image_host: str
+) -> None:
+    """Fourteenth probe of issue 45: a host answering a million interim ``102 Processing``
+    responses before the image had httpcore parse them all without the event loop's turn
+    (/health 1.4-1.6 s with eight such images). Reads are paced and counted now: 20,000 of
+    them still give the image; 400,000 (10.8 MB) are past what an image may take."""
+    cat = chat(client, ask({"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}}))
+    with watched(url) as seen:
+        after_interims = chat(client, ask({"type": "image_url", "image_url": {"url": f"{image_host}/interim.png"}}))
+        flood = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/interim-flood.png"}}))
+    seen.assert_within()
+    assert after_interims.choices[0].message.content == cat.choices[0].message.content
+    assert flood["message"] == "the image could not be fetched", flood
 
 
 @pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)

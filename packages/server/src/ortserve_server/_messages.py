@@ -25,7 +25,7 @@ from ._inflate import ACCEPT_ENCODING, CodingError, Inflater
 if TYPE_CHECKING:
     import ssl
 
-    import httpx
+    import httpcore
 
 logger = logging.getLogger("ortserve.server")
 
@@ -193,13 +193,71 @@ def _tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _image_client() -> httpx.AsyncClient:
-    """A client for one image fetch, made on a worker thread: a client's TLS context loads
-    the certificate authorities' bundle (30-70 ms of the GIL), so one context serves every
-    fetch, and the first client's own set-up (30 ms more) is off the event loop too."""
-    import httpx
+_READ_BYTES = 4 << 10
+"""Bytes one network read of an image fetch takes at most: h11 parses all a read brought
+before the event loop has its turn again (64 KiB of interim ``102`` answers: 56 ms)."""
 
-    return httpx.AsyncClient(timeout=10.0, follow_redirects=False, verify=_tls_context())
+_HEAD_BYTES = 1 << 20
+"""Bytes a fetch may read beyond the image's limit: its status line and headers."""
+
+
+def _image_pool(limit: int) -> httpcore.AsyncConnectionPool:
+    """A connection pool for one image fetch, made on a worker thread (the TLS context loads
+    the certificate authorities' bundle once, 30-70 ms of the GIL; the imports and the first
+    pool's set-up another 30-90 ms). Its connections read a paced, counted piece at a time
+    (see :func:`_paced_backend`)."""
+    import httpcore
+
+    return httpcore.AsyncConnectionPool(ssl_context=_tls_context(), network_backend=_paced_backend()(limit))
+
+
+@functools.cache
+def _paced_backend() -> Callable[[int], httpcore.AsyncNetworkBackend]:
+    """httpcore's network backend whose connections read at most ``_READ_BYTES`` at a time,
+    give the event loop its turn after each read, and stop past ``limit`` plus ``_HEAD_BYTES``
+    bytes in all (status line, headers, interim answers and body; a TLS stream shares its
+    connection's count). A host answering a million interim ``102 Processing`` responses
+    (fourteenth probe of issue 45) had httpcore parse them in one go: /health 1.4-1.6 s with
+    eight such images. Made at the first remote fetch: httpcore stays out of start-up."""
+    import httpcore
+
+    class PacedStream(httpcore.AsyncNetworkStream):
+        def __init__(self, stream: httpcore.AsyncNetworkStream, left: list[int]) -> None:
+            self._stream, self._left = stream, left
+
+        async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+            data = await self._stream.read(min(max_bytes, _READ_BYTES), timeout)
+            self._left[0] -= len(data)
+            if self._left[0] < 0:
+                raise httpcore.ReadError("the host sent more bytes than an image may have")
+            await asyncio.sleep(0)
+            return data
+
+        async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+            await self._stream.write(buffer, timeout)
+
+        async def aclose(self) -> None:
+            await self._stream.aclose()
+
+        async def start_tls(
+            self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+        ) -> httpcore.AsyncNetworkStream:
+            return PacedStream(await self._stream.start_tls(ssl_context, server_hostname, timeout), self._left)
+
+        def get_extra_info(self, info: str) -> Any:
+            return self._stream.get_extra_info(info)
+
+    class PacedBackend(httpcore.AsyncNetworkBackend):
+        def __init__(self, limit: int) -> None:
+            self._backend, self._limit = httpcore.AnyIOBackend(), limit
+
+        async def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+            return PacedStream(await self._backend.connect_tcp(*args, **kwargs), [self._limit + _HEAD_BYTES])
+
+        async def sleep(self, seconds: float) -> None:
+            await self._backend.sleep(seconds)
+
+    return PacedBackend
 
 
 async def _fetch_image(url: str, where: str, limit: int) -> bytes:
@@ -208,24 +266,31 @@ async def _fetch_image(url: str, where: str, limit: int) -> bytes:
     which ports are open and which paths exist is no caller's business (the log says why).
     A content coding is undone here, a piece at a time, each counted (:mod:`._inflate`):
     httpx's own decoding made 2 GiB of a 32 KB zstd answer before the size check."""
-    import httpx  # only for remote images (--allow-image-host): kept out of start-up
+    pool = await asyncio.to_thread(_image_pool, limit)
+    import httpcore  # imported by _image_pool, off the event loop (only for --allow-image-host)
 
+    timeouts = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
+    headers: list[tuple[bytes | str, bytes | str]] = [("Accept-Encoding", ACCEPT_ENCODING)]
     try:
-        async with (
-            await asyncio.to_thread(_image_client) as client,
-            client.stream("GET", url, headers={"Accept-Encoding": ACCEPT_ENCODING}) as response,
-        ):
-            if response.status_code != 200:
-                logger.info("image fetch %s: HTTP %d", url, response.status_code)
+        async with pool, pool.stream("GET", url, headers=headers, extensions={"timeout": timeouts}) as response:
+            if response.status != 200:
+                logger.info("image fetch %s: HTTP %d", url, response.status)
                 raise BadRequestError("the image could not be fetched", param=where)
-            inflater = Inflater(response.headers.get("content-encoding", ""))
+            codings = [value for name, value in response.headers if name.lower() == b"content-encoding"]
+            inflater = Inflater(b", ".join(codings).decode("latin-1"))
             body = bytearray()
-            async for chunk in response.aiter_raw():
+            async for chunk in response.aiter_stream():
                 for piece in inflater.pieces(chunk):
                     body += piece
                     if len(body) > limit:
                         raise BadRequestError(f"the image is larger than {limit} bytes", param=where)
             return bytes(body)
-    except (httpx.HTTPError, CodingError) as exc:
+    except (
+        httpcore.TimeoutException,
+        httpcore.NetworkError,
+        httpcore.ProtocolError,
+        httpcore.UnsupportedProtocol,
+        CodingError,
+    ) as exc:
         logger.info("image fetch %s: %s", url, exc)
         raise BadRequestError("the image could not be fetched", param=where) from exc
