@@ -284,6 +284,9 @@ def test_a_request_that_is_not_http_gets_the_api_error_shape() -> None:
             error = json.loads(last.split(b"\r\n\r\n", 1)[1])["error"]
             assert error["code"] == "invalid_http_request", (what, error)
             assert error["message"].startswith("the request is not valid HTTP/1.1: "), (what, error)
+            assert "bytearray(" not in error["message"], error  # h11 quotes its buffer's repr
+        header = json.loads(ask(port, cases["header"]).split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert header.endswith("illegal header line: 'no colon here'"), header
         assert httpx.get(f"{url}/health").status_code == 200
 
 

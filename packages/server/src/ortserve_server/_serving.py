@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import socket
 import struct
 import time
@@ -90,6 +91,8 @@ BODY_PIECES_FREE = 1024
 """Pieces a request body may come in before their average size is checked (7 ms of h11)."""
 
 
+_BUFFER_REPR = re.compile(r"(?:bytearray\()?\bb('.*?'|\".*?\")\)?")
+
 class _PieceCountingConnection(h11.Connection):
     """h11's server connection, counting the current request's body pieces (``Data``
     events) and their bytes; once they are too small (:data:`BODY_MIN_PIECE` on average, past
@@ -121,7 +124,8 @@ class _PieceCountingConnection(h11.Connection):
             if exc.error_status_hint == 431:  # h11's own: a head still incomplete
                 self._refuse_head(431, "request_header_fields_too_large")
             if self.head_refused is None:  # h11's reason, for the answer (uvicorn drops it)
-                self.protocol_error = str(exc)
+                # h11 quotes the line as Python's repr of its buffer: bytearray(b'...') -> '...'
+                self.protocol_error = _BUFFER_REPR.sub(r"\1", str(exc))
             raise
         if isinstance(event, h11.Request):
             head = len(event.method) + len(event.target)
