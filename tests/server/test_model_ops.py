@@ -487,3 +487,40 @@ def test_model_files_that_never_end_or_nest_without_end_fail_alone(tmp_path: Pat
             assert time.monotonic() - started < 5, name
             assert card(base, name)["status"] == "error" and reason in card(base, name)["error"]
         assert chat(client) == "length"  # the good model serves beside them
+
+
+def test_a_stopped_og_process_is_killed_and_its_model_loads_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fourteenth probe of issue 45: og's process of a multimodal model stopped (SIGSTOP;
+    as a deadlock in native code would leave it) held every request of that model without
+    end while /health said "ready". A call whose child answers nothing and uses no CPU time
+    for ``WEDGED_SECONDS`` kills it now: the request fails naming why, the next one loads
+    the model again; the other models serve throughout."""
+    import os
+    import signal
+
+    from ortserve_runtime import _og_process
+
+    monkeypatch.setattr(_og_process, "WEDGED_SECONDS", 1.0)  # the server runs in this process
+    phi3v = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-phi3v"
+
+    def og_children() -> list[int]:
+        children = Path(f"/proc/{os.getpid()}/task")
+        pids = [int(pid) for task in children.iterdir() for pid in (task / "children").read_text().split()]
+        return [pid for pid in pids if b"_og_child" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+    with serve(models={"tiny": TINY_MODEL, "v": phi3v}) as base, sdk(base) as client:
+        assert chat(client, "v") == "length"
+        (child,) = og_children()
+        os.kill(child, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as failed:
+                chat(client, "v")
+            assert "no answer and no CPU time for 1 s" in failed.value.message, failed.value.message
+            assert time.monotonic() - started < 30
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGCONT)
+        assert chat(client, "tiny") == "length"
+        assert chat(client, "v") == "length"  # in a new process
+        assert og_children() != [child]

@@ -54,6 +54,13 @@ TOKEN_VARIABLE = "ORTSERVE_OG_TOKEN"
 START_TIMEOUT = 120.0
 """Seconds the child may take to start and connect its lanes."""
 
+WEDGED_SECONDS = 60.0
+"""A child that answers nothing and uses no CPU time this long while a call waits on it is
+wedged (stopped by a signal, deadlocked in native code): it is killed, so that call and the
+model's next ones fail as a crash, the one after loads it again. Before, a stopped child
+held every request of its model without end while /health said "ready" (fourteenth probe
+of issue 45)."""
+
 _BOOTSTRAP = """
 import sys, types
 package = sys.argv[1]
@@ -100,6 +107,8 @@ class OgProcess:
 
     def __init__(self, folder: Path, config: ModelConfig, *, every_core: bool = True) -> None:
         self.folder = folder
+        self._wedged = False
+        self._loaded = False  # a load may wait on the disk without CPU time: never taken for wedged
         package = Path(__file__).resolve().parent
         token = secrets.token_hex(16)
         with socket.create_server(("127.0.0.1", 0)) as server:
@@ -118,6 +127,7 @@ class OgProcess:
         """Guards ``_forgotten``: reentrant, as a finalizer may run on a thread holding it."""
         try:
             self.call("step", "load", str(folder), config, every_core)
+            self._loaded = True
         except EngineError as exc:
             self.close()
             if isinstance(exc, ModelLoadError):
@@ -164,6 +174,7 @@ class OgProcess:
                 connection.send_bytes(message)
                 for buffer in large:  # after the message, as they are (see _og_child._received)
                     connection.send_bytes(buffer.raw())
+                self._await_answer(connection)
                 status, value = pickle.loads(connection.recv_bytes())
                 if status == "array":  # an array's bytes follow, unpickled (see _og_child._serve)
                     dtype, shape = value
@@ -183,6 +194,33 @@ class OgProcess:
         if kind == "value":
             raise ValueError(message)
         raise RuntimeError(message)
+
+    def _await_answer(self, connection: Connection) -> None:
+        """Wait for the child's answer on ``connection``; kill a wedged child (see
+        ``WEDGED_SECONDS``), whose lane then reads its end."""
+        used, since = self._cpu_ticks(), time.monotonic()
+        while not connection.poll(min(1.0, WEDGED_SECONDS)):
+            if not self._loaded:
+                continue
+            now = self._cpu_ticks()
+            if now is None:
+                return  # gone: reading says so
+            if now != used:
+                used, since = now, time.monotonic()
+            elif time.monotonic() - since >= WEDGED_SECONDS:
+                self._wedged = True
+                self._process.kill()
+                return
+
+    def _cpu_ticks(self) -> float | None:
+        """The child's user and system CPU time in clock ticks, ``None`` once it is gone.
+        Where /proc cannot say (not Linux), a value that always changes: never wedged."""
+        try:
+            with open(f"/proc/{self._process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None if self._process.poll() is not None else time.monotonic()
+        return int(fields[11]) + int(fields[12])
 
     def process(
         self,
@@ -232,6 +270,8 @@ class OgProcess:
         except subprocess.TimeoutExpired:
             code = None
         how = f"exit status {code}" if code is not None and code >= 0 else f"signal {-(code or 0)}"
+        if self._wedged:
+            how = f"killed: no answer and no CPU time for {WEDGED_SECONDS:g} s, stopped or deadlocked"
         return f"the onnxruntime-genai process of this model ended ({how}); the next request loads it again"
 
     def close(self) -> None:

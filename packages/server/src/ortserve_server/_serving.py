@@ -93,6 +93,7 @@ BODY_PIECES_FREE = 1024
 
 _BUFFER_REPR = re.compile(r"(?:bytearray\()?\bb('.*?'|\".*?\")\)?")
 
+
 class _PieceCountingConnection(h11.Connection):
     """h11's server connection, counting the current request's body pieces (``Data``
     events) and their bytes; once they are too small (:data:`BODY_MIN_PIECE` on average, past
