@@ -236,6 +236,12 @@ def image_host() -> Iterator[str]:
                     self.send_header("Content-Length", str(len(png)))
                     self.end_headers()
                     self.wfile.write(png)
+            elif self.path == "/page.html":  # an answer, but no image
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", "13")
+                self.end_headers()
+                self.wfile.write(b"<p>hello</p>\n")
             elif self.path == "/moved.png":
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
@@ -275,6 +281,27 @@ def test_allowed_hosts_are_fetched(url: str, client: openai.OpenAI, image_host: 
     for where in (f"{image_host}/missing.png", f"{image_host}/moved.png", closed):
         error = _bad(url, ask({"type": "image_url", "image_url": {"url": where}}))
         assert error["message"] == "the image could not be fetched", (where, error)
+
+
+def test_a_host_allowed_at_one_port_and_answers_that_are_not_images(image_host: str) -> None:
+    """Fourteenth probe of issue 45: an allowed host was allowed at every port, and an answer
+    that was not an image got "could not be decoded", which told a caller that the host
+    answered 200 there (the server's own /health, say). ``HOST:PORT`` allows that port only;
+    what is not an image is one more "could not be fetched"."""
+    port = int(image_host.rsplit(":", 1)[1])
+    config = ServerConfig(models={"vision": TINY_PHI3V}, image_url_hosts=(f"127.0.0.1:{port}",))
+    with running(create_app(config)) as base:
+        other_port = _bad(base, ask({"type": "image_url", "image_url": {"url": f"{base}/health"}}))
+        assert "does not fetch images from '127.0.0.1'" in other_port["message"], other_port
+        fetched = {
+            "model": "vision",
+            "messages": ask({"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}}),
+        }
+        assert (
+            httpx.post(f"{base}/v1/chat/completions", json={**fetched, "max_tokens": 2}, timeout=60).status_code == 200
+        )
+        page = _bad(base, ask({"type": "image_url", "image_url": {"url": f"{image_host}/page.html"}}))
+        assert page["message"] == "the image could not be fetched", page
 
 
 @pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)

@@ -453,8 +453,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--allow-image-host",
         action="append",
         default=[],
-        metavar="HOST",
-        help="fetch http(s) image URLs from this host (default: data: URLs only); repeatable",
+        metavar="HOST[:PORT]",
+        help="fetch http(s) image URLs from this host, any port or only PORT (default: data: URLs only); repeatable",
     )
     serve.add_argument(
         "--allow-host",

@@ -235,8 +235,9 @@ class ServerConfig:
     """Largest output constraint (``response_format`` schema, ``guided_regex``,
     ``guided_grammar``, ``guided_choice`` as a grammar, a forced tool call's schema)."""
     image_url_hosts: tuple[str, ...] = ()
-    """Hosts whose ``http(s)`` image URLs the server may fetch. Empty: images come inline as
-    ``data:`` URLs only, since a server that fetches any URL it is given is an SSRF hole."""
+    """Hosts whose ``http(s)`` image URLs the server may fetch: ``HOST`` (any port of it) or
+    ``HOST:PORT`` (``[IPV6]:PORT``; that port only). Empty: images come inline as ``data:``
+    URLs only, since a server that fetches any URL it is given is an SSRF hole."""
     responses_store_max: int = 1000
     """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (those
     created with ``store: true``); the key holding the most gives its oldest first. 0

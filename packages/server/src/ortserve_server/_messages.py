@@ -137,8 +137,26 @@ async def _fetch_remote(remote: list[tuple[list[Any], int, _RemoteImage]], confi
         raise BadRequestError(
             f"the images could not be fetched within {IMAGE_FETCH_SECONDS:g} s", param=remote[0][2].where
         ) from None
-    for (parts, position, _), data in zip(remote, fetched, strict=True):
+    for (parts, position, image), data in zip(remote, fetched, strict=True):
+        if not await asyncio.to_thread(_looks_like_an_image, data):
+            # The same answer as a failed fetch: "not an image" would tell the caller that the
+            # allowed host answered 200 there (which paths and ports serve what: the log's).
+            logger.info("image fetch %s: not an image format Pillow reads", image.url)
+            raise BadRequestError("the image could not be fetched", param=image.where)
         parts[position] = ImageInput(data)
+
+
+def _looks_like_an_image(data: bytes) -> bool:
+    """Whether Pillow recognises ``data``'s header (nothing is decoded here)."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)):
+            return True
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return False
 
 
 def _content_part(
@@ -170,13 +188,24 @@ def _content_part(
         raise BadRequestError(f"the image URL is malformed: {exc}", param=where) from exc
     if parsed.scheme not in ("http", "https"):
         raise BadRequestError("an image URL must be a data: URL (or http(s) where allowed)", param=where)
-    if hostname not in config.image_url_hosts:
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError as exc:  # a port out of range
+        raise BadRequestError(f"the image URL is malformed: {exc}", param=where) from exc
+    if not any(_allows(entry, hostname, port) for entry in config.image_url_hosts):
         raise BadRequestError(
             f"this server does not fetch images from {hostname!r}: send the image inline as a data: URL "
             "(remote hosts must be allowed with image_url_hosts / --allow-image-host)",
             param=where,
         )
     return _RemoteImage(url, where)
+
+
+def _allows(entry: str, hostname: str | None, port: int) -> bool:
+    """Whether an ``image_url_hosts`` entry allows ``hostname`` at ``port``: ``HOST`` any
+    port of it, ``HOST:PORT`` (``[IPV6]:PORT``) that port only."""
+    allowed = urllib.parse.urlsplit(f"//{entry}")
+    return allowed.hostname == (hostname or "").lower() and allowed.port in (None, port)
 
 
 def decode_base64(data: str, where: str) -> bytes:
