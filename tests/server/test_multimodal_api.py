@@ -208,6 +208,8 @@ def image_host() -> Iterator[str]:
     zstd = zstandard.ZstdCompressor(level=1).compressobj()
     encoded = {
         "/cat.png.gz": ("gzip", zlib.compress(png, wbits=16 + zlib.MAX_WBITS)),
+        "/cat.png.zlib": ("deflate", zlib.compress(png)),
+        "/cat.png.raw": ("deflate", zlib.compress(png, wbits=-zlib.MAX_WBITS)),  # deflate without zlib's header
         "/bomb.gz": ("gzip", bomb),
         "/bomb.zst": ("zstd", b"".join(zstd.compress(zero) for _ in range(1024)) + zstd.flush()),
     }
@@ -310,8 +312,9 @@ def test_an_encoded_image_is_inflated_a_piece_at_a_time(url: str, client: openai
     network chunk before the size check: the zstd bomb grew the server 2 GiB and held
     /health 2.5 s. Codings other than gzip and deflate are not asked for, nor taken."""
     cat = chat(client, ask({"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}}))
-    gzipped = chat(client, ask({"type": "image_url", "image_url": {"url": f"{image_host}/cat.png.gz"}}))
-    assert gzipped.choices[0].message.content == cat.choices[0].message.content
+    for coded in ("cat.png.gz", "cat.png.zlib", "cat.png.raw"):  # raw deflate: refused before (fourteenth probe)
+        decoded = chat(client, ask({"type": "image_url", "image_url": {"url": f"{image_host}/{coded}"}}))
+        assert decoded.choices[0].message.content == cat.choices[0].message.content, coded
     with watched(url) as seen:
         too_large = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/bomb.gz"}}))
         not_asked = _bad(url, ask({"type": "image_url", "image_url": {"url": f"{image_host}/bomb.zst"}}))

@@ -33,8 +33,10 @@ class Inflater:
         self.encoding = encoding.strip().lower() or "identity"
         if self.encoding != "identity" and self.encoding not in _ENCODINGS:
             raise CodingError(f"an answer in the content coding {self.encoding!r} (asked for {ACCEPT_ENCODING})")
-        # zlib reads both gzip and deflate, and tells them apart by their header.
+        # zlib reads both gzip and deflate, and tells them apart by their header; "deflate"
+        # without zlib's header (raw, as many servers send it) is told by its first bytes.
         self._inflater = None if self.encoding == "identity" else zlib.decompressobj(32 + zlib.MAX_WBITS)
+        self._head = b"" if self.encoding == "deflate" else None
 
     def pieces(self, chunk: bytes) -> Iterator[bytes]:
         """``chunk`` decoded, in pieces of at most :data:`PIECE` bytes, each made only when
@@ -42,6 +44,14 @@ class Inflater:
         if self._inflater is None:
             yield chunk
             return
+        if self._head is not None:  # deflate's first two bytes: a zlib header, or raw deflate
+            chunk, self._head = self._head + chunk, None
+            if len(chunk) < 2:
+                self._head = chunk
+                return
+            method, flags = chunk[0], chunk[1]
+            if method & 0x0F != zlib.DEFLATED or (method * 256 + flags) % 31:
+                self._inflater = zlib.decompressobj(-zlib.MAX_WBITS)
         try:
             while chunk and not self._inflater.eof:
                 piece = self._inflater.decompress(chunk, PIECE)
