@@ -104,6 +104,7 @@ async def test_an_adapter_that_does_not_fit_fails_the_load_naming_it(engine: str
         (TINY_MODEL, LORA_ADAPTERS["alpha"], "was not made for"),  # a model without LoRA inputs
         (LORA_MODEL, garbage, "is not an .onnx_adapter file"),
         (LORA_MODEL, tmp_path / "missing.onnx_adapter", "does not exist"),
+        (LORA_MODEL, tmp_path, "is not a regular file"),  # said "does not exist" (fourteenth probe)
     ]
     for folder, adapter, why in cases:
         registry = ModelRegistry(ModelConfig(engine=engine, adapters={"alpha": adapter}))  # type: ignore[arg-type]

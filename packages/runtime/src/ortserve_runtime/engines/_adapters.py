@@ -40,8 +40,9 @@ def check_adapters(folder: GenaiFolder, adapters: Mapping[str, Path]) -> dict[st
     checked = {}
     for name, given in adapters.items():
         path = Path(given).expanduser().resolve()
-        if not path.is_file():
-            raise ModelLoadError(f"adapter {name!r}: {path} does not exist", path=path)
+        if not path.is_file():  # named as given: a link's target (/proc/PID/...) is no caller's business
+            what = "is not a regular file" if path.exists() else "does not exist"
+            raise ModelLoadError(f"adapter {name!r}: {given} {what}", path=path)
         size = path.stat().st_size
         if size > largest:
             raise ModelLoadError(
