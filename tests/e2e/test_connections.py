@@ -290,6 +290,33 @@ def test_a_request_that_is_not_http_gets_the_api_error_shape() -> None:
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_a_request_target_in_absolute_form_is_served() -> None:
+    """Fourteenth probe of issue 45: ``GET http://HOST/v1/models`` (absolute-form, which a
+    server must accept: RFC 9112, 3.2.2) was a 404 "no route"; it is served as its path now,
+    and an authority other than the Host header is a 400 saying so."""
+
+    def ask(port: int, data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(data)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            return answer
+
+    with serving() as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        host = f"127.0.0.1:{port}".encode()
+        fine = ask(
+            port, b"GET http://" + host + b"/v1/models?x=1 HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
+        )
+        assert fine.startswith(b"HTTP/1.1 200"), fine[:300]
+        assert json.loads(fine.split(b"\r\n\r\n", 1)[1])["data"][0]["id"] == "tiny"
+        other = ask(port, b"GET http://evil.test/v1/models HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        assert other.startswith(b"HTTP/1.1 400"), other[:300]
+        error = json.loads(other.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "host_mismatch" and "authority is not its Host header" in error["message"], error
+
+
 def test_fd_limit_is_raised_to_the_hard_limit() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard < 512:

@@ -32,6 +32,7 @@ import re
 import socket
 import struct
 import time
+import urllib.parse
 from http import HTTPStatus
 from typing import Any
 
@@ -136,6 +137,8 @@ class _PieceCountingConnection(h11.Connection):
             names = {name for name, _ in event.headers}  # h11 gives them lower-case
             if b"transfer-encoding" in names and b"content-length" in names:
                 self._refuse_head(400, "ambiguous_body_length")
+            if event.target.lower().startswith((b"http://", b"https://")):
+                event = self._origin_form(event)
             self.pieces = self.piece_bytes = 0
         elif isinstance(event, h11.Data):
             self.pieces += 1
@@ -145,11 +148,26 @@ class _PieceCountingConnection(h11.Connection):
                 return h11.NEED_DATA
         return event
 
+    def _origin_form(self, event: h11.Request) -> h11.Request:
+        """A request whose target is in absolute-form (``GET http://host/v1/models``, as
+        clients send to a proxy), which a server must accept (RFC 9112, 3.2.2), as its
+        origin-form: the path and query. Its authority must be the Host header (which the
+        site checks read), else it is refused (400): it was a 404 "no route"."""
+        target = urllib.parse.urlsplit(event.target.decode("ascii", "replace"))
+        host = next((value for name, value in event.headers if name == b"host"), b"")
+        if target.netloc.lower() != host.decode("ascii", "replace").lower():
+            self._refuse_head(400, "host_mismatch")
+        path = (target.path or "/") + (f"?{target.query}" if target.query else "")
+        return h11.Request(method=event.method, target=path, headers=event.headers, http_version=event.http_version)
+
     def _refuse_head(self, status: int, code: str) -> None:
         message = {
-            431: f"the request line and headers are longer than this server's {self.max_head} bytes",
-            400: "the request has both Transfer-Encoding and Content-Length; send one (RFC 9112, 6.3)",
-        }[status]
+            "request_header_fields_too_large": f"the request line and headers are longer than this server's "
+            f"{self.max_head} bytes",
+            "ambiguous_body_length": "the request has both Transfer-Encoding and Content-Length; send one "
+            "(RFC 9112, 6.3)",
+            "host_mismatch": "the request target's authority is not its Host header (RFC 9112, 3.2.2)",
+        }[code]
         self.head_refused = (status, message, code)
         raise h11.RemoteProtocolError(message, error_status_hint=status)
 
