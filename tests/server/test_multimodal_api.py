@@ -351,20 +351,20 @@ def test_a_dripping_host_ends_at_the_fetch_deadline(url: str, image_host: str, m
 
 
 @pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
-def test_a_fetch_stops_when_its_client_leaves(url: str, image_host: str) -> None:
+@pytest.mark.parametrize("route", ["chat/completions", "tokenize"])
+def test_a_fetch_stops_when_its_client_leaves(url: str, image_host: str, route: str) -> None:
     """The client gives up after 1 s: the server hangs up on the dripping host then, not at
-    the fetch deadline (30 s)."""
-    body = {
-        "model": "vision",
-        "messages": ask({"type": "image_url", "image_url": {"url": f"{image_host}/drip-gone.png"}}),
-    }
+    the fetch deadline (30 s). /v1/tokenize fetched on after its client left (fourteenth
+    probe of issue 45)."""
+    path = f"/drip-gone-{route.replace('/', '-')}.png"
+    body = {"model": "vision", "messages": ask({"type": "image_url", "image_url": {"url": f"{image_host}{path}"}})}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1.0)
+        httpx.post(f"{url}/v1/{route}", json=body, timeout=1.0)
     left = time.monotonic()
     deadline = left + 5
-    while not any(path == "/drip-gone.png" for path, _ in DRIPS_ENDED) and time.monotonic() < deadline:
+    while not any(ended == path for ended, _ in DRIPS_ENDED) and time.monotonic() < deadline:
         time.sleep(0.05)
-    ended = [when for path, when in DRIPS_ENDED if path == "/drip-gone.png"]
+    ended = [when for ended, when in DRIPS_ENDED if ended == path]
     assert ended and ended[0] - left < 2.0, "the fetch went on after the client left"
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
-from litestar import post
+from litestar import Request, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
 from ortserve_runtime import ChatModel
 
+from .._connection import fetching_while_connected
 from .._errors import (
     BadRequestError,
 )
@@ -29,7 +31,9 @@ __all__ = ["detokenize", "tokenize"]
     summary="Tokenize a prompt or chat messages (extension)",
     responses=error_responses(*POST_ERRORS),
 )
-async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[OrtServe]) -> p.TokenizeResponse:
+async def tokenize(
+    data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
+) -> p.TokenizeResponse:
     check_tool_count(data.tools)
     model = await require_model(ortserve, data.model)
     has_prompt = not isinstance(data.prompt, msgspec.UnsetType)
@@ -38,7 +42,10 @@ async def tokenize(data: JSONBody[p.TokenizeRequest], ortserve: NamedDependency[
         raise BadRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
     if has_messages:
         assert not isinstance(data.messages, msgspec.UnsetType)
-        messages = await chat_messages(data.messages, ortserve.config, model)
+        # Remote images are fetched as for a chat: stopped when the client leaves.
+        messages = await chat_messages(
+            data.messages, ortserve.config, model, fetching_while_connected(request, ortserve)
+        )
         tools = [msgspec.to_builtins(tool) for tool in data.tools] if isinstance(data.tools, list) else None
         prompt = await model.aprepare_chat(
             messages, tools=tools or None, add_generation_prompt=data.add_generation_prompt
