@@ -24,7 +24,9 @@ SECRET = [
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    config = ServerConfig(models={"tiny": TINY_MODEL}, api_key=("key-alice", "key-bob"), prefix_cache_scope="key")
+    # The default with several keys (auto); a fourteenth probe of issue 45 read Bob's system
+    # prompt token by token from Alice's cached_tokens under the former default, shared.
+    config = ServerConfig(models={"tiny": TINY_MODEL}, api_key=("key-alice", "key-bob"))
     with running(create_app(config)) as url:
         yield url
 
@@ -107,3 +109,16 @@ def test_every_key_is_accepted_and_proven(url: str) -> None:
 def test_key_scope_needs_keys() -> None:
     with pytest.raises(ValueError, match=r"prefix_cache_scope .key.*api_key"):
         create_app(ServerConfig(models={"tiny": TINY_MODEL}, prefix_cache_scope="key"))
+
+
+def test_keys_share_cached_prompts_only_when_asked() -> None:
+    """``shared`` lets several keys reuse each other's rows; one key alone shares with nobody,
+    and ``auto`` leaves its cache as it was."""
+    config = ServerConfig(models={"tiny": TINY_MODEL}, api_key=("key-alice", "key-bob"), prefix_cache_scope="shared")
+    assert not config.keys_cached_apart
+    assert not ServerConfig(api_key="one").keys_cached_apart
+    assert ServerConfig(api_key={"a": "k1", "b": "k2"}).keys_cached_apart
+    with running(create_app(config)) as shared:
+        assert _cached(shared, "key-alice") == 0
+        assert _warm(shared, "key-alice") > 32
+        assert _warm(shared, "key-bob") > 32  # Alice's rows

@@ -63,7 +63,7 @@ def _guards(
     keys = {key: "admin"} if key else config.api_key_labels
     if or_admin and keys and config.admin_key:
         keys = {**keys, config.admin_key: "admin"}
-    scoped = config.prefix_cache_scope == "key" and not key
+    scoped = config.keys_cached_apart and not key
     # A route that wants the admin key: an API key gets a 403 that says so, not "wrong key".
     not_enough = ("the admin key", config.api_key_labels) if key and key == config.admin_key else None
     guard = make_auth_guard(keys, x_api_key=x_api_key, scoped=scoped, not_enough=not_enough)

@@ -294,10 +294,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--prefix-cache-scope",
-        choices=("shared", "key"),
-        default="shared",
+        choices=("auto", "shared", "key"),
+        default="auto",
         help="whose cached prompts a request may reuse: anyone's (shared) or only its own API key's (key), "
-        "so a caller cannot learn from cached_tokens or timing what another key's callers sent",
+        "so a caller cannot learn from cached_tokens or timing what another key's callers sent "
+        "(default: auto, key with several --api-key, else shared)",
     )
     serve.add_argument(
         "--provider",

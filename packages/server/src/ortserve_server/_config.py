@@ -135,11 +135,14 @@ class ServerConfig:
     each key (``{"team-a": key, ...}``): usage per key (``/metrics``, ``GET /v1/usage``),
     logs and traces show that label, never the key; an unnamed key is shown as
     ``key-`` and the first 8 hex digits of its SHA-256."""
-    prefix_cache_scope: Literal["shared", "key"] = "shared"
+    prefix_cache_scope: Literal["auto", "shared", "key"] = "auto"
     """Whose cached prompts a request may reuse. ``"shared"``: anyone's with the same
     ``cache_salt`` (or none). ``"key"``: only those sent with the same API key, so that a
     caller cannot learn from ``cached_tokens`` or timing what a caller with another key
-    sent (the prefix cache's side channel); needs ``api_key``."""
+    sent (the prefix cache's side channel); needs ``api_key``. ``"auto"``: ``"key"`` where
+    ``api_key`` holds several keys (one per user or app), ``"shared"`` with one or none.
+    (A fourteenth probe of the hardening issue walked another key's system prompt token by
+    token from ``cached_tokens`` under the former default, ``"shared"``.)"""
     admin_key: str | None = None
     """When set, the model control routes (``POST /v1/models/load`` and ``/unload``, and the
     LoRA adapter routes where ``runtime_adapters`` allows them) need
@@ -295,6 +298,14 @@ class ServerConfig:
         return tuple(self.api_key_labels)
 
     @property
+    def keys_cached_apart(self) -> bool:
+        """Whether each API key's callers reuse only their own cached prompts (see
+        ``prefix_cache_scope``)."""
+        if self.prefix_cache_scope == "auto":
+            return len(self.api_key_labels) > 1
+        return self.prefix_cache_scope == "key"
+
+    @property
     def api_key_labels(self) -> dict[str, str]:
         """Each accepted API key and the label it is shown by (see ``api_key``)."""
         if isinstance(self.api_key, Mapping):
@@ -319,8 +330,8 @@ def check_server_config(config: ServerConfig) -> None:
         raise ValueError(f"model_configs names models that are not served: {', '.join(unknown)}")
     if re.fullmatch(r"[a-z0-9]*", config.response_id_tag) is None:  # the tag ray.response_owner reads
         raise ValueError(f"response_id_tag must be lower-case letters and digits, got {config.response_id_tag!r}")
-    if config.prefix_cache_scope not in ("shared", "key"):
-        raise ValueError(f"prefix_cache_scope must be 'shared' or 'key', got {config.prefix_cache_scope!r}")
+    if config.prefix_cache_scope not in ("auto", "shared", "key"):
+        raise ValueError(f"prefix_cache_scope must be 'auto', 'shared' or 'key', got {config.prefix_cache_scope!r}")
     if isinstance(config.api_key, Mapping):
         bad = [label for label in config.api_key if not _KEY_LABEL.fullmatch(label)]
         if bad:
