@@ -12,6 +12,7 @@ import pytest
 from serving import watched
 
 ASK = [{"role": "user", "content": "Give me data"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 SCHEMAS = [
     {
         "type": "object",
@@ -119,6 +120,12 @@ def test_guided_regex_choice_and_grammar(tiny_url: str) -> None:
         ),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"guided_json": '{"a":' * 2000 + "1" + "}" * 2000}, "guided_json"),  # RecursionError: was a 500
+        # A forced tool call with a guided_* constraint: the constraint was dropped (fourteenth probe).
+        ({"tools": [TOOL], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}, "guided_choice": ["a"]},
+            "guided_choice",
+        ),
     ],
 )
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)

@@ -486,6 +486,15 @@ def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerCon
         )
     constraint = _grammar_of(data, config)
     tools = _tool_plan(data, model, constraint, config)
+    forced = data.tool_choice == "required" or isinstance(data.tool_choice, p.NamedToolChoice)
+    if forced and tools.grammar and constraint and constraint[1] != "response_format":
+        # A forced call's arguments follow its tool's schema. A response format shapes later
+        # text turns (as OpenAI takes it); a guided_* constraint has no later turn: it was
+        # dropped without a word (fourteenth probe of issue 45).
+        raise BadRequestError(
+            f"{constraint[1]} cannot constrain a reply that tool_choice forces to be a tool call: ask for one",
+            param=constraint[1],
+        )
     grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
     options = _generation_options(data, config, n, grammar, caller)
