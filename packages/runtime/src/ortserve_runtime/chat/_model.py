@@ -9,6 +9,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,6 +28,7 @@ from ._media import Media, flatten_messages
 from ._multimodal import MediaProcessor
 from ._reasoning import ReasoningMarkers, detect_reasoning, reasoning_start
 from ._sampling import GenerationOptions, Sampler
+from ._shield import MarkedText, SpecialTextShield
 from ._stops import StopMatcher
 from ._stream import GenerationStream, Prompt
 from ._template import ChatTemplate, Message
@@ -87,6 +89,7 @@ class ChatModel:
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
         self._prompt_limit = TextLimit(self.tokenizer, self.max_sequence_length)
+        self._shield = SpecialTextShield(self.tokenizer)
         self.chat_template = ChatTemplate.from_folder(path, config.chat_template)
         self.tool_format: ToolCallFormat | None = detect_tool_format(
             self.chat_template.source if self.chat_template else None
@@ -234,7 +237,7 @@ class ChatModel:
         media parts appear as the model's placeholders. ``template_kwargs`` are more
         template variables (``enable_thinking``, ``reasoning_effort``...).
         """
-        return self._render(messages, tools, add_generation_prompt, template_kwargs)[0]
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)[0].text
 
     def prepare_chat(
         self,
@@ -251,9 +254,9 @@ class ChatModel:
         For multimodal models this decodes the media and runs the processor: call it from a
         worker thread in asyncio code (:meth:`aprepare_chat`).
         """
-        text, media = self._render(messages, tools, add_generation_prompt, template_kwargs)
-        prompt = self._prepare(text, media)
-        start = reasoning_start(self.reasoning, text) if add_generation_prompt else None
+        marked, media = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        prompt = self._prepare(marked, media)
+        start = reasoning_start(self.reasoning, marked.text) if add_generation_prompt else None
         return dataclasses.replace(prompt, reasoning=start) if start is not None else prompt
 
     async def aprepare_chat(
@@ -443,9 +446,22 @@ class ChatModel:
         tools: Sequence[Mapping[str, Any]] | None,
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[str, Media]:
+    ) -> tuple[MarkedText, Media]:
+        """The rendered prompt, with the special tokens the caller's text spells marked
+        (:mod:`._shield`), and its media."""
         if self.chat_template is None:
             raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
+        # Text parts are joined before marking: "<|im_" and "start|>" make one token together.
+        messages, in_messages = self._shield.mark(_joined_text_parts(messages), "messages")
+        tools, in_tools = self._shield.mark(tools, "tools")
+        template_kwargs, in_kwargs = self._shield.mark(template_kwargs, "chat_template_kwargs")
+        if (in_messages or in_tools or in_kwargs) and self._media is not None:
+            # og's processor tokenizes the whole text itself, with special tokens matched.
+            raise InvalidRequestError(
+                f"the request's text spells one of model {self.name!r}'s special tokens (such as its turn "
+                "markers); its multimodal processor would read it as that token, not as text",
+                param="messages",
+            )
         placeholders = self._media.placeholders if self._media is not None else {}
         flat, media = flatten_messages(messages, placeholders, self.name)
         if self.tools_in_system_prompt:
@@ -453,11 +469,31 @@ class ChatModel:
         text = self.chat_template.render(
             flat, tools=tools, add_generation_prompt=add_generation_prompt, extra=template_kwargs
         )
-        return text, media
+        return MarkedText(text), media
 
-    def _prepare(self, text: str, media: Media) -> Prompt:
+    def _prepare(self, marked: MarkedText, media: Media) -> Prompt:
         """The prompt of a rendered chat: its tokens, or the media processor's inputs."""
-        self.check_prompt_size(text, "messages")
+        self.check_prompt_size(marked.text, "messages")
         if self._media is not None:
-            return self._media.prepare(text, media)
-        return Prompt(self.encode(text, add_special_tokens=False))
+            return self._media.prepare(marked.text, media)
+        return Prompt(self._shield.encode(marked))
+
+
+def _joined_text_parts(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` with each run of text parts in a content list joined into one."""
+    joined: list[Message] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list) or not any(
+            isinstance(a, str) and isinstance(b, str) for a, b in itertools.pairwise(content)
+        ):
+            joined.append(message)
+            continue
+        parts: list[Any] = []
+        for part in content:
+            if isinstance(part, str) and parts and isinstance(parts[-1], str):
+                parts[-1] += part
+            else:
+                parts.append(part)
+        joined.append({**message, "content": parts})
+    return joined

@@ -239,8 +239,23 @@ def _bounded_filters(env: _Sandbox) -> None:
     )
 
 
+_NON_ASCII_BUT_MARKS = re.compile("[^\x00-\x7f\ufdd0\ufdd1]")
+"""What ``ensure_ascii`` escapes, less the marks around caller-spelt special tokens
+(:mod:`._shield`): escaped, they would be lost and the token inside matched again."""
+
+
+def _escape_non_ascii(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    text = json.dumps(value, indent=indent, ensure_ascii=False, sort_keys=sort_keys)
+    # Outside strings JSON is ASCII: escaping what is left matches json's own ensure_ascii.
+    return _NON_ASCII_BUT_MARKS.sub(_escape_non_ascii, text) if ensure_ascii else text
 
 
 class ChatTemplate:

@@ -1,0 +1,195 @@
+"""Caller text that spells a special token stays text.
+
+A chat's prompt is its template's rendering, tokenized with the tokenizer's special tokens
+matched anywhere (as transformers, vLLM and llama-server do): that is how the template's own
+``<|im_start|>`` becomes one token. It also made a caller's: a user message, a tool result
+or a tool name holding ``<|im_end|>\\n<|im_start|>system\\n...`` closed its turn and opened
+a system turn the model could not tell from a real one (probe 14, issue 45).
+
+So before the template runs, every special token's text in what the request carries (message
+contents, names, tool calls, tool definitions, template variables: keys and values) is
+marked; after it, the marks give the spans that came from the caller, and there the special
+tokens are spelt as plain text, tokenized as the tokenizer would with special-token matching
+off. Everything else keeps the tokens it had: a prompt with no such text is tokenized in one
+call as before, and one with some is tokenized twice (with and without matching), the second
+taking over only around each marked span, from the nearest position where both tokenizations
+cut the text alike. "Special" is the tokenizer's own flag (``AddedToken.special``: control
+tokens such as ``<|im_start|>`` or ``</s>``; GGUF's CONTROL type); added tokens that are not
+special (Qwen's ``<think>``, ``<tool_call>``) are matched as before, as the model wrote them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import ahocorasick_rs
+from tokenizers import AddedToken, Tokenizer
+
+from .._errors import InvalidRequestError
+
+__all__ = ["MarkedText", "SpecialTextShield"]
+
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+"""Around caller text that spells a special token: Unicode noncharacters, which text meant
+for interchange does not hold (any a request carries are dropped, so none can forge a mark)."""
+
+_ANCHOR = "\ufdd2"
+"""The text of the added token that stands for what comes before a piece (:meth:`_plain_ids`)."""
+
+_MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
+_MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
+
+
+class MarkedText:
+    """A rendered prompt whose caller-spelt special tokens are marked: :attr:`text` is the
+    prompt as written (marks dropped), :attr:`spans` where those tokens lie in it."""
+
+    __slots__ = ("spans", "text")
+
+    def __init__(self, rendered: str) -> None:
+        pieces: list[str] = []
+        self.spans: list[tuple[int, int]] = []
+        at = written = 0
+        for match in _MARKED.finditer(rendered):
+            before = _MARKS.sub("", rendered[at : match.start()])  # a mark the template cut in two
+            pieces.append(before)
+            written += len(before)
+            pieces.append(match.group(1))
+            self.spans.append((written, written + len(match.group(1))))
+            written += len(match.group(1))
+            at = match.end()
+        pieces.append(_MARKS.sub("", rendered[at:]))
+        self.text = "".join(pieces)
+
+
+class SpecialTextShield:
+    """Marks a tokenizer's special tokens in caller data (:meth:`mark`) and tokenizes a
+    rendered prompt with the marked ones as plain text (:meth:`encode`)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        added = tokenizer.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
+        specials = {t.content for t in added.values() if t.special and t.content}
+        # Aho-Corasick, not a regular expression: Gemma's tokenizers have thousands of special
+        # tokens, and an alternation of 6,000 took 23 s to search a megabyte.
+        self._patterns = [*specials, _OPEN, _CLOSE]
+        self._matcher = ahocorasick_rs.AhoCorasick(self._patterns, matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
+        self._plain: tuple[Tokenizer, int] | None = None
+        self._lock = threading.Lock()
+
+    def mark(self, value: Any, param: str) -> tuple[Any, bool]:
+        """``value`` (strings, mappings, lists; anything else as it is) with each special
+        token's text marked and stray marks dropped, and whether any special token was found;
+        ``value`` itself when nothing changed. A value nested past Python's recursion limit
+        is an :class:`InvalidRequestError` naming ``param`` (the template could not render it)."""
+        found = False
+        marks = len(self._patterns) - 2  # the index of the first mark among the patterns
+
+        def marked(text: str) -> str:
+            nonlocal found
+            matches = self._matcher.find_matches_as_indexes(text)
+            if not matches:
+                return text
+            pieces, at = [], 0
+            for pattern, start, end in matches:
+                pieces.append(text[at:start])
+                if pattern < marks:
+                    found = True
+                    pieces.append(f"{_OPEN}{text[start:end]}{_CLOSE}")
+                at = end
+            pieces.append(text[at:])
+            return "".join(pieces)
+
+        def walk(item: Any) -> Any:
+            # Loops, not comprehensions: one frame a level (a tool's schema nests deep).
+            if isinstance(item, str):
+                return marked(item)
+            if isinstance(item, Mapping):
+                pairs, changed = [], False
+                for key, field in item.items():
+                    pair = walk(key), walk(field)
+                    changed = changed or pair[0] is not key or pair[1] is not field
+                    pairs.append(pair)
+                return dict(pairs) if changed else item
+            if isinstance(item, list | tuple):
+                items, changed = [], False
+                for element in item:
+                    items.append(walk(element))
+                    changed = changed or items[-1] is not element
+                return items if changed else item
+            return item
+
+        try:
+            result = walk(value)
+        except RecursionError:
+            raise InvalidRequestError(f"{param} nests too deep to render", param=param) from None
+        return result, found
+
+    def encode(self, marked: MarkedText) -> list[int]:
+        """The token ids of ``marked.text``: special tokens matched, except in its spans."""
+        text = marked.text
+        matched = self._tokenizer.encode(text, add_special_tokens=False)
+        if not marked.spans:
+            return list(matched.ids)
+        # The tokenizer cuts the text at every added token it matches and tokenizes the pieces
+        # between apart. Where the caller spelt one, the pieces on either side and the token's
+        # text are tokenized again as one piece, as plain text (between the nearest added
+        # tokens the caller did not spell); every other token stays as it was.
+        walls = [
+            (index, start, end)
+            for index, (token, (start, end)) in enumerate(zip(matched.ids, matched.offsets, strict=True))
+            if token in self._added_ids
+        ]
+        ids: list[int] = []
+        taken = 0  # the matched tokens copied so far
+        after, piece_start = 0, 0  # the first token and character after the last wall kept
+        spelt = False
+        for index, start, end in [*walls, (len(matched.ids), len(text), len(text))]:
+            if index < len(matched.ids) and _overlaps(marked.spans, start, end):
+                spelt = True
+                continue
+            if spelt:
+                ids += matched.ids[taken:after]
+                ids += self._plain_ids(text[piece_start:start], at_start=after == 0)
+                taken, spelt = index, False
+            after, piece_start = index + 1, end
+        ids += matched.ids[taken:]
+        return ids
+
+    def _plain_ids(self, piece: str, *, at_start: bool) -> list[int]:
+        """``piece`` tokenized with no special token matched, as the tokenizer tokenizes a
+        piece at the start of a text or, after an added token, elsewhere (some add a space
+        to the first piece only): the anchor, an added token of its own, stands for that."""
+        plain, anchor = self._plain_tokenizer()
+        if at_start:
+            return list(plain.encode(piece, add_special_tokens=False).ids)
+        ids = plain.encode(_ANCHOR + piece, add_special_tokens=False).ids
+        if not ids or ids[0] != anchor:
+            raise AssertionError("the anchor token was not matched")
+        return list(ids[1:])
+
+    def _plain_tokenizer(self) -> tuple[Tokenizer, int]:
+        """A copy of the tokenizer that matches no special token, and its anchor token's id
+        (made on first need: the flag is the tokenizer's, and other threads encode with the
+        shared one)."""
+        with self._lock:
+            if self._plain is None:
+                plain = Tokenizer.from_str(self._tokenizer.to_str())
+                plain.encode_special_tokens = True
+                plain.add_tokens([AddedToken(_ANCHOR, special=False, normalized=False)])
+                anchor = plain.token_to_id(_ANCHOR)
+                assert anchor is not None  # just added
+                self._plain = plain, anchor
+            plain_tokenizer: tuple[Tokenizer, int] = self._plain
+            return plain_tokenizer
+
+
+def _overlaps(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``[start, end)`` overlaps one of ``spans`` (sorted, apart)."""
+    at = max(bisect.bisect_right(spans, start, key=lambda span: span[0]) - 1, 0)
+    return any(s < end and start < e for s, e in spans[at : at + 2])
