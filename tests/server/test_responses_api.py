@@ -184,6 +184,40 @@ def test_input_items_list_what_a_stored_response_took_in(client: openai.OpenAI) 
         client.responses.input_items.list("resp_nothing")
 
 
+def test_a_deleted_response_leaves_the_chain_that_continued_it(client: openai.OpenAI) -> None:
+    """Deleting a response deletes its own input and output from the responses after it
+    (each holds a copy of the conversation): they were still listed and continued from
+    (fourteenth probe, issue 45). The turns before and after it stay."""
+
+    def texts(response_id: str) -> str:
+        return json.dumps([item.model_dump() for item in client.responses.input_items.list(response_id, limit=100)])
+
+    r0 = client.responses.create(model="tiny", input="turn0 SECRET0", max_output_tokens=2, store=True)
+    r1 = client.responses.create(
+        model="tiny", input="turn1 SECRET1", previous_response_id=r0.id, max_output_tokens=2, store=True
+    )
+    r2 = client.responses.create(
+        model="tiny", input="turn2 SECRET2", previous_response_id=r1.id, max_output_tokens=2, store=True
+    )
+    other = client.responses.create(  # another branch from r0: r1 is none of its business
+        model="tiny", input="branch SECRET3", previous_response_id=r0.id, max_output_tokens=2, store=True
+    )
+    before = texts(r2.id)
+    assert all(s in before for s in ("SECRET0", "SECRET1", "SECRET2", r1.output[0].id))
+    branch = texts(other.id)
+    client.responses.delete(r1.id)
+    after = texts(r2.id)
+    assert "SECRET1" not in after and r1.output[0].id not in after
+    assert "SECRET0" in after and "SECRET2" in after and r0.output[0].id in after
+    assert texts(other.id) == branch  # another branch from r0 is untouched
+    # Continuing r2 goes on without r1's turn.
+    r3 = client.responses.create(
+        model="tiny", input="turn3", previous_response_id=r2.id, max_output_tokens=1, store=True
+    )
+    chain = texts(r3.id)
+    assert "SECRET1" not in chain and "SECRET0" in chain and "SECRET2" in chain
+
+
 def test_unknown_previous_response_id(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:  # OpenAI's status and code
         client.responses.create(model="tiny", input="Hi", previous_response_id="resp_nothing")

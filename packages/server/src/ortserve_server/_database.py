@@ -76,6 +76,11 @@ _MIGRATIONS = [
         PRIMARY KEY (key_label, model));
     ALTER TABLE batches ADD COLUMN trace TEXT;
     """,
+    # 6: how many of a stored response's items came from its previous response (NULL: stored
+    # before this was kept), so that deleting it removes its own from the responses after it
+    """
+    ALTER TABLE responses ADD COLUMN inherited INTEGER;
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 

@@ -57,9 +57,10 @@ class ResponseStore:
         return self.max_entries > 0 and self.max_bytes > 0
 
     def put(
-        self, owner: str, response: rp.Response, items: list[rp.InputItem]
+        self, owner: str, response: rp.Response, items: list[rp.InputItem], inherited: int
     ) -> concurrent.futures.Future[None] | None:
-        """Keep ``response`` and its conversation; one larger than the byte bound is not
+        """Keep ``response`` and its conversation (``items``, of which the first
+        ``inherited`` are its previous response's); one larger than the byte bound is not
         kept. The write is queued (a later get sees it): the future is done once it is
         committed."""
         encoded = (msgspec.json.encode(response), msgspec.json.encode(items))
@@ -67,7 +68,7 @@ class ResponseStore:
         if not self.enabled or size > self.max_bytes:
             return None
         now = self._clock()
-        row = (response.id, now, now + self.ttl, size, *encoded, owner)
+        row = (response.id, now, now + self.ttl, size, *encoded, owner, inherited)
         max_entries, max_bytes = self.max_entries, self.max_bytes
 
         def put(db: Connection) -> None:
@@ -87,8 +88,8 @@ class ResponseStore:
                     db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
                     count, held = count - 1, held - oldest[1]
                 db.execute(
-                    "INSERT INTO responses (id, created, expires, size, response, items, owner) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO responses (id, created, expires, size, response, items, owner, inherited) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 )
 
@@ -109,11 +110,46 @@ class ResponseStore:
         return await self._db.run(get)
 
     async def delete(self, owner: str, response_id: str) -> bool:
+        """Forget a response: its row, and its own items (its input and output, not those it
+        continued) in the responses that continued it, which hold a copy of them; those
+        continue from then on without its turn. Its text was still listed and continued
+        from after a delete (fourteenth probe, issue 45)."""
         now = self._clock()
 
         def delete(db: Connection) -> bool:
             with write(db):
-                query = "DELETE FROM responses WHERE id = ? AND owner = ? AND expires > ?"
-                return db.execute(query, (response_id, owner, now)).rowcount > 0
+                found = db.execute(
+                    "SELECT items, inherited, response FROM responses WHERE id = ? AND owner = ? AND expires > ?",
+                    (response_id, owner, now),
+                ).fetchone()
+                if found is None:
+                    return False
+                db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+                output = _decode_response(found[2]).output
+                if output and isinstance(output[-1].id, str):
+                    own = _decode_items(found[0])[found[1] or 0 :]
+                    forgotten = {item.id for item in own if isinstance(item.id, str)}
+                    _forget_in_followers(db, owner, output[-1].id, forgotten)
+                return True
 
         return await self._db.run(delete)
+
+
+def _forget_in_followers(db: Connection, owner: str, last_output_id: str, forgotten: set[str]) -> None:
+    """Remove the items with ids in ``forgotten`` from ``owner``'s responses that hold the
+    item ``last_output_id`` (an id this server made for a deleted response's output: only
+    the responses that continued it hold it)."""
+    needle = msgspec.json.encode(last_output_id)
+    rows = db.execute("SELECT id, items, inherited, size FROM responses WHERE owner = ?", (owner,)).fetchall()
+    for follower, blob, inherited, size in rows:
+        if needle not in bytes(blob):  # most are not followers: no need to decode them
+            continue
+        items = _decode_items(blob)
+        kept = [item for item in items if item.id not in forgotten]
+        if inherited is not None:
+            inherited -= sum(1 for item in items[:inherited] if item.id in forgotten)
+        encoded = msgspec.json.encode(kept)
+        db.execute(
+            "UPDATE responses SET items = ?, inherited = ?, size = ? WHERE id = ?",
+            (encoded, inherited, size - len(blob) + len(encoded), follower),
+        )

@@ -134,11 +134,15 @@ class _Exchange:
     """One ``POST /v1/responses``: the echo of the request in the response object, and
     the response kept in the store when it asks for that."""
 
-    def __init__(self, data: rp.ResponseCreateRequest, state: OrtServe, items: list[rp.InputItem], owner: str) -> None:
+    def __init__(
+        self, data: rp.ResponseCreateRequest, state: OrtServe, items: list[rp.InputItem], inherited: int, owner: str
+    ) -> None:
         self.data = data
         self.owner = owner
         self.state = state
         self.items = items
+        self.inherited = inherited
+        """How many of ``items`` came from the previous response."""
         tag = state.config.response_id_tag  # a Ray replica's id: see ortserve_server.ray
         self.id = f"resp_{tag}-{uuid.uuid4().hex}" if tag else new_id("resp_")
         note(response_id=self.id)
@@ -185,7 +189,10 @@ class _Exchange:
         response = self.response(output, status, _usage(usage, reasoning_tokens), reason)
         if self.data.store is True:
             self.saving = self.state.responses.put(
-                self.owner, response, [*map(with_id, self.items), *(_as_input(item) for item in output)]
+                self.owner,
+                response,
+                [*map(with_id, self.items), *(_as_input(item) for item in output)],
+                self.inherited,
             )
         return response
 
@@ -220,7 +227,7 @@ async def create_response(
     try:
         listings = await _list_mcp_tools(data, mcp, items)
         approved = _approved_calls(items, len(history), mcp)
-        exchange = _Exchange(data, ortserve, [item for _, item in items], caller_of(request).owner)
+        exchange = _Exchange(data, ortserve, [item for _, item in items], len(history), caller_of(request).owner)
         summarize = isinstance(data.reasoning, rp.Reasoning) and data.reasoning.summary is not None
         loop = _Loop(ortserve, model, data, request, items, exchange, _Output(summarize, mcp), mcp)
         loop.check_tool_choice()
