@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import anthropic
+import httpx
 import openai
 import pytest
 from ortserve_runtime import ModelConfig
@@ -80,6 +81,19 @@ def test_thinking_off_through_chat_template_kwargs(client: openai.OpenAI) -> Non
     assert reply.usage is not None and usage_on is not None
     # The template rendered the empty "<think>\n\n</think>\n\n" block instead of "<think>\n".
     assert reply.usage.prompt_tokens > usage_on.prompt_tokens
+
+
+def test_tokenize_takes_chat_template_kwargs(client: openai.OpenAI) -> None:
+    """/v1/tokenize makes the prompt a chat with the same ``chat_template_kwargs`` makes;
+    with a prompt instead of messages they are a 400 naming them, not ignored."""
+    url = str(client.base_url).removesuffix("/v1/")
+    chat = client.chat.completions.create(model="think", messages=HELLO, max_tokens=1, extra_body=OFF)  # type: ignore[arg-type]
+    body: dict[str, Any] = {"model": "think", "messages": HELLO}
+    off = httpx.post(f"{url}/v1/tokenize", json={**body, **OFF}, timeout=30).json()
+    on = httpx.post(f"{url}/v1/tokenize", json=body, timeout=30).json()
+    assert chat.usage is not None and off["count"] == chat.usage.prompt_tokens > on["count"]
+    refused = httpx.post(f"{url}/v1/tokenize", json={"model": "think", "prompt": "hi", **OFF}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_regex_holds_for_the_answer_when_thinking_is_off(client: openai.OpenAI) -> None:

@@ -844,13 +844,15 @@ class KeyUsageList(_Response):
 
 class TokenizeRequest(_Request):
     """``POST /v1/tokenize`` (extension): either ``prompt`` or chat ``messages`` (with the
-    ``tools`` a chat request would send, as vLLM's takes them)."""
+    ``tools`` and ``chat_template_kwargs`` a chat request would send, as vLLM's takes them)."""
 
     model: str
     prompt: str | UnsetType = UNSET
     messages: list[ChatMessage] | UnsetType = UNSET
     tools: list[Tool] | UnsetType = UNSET
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | UnsetType | None = UNSET
+    """More chat template variables (``{"enable_thinking": false}``), as in a chat request."""
 
 
 class TokenizeResponse(_Response):

@@ -40,6 +40,9 @@ async def tokenize(
     has_messages = not isinstance(data.messages, msgspec.UnsetType)
     if has_prompt == has_messages:
         raise BadRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
+    for name in ("tools", "chat_template_kwargs"):
+        if has_prompt and getattr(data, name) not in (msgspec.UNSET, None):
+            raise BadRequestError(f"'{name}' goes with 'messages' (a prompt is tokenized as it is)", param=name)
     if has_messages:
         assert not isinstance(data.messages, msgspec.UnsetType)
         # Remote images are fetched as for a chat: stopped when the client leaves.
@@ -47,8 +50,9 @@ async def tokenize(
             data.messages, ortserve.config, model, fetching_while_connected(request, ortserve)
         )
         tools = [msgspec.to_builtins(tool) for tool in data.tools] if isinstance(data.tools, list) else None
+        kwargs = data.chat_template_kwargs if isinstance(data.chat_template_kwargs, dict) else None
         prompt = await model.aprepare_chat(
-            messages, tools=tools or None, add_generation_prompt=data.add_generation_prompt
+            messages, tools=tools or None, add_generation_prompt=data.add_generation_prompt, template_kwargs=kwargs
         )
         tokens = list(prompt)  # a multimodal prompt counts each image as the features it becomes
     else:
