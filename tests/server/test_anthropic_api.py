@@ -273,6 +273,7 @@ def test_invalid_requests_are_400s_naming_the_field(client: anthropic.Anthropic,
     body: Any = caught.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert words in body["error"]["message"]
+    assert "'stop'" not in body["error"]["message"]  # OpenAI's field, not this API's
 
 
 def test_a_missing_max_tokens_is_a_400(url: str) -> None:

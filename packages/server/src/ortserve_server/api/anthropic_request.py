@@ -24,7 +24,7 @@ from .._errors import (
 )
 from .._leases import require_model
 from .._mcp import McpTools
-from .._plan import check_tool_count, prepare_chat
+from .._plan import MAX_STOP, check_tool_count, prepare_chat
 from .._state import OrtServe
 
 __all__ = ["_Mapped", "_add_mcp_servers", "_counted_prompt", "_map", "_named"]
@@ -220,6 +220,13 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: 
             raise BadRequestError("temperature must be between 0 and 1", param="temperature")
         if data.max_tokens < 1:
             raise BadRequestError("max_tokens must be at least 1", param="max_tokens")
+        if isinstance(data.stop_sequences, list) and len(data.stop_sequences) > MAX_STOP:
+            # The chat check's own words name OpenAI's field.
+            raise BadRequestError(
+                f"stop_sequences: this server takes at most {MAX_STOP} stop sequences, not "
+                f"{len(data.stop_sequences)}",
+                param="stop_sequences",
+            )
         request = msgspec.structs.replace(
             request,
             cache_salt=data.cache_salt,
