@@ -298,7 +298,18 @@ def test_x_api_key_and_bearer_are_both_accepted(url: str) -> None:
         assert create(by_header, max_tokens=1).stop_reason == "max_tokens"
     with anthropic.Anthropic(base_url=url, auth_token=KEY, max_retries=0) as by_bearer:
         assert create(by_bearer, max_tokens=1).stop_reason == "max_tokens"
-    for headers in ({"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}, {}):
+    # Two different keys are refused whichever is right (x-api-key won before, fourteenth
+    # probe, issue 45); the same key in both is one key.
+    both = {"x-api-key": KEY, "Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "max_tokens": 1, "messages": ASK}
+    assert httpx.post(f"{url}/v1/messages", json=body, headers=both, timeout=60).status_code == 200
+    for headers in (
+        {"x-api-key": "wrong"},
+        {"Authorization": "Bearer wrong"},
+        {},
+        {"x-api-key": KEY, "Authorization": "Bearer wrong"},
+        {"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"},
+    ):
         response = httpx.post(
             f"{url}/v1/messages", json={"model": "tiny", "max_tokens": 1, "messages": ASK}, headers=headers
         )

@@ -81,6 +81,10 @@ def make_auth_guard(
             bearer if scheme.lower() == "bearer" else None,
         ]
         given = [key for key in sent if key is not None]
+        if len(given) == 2 and given[0].strip() != given[1].strip():
+            # Which would win is no rule a caller can know: one key's caller must not pass
+            # as another because a wrong header came first.
+            raise AuthenticationError("'x-api-key' and 'Authorization: Bearer' name different API keys: send one")
         found = next((match for key in given if (match := matching(key)) is not None), None)
         if found is None and not_enough is not None and any(matching(key, lesser) for key in given):
             raise ForbiddenError(f"this route needs {not_enough[0]}: this API key is not enough")
