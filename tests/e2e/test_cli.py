@@ -705,3 +705,33 @@ def test_no_ui_serves_nothing_at_the_root() -> None:
         assert httpx.get(f"{url}/v1/models").status_code == 200
     finally:
         stop(process)
+
+
+def test_sigterm_past_the_grace_period_answers_an_upload_still_coming_in_503() -> None:
+    """Fourteenth probe of issue 45: an upload still coming in when the grace period ran out
+    was cancelled, and its client got uvicorn's plain-text 500 (the log a CancelledError
+    traceback); it is the API's 503 now, as a generation cut off is."""
+    process, ready = start_server("--model", f"tiny={TINY_MODEL}", "--grace-period", "0.5")
+    port = ready["port"]
+    try:
+        head = (
+            f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Content-Type: multipart/form-data; boundary=bb\r\nContent-Length: 10000000\r\n\r\n"
+        )
+        parts = (
+            b'--bb\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--bb\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+        )
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(head.encode() + parts + b"x" * 1000)  # and the rest never comes
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "server_shutting_down" and "body was still coming in" in error["message"], error
+        assert process.wait(timeout=30) == 75
+    finally:
+        stop(process)

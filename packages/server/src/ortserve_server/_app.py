@@ -87,7 +87,7 @@ def _routers(state: OrtServe) -> list[Router]:
             path=path,
             route_handlers=handlers,
             dependencies=provide,
-            guards=[*guards, make_body_guard(lenient=config.lenient)],
+            guards=[*guards, make_body_guard(lenient=config.lenient, state=state)],
             exception_handlers=errors,
             request_max_body_size=max_body_size,
             middleware=[

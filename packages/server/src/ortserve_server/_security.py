@@ -20,10 +20,11 @@ both before any handler runs:
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from litestar.connection import ASGIConnection, Request
@@ -32,10 +33,15 @@ from litestar.exceptions import SerializationException
 from litestar.handlers import BaseRouteHandler
 
 from ._config import ServerConfig
-from ._errors import BadRequestError, ForbiddenError, UnsupportedMediaTypeError
+from ._errors import BadRequestError, ForbiddenError, ShuttingDownError, UnsupportedMediaTypeError
 from ._json_bounds import check_json_counts, deepest_field
 
+if TYPE_CHECKING:
+    from ._state import OrtServe
+
 __all__ = ["SiteGuard", "body_guard", "check_known_fields", "make_body_guard"]
+
+T = TypeVar("T")
 
 _JSON = "application/json"
 _MULTIPART = "multipart/form-data"
@@ -149,13 +155,16 @@ def _body_media_type(handler: BaseRouteHandler) -> str | None:
     return _JSON
 
 
-def make_body_guard(*, lenient: bool) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Any]:
+def make_body_guard(
+    *, lenient: bool, state: OrtServe | None = None
+) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Any]:
     """:func:`body_guard`, and (unless ``lenient``) a 400 naming the fields of a JSON body
     that its request Struct does not have: ignored, they would be settings that do nothing
-    (vLLM's ``guided_json`` once gave unconstrained output here)."""
+    (vLLM's ``guided_json`` once gave unconstrained output here). ``state``: the server's,
+    whose shutdown cut ends a body still coming in with a 503."""
 
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-        decoded = await body_guard(connection, handler)
+        decoded = await body_guard(connection, handler, state)
         if lenient or not isinstance(decoded, dict):
             return
         field = handler.parsed_fn_signature.parameters.get("data")
@@ -178,19 +187,22 @@ def check_known_fields(body: dict[str, Any], body_type: Any, *, where: str = "",
         )
 
 
-async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> Any:
+async def body_guard(
+    connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler, state: OrtServe | None = None
+) -> Any:
     """Decode the body now, so that what Litestar's decoders raise on undecodable input
     (``UnicodeDecodeError``, ``RecursionError``) is a 400; Litestar keeps the decoded body
     for the handler, and the JSON one is returned. Runs after the API key check: no decoding
-    for strangers."""
+    for strangers. A body still coming in when a shutdown cuts work off (``state``'s) is
+    a 503 in the API's shape: cancelled at the end, an upload got uvicorn's plain-text 500."""
     kind = _body_media_type(handler)
     if kind is None or not isinstance(connection, Request):
         return
     try:
         if kind == _MULTIPART:
-            await connection.form()
+            await _unless_cut(connection.form(), state)
             return
-        body = await connection.body()
+        body = await _unless_cut(connection.body(), state)
         if not body.strip():
             raise BadRequestError("the request has no body: send a JSON object")
         await check_json_counts(body)  # before decoding, which holds the event loop
@@ -210,6 +222,34 @@ async def body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: Ba
             f"the request body must be a JSON object, not {_JSON_KINDS.get(type(decoded), 'a value')}"
         )
     return decoded
+
+
+async def _unless_cut(reading: Awaitable[T], state: OrtServe | None) -> T:
+    """``reading``, or :class:`ShuttingDownError` once ``state``'s shutdown cuts work off.
+
+    The read stays in the request's own task (the body budget's refusal and the slow-body
+    cut are raised inside it): the cut cancels this task, and the cancellation it caused
+    becomes the 503. A read raced in a task of its own lost the body budget's 503."""
+    task = asyncio.current_task()
+    if state is None or task is None:
+        return await reading
+    reading_now = True
+
+    def on_cut(cut: asyncio.Future[None]) -> None:
+        if reading_now and not cut.cancelled():
+            task.cancel()
+
+    with state.cut_signal() as cut:
+        cut.add_done_callback(on_cut)
+        try:
+            return await reading
+        except asyncio.CancelledError:
+            if cut.done() and not cut.cancelled() and task.uncancel() == 0:
+                state.cut_requests += 1
+                raise ShuttingDownError("the server is shutting down; the request body was still coming in") from None
+            raise
+        finally:
+            reading_now = False
 
 
 _LONE_HIGH_SURROGATE_AT_END = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}[^\\]{0,5}$")

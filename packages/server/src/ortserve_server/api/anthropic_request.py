@@ -223,8 +223,7 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: 
         if isinstance(data.stop_sequences, list) and len(data.stop_sequences) > MAX_STOP:
             # The chat check's own words name OpenAI's field.
             raise BadRequestError(
-                f"stop_sequences: this server takes at most {MAX_STOP} stop sequences, not "
-                f"{len(data.stop_sequences)}",
+                f"stop_sequences: this server takes at most {MAX_STOP} stop sequences, not {len(data.stop_sequences)}",
                 param="stop_sequences",
             )
         request = msgspec.structs.replace(
