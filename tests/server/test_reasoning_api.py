@@ -137,6 +137,52 @@ def test_reasoning_effort_and_earlier_reasoning_are_accepted(client: openai.Open
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_a_reasoning_budget_closes_the_think_block(client: openai.OpenAI) -> None:
+    """``reasoning_budget`` (and ``reasoning_effort`` for a template that does not read it)
+    bound the thinking: after that many tokens the think block's end is forced and the
+    answer follows. The random model never closes it itself: before, the effort was taken
+    and ignored (fourteenth probe, issue 45)."""
+
+    def chat(**extra: Any) -> Any:
+        return client.chat.completions.create(
+            model="think",
+            messages=HELLO,  # type: ignore[arg-type]
+            max_tokens=16,
+            temperature=0,
+            **extra,
+        )
+
+    free = chat()
+    free_thought = (free.choices[0].message.model_extra or {})["reasoning_content"]
+    assert free.choices[0].message.content in (None, "") and free.usage is not None
+    bounded = chat(extra_body={"reasoning_budget": 4})
+    thought = (bounded.choices[0].message.model_extra or {})["reasoning_content"]
+    assert thought and free_thought.startswith(thought) and len(thought) < len(free_thought)
+    assert bounded.choices[0].message.content  # the answer after the forced end
+    # "none" is the template's own switch where it has one (Qwen3's enable_thinking).
+    none = chat(reasoning_effort="none")
+    off = chat(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert none.choices[0].message.content == off.choices[0].message.content
+    assert none.usage is not None and off.usage is not None and none.usage.prompt_tokens == off.usage.prompt_tokens
+    zero = chat(extra_body={"reasoning_budget": 0})  # the block closed at once instead
+    assert (zero.choices[0].message.model_extra or {}).get("reasoning_content") in (None, "")
+    assert zero.choices[0].message.content
+    low = chat(reasoning_effort="low")  # 1,024 tokens: not reached in 16
+    assert (low.choices[0].message.model_extra or {})["reasoning_content"] == free_thought
+    for extra, param in (
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"extra_body": {"reasoning_budget": -1}}, "reasoning_budget"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(**extra)
+        assert refused.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as other:
+        client.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=2, extra_body={"reasoning_budget": 4}  # type: ignore[arg-type]
+        )
+    assert other.value.body["param"] == "reasoning_budget"  # type: ignore[index]
+
+
 def test_reasoning_effort_for_a_model_that_does_not_reason_is_a_400(client: openai.OpenAI) -> None:
     """Seventh probe of issue 45: chat took ``reasoning_effort`` for a model without thinking
     markup (whose template does not read it) and ignored it; the Responses API refused the
@@ -293,6 +339,21 @@ def test_anthropic_streamed_thinking_equals_whole(claude: anthropic.Anthropic) -
     assert [e.index for e in events if e.type == "content_block_stop"] == [0]
     assert deltas == whole.content[0].thinking == final.content[0].thinking  # type: ignore[union-attr]
     assert final.stop_reason == "max_tokens"
+
+
+def test_anthropic_budget_tokens_bound_the_thinking(claude: anthropic.Anthropic) -> None:
+    """``thinking.budget_tokens``: a thinking block of at most that many tokens, then the
+    text block (the random model never ends its thinking itself)."""
+    message = claude.messages.create(
+        model="think",
+        messages=ASK,
+        max_tokens=16,
+        extra_body=GREEDY,
+        thinking={"type": "enabled", "budget_tokens": 4},
+    )
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    free = claude.messages.create(model="think", messages=ASK, max_tokens=16, extra_body=GREEDY, thinking=THINK)
+    assert free.content[0].thinking.startswith(message.content[0].thinking)  # type: ignore[union-attr]
 
 
 def test_anthropic_thinking_off_unless_asked(claude: anthropic.Anthropic) -> None:

@@ -368,7 +368,12 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     audio: dict[str, Any] | UnsetType | None = UNSET
     """Audio output settings (refused: no model here speaks)."""
     reasoning_effort: str | UnsetType | None = UNSET
-    """Handed to the chat template as ``reasoning_effort`` (templates that know it use it)."""
+    """Handed to the chat template as ``reasoning_effort`` (templates that know it use it);
+    for a reasoning model whose template does not, a budget of thinking tokens (``none`` 0,
+    ``minimal`` 256, ``low`` 1024, ``medium`` 4096; ``high``, ``xhigh``: none)."""
+    reasoning_budget: int | UnsetType | None = UNSET
+    """Extension: a reasoning model thinks at most this many tokens, then its think block
+    is closed and it answers (what ``reasoning_effort`` sets, given exactly)."""
     chat_template_kwargs: dict[str, Any] | UnsetType | None = UNSET
     """Extension (vLLM, llama-server): more chat template variables, such as
     ``{"enable_thinking": false}``."""

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ._drafts import Drafter
     from .chat._constraints import Constraint
     from .chat._logprobs import PromptLogprobs, TokenBytes, TokenLogprob
+    from .chat._reasoning import ReasoningBudget
     from .chat._sampling import GenerationOptions, Sampler, Scored
     from .chat._stops import StopMatcher
 
@@ -136,8 +137,9 @@ class Request:
     tokenizer: Tokenizer
     eos: frozenset[int]
     deliver: Deliver = _nobody
-    constraint: Constraint | None = None
-    """The grammar matcher that masks logits on the host (engines that hand back logits)."""
+    constraint: Constraint | ReasoningBudget | None = None
+    """The grammar matcher (or the reasoning budget around it) that masks logits on the
+    host (engines that hand back logits)."""
     media: Any = None
     """The processor's inputs for a multimodal prompt (see :class:`Prompt`)."""
     token_bytes: TokenBytes | None = None

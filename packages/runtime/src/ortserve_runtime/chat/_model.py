@@ -22,11 +22,11 @@ from .._drafts import Drafter
 from .._errors import AdapterNotFoundError, ContextLengthError, EngineClosedError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
 from .._text_bounds import TextLimit
-from ._constraints import Grammar, GrammarCompiler
+from ._constraints import Constraint, Grammar, GrammarCompiler
 from ._logprobs import TokenBytes
 from ._media import Media, flatten_messages
 from ._multimodal import MediaProcessor
-from ._reasoning import ReasoningMarkers, detect_reasoning, reasoning_start
+from ._reasoning import ReasoningBudget, ReasoningMarkers, detect_reasoning, reasoning_start
 from ._sampling import GenerationOptions, Sampler
 from ._shield import MarkedText, SpecialTextShield
 from ._stops import StopMatcher
@@ -337,7 +337,17 @@ class ChatModel:
             # The constraint holds for the answer; the reasoning before it stays free.
             grammar = dataclasses.replace(grammar, after_reasoning=(self.reasoning, prompt.reasoning))
         self._check_engine(prompt, options, grammar)
-        constraint = self.grammars.constraint(grammar) if grammar is not None else None
+        grammar_constraint = self.grammars.constraint(grammar) if grammar is not None else None
+        constraint: Constraint | ReasoningBudget | None = grammar_constraint
+        if options.reasoning_budget is not None and prompt.reasoning is not None and self.reasoning is not None:
+            constraint = ReasoningBudget(
+                options.reasoning_budget,
+                self.reasoning,
+                prompt.reasoning,
+                self.encode(self.reasoning.end, add_special_tokens=False),
+                self.tokenizer,
+                grammar_constraint,
+            )
         drafter = None
         if self.engine.capabilities.drafts and (options.prediction or self.config.speculative is not None):
             predicted = None
@@ -381,6 +391,13 @@ class ChatModel:
                 "prompt's tokens (it hands back the last position's logits only); serve the model with "
                 "--engine ort-cpu (CPU)",
                 param="prompt_logprobs",
+            )
+        if options.reasoning_budget is not None and prompt.reasoning is not None and not capabilities.host_sampling:
+            raise InvalidRequestError(
+                f"model {self.name!r} runs on the {self.engine.name} engine, which samples inside "
+                "onnxruntime-genai and cannot end its thinking after a budget of tokens; serve the model with "
+                "--engine og-generator (or ort-cpu on the CPU)",
+                param="reasoning_budget",
             )
         if grammar is not None and grammar.after_reasoning is not None and not capabilities.host_sampling:
             # og takes a grammar for the whole output: it would stop the model thinking.

@@ -11,10 +11,19 @@ not "special" (they survive decoding), and a small vocabulary may spell them in 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import numpy.typing as npt
+from tokenizers import Tokenizer, decoders
+
+if TYPE_CHECKING:
+    from ._constraints import Constraint
 
 __all__ = [
+    "ReasoningBudget",
     "ReasoningMarkers",
     "ReasoningParser",
     "ReasoningStart",
@@ -156,3 +165,54 @@ def reasoning_prefix_lark(markers: ReasoningMarkers, start: ReasoningStart) -> s
 
 def _lark_string(text: str) -> str:
     return '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
+
+
+class ReasoningBudget:
+    """A reasoning model's thinking held to ``budget`` tokens: once that many are reasoning,
+    the think block's end marker (``end_ids``) is forced, token by token, and the answer
+    follows; the model may end it sooner itself. It stands where a grammar constraint
+    stands (:class:`~._constraints.Constraint`'s ``mask``/``advance``/``error``) and wraps
+    the request's own, if any (a grammar for the answer, which leaves the reasoning free).
+    The think block is followed in the decoded text, as :class:`ReasoningParser` does."""
+
+    def __init__(
+        self,
+        budget: int,
+        markers: ReasoningMarkers,
+        start: ReasoningStart,
+        end_ids: Sequence[int],
+        tokenizer: Tokenizer,
+        inner: Constraint | None = None,
+    ) -> None:
+        self._left = budget
+        self._parser = ReasoningParser(markers, start)
+        self._end_ids = list(end_ids)
+        self._forcing: list[int] = []
+        self._tokenizer = tokenizer
+        self._decoder = decoders.DecodeStream(skip_special_tokens=False)
+        self._inner = inner
+        if start == "open" and budget == 0:
+            self._forcing = list(self._end_ids)
+
+    def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        masked = self._inner.mask(logits) if self._inner is not None else logits
+        if not self._forcing:
+            return masked
+        forced = np.full_like(logits, -np.inf)
+        forced[..., self._forcing[0]] = 0.0
+        return forced
+
+    def advance(self, token: int) -> bool:
+        was_in = self._parser.in_reasoning
+        self._parser.feed(self._decoder.step(self._tokenizer, token) or "")
+        if self._forcing and token == self._forcing[0]:
+            self._forcing.pop(0)
+        elif was_in or self._parser.in_reasoning:
+            self._left -= 1
+            if self._left <= 0 and self._parser.in_reasoning and not self._forcing:
+                self._forcing = list(self._end_ids)
+        return self._inner.advance(token) if self._inner is not None else False
+
+    @property
+    def error(self) -> str | None:
+        return self._inner.error if self._inner is not None else None

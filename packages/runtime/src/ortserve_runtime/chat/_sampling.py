@@ -80,6 +80,10 @@ class GenerationOptions:
     """The prefix-cache scope (vLLM's ``cache_salt``): key/value rows computed for a
     request with one salt serve only requests with the same salt, so that users given
     different salts cannot learn from ``cached_tokens`` or timing what the other sent."""
+    reasoning_budget: int | None = None
+    """A reasoning model's thinking, at most this many tokens: then its think block is
+    closed (its end marker forced) and the answer follows (Anthropic's
+    ``thinking.budget_tokens``). ``None``: as long as the model thinks."""
     background: bool = False
     """Run behind interactive requests (a batch's lines): queued after them, and, on an
     engine whose rows are all taken when an interactive request waits, its row given up
@@ -137,6 +141,7 @@ class GenerationOptions:
                 "prompt_logprobs",
                 f"must be in [0, {MAX_TOP_LOGPROBS}]",
             ),
+            (self.reasoning_budget is None or self.reasoning_budget >= 0, "reasoning_budget", "must not be negative"),
             (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"allows at most {MAX_STOP_STRINGS} strings"),
             (all(self.stop), "stop", "must not contain empty strings"),
         ]

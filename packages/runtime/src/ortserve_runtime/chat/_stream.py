@@ -16,6 +16,7 @@ from ._reasoning import ReasoningStart
 
 if TYPE_CHECKING:
     from ._constraints import Constraint
+    from ._reasoning import ReasoningBudget
 
 __all__ = ["GenerationStream", "Prompt"]
 
@@ -113,7 +114,7 @@ class GenerationStream:
             self._engine.cancel(self._request)
         self._drop()
 
-    def _drop(self) -> Constraint | None:
+    def _drop(self) -> Constraint | ReasoningBudget | None:
         """Let go of the request's grammar matcher once the stream is over (returned, for a
         last look): an ended request's frames can stay in reference cycles until a full
         collection (a refused request's error and its tracebacks), and each refused pattern

@@ -31,7 +31,12 @@ __all__ = ["_Mapped", "_add_mcp_servers", "_counted_prompt", "_map", "_named"]
 
 
 _OPENAI_PATH = re.compile(r"messages\[(\d+)\](?:\.content\[(\d+)\])?(.*)")
-_RENAMED = {"stop": "stop_sequences", "n": "messages", "prompt": "messages"}
+_RENAMED = {
+    "stop": "stop_sequences",
+    "n": "messages",
+    "prompt": "messages",
+    "reasoning_budget": "thinking.budget_tokens",
+}
 
 
 @dataclass
@@ -226,8 +231,11 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: 
                 f"stop_sequences: this server takes at most {MAX_STOP} stop sequences, not {len(data.stop_sequences)}",
                 param="stop_sequences",
             )
+        thinking = data.thinking if isinstance(data.thinking, dict) else {}
         request = msgspec.structs.replace(
             request,
+            # budget_tokens bounds the thinking (checked positive above, with thinking enabled).
+            reasoning_budget=thinking["budget_tokens"] if thinking.get("type") == "enabled" else msgspec.UNSET,
             cache_salt=data.cache_salt,
             max_tokens=data.max_tokens,
             temperature=data.temperature,
