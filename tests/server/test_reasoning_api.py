@@ -178,7 +178,10 @@ def test_a_reasoning_budget_closes_the_think_block(client: openai.OpenAI) -> Non
         assert refused.value.body["param"] == param  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as other:
         client.chat.completions.create(
-            model="tiny", messages=HELLO, max_tokens=2, extra_body={"reasoning_budget": 4}  # type: ignore[arg-type]
+            model="tiny",
+            messages=HELLO,
+            max_tokens=2,
+            extra_body={"reasoning_budget": 4},  # type: ignore[arg-type]
         )
     assert other.value.body["param"] == "reasoning_budget"  # type: ignore[index]
 
