@@ -264,8 +264,13 @@ def test_an_image_url_from_a_host_not_allowed_is_refused(client: anthropic.Anthr
         ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
         ({"messages": []}, "messages"),
         ({"messages": [*ASK, {"role": "assistant", "content": "Pre"}]}, "messages.1"),
+        # The prompt too long for the context because of the tools: the message says so.
+        (
+            {"tools": [{"name": "big", "description": "x " * 200_000, "input_schema": {"type": "object"}}]},
+            "of the messages and tools",
+        ),
     ],
-    ids=["temperature", "thinking", "stops", "choice-without-tools", "unknown-tool", "empty", "prefill"],
+    ids=["temperature", "thinking", "stops", "choice-without-tools", "unknown-tool", "empty", "prefill", "tools"],
 )
 def test_invalid_requests_are_400s_naming_the_field(client: anthropic.Anthropic, kwargs: Any, words: str) -> None:
     with pytest.raises(anthropic.BadRequestError) as caught:

@@ -209,8 +209,11 @@ class ChatModel:
         no need to tokenize it to say so."""
         # Every token spans a character at least: a text this short needs no vocabulary scan.
         if len(text) > 3 * self.max_sequence_length and len(text) > self.max_prompt_chars:
+            what = (
+                "the prompt the chat template made of the messages and tools" if param == "messages" else "the prompt"
+            )
             raise ContextLengthError(
-                f"the prompt has {len(text)} characters, more than this model's limit of "
+                f"{what} has {len(text)} characters, more than this model's limit of "
                 f"{self.max_sequence_length} tokens could hold",
                 param=param,
             )
