@@ -269,8 +269,22 @@ def test_an_image_url_from_a_host_not_allowed_is_refused(client: anthropic.Anthr
             {"tools": [{"name": "big", "description": "x " * 200_000, "input_schema": {"type": "object"}}]},
             "of the messages and tools",
         ),
+        # Anthropic's own checks (fourteenth probe, issue 45: each was accepted).
+        ({"metadata": {"user_id": "u" * 300}}, "metadata.user_id"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools.0.input_schema.type"),
     ],
-    ids=["temperature", "thinking", "stops", "choice-without-tools", "unknown-tool", "empty", "prefill", "tools"],
+    ids=[
+        "temperature",
+        "thinking",
+        "stops",
+        "choice-without-tools",
+        "unknown-tool",
+        "empty",
+        "prefill",
+        "tools",
+        "user-id-length",
+        "schema-not-object",
+    ],
 )
 def test_invalid_requests_are_400s_naming_the_field(client: anthropic.Anthropic, kwargs: Any, words: str) -> None:
     with pytest.raises(anthropic.BadRequestError) as caught:

@@ -12,9 +12,9 @@ a prefix (``AnthropicErrorResponse``), so the two sit side by side in one OpenAP
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
 
 # The same bases as OpenAI's protocol: requests omit absent fields, responses send them all.
 from .protocol import _Request, _Response
@@ -47,6 +47,7 @@ __all__ = [
     "MessageStopEvent",
     "MessageUsage",
     "MessagesRequest",
+    "Metadata",
     "PingEvent",
     "RedactedThinkingBlockParam",
     "StreamEvent",
@@ -169,6 +170,13 @@ class MessageParam(_Request):
 # -- tools ---------------------------------------------------------------------------------
 
 
+class Metadata(_Request):
+    """A request's metadata: Anthropic's one field, an opaque id of the end user (at most
+    256 characters)."""
+
+    user_id: Annotated[str, Meta(max_length=256)] | UnsetType | None = UNSET
+
+
 class ToolParam(_Request):
     """A client tool: ``input_schema`` is its input's JSON schema. Anthropic's server tools
     (web search, code execution...) have other ``type`` values and are refused."""
@@ -262,7 +270,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: float | UnsetType = UNSET
     top_k: int | UnsetType = UNSET
     stream: bool | UnsetType = UNSET
-    metadata: dict[str, Any] | UnsetType = UNSET
+    metadata: Metadata | UnsetType = UNSET
     """Accepted (``user_id``) and not used."""
     mcp_servers: list[McpServerDefinition] | UnsetType = UNSET
     """MCP servers whose tools the server calls for the model (``mcp_tool_use`` and

@@ -287,6 +287,15 @@ def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:
         return str(exc.detail), None
     message = str(extra[0].get("message", exc.detail))
     key = extra[0].get("key")
+    # Litestar removes every "data." from the path it names ("metadata.user_id" became
+    # "metauser_id"); msgspec's own error, the cause, has it whole.
+    whole = _MSGSPEC_PATH.search(str(exc.__cause__)) if exc.__cause__ is not None else None
+    if (
+        whole is not None
+        and isinstance(key, str)
+        and key.replace(".", "") == whole.group(1).replace("data.", "").replace(".", "")
+    ):
+        key = whole.group(1)
     if key in (None, "data", "body"):  # a problem with the body as a whole, e.g. a missing field
         missing = _MISSING_FIELD.search(message)
         key = missing.group(1) if missing else None
@@ -294,6 +303,7 @@ def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:
 
 
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+_MSGSPEC_PATH = re.compile(r" - at `\$\.([^`]+)`$")
 
 
 def _counted(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) -> Any:

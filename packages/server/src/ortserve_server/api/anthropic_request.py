@@ -206,6 +206,12 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: 
     choice, parallel = _tool_choice(data.tool_choice)
     tools: list[p.Tool] | msgspec.UnsetType = msgspec.UNSET
     if not isinstance(data.tools, msgspec.UnsetType):
+        for number, tool in enumerate(data.tools):
+            if tool.input_schema.get("type") != "object":  # as Anthropic refuses it
+                raise BadRequestError(
+                    f"tools.{number}.input_schema.type: Field required to be 'object'",
+                    param=f"tools.{number}.input_schema.type",
+                )
         tools = [
             p.Tool(function=p.FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema))
             for t in data.tools
