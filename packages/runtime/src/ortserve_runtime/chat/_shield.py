@@ -38,7 +38,8 @@ _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
 for interchange does not hold (any a request carries are dropped, so none can forge a mark)."""
 
 _ANCHOR = "\ufdd2"
-"""The text of the added token that stands for what comes before a piece (:meth:`_plain_ids`)."""
+"""The text of the added token that stands for what comes before a piece (:meth:`_plain_ids`);
+dropped from requests too: tokenized, it would be an id past the model's vocabulary."""
 
 _MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
 _MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
@@ -77,7 +78,7 @@ class SpecialTextShield:
         specials = {t.content for t in added.values() if t.special and t.content}
         # Aho-Corasick, not a regular expression: Gemma's tokenizers have thousands of special
         # tokens, and an alternation of 6,000 took 23 s to search a megabyte.
-        self._patterns = [*specials, _OPEN, _CLOSE]
+        self._patterns = [*specials, _OPEN, _CLOSE, _ANCHOR]
         self._matcher = ahocorasick_rs.AhoCorasick(self._patterns, matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
         self._plain: tuple[Tokenizer, int] | None = None
         self._lock = threading.Lock()
@@ -88,7 +89,7 @@ class SpecialTextShield:
         ``value`` itself when nothing changed. A value nested past Python's recursion limit
         is an :class:`InvalidRequestError` naming ``param`` (the template could not render it)."""
         found = False
-        marks = len(self._patterns) - 2  # the index of the first mark among the patterns
+        marks = len(self._patterns) - 3  # the index of the first of the server's own characters
 
         def marked(text: str) -> str:
             nonlocal found
@@ -166,6 +167,7 @@ class SpecialTextShield:
         piece at the start of a text or, after an added token, elsewhere (some add a space
         to the first piece only): the anchor, an added token of its own, stands for that."""
         plain, anchor = self._plain_tokenizer()
+        piece = piece.replace(_ANCHOR, "")  # a request's are dropped; a template could write one
         if at_start:
             return list(plain.encode(piece, add_special_tokens=False).ids)
         ids = plain.encode(_ANCHOR + piece, add_special_tokens=False).ids
