@@ -78,4 +78,15 @@ def test_a_field_name_with_escaped_quotes_is_read_whole() -> None:
     # Longer than a numpy pass: its quotes are carried from one to the next.
     name = 'say \\"hi\\" \\\\' + '\\"' * 200_000
     text = ('{"model": "m", "' + name + '": [' + ",".join(["1"] * 600_000) + "]}").encode()
-    assert _json_bounds._past_bounds(text, 50_000, 500_000) == ("about 599998 array items (at most 500000)", name)
+    assert _json_bounds._past_bounds(text, 50_000, 500_000) == ("about 600000 array items (at most 500000)", name)
+
+
+def test_one_item_past_the_bound_is_past_it() -> None:
+    """The items a body holds are counted from its commas: N items have N - 1 between them,
+    so 1,001 items passed a bound of 1,000 (fourteenth probe, issue 45)."""
+    for items, past in ((1_000, False), (1_001, True)):
+        for text in (
+            '{"model": "m", "x": [' + ",".join(["1"] * items) + "]}",
+            "[" + ",".join(["1"] * items) + "]",
+        ):
+            assert (_json_bounds._past_bounds(text.encode(), 50_000, 1_000) is not None) == past, (items, text[:30])

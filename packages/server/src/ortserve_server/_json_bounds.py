@@ -148,10 +148,13 @@ def _past_bounds(body: bytes, max_keys: int, max_items: int) -> tuple[str, str |
     """What ``body`` has too many of, and the top-level field that holds the most; ``None``
     when within the bounds."""
     containers = body.count(b"{") + body.count(b"[")
-    if max(body.count(b":"), containers) <= max_keys and body.count(b",") <= max_items:
+    if max(body.count(b":"), containers) <= max_keys and body.count(b",") + containers <= max_items:
         return None  # upper bounds, within: nothing to scan
     shape = _shape(body)
-    items = max(shape.separators - shape.keys, 0)  # the commas not between keys: one fewer than each array's items
+    # The commas not between keys are one fewer than each array's items, and those between
+    # keys one fewer than each object's keys: each container that holds anything adds one
+    # (an upper bound: empty ones are counted too; 500,001 items passed as 500,000).
+    items = max(shape.separators - shape.keys + shape.containers, 0)
     if shape.keys > max_keys:
         what = f"{shape.keys} object keys (at most {max_keys})"
     elif shape.containers > max_keys:  # an array costs as an object does: 400,000 [[1]] held the loop 400 ms
