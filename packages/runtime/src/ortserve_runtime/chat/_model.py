@@ -472,9 +472,10 @@ class ChatModel:
         if self.chat_template is None:
             raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
         # Text parts are joined before marking: "<|im_" and "start|>" make one token together.
-        messages, in_messages = self._shield.mark(_joined_text_parts(messages), "messages")
-        tools, in_tools = self._shield.mark(tools, "tools")
-        template_kwargs, in_kwargs = self._shield.mark(template_kwargs, "chat_template_kwargs")
+        limit = self.max_sequence_length
+        messages, in_messages = self._shield.mark(_joined_text_parts(messages), "messages", limit)
+        tools, in_tools = self._shield.mark(tools, "tools", limit)
+        template_kwargs, in_kwargs = self._shield.mark(template_kwargs, "chat_template_kwargs", limit)
         if (in_messages or in_tools or in_kwargs) and self._media is not None:
             # og's processor tokenizes the whole text itself, with special tokens matched.
             raise InvalidRequestError(
@@ -510,10 +511,10 @@ def _joined_text_parts(messages: Sequence[Message]) -> list[Message]:
             joined.append(message)
             continue
         parts: list[Any] = []
-        for part in content:
-            if isinstance(part, str) and parts and isinstance(parts[-1], str):
-                parts[-1] += part
-            else:
-                parts.append(part)
+        for is_text, run in itertools.groupby(content, key=lambda part: isinstance(part, str)):
+            # One join a run: adding each part to the last was quadratic (20,000 parts of a
+            # 14 MB chat: 56 s; fifteenth probe, issue 45).
+            items = list(run)
+            parts += ["".join(items)] if is_text else items
         joined.append({**message, "content": parts})
     return joined

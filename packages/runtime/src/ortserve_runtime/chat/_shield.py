@@ -23,13 +23,13 @@ from __future__ import annotations
 import bisect
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ahocorasick_rs
 from tokenizers import AddedToken, Tokenizer
 
-from .._errors import InvalidRequestError
+from .._errors import ContextLengthError, InvalidRequestError
 
 __all__ = ["MarkedText", "SpecialTextShield"]
 
@@ -40,6 +40,13 @@ for interchange does not hold (any a request carries are dropped, so none can fo
 _ANCHOR = "\ufdd2"
 """The text of the added token that stands for what comes before a piece (:meth:`_plain_ids`);
 dropped from requests too: tokenized, it would be an id past the model's vocabulary."""
+
+_DROP_OWN = dict.fromkeys(map(ord, (_OPEN, _CLOSE, _ANCHOR)))
+"""The server's own characters, dropped from requests (``str.translate``)."""
+_OWN_FOUND = re.compile(f"[{_OPEN}{_CLOSE}{_ANCHOR}]")
+
+_SEARCHED = 1 << 16
+"""Characters searched for special tokens at a time (some 1 ms of the GIL)."""
 
 _MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
 _MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
@@ -78,31 +85,46 @@ class SpecialTextShield:
         specials = {t.content for t in added.values() if t.special and t.content}
         # Aho-Corasick, not a regular expression: Gemma's tokenizers have thousands of special
         # tokens, and an alternation of 6,000 took 23 s to search a megabyte.
-        self._patterns = [*specials, _OPEN, _CLOSE, _ANCHOR]
-        self._matcher = ahocorasick_rs.AhoCorasick(self._patterns, matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
+        self._matcher = (
+            ahocorasick_rs.AhoCorasick(list(specials), matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
+            if specials
+            else None
+        )
+        self._longest = max(map(len, specials), default=0)
         self._plain: tuple[Tokenizer, int] | None = None
         self._lock = threading.Lock()
 
-    def mark(self, value: Any, param: str) -> tuple[Any, bool]:
-        """``value`` (strings, mappings, lists; anything else as it is) with each special
-        token's text marked and stray marks dropped, and whether any special token was found;
-        ``value`` itself when nothing changed. A value nested past Python's recursion limit
-        is an :class:`InvalidRequestError` naming ``param`` (the template could not render it)."""
-        found = False
-        marks = len(self._patterns) - 3  # the index of the first of the server's own characters
+    def mark(self, value: Any, param: str, limit: int) -> tuple[Any, bool]:
+        """``value`` (strings, mappings, lists; anything else as it is) with the server's own
+        characters dropped (:data:`_OWN`) and then each special token's text marked, and
+        whether any special token was found; ``value`` itself when nothing changed. More
+        than ``limit`` special tokens (each is a token at least once tokenized: the model's
+        context) are a :class:`ContextLengthError`, and a value nested past Python's
+        recursion limit an :class:`InvalidRequestError`, both naming ``param``."""
+        found = 0
 
         def marked(text: str) -> str:
             nonlocal found
-            matches = self._matcher.find_matches_as_indexes(text)
-            if not matches:
+            if _OWN_FOUND.search(text):
+                # Before the search: "<|im_\ufdd0end|>" was no special token until its mark
+                # was dropped (fifteenth probe, issue 45).
+                text = text.translate(_DROP_OWN)
+            if self._matcher is None:
                 return text
-            pieces, at = [], 0
-            for pattern, start, end in matches:
-                pieces.append(text[at:start])
-                if pattern < marks:
-                    found = True
-                    pieces.append(f"{_OPEN}{text[start:end]}{_CLOSE}")
+            pieces: list[str] = []
+            at = 0
+            for start, end in self._matches(text):
+                found += 1
+                if found > limit:
+                    raise ContextLengthError(
+                        f"{param} spell the model's special tokens more than {limit} times, each a token at least: "
+                        f"more than this model's limit of {limit} tokens",
+                        param=param,
+                    )
+                pieces += (text[at:start], _OPEN, text[start:end], _CLOSE)
                 at = end
+            if not pieces:
+                return text
             pieces.append(text[at:])
             return "".join(pieces)
 
@@ -129,7 +151,23 @@ class SpecialTextShield:
             result = walk(value)
         except RecursionError:
             raise InvalidRequestError(f"{param} nests too deep to render", param=param) from None
-        return result, found
+        return result, found > 0
+
+    def _matches(self, text: str) -> Iterator[tuple[int, int]]:
+        """Where special tokens are spelt in ``text``, a stretch of :data:`_SEARCHED`
+        characters at a time: the matcher holds the GIL while it searches and makes a tuple
+        a match (14 MB of "<|im_end|>" held /health 230-370 ms and took +400 MiB at once)."""
+        assert self._matcher is not None
+        at = 0
+        while at < len(text):
+            window = text[at : at + _SEARCHED + self._longest]
+            ends_at = at + _SEARCHED
+            for _, start, end in self._matcher.find_matches_as_indexes(window):
+                if at + start >= ends_at:
+                    break  # the next window's: it may find a longer one there
+                yield at + start, at + end
+                ends_at = max(ends_at, at + end)
+            at = ends_at
 
     def encode(self, marked: MarkedText) -> list[int]:
         """The token ids of ``marked.text``: special tokens matched, except in its spans."""
@@ -141,25 +179,26 @@ class SpecialTextShield:
         # between apart. Where the caller spelt one, the pieces on either side and the token's
         # text are tokenized again as one piece, as plain text (between the nearest added
         # tokens the caller did not spell); every other token stays as it was.
+        matched_ids = matched.ids  # a property making a new list at each use: once
         walls = [
             (index, start, end)
-            for index, (token, (start, end)) in enumerate(zip(matched.ids, matched.offsets, strict=True))
+            for index, (token, (start, end)) in enumerate(zip(matched_ids, matched.offsets, strict=True))
             if token in self._added_ids
         ]
         ids: list[int] = []
         taken = 0  # the matched tokens copied so far
         after, piece_start = 0, 0  # the first token and character after the last wall kept
         spelt = False
-        for index, start, end in [*walls, (len(matched.ids), len(text), len(text))]:
-            if index < len(matched.ids) and _overlaps(marked.spans, start, end):
+        for index, start, end in [*walls, (len(matched_ids), len(text), len(text))]:
+            if index < len(matched_ids) and _overlaps(marked.spans, start, end):
                 spelt = True
                 continue
             if spelt:
-                ids += matched.ids[taken:after]
+                ids += matched_ids[taken:after]
                 ids += self._plain_ids(text[piece_start:start], at_start=after == 0)
                 taken, spelt = index, False
             after, piece_start = index + 1, end
-        ids += matched.ids[taken:]
+        ids += matched_ids[taken:]
         return ids
 
     def _plain_ids(self, piece: str, *, at_start: bool) -> list[int]:
