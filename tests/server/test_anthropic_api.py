@@ -322,13 +322,17 @@ def test_x_api_key_and_bearer_are_both_accepted(url: str) -> None:
     both = {"x-api-key": KEY, "Authorization": f"Bearer {KEY}"}
     body = {"model": "tiny", "max_tokens": 1, "messages": ASK}
     assert httpx.post(f"{url}/v1/messages", json=body, headers=both, timeout=60).status_code == 200
-    for headers in (
+    sent: tuple[Any, ...] = (
         {"x-api-key": "wrong"},
         {"Authorization": "Bearer wrong"},
         {},
         {"x-api-key": KEY, "Authorization": "Bearer wrong"},
         {"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"},
-    ):
+        {"x-api-key": KEY, "Authorization": "Bearer\twrong"},  # a tab separates too
+        [("x-api-key", KEY), ("x-api-key", "wrong")],  # the same header twice (fifteenth probe)
+        [("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer wrong")],
+    )
+    for headers in sent:
         response = httpx.post(
             f"{url}/v1/messages", json={"model": "tiny", "max_tokens": 1, "messages": ASK}, headers=headers
         )

@@ -75,16 +75,16 @@ def make_auth_guard(
 
     async def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         # async (see SiteGuard.__call__): comparing a few keys needs no worker thread.
-        scheme, _sep, bearer = connection.headers.get("authorization", "").partition(" ")
-        sent = [
-            connection.headers.get("x-api-key") if x_api_key else None,
-            bearer if scheme.lower() == "bearer" else None,
-        ]
-        given = [key for key in sent if key is not None]
-        if len(given) == 2 and given[0].strip() != given[1].strip():
+        given = list(connection.headers.getall("x-api-key", [])) if x_api_key else []
+        for authorization in connection.headers.getall("authorization", []):
+            scheme, *bearer = authorization.split(None, 1)  # a tab separates as a space does
+            if scheme.lower() == "bearer" and bearer:
+                given.append(bearer[0])
+        if len({key.strip() for key in given}) > 1:
             # Which would win is no rule a caller can know: one key's caller must not pass
-            # as another because a wrong header came first.
-            raise AuthenticationError("'x-api-key' and 'Authorization: Bearer' name different API keys: send one")
+            # as another because a wrong header came first (x-api-key and Authorization, or
+            # either twice).
+            raise AuthenticationError("the request's key headers name different API keys: send one")
         found = next((match for key in given if (match := matching(key)) is not None), None)
         if found is None and not_enough is not None and any(matching(key, lesser) for key in given):
             raise ForbiddenError(f"this route needs {not_enough[0]}: this API key is not enough")
