@@ -92,8 +92,9 @@ def test_tokenize_takes_chat_template_kwargs(client: openai.OpenAI) -> None:
     off = httpx.post(f"{url}/v1/tokenize", json={**body, **OFF}, timeout=30).json()
     on = httpx.post(f"{url}/v1/tokenize", json=body, timeout=30).json()
     assert chat.usage is not None and off["count"] == chat.usage.prompt_tokens > on["count"]
-    refused = httpx.post(f"{url}/v1/tokenize", json={"model": "think", "prompt": "hi", **OFF}, timeout=30)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    for extra, param in ((OFF, "chat_template_kwargs"), ({"add_generation_prompt": False}, "add_generation_prompt")):
+        refused = httpx.post(f"{url}/v1/tokenize", json={"model": "think", "prompt": "hi", **extra}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
 
 
 def test_regex_holds_for_the_answer_when_thinking_is_off(client: openai.OpenAI) -> None:

@@ -129,17 +129,20 @@ class AsyncClient:
         model: str,
         prompt: str | None = None,
         messages: Sequence[MessageParam] | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> TokenizeResponse:
         """``POST /tokenize`` (extension): the token ids of ``prompt``, or of ``messages``
-        formatted by the model's chat template."""
+        formatted by the model's chat template (with ``chat_template_kwargs``, and the
+        assistant turn's opening unless ``add_generation_prompt`` is False)."""
         body = request_struct(
             TokenizeRequest,
             {
                 "model": model,
                 "prompt": msgspec.UNSET if prompt is None else prompt,
                 "messages": msgspec.UNSET if messages is None else messages,
-                "add_generation_prompt": add_generation_prompt,
+                "add_generation_prompt": msgspec.UNSET if add_generation_prompt is None else add_generation_prompt,
+                "chat_template_kwargs": msgspec.UNSET if chat_template_kwargs is None else dict(chat_template_kwargs),
             },
         )
         return await self._transport.send("POST", f"{self.base_url}/tokenize", body, TokenizeResponse)

@@ -855,7 +855,8 @@ class TokenizeRequest(_Request):
     prompt: str | UnsetType = UNSET
     messages: list[ChatMessage] | UnsetType = UNSET
     tools: list[Tool] | UnsetType = UNSET
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | UnsetType = UNSET
+    """With ``messages``: end with the assistant turn's opening (the default), as a chat does."""
     chat_template_kwargs: dict[str, Any] | UnsetType | None = UNSET
     """More chat template variables (``{"enable_thinking": false}``), as in a chat request."""
 

@@ -231,6 +231,8 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: 
             raise BadRequestError("temperature must be between 0 and 1", param="temperature")
         if data.max_tokens < 1:
             raise BadRequestError("max_tokens must be at least 1", param="max_tokens")
+        if isinstance(data.stop_sequences, list) and not all(data.stop_sequences):
+            raise BadRequestError("stop_sequences: a stop sequence must not be empty", param="stop_sequences")
         if isinstance(data.stop_sequences, list) and len(data.stop_sequences) > MAX_STOP:
             # The chat check's own words name OpenAI's field.
             raise BadRequestError(

@@ -40,7 +40,7 @@ async def tokenize(
     has_messages = not isinstance(data.messages, msgspec.UnsetType)
     if has_prompt == has_messages:
         raise BadRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
-    for name in ("tools", "chat_template_kwargs"):
+    for name in ("tools", "chat_template_kwargs", "add_generation_prompt"):
         if has_prompt and getattr(data, name) not in (msgspec.UNSET, None):
             raise BadRequestError(f"'{name}' goes with 'messages' (a prompt is tokenized as it is)", param=name)
     if has_messages:
@@ -52,7 +52,10 @@ async def tokenize(
         tools = [msgspec.to_builtins(tool) for tool in data.tools] if isinstance(data.tools, list) else None
         kwargs = data.chat_template_kwargs if isinstance(data.chat_template_kwargs, dict) else None
         prompt = await model.aprepare_chat(
-            messages, tools=tools or None, add_generation_prompt=data.add_generation_prompt, template_kwargs=kwargs
+            messages,
+            tools=tools or None,
+            add_generation_prompt=data.add_generation_prompt is not False,
+            template_kwargs=kwargs,
         )
         tokens = list(prompt)  # a multimodal prompt counts each image as the features it becomes
     else:
