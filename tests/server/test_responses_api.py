@@ -196,9 +196,10 @@ def test_a_deleted_response_leaves_the_chain_that_continued_it(client: openai.Op
     r1 = client.responses.create(
         model="tiny", input="turn1 SECRET1", previous_response_id=r0.id, max_output_tokens=2, store=True
     )
-    r2 = client.responses.create(
-        model="tiny", input="turn2 SECRET2", previous_response_id=r1.id, max_output_tokens=2, store=True
-    )
+    # r2's own input reuses the id of r1's (a caller may send any): it is r2's, and stays.
+    r1_input = client.responses.input_items.list(r1.id, order="asc").data[-1].id
+    own: Any = [{"type": "message", "id": r1_input, "role": "user", "content": "turn2 SECRET2"}]
+    r2 = client.responses.create(model="tiny", input=own, previous_response_id=r1.id, max_output_tokens=2, store=True)
     other = client.responses.create(  # another branch from r0: r1 is none of its business
         model="tiny", input="branch SECRET3", previous_response_id=r0.id, max_output_tokens=2, store=True
     )

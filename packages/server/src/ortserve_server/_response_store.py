@@ -145,9 +145,12 @@ def _forget_in_followers(db: Connection, owner: str, last_output_id: str, forgot
         if needle not in bytes(blob):  # most are not followers: no need to decode them
             continue
         items = _decode_items(blob)
-        kept = [item for item in items if item.id not in forgotten]
+        # Only what the follower inherited: its own input may reuse an id (fifteenth probe).
+        cut = len(items) if inherited is None else inherited
+        earlier = [item for item in items[:cut] if item.id not in forgotten]
+        kept = earlier + items[cut:]
         if inherited is not None:
-            inherited -= sum(1 for item in items[:inherited] if item.id in forgotten)
+            inherited = len(earlier)
         encoded = msgspec.json.encode(kept)
         db.execute(
             "UPDATE responses SET items = ?, inherited = ?, size = ? WHERE id = ?",
