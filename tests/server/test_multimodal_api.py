@@ -83,6 +83,14 @@ def test_text_spelling_a_special_token_is_refused_by_a_multimodal_model(url: str
         timeout=60,
     ).json()["error"]
     assert error["param"] == "messages" and "special tokens" in error["message"], error
+    # A placeholder typed as text: the processor took it for the request's image, which the
+    # model then saw twice (fifteenth probe).
+    typed = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "vision", "messages": ask(image_part(image_bytes()), text="see <|image_1|>"), "max_tokens": 1},
+        timeout=60,
+    ).json()["error"]
+    assert typed["param"] == "messages[0].content" and "<|image_1|>" in typed["message"], typed
 
 
 def test_two_images_in_order(client: openai.OpenAI) -> None:

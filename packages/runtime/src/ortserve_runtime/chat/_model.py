@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -476,6 +477,8 @@ class ChatModel:
         messages, in_messages = self._shield.mark(_joined_text_parts(messages), "messages", limit)
         tools, in_tools = self._shield.mark(tools, "tools", limit)
         template_kwargs, in_kwargs = self._shield.mark(template_kwargs, "chat_template_kwargs", limit)
+        if self._media is not None:
+            _refuse_typed_placeholders(messages, self._media.placeholder_text, self.name)
         if (in_messages or in_tools or in_kwargs) and self._media is not None:
             # og's processor tokenizes the whole text itself, with special tokens matched.
             raise InvalidRequestError(
@@ -518,3 +521,20 @@ def _joined_text_parts(messages: Sequence[Message]) -> list[Message]:
             parts += ["".join(items)] if is_text else items
         joined.append({**message, "content": parts})
     return joined
+
+
+def _refuse_typed_placeholders(messages: Sequence[Message], placeholders: re.Pattern[str], model: str) -> None:
+    """A 400 for message text that spells one of a multimodal model's media placeholders:
+    its processor took a typed ``<|image_1|>`` for the request's first image, which the
+    model then saw twice (fifteenth probe of issue 45)."""
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        texts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        for text in texts:
+            found = placeholders.search(text) if isinstance(text, str) else None
+            if found is not None:
+                raise InvalidRequestError(
+                    f"messages[{index}].content holds {found.group()!r}, which model {model!r} reads as a place "
+                    "for an image or audio, not as text: send media as content parts",
+                    param=f"messages[{index}].content",
+                )

@@ -10,7 +10,9 @@ model's og process (see ``engines._og_process``), which keeps the inputs until t
 from __future__ import annotations
 
 import json
+import re
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -68,6 +70,9 @@ class MediaProcessor:
             if ("vision" in sections if kind is ImageInput else "speech" in sections)
         }
         self.modalities = frozenset("image" if kind is ImageInput else "audio" for kind in self.placeholders)
+        self.placeholder_text = _placeholder_pattern(_FAMILIES[folder.model_type].values())
+        """The family's media placeholders as a caller might type them (``<|image_7|>``):
+        the processor would take typed ones for media of the request's."""
         self.config = config
         self.model_type = folder.model_type
         self.max_sequence_length = folder.max_sequence_length(config)
@@ -142,3 +147,16 @@ class MediaProcessor:
                 f"this model's limit of {self.max_sequence_length} tokens",
                 param="messages",
             )
+
+
+def _placeholder_pattern(placeholders: Iterable[Callable[[int], str]]) -> re.Pattern[str]:
+    """What matches each placeholder as made for any media number."""
+    alternatives = []
+    for placeholder in placeholders:
+        first, second = placeholder(1).strip(), placeholder(2).strip()
+        if first != second and first.count("1") == 1:
+            before, after = first.split("1")
+            alternatives.append(f"{re.escape(before)}[0-9]+{re.escape(after)}")
+        else:
+            alternatives.append(re.escape(first))
+    return re.compile("|".join(alternatives))
