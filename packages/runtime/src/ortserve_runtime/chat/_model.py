@@ -493,7 +493,7 @@ class ChatModel:
         text = self.chat_template.render(
             flat, tools=tools, add_generation_prompt=add_generation_prompt, extra=template_kwargs
         )
-        return MarkedText(text), media
+        return self._shield.read(text), media
 
     def _prepare(self, marked: MarkedText, media: Media) -> Prompt:
         """The prompt of a rendered chat: its tokens, or the media processor's inputs."""

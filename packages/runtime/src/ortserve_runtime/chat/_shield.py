@@ -48,30 +48,61 @@ _OWN_FOUND = re.compile(f"[{_OPEN}{_CLOSE}{_ANCHOR}]")
 _SEARCHED = 1 << 16
 """Characters searched for special tokens at a time (some 1 ms of the GIL)."""
 
-_MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
 _MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
 
 
 class MarkedText:
     """A rendered prompt whose caller-spelt special tokens are marked: :attr:`text` is the
-    prompt as written (marks dropped), :attr:`spans` where those tokens lie in it."""
+    prompt as written (marks dropped), :attr:`spans` where those tokens lie in it.
+
+    A template may cut caller text (``content[:n]``, ``content[1:]``) between a mark and its
+    pair: a special token (of ``specials``) that starts at a lone opening mark, or ends at a
+    lone closing one, is the caller's too, so that a cut cannot unmark it."""
 
     __slots__ = ("spans", "text")
 
-    def __init__(self, rendered: str) -> None:
+    def __init__(self, rendered: str, specials: frozenset[str]) -> None:
         pieces: list[str] = []
-        self.spans: list[tuple[int, int]] = []
-        at = written = 0
-        for match in _MARKED.finditer(rendered):
-            before = _MARKS.sub("", rendered[at : match.start()])  # a mark the template cut in two
-            pieces.append(before)
-            written += len(before)
-            pieces.append(match.group(1))
-            self.spans.append((written, written + len(match.group(1))))
-            written += len(match.group(1))
-            at = match.end()
-        pieces.append(_MARKS.sub("", rendered[at:]))
+        spans: list[tuple[int, int]] = []
+        lone: list[tuple[int, bool]] = []  # (where, opening) of marks without their pair
+        written = at = 0
+        opened: int | None = None  # where the last mark still unpaired opened
+        for mark in _MARKS.finditer(rendered):
+            pieces.append(rendered[at : mark.start()])
+            written += mark.start() - at
+            at = mark.end()
+            if mark.group() == _OPEN:
+                if opened is not None:
+                    lone.append((opened, True))
+                opened = written
+            elif opened is not None:
+                spans.append((opened, written))
+                opened = None
+            else:
+                lone.append((written, False))
+        pieces.append(rendered[at:])
+        if opened is not None:
+            lone.append((opened, True))
         self.text = "".join(pieces)
+        lengths = sorted({len(special) for special in specials}, reverse=True)
+        for where, opening in lone:
+            for length in lengths:
+                start, end = (where, where + length) if opening else (where - length, where)
+                if start >= 0 and self.text[start:end] in specials:
+                    spans.append((start, end))
+                    break
+        self.spans = _merged(spans)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted, those that overlap made one."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 class SpecialTextShield:
@@ -90,6 +121,7 @@ class SpecialTextShield:
             if specials
             else None
         )
+        self._specials = frozenset(specials)
         self._longest = max(map(len, specials), default=0)
         self._plain: tuple[Tokenizer, int] | None = None
         self._lock = threading.Lock()
@@ -168,6 +200,10 @@ class SpecialTextShield:
                 yield at + start, at + end
                 ends_at = max(ends_at, at + end)
             at = ends_at
+
+    def read(self, rendered: str) -> MarkedText:
+        """The rendering of marked caller data: its text, and where the caller spelt tokens."""
+        return MarkedText(rendered, self._specials)
 
     def encode(self, marked: MarkedText) -> list[int]:
         """The token ids of ``marked.text``: special tokens matched, except in its spans."""
