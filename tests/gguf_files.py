@@ -108,6 +108,7 @@ def write_tiny_gguf(
     seed: int | None = None,
     tied: bool = True,
     sentencepiece_pieces: list[str] | None = None,
+    unembedded: list[tuple[str, int]] | None = None,
 ) -> Path:
     """A tiny decoder of ``arch`` (llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, granite,
     olmo, olmo2, nemotron) whose matrices are ``qtype``, each with what its architecture adds:
@@ -116,7 +117,8 @@ def write_tiny_gguf(
     weightless LayerNorms and query/key/value clamp, OLMo 2's post-norms, Nemotron's
     LayerNorms with biases, squared-ReLU feed-forward, partial rotary embeddings and biases
     on every projection. ``sentencepiece_pieces``: a SentencePiece vocabulary instead
-    (``tokenizer.ggml.model`` "llama", scores 0) of the byte-level one plus these pieces."""
+    (``tokenizer.ggml.model`` "llama", scores 0) of the byte-level one plus these pieces.
+    ``unembedded``: (text, type) tokens added past the embedding's rows."""
     rng = np.random.default_rng(_SEEDS.get(arch, 0) if seed is None else seed)
     tokens, types = _vocabulary()
     if sentencepiece_pieces is not None:
@@ -124,6 +126,8 @@ def write_tiny_gguf(
     if arch == "phi3":  # llama.cpp's Phi-3 vocabulary loader looks these up by text (unordered_map::at)
         tokens, types = [*tokens, "<unk>", "<s>", "</s>"], [*types, 2, 3, 3]
     vocab = len(tokens)
+    if unembedded:  # (text, type) tokens past the embedding's rows: a hostile file
+        tokens, types = tokens + [t for t, _ in unembedded], types + [k for _, k in unembedded]
     layers, head = _LAYERS.get(arch, LAYERS), _HEAD.get(arch, HEAD)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}-{qtype.name}")

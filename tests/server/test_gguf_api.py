@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -50,7 +51,26 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     twice = folder / "twice-00001-of-00002.gguf"
     twice.write_bytes(tiny.read_bytes())
     write_tiny_gguf(folder / "twice-00002-of-00002.gguf", seed=1)
-    models = {"tiny-gguf": tiny, "broken": broken, "nested": nested, "twice": twice, "folder": TINY_MODEL}
+    # Fifteenth probe: a token past the embedding's rows (10 million of them loaded
+    # "ready", +2.5 GiB), a 5,000-character special token (10 MB ones never finished
+    # loading), a FIFO (its open() blocked the load for good), 99,999 parts named.
+    unembedded = write_tiny_gguf(folder / "unembedded.gguf", unembedded=[("<extra>", 1)])
+    long_token = write_tiny_gguf(folder / "long-token.gguf", unembedded=[("Q" * 5000, 3)])
+    fifo = folder / "fifo.gguf"
+    os.mkfifo(fifo)
+    many = folder / "many-00001-of-99999.gguf"
+    many.write_bytes(tiny.read_bytes())
+    models = {
+        "tiny-gguf": tiny,
+        "broken": broken,
+        "nested": nested,
+        "twice": twice,
+        "folder": TINY_MODEL,
+        "unembedded": unembedded,
+        "long-token": long_token,
+        "fifo": fifo,
+        "many": many,
+    }
     for arch in SERVED_ARCHITECTURES:
         models[arch] = write_tiny_gguf(folder / f"{arch}.gguf", arch=arch, qtype=Q[LLAMA_CPP[arch]["qtype"]])
     if SMOLLM2 is not None:
@@ -147,6 +167,32 @@ def test_a_damaged_digest_index_is_read_again(tmp_path: Path, monkeypatch: pytes
         index.write_text("[]")
         answer = httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "listed"})
         assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize(
+    ("model", "said"),
+    [
+        ("unembedded", "has 268 tokens but token_embd.weight has 267 rows"),
+        ("long-token", "is 5,000 characters long; at most 4,096"),
+        ("fifo", "fifo.gguf is not a regular file"),
+        ("many", "split in 99,999 parts; at most 1024"),
+    ],
+)
+def test_hostile_files_fail_alone_at_once_with_their_reason(url: str, model: str, said: str) -> None:
+    """Fifteenth probe of issue 45: each of these took gigabytes, never ended, or stalled the
+    event loop. Each fails in seconds saying why; asked again, the same file fails at once
+    without a second conversion; the others serve."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    started = time.monotonic()
+    first = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert time.monotonic() - started < 20
+    assert first.status_code == 500 and said in first.json()["error"]["message"], first.text
+    started = time.monotonic()
+    again = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert again.json()["error"]["message"] == first.json()["error"]["message"]
+    assert time.monotonic() - started < 2  # remembered: no conversion child again
+    chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "model": "tiny-gguf"}, timeout=60)
+    assert chat.status_code == 200
 
 
 def test_a_file_with_a_tensor_twice_fails_alone_with_its_reason(url: str) -> None:

@@ -90,7 +90,10 @@ class ChatModel:
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
         self._prompt_limit = TextLimit(self.tokenizer, self.max_sequence_length)
-        self._shield = SpecialTextShield(self.tokenizer)
+        try:
+            self._shield = SpecialTextShield(self.tokenizer)
+        except ValueError as exc:
+            raise ModelLoadError(f"{tokenizer_path}: {exc}", path=tokenizer_path) from exc
         self.chat_template = ChatTemplate.from_folder(path, config.chat_template)
         self.tool_format: ToolCallFormat | None = detect_tool_format(
             self.chat_template.source if self.chat_template else None

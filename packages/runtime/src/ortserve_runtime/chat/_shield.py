@@ -45,6 +45,12 @@ _DROP_OWN = dict.fromkeys(map(ord, (_OPEN, _CLOSE, _ANCHOR)))
 """The server's own characters, dropped from requests (``str.translate``)."""
 _OWN_FOUND = re.compile(f"[{_OPEN}{_CLOSE}{_ANCHOR}]")
 
+_MAX_SPECIAL_CHARS = 4096
+"""The longest special token served: published ones are some tens of characters."""
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""A mapping key spelt as a name, left unmarked."""
+
 _SEARCHED = 1 << 16
 """Characters searched for special tokens at a time (some 1 ms of the GIL)."""
 
@@ -114,6 +120,13 @@ class SpecialTextShield:
         added = tokenizer.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
         specials = {t.content for t in added.values() if t.special and t.content}
+        longest = max(specials, key=len, default="")
+        if len(longest) > _MAX_SPECIAL_CHARS:
+            # Building the matcher over a 10 MB token did not end (fifteenth probe).
+            raise ValueError(
+                f"a special token of the tokenizer is {len(longest):,} characters long; at most "
+                f"{_MAX_SPECIAL_CHARS:,} are served"
+            )
         # Aho-Corasick, not a regular expression: Gemma's tokenizers have thousands of special
         # tokens, and an alternation of 6,000 took 23 s to search a megabyte.
         self._matcher = (
@@ -167,7 +180,9 @@ class SpecialTextShield:
             if isinstance(item, Mapping):
                 pairs, changed = [], False
                 for key, field in item.items():
-                    pair = walk(key), walk(field)
+                    # A name ("role", "content", a schema's "type") is structure the template
+                    # looks up: a tokenizer whose special token is "e" made every chat a 400.
+                    pair = (key if isinstance(key, str) and _NAME.fullmatch(key) else walk(key)), walk(field)
                     changed = changed or pair[0] is not key or pair[1] is not field
                     pairs.append(pair)
                 return dict(pairs) if changed else item

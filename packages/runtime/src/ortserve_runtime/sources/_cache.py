@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from stat import S_ISREG
 
 from ._gguf_process import convert_in_child
 from ._names import CONVERTER_VERSION, CheckpointPrecision, SourceError, checkpoint_files, source_kind, split_parts
@@ -47,6 +48,10 @@ def file_digest(path: Path, progress: Callable[[float], None] = lambda fraction:
     mtime) in the cache's index."""
     parts = checkpoint_files(path) if path.is_dir() else split_parts(path)
     stats = [part.stat() for part in parts]
+    for part, stat_result in zip(parts, stats, strict=True):
+        # A FIFO blocked the load's open() for good, /dev/zero hashed for ever (the fifteenth probe).
+        if not S_ISREG(stat_result.st_mode):
+            raise SourceError(f"{part} is not a regular file")
     key = "|".join(f"{part.resolve()}:{s.st_size}:{s.st_mtime_ns}" for part, s in zip(parts, stats, strict=True))
     index_path = cache_root() / "digests.json"
     known = _digest_index(index_path).get(key)
@@ -113,6 +118,9 @@ def converted_folder(
     if (folder / "genai_config.json").exists():
         progress(1.0)
         return folder
+    failed = _FAILED.get(folder)
+    if failed is not None:  # the same bytes fail the same way: no child started again
+        raise type(failed)(str(failed))
     folder.parent.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock  # here: a folder already converted needs no lock (20 ms of every start-up)
 
@@ -132,12 +140,26 @@ def converted_folder(
                 assert precision is not None
                 build_checkpoint(source, scratch, precision, provider, lambda f: progress(0.1 + 0.9 * f))
             scratch.rename(folder)
+        except SourceError as exc:
+            shutil.rmtree(scratch, ignore_errors=True)
+            if not exc.transient:
+                if len(_FAILED) >= _KEPT_FAILURES:
+                    _FAILED.pop(next(iter(_FAILED)))
+                _FAILED[folder] = exc
+            raise
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
         logger.info("converted %s in %.1f s", source.name, time.monotonic() - started)
     progress(1.0)
     return folder
+
+
+_FAILED: dict[Path, SourceError] = {}
+"""Conversions that failed for what the file holds, by the folder they would have made (the
+file's digest): each request to a bad file started a conversion child again (fifteenth
+probe of issue 45). In this process only: a new converter version may succeed."""
+_KEPT_FAILURES = 64
 
 
 def _write_atomically(path: Path, text: str) -> None:

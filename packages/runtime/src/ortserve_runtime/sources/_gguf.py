@@ -36,6 +36,7 @@ def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] =
     if repeated:  # as llama.cpp's loader refuses it; one of them was taken silently before
         more = f" (and {len(repeated) - 3} more)" if len(repeated) > 3 else ""
         raise GgufError(f"{source.name} has tensors more than once: {', '.join(repeated[:3])}{more}")
+    _check_vocabulary(fields, tensors)
     try:
         params, summary = write_graph(tensors, fields, folder, progress)
     except GgufError:
@@ -59,6 +60,37 @@ def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] =
         ),
         encoding="utf-8",
     )
+
+
+_MAX_TOKENS = 1 << 20
+"""Tokens a vocabulary may have: four times the largest published (Gemma 3's 262,144)."""
+_MAX_TOKEN_CHARS = 4096
+"""Characters one token's text may have; published vocabularies' longest are some hundred."""
+
+
+def _check_vocabulary(fields: dict[str, Any], tensors: list[Any]) -> None:
+    """Refuse a vocabulary that is not one row a token of the embedding (llama.cpp refuses
+    that shape too), or so large, or with a token so long, that tokenizing with it would
+    cost the server gigabytes or minutes: 10 million tokens beside a 267-row embedding
+    loaded as "ready" (+2.5 GiB); one 10 MB special token held the load for good (the
+    fifteenth probe of issue 45)."""
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        return  # tokenizer_files says what is missing
+    if len(tokens) > _MAX_TOKENS:
+        raise GgufError(f"the vocabulary has {len(tokens):,} tokens; at most {_MAX_TOKENS:,} are served")
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]) if isinstance(tokens[i], str) else 0, default=None)
+    if longest is not None and isinstance(tokens[longest], str) and len(tokens[longest]) > _MAX_TOKEN_CHARS:
+        raise GgufError(
+            f"token {longest} of the vocabulary is {len(tokens[longest]):,} characters long; "
+            f"at most {_MAX_TOKEN_CHARS:,} are served"
+        )
+    embedding = next((tensor for tensor in tensors if tensor.name == "token_embd.weight"), None)
+    if embedding is not None and len(embedding.shape) == 2 and int(embedding.shape[1]) != len(tokens):
+        raise GgufError(
+            f"the vocabulary has {len(tokens):,} tokens but token_embd.weight has {int(embedding.shape[1]):,} rows "
+            "(one a token)"
+        )
 
 
 def _genai_config(params: Hyperparameters, fields: dict[str, Any]) -> dict[str, Any]:

@@ -75,7 +75,9 @@ def convert_in_child(source: Path, folder: Path, progress: Callable[[float], Non
         raise GgufError(errors[-1])
     ended = ended_by(code)
     if ended is not None:
-        raise GgufError(f"converting {source.name} ended with {ended}: its converter crashed or was killed")
+        killed = GgufError(f"converting {source.name} ended with {ended}: its converter crashed or was killed")
+        killed.transient = True  # the memory it needed may be there next time: not remembered
+        raise killed
     if code != 0 or not (folder / "genai_config.json").exists():
         said = tail[-1] if tail else f"it exited with status {code}"
         raise GgufError(f"{source.name} could not be converted: {said}")

@@ -28,6 +28,10 @@ __all__ = [
 class SourceError(ValueError):
     """The source is not one ortserve can turn into a model folder (the message says why)."""
 
+    transient = False
+    """Whether trying again may go otherwise (a converter killed for memory): the others
+    are remembered, and the same file fails at once (see ``converted_folder``)."""
+
 
 class GgufError(SourceError):
     """The file is not one this converter can turn into a model (the message says why)."""
@@ -82,6 +86,10 @@ CONVERTER_VERSION = 7
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
+_MAX_SPLIT_PARTS = 1024
+"""Parts a split GGUF file may have: llama.cpp's gguf-split makes some tens for the largest models."""
+
+
 def split_parts(path: Path) -> list[Path]:
     """The files of a model: ``path`` itself, or every part of a split file
     (``NAME-00001-of-00003.gguf``), checked to be all there."""
@@ -89,8 +97,11 @@ def split_parts(path: Path) -> list[Path]:
     if match is None:
         return [path]
     count = int(match["count"])
+    if count > _MAX_SPLIT_PARTS:  # 99,999 parts named: 2.1 s of the event loop listing the missing ones
+        raise GgufError(f"{path.name} says the model is split in {count:,} parts; at most {_MAX_SPLIT_PARTS} are read")
     parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p.name for p in parts if not p.exists()]
     if missing:
-        raise GgufError(f"the split model lacks {', '.join(missing)} beside {path.name}")
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise GgufError(f"the split model lacks {', '.join(missing[:3])}{more} beside {path.name}")
     return parts
