@@ -169,7 +169,7 @@ def test_embedding_request_extensions() -> None:
 
 def test_tokenize_requests() -> None:
     by_prompt = msgspec.json.decode(b'{"model":"m","prompt":"hi"}', type=p.TokenizeRequest)
-    assert by_prompt.messages is msgspec.UNSET and by_prompt.add_generation_prompt is True
+    assert by_prompt.messages is msgspec.UNSET and by_prompt.add_generation_prompt is msgspec.UNSET
     by_chat = msgspec.json.decode(
         b'{"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}',
         type=p.TokenizeRequest,

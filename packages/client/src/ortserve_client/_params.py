@@ -70,6 +70,7 @@ class ChatCompletionParams(_SamplingParams, total=False):
     modalities: Sequence[str] | None
     audio: JSONObject | None
     reasoning_effort: str | None
+    reasoning_budget: int | None
     chat_template_kwargs: JSONObject | None
 
 

@@ -290,12 +290,10 @@ def _validation_detail(exc: ValidationException) -> tuple[str, str | None]:
     # Litestar removes every "data." from the path it names ("metadata.user_id" became
     # "metauser_id"); msgspec's own error, the cause, has it whole.
     whole = _MSGSPEC_PATH.search(str(exc.__cause__)) if exc.__cause__ is not None else None
-    if (
-        whole is not None
-        and isinstance(key, str)
-        and key.replace(".", "") == whole.group(1).replace("data.", "").replace(".", "")
-    ):
-        key = whole.group(1)
+    if whole is not None and isinstance(key, str):
+        path = whole.group(1).removeprefix("data.")  # the handler's parameter, not the body's
+        if key == path.replace("data.", ""):
+            key = path
     if key in (None, "data", "body"):  # a problem with the body as a whole, e.g. a missing field
         missing = _MISSING_FIELD.search(message)
         key = missing.group(1) if missing else None

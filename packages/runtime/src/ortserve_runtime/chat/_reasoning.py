@@ -13,14 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer, decoders
-
-if TYPE_CHECKING:
-    from ._constraints import Constraint
 
 __all__ = [
     "ReasoningBudget",
@@ -167,6 +164,16 @@ def _lark_string(text: str) -> str:
     return '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
 
 
+class _Matcher(Protocol):
+    """What the budget wraps: a grammar's :class:`~._constraints.Constraint` (named by its
+    shape: ``_constraints`` imports this module)."""
+
+    def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
+    def advance(self, token: int) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+
+
 class ReasoningBudget:
     """A reasoning model's thinking held to ``budget`` tokens: once that many are reasoning,
     the think block's end marker (``end_ids``) is forced, token by token, and the answer
@@ -182,7 +189,7 @@ class ReasoningBudget:
         start: ReasoningStart,
         end_ids: Sequence[int],
         tokenizer: Tokenizer,
-        inner: Constraint | None = None,
+        inner: _Matcher | None = None,
     ) -> None:
         self._left = budget
         self._parser = ReasoningParser(markers, start)
