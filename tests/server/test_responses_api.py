@@ -219,6 +219,38 @@ def test_a_deleted_response_leaves_the_chain_that_continued_it(client: openai.Op
     assert "SECRET1" not in chain and "SECRET0" in chain and "SECRET2" in chain
 
 
+def test_a_response_deleted_while_its_follower_generates_is_not_stored_with_it(client: openai.OpenAI) -> None:
+    """A response deleted while one continuing it is still generating: the follower read the
+    conversation before the delete and was stored with the deleted turn in it (fifteenth
+    probe, issue 45). A delete is remembered for the responses stored after it."""
+    r0 = client.responses.create(model="tiny", input="turn0 SECRET0", max_output_tokens=2, store=True)
+    r1 = client.responses.create(
+        model="tiny", input="turn1 SECRET1", previous_response_id=r0.id, max_output_tokens=2, store=True
+    )
+    # A string of at least 2,000 characters: the follower cannot end before the delete.
+    long_text: Any = {
+        "format": {"type": "json_schema", "name": "long", "schema": {"type": "string", "minLength": 2000}}
+    }
+    with client.responses.create(
+        model="tiny",
+        input="turn2",
+        previous_response_id=r1.id,
+        max_output_tokens=4000,
+        text=long_text,
+        store=True,
+        stream=True,
+    ) as stream:
+        events = iter(stream)
+        first = next(events)
+        follower = first.response.id  # type: ignore[union-attr]
+        client.responses.delete(r1.id)
+        last = list(events)[-1]
+    assert last.type in ("response.completed", "response.incomplete")  # stored either way
+    items = json.dumps([item.model_dump() for item in client.responses.input_items.list(follower, limit=100)])
+    assert "SECRET1" not in items and r1.output[0].id not in items
+    assert "SECRET0" in items and "turn2" in items
+
+
 def test_unknown_previous_response_id(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:  # OpenAI's status and code
         client.responses.create(model="tiny", input="Hi", previous_response_id="resp_nothing")

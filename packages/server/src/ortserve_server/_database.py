@@ -81,6 +81,14 @@ _MIGRATIONS = [
     """
     ALTER TABLE responses ADD COLUMN inherited INTEGER;
     """,
+    # 7: what a delete removed (the deleted response's last output id and its own items' ids),
+    # for a while, so that a response still generating when the response it continued was
+    # deleted is stored without it too
+    """
+    CREATE TABLE response_deletions (owner TEXT NOT NULL, last_output_id TEXT NOT NULL,
+        forgotten BLOB NOT NULL, deleted REAL NOT NULL);
+    CREATE INDEX response_deletions_by_owner ON response_deletions (owner, deleted);
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 

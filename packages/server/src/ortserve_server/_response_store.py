@@ -62,18 +62,32 @@ class ResponseStore:
         """Keep ``response`` and its conversation (``items``, of which the first
         ``inherited`` are its previous response's); one larger than the byte bound is not
         kept. The write is queued (a later get sees it): the future is done once it is
-        committed."""
+        committed. Responses deleted since it began (``created_at``) are taken out of what it
+        inherited, as the delete took them out of the responses already stored."""
         encoded = (msgspec.json.encode(response), msgspec.json.encode(items))
         size = len(encoded[0]) + len(encoded[1])
         if not self.enabled or size > self.max_bytes:
             return None
         now = self._clock()
-        row = (response.id, now, now + self.ttl, size, *encoded, owner, inherited)
         max_entries, max_bytes = self.max_entries, self.max_bytes
+        # created_at is whole seconds: a deletion in that second may be older, and is then
+        # already out of what the request read (applying it again changes nothing)
+        began = response.created_at - 1
 
         def put(db: Connection) -> None:
             with write(db):
                 db.execute("DELETE FROM responses WHERE expires <= ?", (now,))
+                db.execute("DELETE FROM response_deletions WHERE deleted < ?", (now - _DELETIONS_KEPT,))
+                deletions = db.execute(
+                    "SELECT last_output_id, forgotten FROM response_deletions WHERE owner = ? AND deleted >= ?",
+                    (owner, began),
+                ).fetchall()
+                blob = encoded[1]
+                kept: int | None = inherited
+                for last_output_id, forgotten in deletions:
+                    blob, kept = _forget(blob, kept, last_output_id, set(_decode_ids(forgotten)))
+                size = len(encoded[0]) + len(blob)
+                row = (response.id, now, now + self.ttl, size, encoded[0], blob, owner, kept)
                 db.execute("DELETE FROM responses WHERE id = ?", (row[0],))
                 count, held = db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
                 while count >= max_entries or held + size > max_bytes:
@@ -128,31 +142,49 @@ class ResponseStore:
                 output = _decode_response(found[2]).output
                 if output and isinstance(output[-1].id, str):
                     own = _decode_items(found[0])[found[1] or 0 :]
-                    forgotten = {item.id for item in own if isinstance(item.id, str)}
-                    _forget_in_followers(db, owner, output[-1].id, forgotten)
+                    forgotten = sorted({item.id for item in own if isinstance(item.id, str)})
+                    _forget_in_followers(db, owner, output[-1].id, set(forgotten))
+                    # Kept for the responses still generating from it (stored after this).
+                    db.execute(
+                        "INSERT INTO response_deletions (owner, last_output_id, forgotten, deleted) "
+                        "VALUES (?, ?, ?, ?)",
+                        (owner, output[-1].id, msgspec.json.encode(forgotten), now),
+                    )
                 return True
 
         return await self._db.run(delete)
 
 
+_DELETIONS_KEPT = 24 * 3600.0
+"""How long a delete is remembered for the responses that were generating from the deleted
+one: longer than any generation runs."""
+
+_decode_ids = msgspec.json.Decoder(list[str]).decode
+
+
 def _forget_in_followers(db: Connection, owner: str, last_output_id: str, forgotten: set[str]) -> None:
-    """Remove the items with ids in ``forgotten`` from ``owner``'s responses that hold the
-    item ``last_output_id`` (an id this server made for a deleted response's output: only
-    the responses that continued it hold it)."""
-    needle = msgspec.json.encode(last_output_id)
+    """Remove the items with ids in ``forgotten`` from ``owner``'s responses that continued
+    the deleted response whose last output item is ``last_output_id``."""
     rows = db.execute("SELECT id, items, inherited, size FROM responses WHERE owner = ?", (owner,)).fetchall()
-    for follower, blob, inherited, size in rows:
-        if needle not in bytes(blob):  # most are not followers: no need to decode them
-            continue
-        items = _decode_items(blob)
-        # Only what the follower inherited: its own input may reuse an id (fifteenth probe).
-        cut = len(items) if inherited is None else inherited
-        earlier = [item for item in items[:cut] if item.id not in forgotten]
-        kept = earlier + items[cut:]
-        if inherited is not None:
-            inherited = len(earlier)
-        encoded = msgspec.json.encode(kept)
-        db.execute(
-            "UPDATE responses SET items = ?, inherited = ?, size = ? WHERE id = ?",
-            (encoded, inherited, size - len(blob) + len(encoded), follower),
-        )
+    for follower, stored, inherited, size in rows:
+        blob = bytes(stored)
+        encoded, kept = _forget(blob, inherited, last_output_id, forgotten)
+        if encoded is not blob:
+            db.execute(
+                "UPDATE responses SET items = ?, inherited = ?, size = ? WHERE id = ?",
+                (encoded, kept, size - len(blob) + len(encoded), follower),
+            )
+
+
+def _forget(blob: bytes, inherited: int | None, last_output_id: str, forgotten: set[str]) -> tuple[bytes, int | None]:
+    """A response's items (``blob``, of which the first ``inherited`` came from its previous
+    response) without the items in ``forgotten`` if it continued the deleted response whose
+    last output item is ``last_output_id`` (an id this server made: only the responses that
+    continued it hold it); ``blob`` itself when it did not."""
+    if msgspec.json.encode(last_output_id) not in blob:  # most did not: no need to decode them
+        return blob, inherited
+    items = _decode_items(blob)
+    # Only what it inherited: its own input may reuse an id (fifteenth probe).
+    cut = len(items) if inherited is None else inherited
+    earlier = [item for item in items[:cut] if item.id not in forgotten]
+    return msgspec.json.encode(earlier + items[cut:]), None if inherited is None else len(earlier)
