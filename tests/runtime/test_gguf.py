@@ -275,6 +275,34 @@ def test_the_converter_ends_with_its_parent(tmp_path: Path) -> None:
     assert not alive
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the child in /proc")
+def test_a_conversion_killed_with_its_server_leaves_nothing_after_the_next(tmp_path: Path, cache: Path) -> None:
+    """A server killed mid-conversion left its temporary folder (as large as the model) in
+    the cache for good (fifteenth probe, issue 45): the next conversion of the file removes it."""
+    source = write_tiny_gguf(tmp_path / "tiny.gguf")
+    script = (  # a converter that never ends, so the kill lands mid-conversion
+        "import sys; from pathlib import Path; from ortserve_runtime.sources import _gguf_process, converted_folder; "
+        "_gguf_process._BOOTSTRAP = 'import time; time.sleep(120)'; converted_folder(Path(sys.argv[1]))"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, str(source)], env={**os.environ})
+    converted = cache / "converted"
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _children(parent.pid)):
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+        for child in _children(parent.pid) or children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    assert [p for p in converted.iterdir() if ".tmp-" in p.name]  # what the kill left
+    folder = converted_folder(source)
+    assert (folder / "genai_config.json").exists()
+    assert not [p for p in converted.iterdir() if ".tmp-" in p.name]
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -2,7 +2,8 @@
 converter version (for a checkpoint: precision, provider and og's version too).
 
 A conversion writes into a temporary folder beside its final name and renames it when
-complete, so a crash never leaves a half folder that looks whole (the conversion runs in a
+complete, so a crash never leaves a half folder that looks whole (the next conversion of
+that file removes what a killed one left) (the conversion runs in a
 child process: :mod:`._gguf_process`, :mod:`._checkpoint`); a lock file keeps two
 processes from converting the same file at once (the second waits, then finds the
 folder). The digest is SHA-256 over the file's bytes (every part of a split file), kept in
@@ -13,6 +14,7 @@ multi-gigabyte file again.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -128,6 +130,11 @@ def converted_folder(
         if (folder / "genai_config.json").exists():  # another process converted it meanwhile
             progress(1.0)
             return folder
+        # A process killed while converting left its temporary folder (as large as the
+        # model); holding the lock, no other one converts into this name now.
+        for stale in folder.parent.glob(glob.escape(folder.name) + ".tmp-*"):
+            logger.warning("removing %s, left by a conversion that did not end", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         started = time.monotonic()
         logger.info("converting %s into %s", source, folder)
         scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
