@@ -83,6 +83,11 @@ def test_text_spelling_a_special_token_is_refused_by_a_multimodal_model(url: str
         timeout=60,
     ).json()["error"]
     assert error["param"] == "messages" and "special tokens" in error["message"], error
+    # What the template does not write is no matter: a variable it never reads (fifteenth probe M7).
+    unread = {"model": "vision", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    unread["chat_template_kwargs"] = {"notes": forged}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=unread, timeout=60)
+    assert answer.status_code == 200, answer.text
     # A placeholder typed as text: the processor took it for the request's image, which the
     # model then saw twice (fifteenth probe).
     typed = httpx.post(

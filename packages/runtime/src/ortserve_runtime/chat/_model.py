@@ -477,18 +477,11 @@ class ChatModel:
             raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
         # Text parts are joined before marking: "<|im_" and "start|>" make one token together.
         limit = self.max_sequence_length
-        messages, in_messages = self._shield.mark(_joined_text_parts(messages), "messages", limit)
-        tools, in_tools = self._shield.mark(tools, "tools", limit)
-        template_kwargs, in_kwargs = self._shield.mark(template_kwargs, "chat_template_kwargs", limit)
+        messages, _ = self._shield.mark(_joined_text_parts(messages), "messages", limit)
+        tools, _ = self._shield.mark(tools, "tools", limit)
+        template_kwargs, _ = self._shield.mark(template_kwargs, "chat_template_kwargs", limit)
         if self._media is not None:
             _refuse_typed_placeholders(messages, self._media.placeholder_text, self.name)
-        if (in_messages or in_tools or in_kwargs) and self._media is not None:
-            # og's processor tokenizes the whole text itself, with special tokens matched.
-            raise InvalidRequestError(
-                f"the request's text spells one of model {self.name!r}'s special tokens (such as its turn "
-                "markers); its multimodal processor would read it as that token, not as text",
-                param="messages",
-            )
         placeholders = self._media.placeholders if self._media is not None else {}
         flat, media = flatten_messages(messages, placeholders, self.name)
         if self.tools_in_system_prompt:
@@ -496,7 +489,16 @@ class ChatModel:
         text = self.chat_template.render(
             flat, tools=tools, add_generation_prompt=add_generation_prompt, extra=template_kwargs
         )
-        return self._shield.read(text), media
+        marked = self._shield.read(text)
+        if marked.spans and self._media is not None:
+            # og's processor tokenizes the whole text itself, with special tokens matched
+            # (text the template does not write, as a variable it never reads, is no matter).
+            raise InvalidRequestError(
+                f"the request's text spells one of model {self.name!r}'s special tokens (such as its turn "
+                "markers); its multimodal processor would read it as that token, not as text",
+                param="messages",
+            )
+        return marked, media
 
     def _prepare(self, marked: MarkedText, media: Media) -> Prompt:
         """The prompt of a rendered chat: its tokens, or the media processor's inputs."""
