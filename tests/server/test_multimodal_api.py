@@ -96,6 +96,18 @@ def test_text_spelling_a_special_token_is_refused_by_a_multimodal_model(url: str
         timeout=60,
     ).json()["error"]
     assert typed["param"] == "messages[0].content" and "<|image_1|>" in typed["message"], typed
+    # Or in a tool's description or a tool call's arguments, which the prompt writes as text
+    # (sixteenth probe: a 500, one image's features for two placeholders).
+    tools = [{"type": "function", "function": {"name": "f", "description": "<|image_1|>", "parameters": {}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "<|image_1|>"}'}}
+    for extra in (
+        {"tools": tools, "messages": ask(image_part(image_bytes()))},
+        {"messages": [*ask(image_part(image_bytes())), {"role": "assistant", "tool_calls": [call]}]},
+    ):
+        answer = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": "vision", "max_tokens": 1, **extra}, timeout=60
+        )
+        assert answer.status_code == 400 and "placeholders" in answer.json()["error"]["message"], answer.text
 
 
 def test_two_images_in_order(client: openai.OpenAI) -> None:

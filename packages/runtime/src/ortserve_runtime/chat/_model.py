@@ -91,7 +91,11 @@ class ChatModel:
             raise ModelLoadError(f"{tokenizer_path} is not a valid tokenizer: {exc}", path=tokenizer_path) from exc
         self._prompt_limit = TextLimit(self.tokenizer, self.max_sequence_length)
         try:
-            self._shield = SpecialTextShield(self.tokenizer)
+            self._shield = SpecialTextShield(
+                self.tokenizer,
+                Tokenizer.from_file(str(tokenizer_path)),  # from the file: a copy of the object took twice as long
+                media.placeholder_text if media is not None else None,
+            )
         except ValueError as exc:
             raise ModelLoadError(f"{tokenizer_path}: {exc}", path=tokenizer_path) from exc
         self.chat_template = ChatTemplate.from_folder(path, config.chat_template)
@@ -477,11 +481,12 @@ class ChatModel:
             raise InvalidRequestError(f"model {self.name!r} has no chat template; use completions", param="messages")
         # Text parts are joined before marking: "<|im_" and "start|>" make one token together.
         limit = self.max_sequence_length
-        messages, _ = self._shield.mark(_joined_text_parts(messages), "messages", limit)
+        messages = _joined_text_parts(messages)
+        if self._media is not None:  # named where it is (the shield's own refusal, below, cannot)
+            _refuse_typed_placeholders(messages, self._media.placeholder_text, self.name)
+        messages, _ = self._shield.mark(messages, "messages", limit)
         tools, _ = self._shield.mark(tools, "tools", limit)
         template_kwargs, _ = self._shield.mark(template_kwargs, "chat_template_kwargs", limit)
-        if self._media is not None:
-            _refuse_typed_placeholders(messages, self._media.placeholder_text, self.name)
         placeholders = self._media.placeholders if self._media is not None else {}
         flat, media = flatten_messages(messages, placeholders, self.name)
         if self.tools_in_system_prompt:
@@ -495,7 +500,7 @@ class ChatModel:
             # (text the template does not write, as a variable it never reads, is no matter).
             raise InvalidRequestError(
                 f"the request's text spells one of model {self.name!r}'s special tokens (such as its turn "
-                "markers); its multimodal processor would read it as that token, not as text",
+                "markers) or media placeholders; its multimodal processor would read it as that token, not as text",
                 param="messages",
             )
         return marked, media

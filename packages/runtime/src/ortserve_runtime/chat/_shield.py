@@ -8,9 +8,14 @@ a system turn the model could not tell from a real one (probe 14, issue 45).
 
 So before the template runs, every special token's text in what the request carries (message
 contents, names, tool calls, tool definitions, template variables: keys and values) is
-marked; after it, the marks give the spans that came from the caller, and there the special
-tokens are spelt as plain text, tokenized as the tokenizer would with special-token matching
-off. Everything else keeps the tokens it had: a prompt with no such text is tokenized in one
+marked, each of its characters between two marks; after it, the marked characters are the
+caller's, and a special token holding any of them is spelt as plain text, tokenized as the
+tokenizer would with special-token matching off. Marks around each character, not around
+the token: a template that cuts caller text (``content[:n]``) cut a pair apart, and a lone
+mark could not tell the caller's token from the template's own after it (sixteenth probe);
+a template that changes characters (``|lower``) keeps theirs. Marks a template writes
+escaped (``{{ tools }}`` is Python's repr, which writes them as ``\\ufdd0``) are read as
+marks too. Everything else keeps the tokens it had: a prompt with no such text is tokenized in one
 call as before, and one with some is tokenized twice (with and without matching), the second
 taking over only around each marked span, from the nearest position where both tokenizations
 cut the text alike. "Special" is the tokenizer's own flag (``AddedToken.special``: control
@@ -22,20 +27,25 @@ from __future__ import annotations
 
 import bisect
 import re
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ahocorasick_rs
-from tokenizers import AddedToken, Tokenizer
+import numpy as np
+from tokenizers import AddedToken, Encoding, Tokenizer
 
 from .._errors import ContextLengthError, InvalidRequestError
 
 __all__ = ["MarkedText", "SpecialTextShield"]
 
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
-"""Around caller text that spells a special token: Unicode noncharacters, which text meant
-for interchange does not hold (any a request carries are dropped, so none can forge a mark)."""
+"""Around each character of caller text that spells a special token: Unicode noncharacters,
+which text meant for interchange does not hold (any a request carries are dropped, so none
+can forge a mark)."""
+
+_ESCAPED = re.compile(r"\\+[uU]0*[fF][dD][dD]([0-2])")
+"""The server's characters as Python's repr and JSON write them (``\\ufdd0``), however many
+times escaped; also dropped from requests."""
 
 _ANCHOR = "\ufdd2"
 """The text of the added token that stands for what comes before a piece (:meth:`_plain_ids`);
@@ -54,73 +64,74 @@ _SEARCHED = 1 << 16
 """Characters searched for special tokens at a time (some 1 ms of the GIL)."""
 
 _MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
+_OWN_MARKS = (_OPEN, _CLOSE)
 
 
 class MarkedText:
     """A rendered prompt whose caller-spelt special tokens are marked: :attr:`text` is the
-    prompt as written (marks dropped), :attr:`spans` where those tokens lie in it.
-
-    A template may cut caller text (``content[:n]``, ``content[1:]``) between a mark and its
-    pair: a special token (of ``specials``) that starts at a lone opening mark, or ends at a
-    lone closing one, is the caller's too, so that a cut cannot unmark it."""
+    prompt as written (marks dropped), :attr:`spans` where the caller's marked characters
+    lie in it: each had a mark just before it and its pair just after it, so a cut through
+    a token leaves the characters on either side of it unmarked, the template's own ones
+    among them."""
 
     __slots__ = ("spans", "text")
 
-    def __init__(self, rendered: str, specials: frozenset[str]) -> None:
+    def __init__(self, rendered: str) -> None:
+        if _has_escaped_marks(rendered):
+            rendered = _ESCAPED.sub(_unescaped, rendered)
         if _OPEN not in rendered and _CLOSE not in rendered:  # most prompts: no regex pass over them
             self.text, self.spans = rendered, []
             return
         pieces: list[str] = []
         spans: list[tuple[int, int]] = []
-        lone: list[tuple[int, bool]] = []  # (where, opening) of marks without their pair
-        written = at = 0
-        opened: int | None = None  # where the last mark still unpaired opened
-        for mark in _MARKS.finditer(rendered):
-            pieces.append(rendered[at : mark.start()])
-            written += mark.start() - at
-            at = mark.end()
-            if mark.group() == _OPEN:
-                if opened is not None:
-                    lone.append((opened, True))
-                opened = written
-            elif opened is not None:
-                spans.append((opened, written))
-                opened = None
-            else:
-                lone.append((written, False))
+        at = 0
+        for dropped, mark in enumerate(_MARKS.finditer(rendered), start=1):
+            where = mark.start()
+            pieces.append(rendered[at:where])
+            at = where + 1
+            if (
+                mark.group() == _OPEN
+                and rendered[where + 2 : where + 3] == _CLOSE
+                and rendered[where + 1] not in _OWN_MARKS
+            ):
+                char = where + 1 - dropped  # where the marked character lies in the text
+                if spans and spans[-1][1] == char:
+                    spans[-1] = (spans[-1][0], char + 1)
+                else:
+                    spans.append((char, char + 1))
         pieces.append(rendered[at:])
-        if opened is not None:
-            lone.append((opened, True))
-        self.text = "".join(pieces)
-        lengths = sorted({len(special) for special in specials}, reverse=True)
-        for where, opening in lone:
-            for length in lengths:
-                start, end = (where, where + length) if opening else (where - length, where)
-                if start >= 0 and self.text[start:end] in specials:
-                    spans.append((start, end))
-                    break
-        self.spans = _merged(spans)
+        self.text, self.spans = "".join(pieces), spans
 
 
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``spans`` sorted, those that overlap made one."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if merged and start < merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
-        else:
-            merged.append((start, end))
-    return merged
+def _has_escaped_marks(text: str) -> bool:
+    # str's search first: a regular expression over a prompt of code, where backslashes are
+    # many, took 12 ms a MB.
+    return ("fdd" in text or "FDD" in text or "Fdd" in text) and _ESCAPED.search(text) is not None
+
+
+def _unescaped(escape: re.Match[str]) -> str:
+    return {"0": _OPEN, "1": _CLOSE}.get(escape.group(1), "")
+
+
+def _spelt(text: str) -> str:
+    """``text`` with each character between an opening and a closing mark."""
+    return "".join(_OPEN + char + _CLOSE for char in text)
 
 
 class SpecialTextShield:
     """Marks a tokenizer's special tokens in caller data (:meth:`mark`) and tokenizes a
-    rendered prompt with the marked ones as plain text (:meth:`encode`)."""
+    rendered prompt with the marked ones as plain text (:meth:`encode`).
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    ``copy`` is a second instance of ``tokenizer`` (made from it when not given), turned into
+    the one that matches no special token; ``placeholders``, a multimodal model's media
+    placeholders (``<|image_1|>``), are marked as special tokens are."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, copy: Tokenizer | None = None, placeholders: re.Pattern[str] | None = None
+    ) -> None:
         self._tokenizer = tokenizer
         added = tokenizer.get_added_tokens_decoder()
-        self._added_ids = frozenset(added)
+        self._added_ids = np.fromiter(added, dtype=np.int64)
         specials = {t.content for t in added.values() if t.special and t.content}
         longest = max(specials, key=len, default="")
         if len(longest) > _MAX_SPECIAL_CHARS:
@@ -131,44 +142,59 @@ class SpecialTextShield:
             )
         # Aho-Corasick, not a regular expression: Gemma's tokenizers have thousands of special
         # tokens, and an alternation of 6,000 took 23 s to search a megabyte.
-        self._matcher = (
-            ahocorasick_rs.AhoCorasick(list(specials), matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
-            if specials
-            else None
-        )
-        self._specials = frozenset(specials)
-        self._longest = max(map(len, specials), default=0)
+        self._matcher = _matcher(specials)
+        self._longest = len(longest)
+        self._placeholders = placeholders
+        # Special tokens the tokenizer matches after its normalizer: full-width text that NFKC
+        # makes "<|im_end|>" was one (sixteenth probe). Text that normalizes to one is marked
+        # whole (the published tokenizers probed match theirs on the text as written).
+        normalizer = tokenizer.normalizer
+        normalized = {t.content for t in added.values() if t.special and t.normalized and t.content}
+        self._normalize = normalizer.normalize_str if normalizer is not None and normalized else None
+        self._normalized_matcher = _matcher({self._normalize(t) for t in normalized}) if self._normalize else None
         self._plain: tuple[Tokenizer, int] | None = None
-        self._lock = threading.Lock()
+        if self._matcher is not None or placeholders is not None:
+            # At load: made at a request's first spelt token, it held the GIL 0.8-1 s for a
+            # 128K vocabulary (sixteenth probe).
+            plain = copy if copy is not None else Tokenizer.from_str(tokenizer.to_str())
+            plain.encode_special_tokens = True
+            plain.add_tokens([AddedToken(_ANCHOR, special=False, normalized=False)])
+            anchor = plain.token_to_id(_ANCHOR)
+            assert anchor is not None  # just added
+            self._plain = plain, anchor
 
     def mark(self, value: Any, param: str, limit: int) -> tuple[Any, bool]:
         """``value`` (strings, mappings, lists; anything else as it is) with the server's own
-        characters dropped (:data:`_OWN`) and then each special token's text marked, and
-        whether any special token was found; ``value`` itself when nothing changed. More
-        than ``limit`` special tokens (each is a token at least once tokenized: the model's
-        context) are a :class:`ContextLengthError`, and a value nested past Python's
-        recursion limit an :class:`InvalidRequestError`, both naming ``param``."""
+        characters dropped (:data:`_DROP_OWN`, :data:`_ESCAPED`) and then each special
+        token's text (and media placeholder's) spelt between marks, and whether any was
+        found; ``value`` itself when nothing changed. More than ``limit`` special tokens (each
+        is a token at least once tokenized: the model's context) are a
+        :class:`ContextLengthError`, and a value nested past Python's recursion limit an
+        :class:`InvalidRequestError`, both naming ``param``."""
         found = 0
 
-        def marked(text: str) -> str:
+        def count() -> None:
             nonlocal found
+            found += 1
+            if found > limit:
+                raise ContextLengthError(
+                    f"{param} spell the model's special tokens more than {limit} times, each a token at least: "
+                    f"more than this model's limit of {limit} tokens",
+                    param=param,
+                )
+
+        def marked(text: str) -> str:
             if _OPEN in text or _CLOSE in text or _ANCHOR in text:  # str's search: a regex took 10 ms a MiB
                 # Before the search: "<|im_\ufdd0end|>" was no special token until its mark
                 # was dropped (fifteenth probe, issue 45).
                 text = text.translate(_DROP_OWN)
-            if self._matcher is None:
-                return text
+            if _has_escaped_marks(text):
+                text = _ESCAPED.sub("", text)
             pieces: list[str] = []
             at = 0
-            for start, end in self._matches(text):
-                found += 1
-                if found > limit:
-                    raise ContextLengthError(
-                        f"{param} spell the model's special tokens more than {limit} times, each a token at least: "
-                        f"more than this model's limit of {limit} tokens",
-                        param=param,
-                    )
-                pieces += (text[at:start], _OPEN, text[start:end], _CLOSE)
+            for start, end in self._spelt_in(text):
+                count()
+                pieces += (text[at:start], _spelt(text[start:end]))
                 at = end
             if not pieces:
                 return text
@@ -202,6 +228,17 @@ class SpecialTextShield:
             raise InvalidRequestError(f"{param} nests too deep to render", param=param) from None
         return result, found > 0
 
+    def _spelt_in(self, text: str) -> list[tuple[int, int]]:
+        """Where ``text`` spells a special token or a media placeholder; all of it where its
+        normalized form spells one of the special tokens matched after normalizing."""
+        normalized = self._normalized_matcher
+        if normalized is not None and self._normalize and normalized.find_matches_as_indexes(self._normalize(text)):
+            return [(0, len(text))]
+        spans = [*self._matches(text)] if self._matcher is not None else []
+        if self._placeholders is not None:
+            spans = _merged([*spans, *(found.span() for found in self._placeholders.finditer(text))])
+        return spans
+
     def _matches(self, text: str) -> Iterator[tuple[int, int]]:
         """Where special tokens are spelt in ``text``, a stretch of :data:`_SEARCHED`
         characters at a time: the matcher holds the GIL while it searches and makes a tuple
@@ -220,24 +257,24 @@ class SpecialTextShield:
 
     def read(self, rendered: str) -> MarkedText:
         """The rendering of marked caller data: its text, and where the caller spelt tokens."""
-        return MarkedText(rendered, self._specials)
+        return MarkedText(rendered)
 
     def encode(self, marked: MarkedText) -> list[int]:
-        """The token ids of ``marked.text``: special tokens matched, except in its spans."""
+        """The token ids of ``marked.text``: special tokens matched, except those holding a
+        character of its spans."""
         text = marked.text
-        matched = self._tokenizer.encode(text, add_special_tokens=False)
+        # encode_batch lets other threads run meanwhile; encode held the GIL (840K characters:
+        # 0.9 s of /health; sixteenth probe).
+        matched = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        matched_ids = matched.ids  # a property making a new list at each use: once
         if not marked.spans:
-            return list(matched.ids)
+            return list(matched_ids)
         # The tokenizer cuts the text at every added token it matches and tokenizes the pieces
         # between apart. Where the caller spelt one, the pieces on either side and the token's
         # text are tokenized again as one piece, as plain text (between the nearest added
         # tokens the caller did not spell); every other token stays as it was.
-        matched_ids = matched.ids  # a property making a new list at each use: once
-        walls = [
-            (index, start, end)
-            for index, (token, (start, end)) in enumerate(zip(matched_ids, matched.offsets, strict=True))
-            if token in self._added_ids
-        ]
+        at_walls = np.flatnonzero(np.isin(np.asarray(matched_ids, dtype=np.int64), self._added_ids))
+        walls = [(int(index), *_chars(matched, int(index))) for index in at_walls]
         ids: list[int] = []
         taken = 0  # the matched tokens copied so far
         after, piece_start = 0, 0  # the first token and character after the last wall kept
@@ -258,29 +295,38 @@ class SpecialTextShield:
         """``piece`` tokenized with no special token matched, as the tokenizer tokenizes a
         piece at the start of a text or, after an added token, elsewhere (some add a space
         to the first piece only): the anchor, an added token of its own, stands for that."""
-        plain, anchor = self._plain_tokenizer()
+        assert self._plain is not None  # made where there is anything to mark
+        plain, anchor = self._plain
         piece = piece.replace(_ANCHOR, "")  # a request's are dropped; a template could write one
         if at_start:
-            return list(plain.encode(piece, add_special_tokens=False).ids)
-        ids = plain.encode(_ANCHOR + piece, add_special_tokens=False).ids
+            return list(plain.encode_batch([piece], add_special_tokens=False)[0].ids)
+        ids = plain.encode_batch([_ANCHOR + piece], add_special_tokens=False)[0].ids
         if not ids or ids[0] != anchor:
             raise AssertionError("the anchor token was not matched")
         return list(ids[1:])
 
-    def _plain_tokenizer(self) -> tuple[Tokenizer, int]:
-        """A copy of the tokenizer that matches no special token, and its anchor token's id
-        (made on first need: the flag is the tokenizer's, and other threads encode with the
-        shared one)."""
-        with self._lock:
-            if self._plain is None:
-                plain = Tokenizer.from_str(self._tokenizer.to_str())
-                plain.encode_special_tokens = True
-                plain.add_tokens([AddedToken(_ANCHOR, special=False, normalized=False)])
-                anchor = plain.token_to_id(_ANCHOR)
-                assert anchor is not None  # just added
-                self._plain = plain, anchor
-            plain_tokenizer: tuple[Tokenizer, int] = self._plain
-            return plain_tokenizer
+
+def _chars(encoding: Encoding, index: int) -> tuple[int, int]:
+    chars = encoding.token_to_chars(index)
+    assert chars is not None  # a token of the text's one sequence
+    return chars
+
+
+def _matcher(texts: set[str]) -> ahocorasick_rs.AhoCorasick | None:
+    return (
+        ahocorasick_rs.AhoCorasick(list(texts), matchkind=ahocorasick_rs.MatchKind.LeftmostLongest) if texts else None
+    )
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted, those that overlap made one."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _overlaps(spans: list[tuple[int, int]], start: int, end: int) -> bool:
