@@ -203,6 +203,18 @@ def _chained_defs(links: int) -> dict[str, object]:
     return {"$ref": "#/$defs/d0", "$defs": defs}
 
 
+def _chained_names(links: int, kind: str) -> dict[str, object]:
+    """A chain through ``$anchor`` names or ``$id`` URIs, which llguidance resolves too."""
+    name = (lambda i: f"a{i}") if kind == "anchor" else (lambda i: f"urn:x:{i}")
+    ref = (lambda i: f"#a{i}") if kind == "anchor" else name
+    key = "$anchor" if kind == "anchor" else "$id"
+    defs: dict[str, object] = {
+        f"d{i}": {key: name(i), "anyOf": [{"$ref": ref(i + 1)}, {"type": "null"}]} for i in range(links)
+    }
+    defs[f"d{links}"] = {key: name(links), "type": "null"}
+    return {"$ref": ref(0), "$defs": defs}
+
+
 def _chained_rules(rules: int) -> str:
     return "start: r0\n" + "\n".join([f'r{i}: r{i + 1} | "a"' for i in range(rules)] + [f'r{rules}: "b"'])
 
@@ -215,8 +227,17 @@ def _chained_rules(rules: int) -> str:
             "response_format",
         ),
         ({"guided_grammar": _chained_rules(3000)}, "guided_grammar"),
+        # Sixteenth probe: chains the check did not follow (each killed the server).
+        *(
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                "response_format",
+            )
+            for schema in (_chained_names(1500, "anchor"), _chained_names(1500, "id"))
+        ),
+        ({"guided_grammar": "start: %json " + json.dumps(_chained_defs(1500))}, "guided_grammar"),
     ],
-    ids=["defs-chain-1500", "lark-rules-3000"],
+    ids=["defs-chain-1500", "lark-rules-3000", "anchor-chain-1500", "id-chain-1500", "lark-json-chain-1500"],
 )
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict[str, object], param: str) -> None:
@@ -249,4 +270,13 @@ def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict
         timeout=60,
     )
     assert ok.status_code == 200, ok.text  # a type that refers to itself is not a chain
+    by_anchor = {**tree["$defs"]["node"], "$anchor": "node"}  # type: ignore[index]
+    by_anchor["properties"] = {**by_anchor["properties"], "kids": {"type": "array", "items": {"$ref": "#node"}}}
+    recursive = {"type": "json_schema", "json_schema": {"name": "tree", "schema": by_anchor}}
+    ok = httpx.post(
+        f"{tiny_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": ASK, "max_tokens": 4, "response_format": recursive},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
     assert httpx.get(f"{tiny_url}/health").status_code == 200

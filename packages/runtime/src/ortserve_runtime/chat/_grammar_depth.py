@@ -15,8 +15,9 @@ linear in the grammar's size.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
@@ -32,8 +33,17 @@ worker-thread stack (1,000 ``$ref`` hops, each three JSON containers, measured 3
 
 def json_schema_depth(schema: Any) -> int:
     """The depth of ``schema``'s graph: each object and array a node, its members and the
-    target of a local ``$ref`` (``#``, ``#/$defs/x``, any JSON pointer) its successors."""
+    target of each ``$ref`` (``$dynamicRef``, ``$recursiveRef``) its successors.
+
+    A JSON pointer (``#``, ``#/$defs/x``) and an ``$anchor`` or ``$id`` named exactly are
+    followed; any other reference (relative to a nested ``$id``, or to nothing here) leads
+    to every node with an ``$id`` or anchor, through one node of its own, which makes the
+    chains it could close one strongly connected part, counted whole: llguidance resolves
+    anchors and ids too, and a 1,500-link chain of them crashed it (sixteenth probe)."""
     edges: dict[int, list[int]] = {}
+    named: dict[str, int] = {}  # "#anchor" and "$id" -> the node they name
+    references: list[tuple[list[int], str]] = []
+    nested_ids = False
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -46,12 +56,33 @@ def json_schema_depth(schema: Any) -> int:
             if isinstance(member, dict | list):
                 successors.append(id(member))
                 stack.append(member)
-        ref = node.get("$ref") if isinstance(node, dict) else None
-        if isinstance(ref, str):
-            target = _pointer_target(schema, ref)
-            if target is not None:
-                successors.append(id(target))
+        if not isinstance(node, dict):
+            continue
+        for field in ("$anchor", "$dynamicAnchor"):
+            if isinstance(node.get(field), str):
+                named["#" + node[field]] = key
+        if isinstance(node.get("$id"), str):
+            named[node["$id"].rstrip("#")] = key
+            nested_ids = nested_ids or node is not schema
+        for field in ("$ref", "$dynamicRef", "$recursiveRef"):
+            if isinstance(node.get(field), str):
+                references.append((successors, node[field]))
+    anywhere: list[int] = []  # the successors of the node standing for "any named node"
+    for successors, ref in references:
+        target = None if nested_ids else _pointer_target(schema, ref)
+        if target is not None:
+            successors.append(id(target))
+        elif ref in named or ref.rstrip("#") in named:
+            successors.append(named[ref] if ref in named else named[ref.rstrip("#")])
+        else:
+            successors.append(_ANYWHERE)
+            anywhere = list(set(named.values()))
+    edges[_ANYWHERE] = anywhere
     return _longest_path(edges)
+
+
+_ANYWHERE = -1
+"""The node a reference this module cannot resolve leads to (``id()`` is never negative)."""
 
 
 def _pointer_target(root: Any, ref: str) -> dict[str, Any] | list[Any] | None:
@@ -95,7 +126,19 @@ def lark_depth(source: str) -> int:
     for name, lines in bodies.items():
         named = (token.lstrip("@") for token in _LARK_TOKENS.findall("\n".join(lines)))
         edges[name] = [other for other in named if other in bodies]
-    return _longest_path(edges)
+    # A "%json {...}" body is a JSON schema llguidance compiles in place (a tool's parameters
+    # among them): its depth adds to the rules' (a 1,500-link chain in one crashed it).
+    return _longest_path(edges) + max(map(json_schema_depth, _json_bodies(source)), default=0)
+
+
+def _json_bodies(source: str) -> Iterator[Any]:
+    """The JSON values after each ``%json`` of a Lark grammar (those that read as JSON)."""
+    decoder = json.JSONDecoder()
+    for directive in re.finditer(r"%json\s*", source):
+        try:
+            yield decoder.raw_decode(source, directive.end())[0]
+        except ValueError:
+            continue  # not JSON: llguidance refuses it (or it was inside a string)
 
 
 def _longest_path(edges: Mapping[_N, Sequence[_N]]) -> int:
