@@ -4,6 +4,8 @@ keeps per API key (``/v1/ui/conversations``) in the state database, SQLite and P
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,3 +277,39 @@ def test_under_a_starlette_mount_the_page_names_the_prefixed_paths() -> None:
         assert '<meta name="ortserve-api" content="/llm/v1">' in page
         assert '<script type="module" src="/llm/assets/app.js">' in page
         assert httpx.get(f"{base}/llm/assets/app.js").status_code == 200
+
+
+@pytest.mark.timing  # how long another key waits meanwhile (issue 45)
+def test_a_search_does_not_hold_other_keys_state() -> None:
+    """Sixteenth probe: a query that nearly matched a key's conversations (SQL LIKE, a naive
+    scan) took 42 s over 70 MiB, and every other key's stored data waited for the database
+    the whole time. Python's search reads a conversation a call."""
+    with running(create_app(keyed_config())) as base, httpx.Client(base_url=base, timeout=120) as http:
+        content = json.dumps({"title": "big", "messages": [{"role": "user", "content": "a" * (7 * 2**20)}]}).encode()
+        for _ in range(2):
+            assert http.post("/v1/ui/conversations", content=content, headers={**ALICE, **JSON}).status_code == 200
+        mine = http.post("/v1/ui/conversations", json=CONVERSATION, headers=BOB).json()["id"]
+        done = threading.Event()
+        waits: list[float] = []
+
+        def bob_reads() -> None:
+            while not done.is_set():
+                started = time.monotonic()
+                assert http.get(f"/v1/ui/conversations/{mine}", headers=BOB).status_code == 200
+                waits.append(time.monotonic() - started)
+                time.sleep(0.05)
+
+        reader = threading.Thread(target=bob_reads)
+        reader.start()
+        try:
+            started = time.monotonic()
+            found = http.get("/v1/ui/conversations", params={"search": "a" * 199 + "b"}, headers=ALICE)
+            took = time.monotonic() - started
+        finally:
+            done.set()
+            reader.join()
+        assert found.status_code == 200 and found.json()["data"] == []
+        assert took < 5, took
+        assert waits and max(waits) < 1, max(waits)
+        hit = http.get("/v1/ui/conversations", params={"search": "A" * 200}, headers=ALICE).json()["data"]
+        assert len(hit) == 2

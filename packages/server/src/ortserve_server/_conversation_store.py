@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import msgspec
 from ortserve_client import conversations_protocol as cp
@@ -107,11 +108,6 @@ def summary(conversation: cp.Conversation) -> cp.ConversationSummary:
     )
 
 
-def _like(query: str) -> str:
-    escaped = query.casefold().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return f"%{escaped}%"
-
-
 class ConversationStore:
     """Conversations by owner and id."""
 
@@ -198,19 +194,35 @@ class ConversationStore:
 
     async def summaries(self, owner: str, limit: int, search: str | None = None) -> list[cp.ConversationSummary]:
         """The owner's conversations, most recently updated first; ``search``: those whose
-        title or message text holds it (case-insensitive)."""
+        title or message text holds it (case-insensitive).
 
-        def listed(db: Connection) -> list[cp.ConversationSummary]:
-            query = f"SELECT {_COLUMNS} FROM ui_conversations WHERE owner = ?"
-            args: list[object] = [owner]
-            if search:
-                query += " AND text LIKE ? ESCAPE '\\'"
-                args.append(_like(search))
-            query += " ORDER BY updated DESC, id LIMIT ?"
-            args.append(limit)
-            return [_summary(row) for row in db.execute(query, args)]
+        A search reads one conversation's text a call, and Python's search finds the query:
+        SQL's ``LIKE`` is a naive scan, and a query that nearly matched a key's 70 MiB of
+        text took 42 s, holding the one database thread every key's stored responses,
+        files and batches wait for (sixteenth probe, issue 45)."""
 
-        return await self._db.run(listed)
+        def listed(db: Connection) -> list[tuple[Any, ...]]:
+            query = f"SELECT {_COLUMNS} FROM ui_conversations WHERE owner = ? ORDER BY updated DESC, id"
+            return list(db.execute(query + ("" if search else " LIMIT ?"), (owner,) if search else (owner, limit)))
+
+        rows = await self._db.run(listed)
+        if not search:
+            return [_summary(row) for row in rows]
+        query = search.casefold()  # as the stored text is
+        found: list[cp.ConversationSummary] = []
+        for row in rows:
+
+            def holds(db: Connection, conversation_id: str = row[0]) -> bool:
+                text = db.execute(
+                    "SELECT text FROM ui_conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+                ).fetchone()
+                return text is not None and query in text[0]
+
+            if await self._db.run(holds):
+                found.append(_summary(row))
+                if len(found) == limit:
+                    break
+        return found
 
     async def export(self, owner: str) -> AsyncIterator[cp.Conversation]:
         """Every conversation of the owner, whole, most recently updated first, one at a
