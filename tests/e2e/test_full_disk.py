@@ -109,3 +109,32 @@ def test_a_full_postgresql_tablespace_is_a_507_and_nothing_is_lost(caplog: pytes
         logger.removeHandler(caplog.handler)
     full = [record.getMessage() for record in caplog.records if record.getMessage().startswith("no room to store")]
     assert full and all("could not extend file" in message for message in full), full
+
+
+def test_a_model_file_converted_onto_a_full_disk_is_a_507_tried_again(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Sixteenth probe: a GGUF file converted into a full cache was a 500 and remembered as
+    a bad file, refused at once from then on, even once there was room. Now a 507 naming
+    the model, and each request tries again."""
+    require_small_disks()
+    from gguf_files import write_tiny_gguf
+
+    source = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+    def launcher(command: list[str]) -> list[str]:
+        return on_small_disk(tmp_path, 200_000, command)
+
+    with serving(
+        "--lazy", "--model", f"g={source}", launcher=launcher, env={"ORTSERVE_CACHE": str(tmp_path / "cache")}
+    ) as (process, base):
+        body = {"model": "g", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for _ in range(2):  # the second a 507 too: tried again (a remembered failure was a 500 at once)
+            answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+            assert answer.status_code == 507, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "insufficient_storage" and error["param"] == "model", error
+            assert "tiny.gguf" in error["message"], error
+        assert httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "tiny"}, timeout=60).status_code == 200
+        log = stopped_log(process)
+    assert log.count("no room to store") == 2 and "Traceback" not in log, log[-2000:]

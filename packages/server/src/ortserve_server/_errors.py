@@ -193,6 +193,8 @@ def _engine_error(_: Request[Any, Any, Any], exc: EngineError) -> Response[Error
         )
     if isinstance(exc, ModelLoadError):  # names the folder and the reason; the next request tries again
         logger.warning("model load failed: %s", exc)
+        if (full := storage_full(exc)) is not None:  # converting a model file onto a full disk
+            return error_response(507, f"{full.message}: {exc}", type=full.type, param="model", code=full.code)
         return error_response(500, str(exc), type="server_error", param="model", code="model_load_failed")
     logger.error("engine error: %s", exc)
     return error_response(500, "the model failed to process the request", type="server_error")

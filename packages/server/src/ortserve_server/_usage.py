@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from ._database import Connection, Database, write
+from ._errors import storage_full
 
 __all__ = ["FLUSH_SECONDS", "UsageLedger", "UsageTotals", "usage_per_key_shown"]
 
@@ -102,8 +103,8 @@ class UsageLedger:
         await asyncio.sleep(FLUSH_SECONDS)
         try:
             await self.flush()
-        except Exception:  # kept for the next flush (the next request schedules one)
-            logger.exception("usage per key: the counts could not be stored yet")
+        except Exception as exc:  # noqa: BLE001 - kept for the next flush (the next request schedules one)
+            _log_failure("usage per key: the counts could not be stored yet", exc)
 
     async def flush(self) -> None:
         """Add what was counted since the last flush to the database (one transaction)."""
@@ -126,8 +127,8 @@ class UsageLedger:
                 await self._task
         try:
             await self.flush()
-        except Exception:
-            logger.exception("usage per key: the last counts could not be stored")
+        except Exception as exc:  # noqa: BLE001 - logged: the counts are lost
+            _log_failure("usage per key: the last counts could not be stored", exc)
 
     def collector(self) -> Collector:
         return _UsageCollector(self)
@@ -184,3 +185,11 @@ class _UsageCollector(Collector):
             for attribute, family in families.items():
                 family.add_metric([key, model], getattr(totals, attribute))
         yield from families.values()
+
+
+def _log_failure(message: str, exc: Exception) -> None:
+    """A full disk is the operator's to fix, said in a line (a traceback says nothing more)."""
+    if storage_full(exc) is not None:
+        logger.error("%s: the disk is full", message)
+    else:
+        logger.error(message, exc_info=exc)

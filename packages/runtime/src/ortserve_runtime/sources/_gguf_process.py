@@ -19,8 +19,10 @@ signal. The child exits when its parent does.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -55,6 +57,7 @@ def convert_in_child(source: Path, folder: Path, progress: Callable[[float], Non
     the file, or naming how the child ended."""
     package = Path(__file__).resolve().parents[1]
     errors: list[str] = []
+    full: list[str] = []
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
 
         def on_line(line: str) -> None:
@@ -63,6 +66,8 @@ def convert_in_child(source: Path, folder: Path, progress: Callable[[float], Non
                 progress(float(rest))
             elif word == "error":
                 errors.append(json.loads(rest))
+            elif word == "full":
+                full.append(json.loads(rest))
 
         code = run_child(
             [sys.executable, "-c", _BOOTSTRAP, str(package), str(source), str(folder), str(os.getpid())],
@@ -71,6 +76,11 @@ def convert_in_child(source: Path, folder: Path, progress: Callable[[float], Non
         )
         log.seek(0)
         tail = collections.deque((line.strip() for line in log if line.strip()), maxlen=5)
+    if full:
+        # The disk, not the file: tried again once there is room (not remembered), and a 507.
+        no_room = GgufError(full[-1])
+        no_room.transient = True
+        raise no_room from OSError(errno.ENOSPC, full[-1])
     if errors:
         raise GgufError(errors[-1])
     ended = ended_by(code)
@@ -107,11 +117,24 @@ def main(source: str, folder: str, parent: str) -> None:
 
     try:
         convert_gguf(Path(source), Path(folder), report)
-    except GgufError as exc:
-        channel.write(f"error {json.dumps(str(exc))}\n")
+    except Exception as exc:  # noqa: BLE001 - anything the file provokes, named in the parent
+        if isinstance(exc, GgufError):
+            said, cause = str(exc), exc.__cause__
+        else:
+            traceback.print_exc()
+            said, cause = f"{Path(source).name} could not be converted: {type(exc).__name__}: {exc}", exc
+        # numpy's "Not enough free space to write ..." and "4096 requested and 3072 written"
+        # are OSErrors without an errno: the disk's own room says.
+        no_room = isinstance(cause, OSError) and (cause.errno in _DISK_FULL or _no_room(Path(folder)))
+        channel.write(f"{'full' if no_room else 'error'} {json.dumps(said)}\n")
         sys.exit(1)
-    except Exception as exc:  # noqa: BLE001 - anything else the file provokes, named in the parent
-        traceback.print_exc()
-        said = f"{Path(source).name} could not be converted: {type(exc).__name__}: {exc}"
-        channel.write(f"error {json.dumps(said)}\n")
-        sys.exit(1)
+
+
+_DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _no_room(folder: Path) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
