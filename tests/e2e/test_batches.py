@@ -280,3 +280,29 @@ def test_a_batch_survives_a_restart_with_every_line_answered_once(
         assert len({line["id"] for line in answered}) == count
         assert all(line["response"]["status_code"] == 200 for line in answered)
         assert done.error_file_id is None
+
+
+def test_a_line_the_server_ended_running_again_and_again_is_not_resumed(tmp_path: Path) -> None:
+    """Sixteenth probe: a line that killed the server (a grammar past its compiler's stack)
+    was resumed at every restart and killed it again. A line started three times (each
+    start after the first: the server ended while it ran) is answered with an error."""
+    count = 400
+    lines = [_short_line(i) for i in range(count)]
+    with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
+        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        while client.batches.retrieve(batch.id).request_counts.completed < count // 4:  # type: ignore[union-attr]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        stopped_log(process)
+    with sqlite3.connect(tmp_path / "ortserve.db") as db:
+        (poison,) = db.execute("SELECT MAX(line) FROM batch_lines WHERE status IS NULL").fetchone()
+        db.execute("UPDATE batch_lines SET started = 3 WHERE batch_id = ? AND line = ?", (batch.id, poison))
+    with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
+        done = _wait(client, batch.id, within=600)
+        assert done.request_counts is not None and done.request_counts.completed == count - 1
+        (refused,) = _lines(client, done.error_file_id)
+        assert refused["custom_id"] == f"line-{poison - 1}" and refused["error"]["code"] == "line_not_resumed"
+        log = stopped_log(process)
+    assert "not run again, the server ended 3 times" in log

@@ -62,6 +62,10 @@ LEASE = 15.0
 """Seconds a runner holds a batch without renewing its claim; replicas sharing the state
 database run each batch in one of them, and take over one whose runner went quiet."""
 
+MAX_LINE_STARTS = 3
+"""Starts of one line (its first, and after the server ended while running it) before it is
+answered with an error instead: a shutdown or two mid-line is no reason to give it up."""
+
 
 # -- running ---------------------------------------------------------------------------------
 
@@ -182,6 +186,22 @@ class BatchRunner:
             await asyncio.gather(*running.values(), return_exceptions=True)
 
     async def _line(self, batch: bp.Batch, line: PendingLine, caller: Caller, trace: str | None) -> None:
+        if line.started > MAX_LINE_STARTS:
+            # The server ended while running it that many times: a line that kills it (a
+            # grammar past its compiler's stack did; sixteenth probe) stops each restart.
+            logger.error(
+                "batch %s line %d: not run again, the server ended %d times running it",
+                batch.id,
+                line.line,
+                line.started - 1,
+            )
+            stopped = bp.LineError(
+                code="line_not_resumed",
+                message=f"the server ended {line.started - 1} times while running this line: it is not run again",
+            )
+            answer = bp.BatchOutputLine(id=new_id("batch_req_"), custom_id=line.custom_id, response=None, error=stopped)
+            await self._state.batches.answer(batch.id, line.line, 0, answer)
+            return
         attempt = 0
         request_id = new_id("req_")  # the line's answer, its log line and its span share it
         while True:

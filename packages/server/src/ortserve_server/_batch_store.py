@@ -44,6 +44,8 @@ class PendingLine:
     custom_id: str
     request: bytes
     """The body to send (JSON)."""
+    started: int = 1
+    """How many times it was started, this one included (earlier ones ended with the process)."""
 
 
 def _file(row: Sequence[object]) -> bp.FileObject:
@@ -197,7 +199,7 @@ class BatchStore:
                     "INSERT INTO batches (id, owner, created, status, scope, batch, trace) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (batch.id, owner, batch.created_at, batch.status, scope, _encode(batch), trace),
                 )
-                db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, NULL, NULL)", rows)
+                db.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, request) VALUES (?, ?, ?, ?)", rows)
 
         await self._db.run(create)
 
@@ -285,20 +287,27 @@ class BatchStore:
         return await self._db.run(update)
 
     async def pending_lines(self, batch_id: str, limit: int, skip: set[int]) -> list[PendingLine]:
-        """Lines without an answer, in order, but those in ``skip`` (running now)."""
+        """Lines without an answer, in order, but those in ``skip`` (running now), each
+        counted as started once more."""
 
         def pending(db: Connection) -> list[PendingLine]:
-            rows = db.execute(
-                "SELECT line, custom_id, request FROM batch_lines WHERE batch_id = ? AND status IS NULL ORDER BY line",
-                (batch_id,),
-            )
-            found = []
-            for line, custom_id, request in rows:
-                if line not in skip:
-                    found.append(PendingLine(line, custom_id, bytes(request)))
-                    if len(found) == limit:
-                        break
-            return found
+            with write(db):
+                rows = db.execute(
+                    "SELECT line, custom_id, request, started FROM batch_lines WHERE batch_id = ? AND status IS NULL"
+                    " ORDER BY line",
+                    (batch_id,),
+                )
+                found = []
+                for line, custom_id, request, started in rows:
+                    if line not in skip:
+                        found.append(PendingLine(line, custom_id, bytes(request), int(started) + 1))
+                        if len(found) == limit:
+                            break
+                db.executemany(
+                    "UPDATE batch_lines SET started = started + 1 WHERE batch_id = ? AND line = ?",
+                    [(batch_id, line.line) for line in found],
+                )
+                return found
 
         return await self._db.run(pending)
 

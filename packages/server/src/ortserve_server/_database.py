@@ -89,6 +89,11 @@ _MIGRATIONS = [
         forgotten BLOB NOT NULL, deleted REAL NOT NULL);
     CREATE INDEX response_deletions_by_owner ON response_deletions (owner, deleted);
     """,
+    # 8: how many times each batch line was started, so that a line the server died running
+    # (again and again: a crash it provokes) is not resumed for ever
+    """
+    ALTER TABLE batch_lines ADD COLUMN started INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
