@@ -377,6 +377,9 @@ def test_anthropic_thinking_refused_for_other_models_and_checked(claude: anthrop
         ("tiny", THINK, "thinking"),
         ("think", {"type": "enabled"}, "thinking.budget_tokens"),
         ("think", {"type": "sometimes"}, "thinking.type"),
+        # A budget that would do nothing (sixteenth probe: taken and ignored).
+        ("think", {"type": "adaptive", "budget_tokens": 2}, "thinking.budget_tokens"),
+        ("think", {"type": "disabled", "budget_tokens": 5}, "thinking.budget_tokens"),
     ):
         with pytest.raises(anthropic.BadRequestError) as refused:
             claude.messages.create(model=model, messages=ASK, max_tokens=2, thinking=thinking)

@@ -40,13 +40,14 @@ def reasoning_budget(data: p.ChatCompletionRequest, model: ChatModel) -> int | N
             raise UnsupportedParameterError(
                 f"'{name}' is not supported with model {data.model!r}: it is not a reasoning model", param=name
             )
-    if budget is not None or effort is None or reads_effort:
-        return budget
-    if effort not in EFFORT_BUDGETS:
+    if effort is not None and not reads_effort and effort not in EFFORT_BUDGETS:
+        # Checked with a budget too: "bogus" beside one went to the template (sixteenth probe).
         raise BadRequestError(
-            f"'reasoning_effort' must be one of {', '.join(map(repr, EFFORT_BUDGETS))}, not {effort!r}",
+            f"the reasoning effort must be one of {', '.join(map(repr, EFFORT_BUDGETS))}, not {effort!r}",
             param="reasoning_effort",
         )
+    if budget is not None or effort is None or reads_effort:
+        return budget
     return EFFORT_BUDGETS[effort]
 
 

@@ -185,10 +185,16 @@ def _thinking(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel) 
     kind = thinking.get("type") if isinstance(thinking, dict) else "disabled"
     if kind not in ("enabled", "adaptive", "disabled"):
         raise BadRequestError("thinking.type must be 'enabled', 'adaptive' or 'disabled'", param="thinking.type")
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
     if kind == "enabled":
-        budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise BadRequestError("thinking.budget_tokens must be a positive integer", param="thinking.budget_tokens")
+        # Unlike Anthropic, a budget under 1,024 (small local models think briefly) or at
+        # least max_tokens (which then ends the thinking first) is taken: each does what it says.
+    elif isinstance(thinking, dict) and "budget_tokens" in thinking:  # it was taken and ignored
+        raise BadRequestError(
+            f"thinking.budget_tokens is for thinking of type 'enabled', not {kind!r}", param="thinking.budget_tokens"
+        )
     if model.reasoning is None:
         if kind != "disabled":
             raise UnsupportedParameterError(

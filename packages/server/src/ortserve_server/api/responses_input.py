@@ -221,6 +221,7 @@ _FIELDS = {
     "response_format": "text.format",
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
 }
 """Chat fields the chat path's errors name -> the Responses fields they came from."""
 _MESSAGE_PATH = re.compile(r"^messages\[(\d+)\](.*)$")
