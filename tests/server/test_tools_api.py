@@ -246,6 +246,10 @@ def test_a_tool_result_for_no_call_before_it_is_a_400(tiny_url: str, history: li
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "nope"}}, "response_format"),
         ({"tools": [{"type": "function"}]}, "tools"),
+        (  # sixteenth probe: taken (OpenAI refuses it)
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools[0].function.parameters",
+        ),
     ],
 )
 def test_bad_tool_requests(tiny_url: str, extra: dict[str, Any], param: str) -> None:

@@ -151,6 +151,13 @@ def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> N
     if not data.messages:
         raise BadRequestError("'messages' must not be empty", param="messages")
     check_tool_count(data.tools)  # for Responses and Anthropic requests, with their MCP servers' tools
+    for number, tool in enumerate(data.tools if isinstance(data.tools, list) else []):
+        schema = tool.function.parameters
+        if isinstance(schema, dict) and schema.get("type", "object") != "object":  # as OpenAI refuses it
+            raise BadRequestError(
+                f"a function's parameters must be a JSON schema of type 'object', not {schema.get('type')!r}",
+                param=f"tools[{number}].function.parameters",
+            )
     if isinstance(data.modalities, list) and set(data.modalities) - {"text"}:
         raise _refuse("modalities", "asks for output this server does not make: it writes text only")
     if _given(data.audio):
