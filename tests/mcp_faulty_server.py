@@ -16,7 +16,11 @@ only: ``huge`` answers 2 MB; ``zipped`` answers "ok" gzip-encoded; ``bomb`` answ
 of text gzip-encoded into 100 KB (httpx decoded it above the transport's bounds); ``stuck``
 never answers, sending an SSE comment every 0.1 s until its client closes the connection
 (the SDK kept reading such an answer after the call timed out); ``dropped`` answers
-"dropped N", N the ``stuck`` answers whose connection the client closed."""
+"dropped N", N the ``stuck`` answers whose connection the client closed. Stdio only: ``python
+mcp_faulty_server.py orphan PIDFILE`` has ``orphan`` start ``sleep 60`` in a session of its own
+(outside the process group ortserve stops) holding the server's stdout, add its pid to PIDFILE
+and exit without answering (ortserve learnt that the server ended only from the end of its
+stdout, so every later call waited out the call timeout)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import contextlib
 import functools
 import gzip
 import json
+import subprocess
 import sys
 import time
 import zlib
@@ -48,6 +53,7 @@ _TOOLS = [
         ("bomb", "Answers 100 MB gzip-encoded into 100 KB"),
         ("stuck", "Never answers (HTTP: trickles SSE comments until the connection is closed)"),
         ("dropped", "Says how many stuck answers had their connection closed"),
+        ("orphan", "Exits, leaving a process of its own session holding stdout"),
     )
 ]
 
@@ -123,6 +129,11 @@ def _bomb(message_id: object) -> bytes:
 def _serve_stdio() -> None:
     for line in sys.stdin:
         message = json.loads(line)
+        if _called(message) == "orphan" and sys.argv[1:2] == ["orphan"]:
+            helper = subprocess.Popen(["sleep", "60"], start_new_session=True, stdout=sys.stdout)
+            with open(sys.argv[2], "a") as pids:
+                pids.write(f"{helper.pid}\n")
+            return
         if _chatty(message):
             try:
                 sys.stdout.write((_NOTICE + "\n") * 200_000)

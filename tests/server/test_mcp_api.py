@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -83,6 +85,11 @@ def marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mcp") / "nap"
 
 
+def _orphans(marker: Path) -> Path:
+    """Where the ``orphaning`` server writes the pids of the helpers it leaves behind."""
+    return marker.with_name("orphans")
+
+
 @pytest.fixture(scope="module")
 def url(http_mcp: str, faulty_http: tuple[str, str, str], marker: Path) -> Iterator[str]:
     config = ServerConfig(
@@ -93,6 +100,7 @@ def url(http_mcp: str, faulty_http: tuple[str, str, str], marker: Path) -> Itera
             McpServer("faulty", command=(sys.executable, str(FAULTY_SERVER))),
             McpServer("crowded", command=(sys.executable, str(FAULTY_SERVER), "crowded")),
             McpServer("heavy", command=(sys.executable, str(FAULTY_SERVER), "heavy")),
+            McpServer("orphaning", command=(sys.executable, str(FAULTY_SERVER), "orphan", str(_orphans(marker)))),
             McpServer("web", url=http_mcp),
             McpServer("faulty-web", url=faulty_http[0]),
             McpServer("crowded-web", url=faulty_http[1]),
@@ -369,6 +377,28 @@ def test_a_stdio_server_that_ends_starts_again_on_next_use(
     with watched(url) as seen:
         _check_sums(_calls_then_answer(_force_alone(client, "fragile", "add")))  # the server started again
     seen.assert_within()
+
+
+def test_a_stdio_server_that_exits_leaving_its_output_open_starts_again(client: openai.OpenAI, marker: Path) -> None:
+    """Sixteenth probe of issue 45: a server that started a helper in a session of its own
+    (outside the process group that is stopped), holding its stdout, then exited was never
+    seen to end: the link waited for the end of stdout, so every later call waited out the
+    call timeout and no new server was started. The process is watched: the call fails
+    saying the server ended, before the call timeout, and the next call starts it again."""
+    try:
+        started = time.monotonic()
+        call = _call_alone(client, "orphaning", "orphan")
+        took = time.monotonic() - started
+        assert call.type == "mcp_call" and call.output is None and call.error is not None
+        assert "process ended" in call.error.message and "keeping its output open" in call.error.message, call.error
+        assert took < 10, took
+        for _ in range(2):  # a new server, which goes on answering
+            again = _call_alone(client, "orphaning", "ok")
+            assert again.type == "mcp_call" and again.error is None and again.output == "ok", again
+    finally:
+        for pid in _orphans(marker).read_text().split() if _orphans(marker).exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)

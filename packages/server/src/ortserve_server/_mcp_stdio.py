@@ -10,7 +10,11 @@ that the connection is over (the process exited, or was stopped for its output: 
 too long, one that cannot be read, one with more keys or items than a request body may
 have, a list of more than :data:`MAX_LISTED_TOOLS` tools, or
 more than :data:`MAX_NOTIFICATIONS_PER_SECOND` notifications in a second), so the next use
-starts the server again. Notifications (log lines, progress) are counted and dropped here:
+starts the server again. The process itself is watched, not only its stdout: a server that
+started a helper in a session of its own (outside the group that is stopped) and exited left
+the pipe open, and every later call waited out the call timeout with no new server started.
+Once the process has exited and its output is not over within :data:`_DRAIN` seconds, the
+connection ends all the same. Notifications (log lines, progress) are counted and dropped here:
 ortserve uses none a server sends, and the SDK handled each in a task of its own on the
 event loop.
 """
@@ -65,6 +69,9 @@ each handed to the SDK, held the event loop up to 0.5 s at a time until the call
 (dropped here, a thousand still cost 30-115 ms of the loop's time before they stopped)."""
 _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
+_DRAIN = 1.0
+"""Seconds the output of a process that exited is read for before the connection ends
+anyway (something the server started keeps its stdout open)."""
 
 
 class PerSecond:
@@ -119,9 +126,11 @@ class StdioLink:
         )
         reading, read_stream = anyio.create_memory_object_stream[Any](0)
         write_stream, writing = anyio.create_memory_object_stream[SessionMessage](0)
+        read = anyio.Event()
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(self._read, process, reading)
+            tasks.start_soon(self._read, process, reading, read)
             tasks.start_soon(self._write, process, writing)
+            tasks.start_soon(self._watch, process, reading, read)
             try:
                 yield read_stream, write_stream
             finally:
@@ -133,7 +142,7 @@ class StdioLink:
                         await process.aclose()  # its pipes
                 tasks.cancel_scope.cancel()
 
-    async def _read(self, process: anyio.abc.Process, reading: Any) -> None:
+    async def _read(self, process: anyio.abc.Process, reading: Any, read: anyio.Event) -> None:
         assert process.stdout is not None
         buffer = bytearray()
         async with reading:
@@ -155,6 +164,27 @@ class StdioLink:
             finally:
                 if self.ended is None:
                     self.ended = "the MCP server's process ended; it starts again on next use"
+                read.set()
+
+    async def _watch(self, process: anyio.abc.Process, reading: Any, read: anyio.Event) -> None:
+        """Ends the connection once the process has exited, even while its stdout stays open
+        (a process it started in a session of its own holds it): what it wrote before it
+        exited is read for :data:`_DRAIN` seconds, then the calls waiting fail (the SDK's
+        session sees its stream end) and the next use starts the server again."""
+        await process.wait()
+        with anyio.move_on_after(_DRAIN):
+            await read.wait()
+        if read.is_set():
+            return
+        self.ended = (
+            f"the MCP server's process ended (exit status {process.returncode}), something it started"
+            " keeping its output open; it starts again on next use"
+        )
+        logger.warning("MCP server %s: %s", self.command[0], self.ended)
+        reading.close()  # the SDK's read stream ends: the calls waiting fail
+        if process.stdout is not None:
+            with contextlib.suppress(Exception):
+                await process.stdout.aclose()  # the reader stops
 
     def _stop_for(self, process: anyio.abc.Process, what: str) -> None:
         self.ended = f"the MCP server sent {what}; it was stopped and starts again on next use"
