@@ -319,9 +319,10 @@ def test_control_routes_need_the_api_key_or_the_admin_key() -> None:
 
 
 def test_unloading_or_pinning_through_keep_alive_needs_the_admin_key() -> None:
-    """With an admin key, an API caller cannot unload (keep_alive 0) or pin (negative) a
-    model through a generation request: 403 naming keep_alive; a positive duration works,
-    and the admin key works for all three."""
+    """With an admin key, an API caller cannot unload (keep_alive 0) or pin (negative, or
+    longer than a day or ``--idle-unload`` where idle models unload) a model through a
+    generation request: 403 naming keep_alive; a positive duration works, and the admin key
+    works for all of them."""
     with serve(admin_key="admin-key") as base:
         with sdk(base) as client:
             for value in (0, -1, "-5m", "0s"):
@@ -338,6 +339,8 @@ def test_unloading_or_pinning_through_keep_alive_needs_the_admin_key() -> None:
             # Past 100 years is for ever, so pinning: the 403 says so (it said "0 or negative").
             with pytest.raises(openai.PermissionDeniedError, match="past 100 years"):
                 chat(client, extra_body={"keep_alive": 1e308})
+            # Where idle models never unload, a long duration pins nothing the server would not keep.
+            assert chat(client, extra_body={"keep_alive": "867000h"}) == "length"
         with sdk(base, "admin-key") as admin:
             assert chat(admin, extra_body={"keep_alive": -1}) == "length"
             assert chat(admin, extra_body={"keep_alive": 0}) == "length"
@@ -349,6 +352,19 @@ def test_unloading_or_pinning_through_keep_alive_needs_the_admin_key() -> None:
         assert chat(client, extra_body={"keep_alive": "10s"}) == "length"  # the operator's own idle time
         with pytest.raises(openai.PermissionDeniedError, match="shorter than 10 seconds"):
             chat(client, extra_body={"keep_alive": "5s"})
+        # Sixteenth probe of issue 45: 98 years (just short of the 100 that count as for ever)
+        # pinned the model past --idle-unload from any key. A day at most, without the admin key.
+        for value in ("867000h", 3.1e9, "24h1s"):
+            with pytest.raises(openai.PermissionDeniedError, match="longer than 86400 seconds") as refused:
+                chat(client, extra_body={"keep_alive": value})
+            assert refused.value.body["param"] == "keep_alive", value  # type: ignore[index]
+        assert chat(client, extra_body={"keep_alive": "24h"}) == "length"
+        with sdk(base, "admin-key") as admin:
+            assert chat(admin, extra_body={"keep_alive": "867000h"}) == "length"
+    with serve(admin_key="admin-key", idle_unload=172800) as base, sdk(base) as client:
+        assert chat(client, extra_body={"keep_alive": "48h"}) == "length"  # the operator's own idle time
+        with pytest.raises(openai.PermissionDeniedError, match="longer than 172800 seconds"):
+            chat(client, extra_body={"keep_alive": "48h1s"})
     with serve() as base, sdk(base) as client:  # no admin key: the API caller decides, as before
         assert chat(client, extra_body={"keep_alive": 0}) == "length"
 

@@ -106,14 +106,32 @@ after each of its requests, so that every other key's next request waited for it
 (0.2-1.4 s on the thirteenth probe's server, whose /health that load held 110-200 ms)."""
 
 
+MAX_KEEP_ALIVE = 24 * 3600.0
+"""The longest ``keep_alive`` an API caller may give where an admin key is set and idle models
+unload (unless the server's own ``idle_unload`` is longer): ``keep_alive: "867000h"`` (98
+years, just short of the 100 that count as for ever) let any key pin a model past
+``--idle-unload``, as only the admin key may."""
+
+
 def keep_alive_by_admin(seconds: float | None, admin_key: str | None, idle_unload: float | None = None) -> None:
     """Refuse (403 naming ``keep_alive``) a request's ``keep_alive`` of 0 (unload now),
-    negative (keep loaded for ever; :func:`parse_keep_alive` makes one past 100 years so)
-    or shorter than :data:`MIN_KEEP_ALIVE` (or ``idle_unload``, if shorter) unless it comes
-    with the admin key, where one is set: unloading and pinning models are the control
-    routes' to do, not any API caller's."""
+    negative (keep loaded for ever; :func:`parse_keep_alive` makes one past 100 years so),
+    shorter than :data:`MIN_KEEP_ALIVE` (or ``idle_unload``, if shorter) or longer than
+    :data:`MAX_KEEP_ALIVE` (or ``idle_unload``, if longer) unless it comes with the admin key,
+    where one is set: unloading and pinning models are the control routes' to do, not any API
+    caller's."""
+    if admin_key is None or seconds is None or _admin.get():
+        return
     shortest = MIN_KEEP_ALIVE if idle_unload is None else min(MIN_KEEP_ALIVE, idle_unload)
-    if admin_key is None or seconds is None or seconds >= shortest or _admin.get():
+    longest = None if idle_unload is None else max(MAX_KEEP_ALIVE, idle_unload)  # None: the server keeps for ever
+    if seconds > 0 and longest is not None and seconds > longest:
+        raise ForbiddenError(
+            f"keep_alive longer than {longest:g} seconds needs the admin key on this server, whose idle models "
+            f"unload after {idle_unload:g} seconds: give a shorter duration, send the admin key, or use the control "
+            "routes (/v1/models/load)",
+            param="keep_alive",
+        )
+    if seconds >= shortest:
         return
     if seconds > 0:
         raise ForbiddenError(
