@@ -16,7 +16,9 @@ only: ``huge`` answers 2 MB; ``zipped`` answers "ok" gzip-encoded; ``bomb`` answ
 of text gzip-encoded into 100 KB (httpx decoded it above the transport's bounds); ``stuck``
 never answers, sending an SSE comment every 0.1 s until its client closes the connection
 (the SDK kept reading such an answer after the call timed out); ``dropped`` answers
-"dropped N", N the ``stuck`` answers whose connection the client closed. Stdio only: ``python
+"dropped N", N the ``stuck`` answers whose connection the client closed; ``abyss`` answers
+``structuredContent`` nested 5,000 deep, past the depth Python's ``json`` decodes (over HTTP
+as an event stream: the event's decoding raised a RecursionError). Stdio only: ``python
 mcp_faulty_server.py orphan PIDFILE`` has ``orphan`` start ``sleep 60`` in a session of its own
 (outside the process group ortserve stops) holding the server's stdout, add its pid to PIDFILE
 and exit without answering (ortserve learnt that the server ended only from the end of its
@@ -54,6 +56,7 @@ _TOOLS = [
         ("stuck", "Never answers (HTTP: trickles SSE comments until the connection is closed)"),
         ("dropped", "Says how many stuck answers had their connection closed"),
         ("orphan", "Exits, leaving a process of its own session holding stdout"),
+        ("abyss", "Answers with a result nested 5,000 deep (HTTP: as an event stream)"),
     )
 ]
 
@@ -103,6 +106,13 @@ def _chatty(message: dict[str, object]) -> bool:
     return _called(message) == "chatty"
 
 
+def _abyss(message: dict[str, object]) -> str:
+    """``abyss``'s answer, written by hand: ``json`` cannot write it either."""
+    nested = '{"a":' * 5000 + "1" + "}" * 5000
+    answer = '{"content": [{"type": "text", "text": "abyss"}], "structuredContent": ' + nested + "}"
+    return f'{{"jsonrpc": "2.0", "id": {json.dumps(message["id"])}, "result": {answer}}}'
+
+
 def _reply(message: dict[str, object]) -> dict[str, object]:
     if _called(message) == "loud":
         return {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32000, "message": "E" * 200_000}}
@@ -140,7 +150,7 @@ def _serve_stdio() -> None:
             except BrokenPipeError:  # stopped for it
                 break
         if "id" in message:  # notifications need no answer
-            sys.stdout.write(json.dumps(_reply(message)) + "\n")
+            sys.stdout.write((_abyss(message) if _called(message) == "abyss" else json.dumps(_reply(message))) + "\n")
             sys.stdout.flush()
 
 
@@ -173,12 +183,14 @@ class _Handler(BaseHTTPRequestHandler):
         if _called(message) == "stuck":
             self._stuck()
             return
-        answer = json.dumps(_reply(message)).encode()
+        answer = (_abyss(message) if _called(message) == "abyss" else json.dumps(_reply(message))).encode()
         encoding = "gzip" if _called(message) in ("zipped", "bomb") else None
         if _called(message) == "bomb":
             body, kind = _bomb(message["id"]), "application/json"
         elif encoding is not None:
             body, kind = gzip.compress(answer), "application/json"
+        elif _called(message) == "abyss":
+            body, kind = b"event: message\ndata: " + answer + b"\n\n", "text/event-stream"
         elif _chatty(message):
             body = f"event: message\ndata: {_NOTICE}\n\n".encode() * 200_000
             body += b"event: message\ndata: " + answer + b"\n\n"

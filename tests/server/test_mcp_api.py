@@ -415,6 +415,18 @@ def test_a_stdio_message_that_cannot_be_read_fails_the_call_at_once(client: open
     assert again.type == "mcp_call" and again.error is None and again.output == "ok", again
 
 
+@pytest.mark.parametrize("label", ["faulty", "faulty-web"], ids=["stdio", "http"])
+def test_a_message_nested_past_what_json_decodes_fails_the_call_saying_so(client: openai.OpenAI, label: str) -> None:
+    """Sixteenth probe of issue 45: an answer nested 5,000 deep (an SSE event over HTTP)
+    raised a RecursionError where it was decoded to tell notifications apart: over HTTP the
+    stream ended with a misleading "SSE stream ended without a response", nothing logged.
+    The call fails saying the message nests too deep, and the next call is answered."""
+    call = _call_alone(client, label, "abyss")
+    assert call.type == "mcp_call" and call.output is None and call.error is not None
+    assert "nested too deep" in call.error.message, call.error
+    assert _call_alone(client, label, "ok").output == "ok"
+
+
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_flood_of_notifications_stops_the_server(client: openai.OpenAI, url: str) -> None:
     """200,000 log notifications during a call: the SDK handled each in a task on the

@@ -9,7 +9,7 @@ before the SDK parses them, with the stdio transport's bounds: a message (an SSE
 whole JSON answer) past ``max_bytes`` or listing more than :data:`MAX_LISTED_TOOLS` tools,
 or more than :data:`MAX_NOTIFICATIONS_PER_SECOND` events in a second, or (counted on a worker
 thread once it is whole) with more keys or items than a request body may have
-(``_json_bounds``), ends that answer with an error the SDK reports as the call's (or the
+(``_json_bounds``), or an event nested past the depth Python's ``json`` decodes, ends that answer with an error the SDK reports as the call's (or the
 tool list's) failure. Events that carry
 notifications are dropped, as on stdio.
 
@@ -30,7 +30,14 @@ from typing import Any
 import httpx2
 
 from ._inflate import ACCEPT_ENCODING, CodingError, Inflater
-from ._mcp_stdio import MAX_LISTED_TOOLS, MAX_NOTIFICATIONS_PER_SECOND, PerSecond, is_notification, message_past_bounds
+from ._mcp_stdio import (
+    MAX_LISTED_TOOLS,
+    MAX_NOTIFICATIONS_PER_SECOND,
+    NESTED_TOO_DEEP,
+    PerSecond,
+    is_notification,
+    message_past_bounds,
+)
 
 __all__ = ["MessageRefusedError", "bounded_http_client"]
 
@@ -169,4 +176,6 @@ def _is_notification(event: bytes) -> bool:
         message = json.loads(b"\n".join(data))
     except ValueError:
         return False  # the SDK says what is wrong with it
+    except RecursionError:  # it ended the stream: "SSE stream ended without a response"
+        raise MessageRefusedError(f"a message {NESTED_TOO_DEEP}") from None
     return is_notification(message)

@@ -40,6 +40,7 @@ from ._json_bounds import json_past_bounds
 __all__ = [
     "MAX_LISTED_TOOLS",
     "MAX_NOTIFICATIONS_PER_SECOND",
+    "NESTED_TOO_DEEP",
     "PerSecond",
     "StdioLink",
     "is_notification",
@@ -67,6 +68,8 @@ MAX_NOTIFICATIONS_PER_SECOND = 1000
 """Notifications (progress, log lines) a server may send in a second: 200,000 from one call,
 each handed to the SDK, held the event loop up to 0.5 s at a time until the call timed out
 (dropped here, a thousand still cost 30-115 ms of the loop's time before they stopped)."""
+NESTED_TOO_DEEP = "nested too deep to decode"
+"""What a message nested past the depth Python's ``json`` decodes is said to be."""
 _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
 _DRAIN = 1.0
@@ -243,6 +246,8 @@ def _parse(line: bytes) -> Any:
         raw = json.loads(line)
     except ValueError as exc:
         return exc
+    except RecursionError:  # it escaped the reader, which ended as if the process had
+        return ValueError(NESTED_TOO_DEEP)
     if is_notification(raw):
         return None
     try:
