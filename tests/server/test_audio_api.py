@@ -213,6 +213,14 @@ def test_timestamp_granularities(client: openai.OpenAI) -> None:
         "param": "timestamp_granularities",
         "code": None,
     }
+    with pytest.raises(openai.BadRequestError) as other:  # taken and ignored before (sixteenth probe)
+        client.audio.transcriptions.create(
+            model="whisper",
+            file=audio,
+            response_format="verbose_json",
+            timestamp_granularities=["xxx"],  # type: ignore[list-item]
+        )
+    assert other.value.body["param"] == "timestamp_granularities"  # type: ignore[index]
 
 
 @pytest.mark.parametrize("field", ["stream", "chunking_strategy", "include[]"])

@@ -76,6 +76,15 @@ def test_a_form_past_the_multipart_bounds_says_which(app_url: tuple[Any, str]) -
     assert "at most 1000 parts" in refused.json()["error"]["message"]
 
 
+def test_a_file_upload_with_a_field_this_server_does_not_take_is_refused(client: openai.OpenAI) -> None:
+    """Sixteenth probe: OpenAI's expires_after (or any other field) was taken and ignored."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(
+            file=("in.jsonl", _line(CHAT)), purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600}
+        )
+    assert refused.value.body["param"] == "expires_after"  # type: ignore[index]
+
+
 def test_a_batch_line_with_a_field_its_route_does_not_take_is_refused(client: openai.OpenAI) -> None:
     """Sixth probe of issue 45: the field sent alone is a 400, in a batch line it was
     accepted and ignored (an embeddings line with an unknown key was answered 200)."""

@@ -64,6 +64,12 @@ async def transcriptions(
     granularities = form.getall("timestamp_granularities[]", [])
     if "word" in granularities:
         raise BadRequestError("word timestamps are not supported; segments are", param="timestamp_granularities")
+    for granularity in granularities:  # another value was taken and ignored (sixteenth probe)
+        if granularity != "segment":
+            raise BadRequestError(
+                f"timestamp_granularities: {str(granularity)[:40]!r} is not 'segment' or 'word'",
+                param="timestamp_granularities",
+            )
     if data.response_format not in ("json", "text", "verbose_json", "srt", "vtt"):
         raise BadRequestError(
             f"response_format {data.response_format!r} is not supported; use json, text, verbose_json, srt or vtt",

@@ -132,6 +132,10 @@ async def create_file(
         raise BadRequestError(f"purpose {data.purpose!r}: this server keeps files for batches only", param="purpose")
     if data.file is None:
         raise BadRequestError("'file' is required: the JSONL file, as a multipart file", param="file")
+    unknown = sorted(set(await request.form()) - {"purpose", "file"})
+    if unknown:  # OpenAI's expires_after[...] among them: refused rather than ignored (sixteenth probe)
+        name = unknown[0].split("[")[0]
+        raise BadRequestError(f"'{unknown[0][:80]}' is not supported by this server", param=name[:80])
     content = await data.file.read()
     if len(content) > ortserve.config.max_file_size:
         raise PayloadTooLargeError(f"a file may have at most {ortserve.config.max_file_size} bytes")
