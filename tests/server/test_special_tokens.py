@@ -293,3 +293,12 @@ def test_special_tokens_matched_after_normalizing_are_shielded(tmp_path: Any) ->
     assert turns(tokens) == (1, 1)
     plain, _ = shield.mark("plain text", "messages", 1000)
     assert plain == "plain text"
+
+
+def test_template_kwargs_cannot_set_what_the_request_sets(url: str) -> None:
+    """Sixteenth probe: these were dropped without a word (a 200)."""
+    for key in ("messages", "tools", "add_generation_prompt", "bos_token"):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {key: "x"}}
+        answer = httpx.post(f"{url}/v1/tokenize", json=body, timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template_kwargs", answer.text
+        assert repr(key) in answer.json()["error"]["message"]

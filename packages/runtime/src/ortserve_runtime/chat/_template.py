@@ -327,6 +327,13 @@ class ChatTemplate:
         they never replace the messages, tools, generation prompt or special tokens."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        kept = {"messages", "tools", "add_generation_prompt", *self._special_tokens}
+        clash = sorted(kept.intersection(extra or {}))
+        if clash:  # dropped without a word before (sixteenth probe)
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {clash[0]!r}: the request's own fields set it",
+                param="chat_template_kwargs",
+            )
         budget = _BUDGET.set(_Budget())
         try:
             variables = dict(extra or {})
