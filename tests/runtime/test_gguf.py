@@ -156,6 +156,20 @@ def test_converted_once_and_kept_by_digest(tmp_path: Path, cache: Path) -> None:
     assert not [p for p in folder.parent.iterdir() if ".tmp-" in p.name]
 
 
+def test_a_converted_folder_cut_short_is_converted_again(tmp_path: Path, cache: Path) -> None:
+    """Sixteenth probe: a converted folder whose weights file was cut failed every load for
+    good. The sizes the conversion wrote are checked before the folder is used again."""
+    source = write_tiny_gguf(tmp_path / "a.gguf")
+    folder = converted_folder(source)
+    data = folder / "model.onnx.data"
+    whole = data.read_bytes()
+    data.write_bytes(whole[: len(whole) // 2])
+    assert converted_folder(source) == folder
+    assert data.read_bytes() == whole
+    stamp = data.stat().st_mtime_ns
+    assert converted_folder(source) == folder and data.stat().st_mtime_ns == stamp  # whole: kept as it is
+
+
 def test_split_files_are_one_model(tmp_path: Path) -> None:
     whole = write_tiny_gguf(tmp_path / "whole.gguf")
     first = tmp_path / "m-00001-of-00002.gguf"

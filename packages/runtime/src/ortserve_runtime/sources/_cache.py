@@ -117,7 +117,7 @@ def converted_folder(
 
         name = f"{digest[:32]}-{precision}-{target.lower()}-og{og.__version__}-b{BUILD_VERSION}"
     folder = cache_root() / name
-    if (folder / "genai_config.json").exists():
+    if (folder / "genai_config.json").exists() and _whole(folder):
         progress(1.0)
         return folder
     failed = _FAILED.get(folder)
@@ -127,9 +127,12 @@ def converted_folder(
     from filelock import FileLock  # here: a folder already converted needs no lock (20 ms of every start-up)
 
     with FileLock(folder.with_name(folder.name + ".lock")):
-        if (folder / "genai_config.json").exists():  # another process converted it meanwhile
-            progress(1.0)
-            return folder
+        if (folder / "genai_config.json").exists():
+            if _whole(folder):  # another process converted it meanwhile
+                progress(1.0)
+                return folder
+            logger.warning("%s is not as it was written (a file cut or changed in size): converting again", folder)
+            shutil.rmtree(folder, ignore_errors=True)
         # A process killed while converting left its temporary folder (as large as the
         # model); holding the lock, no other one converts into this name now.
         for stale in folder.parent.glob(glob.escape(folder.name) + ".tmp-*"):
@@ -160,6 +163,23 @@ def converted_folder(
         logger.info("converted %s in %.1f s", source.name, time.monotonic() - started)
     progress(1.0)
     return folder
+
+
+def _whole(folder: Path) -> bool:
+    """Whether the converted ``folder``'s files weigh what its conversion wrote (folders
+    converted before the sizes were kept are taken as they are)."""
+    try:
+        sizes = json.loads((folder / "ortserve_source.json").read_text(encoding="utf-8")).get("sizes")
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(sizes, dict):
+        return True
+    try:
+        return all((folder / str(name)).stat().st_size == size for name, size in sizes.items())
+    except OSError:  # one is gone
+        return False
 
 
 _FAILED: dict[Path, SourceError] = {}

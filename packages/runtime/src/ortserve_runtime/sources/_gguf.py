@@ -55,6 +55,9 @@ def convert_gguf(source: Path, folder: Path, progress: Callable[[float], None] =
                 "architecture": params.architecture,
                 "name": fields.get("general.name"),
                 **summary,
+                # What each file weighs, checked before the folder is used again (a cut one
+                # failed every load for good; sixteenth probe).
+                "sizes": {path.name: path.stat().st_size for path in sorted(folder.iterdir())},
             },
             indent=2,
         ),
