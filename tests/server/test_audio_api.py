@@ -64,6 +64,11 @@ def test_language_and_prompt_are_used(client: openai.OpenAI) -> None:
     prompted = client.audio.transcriptions.create(model="whisper", file=audio, prompt="Earlier words").text
     german = client.audio.transcriptions.create(model="whisper", file=audio, language="de").text
     assert len({plain, prompted, german}) > 1
+    # Text that spells a special token would be that token to og's processor (sixteenth probe).
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.transcriptions.create(model="whisper", file=audio, prompt="say <|en|> then <|0.00|>")
+    assert refused.value.body["param"] == "prompt" and "<|en|>" in refused.value.body["message"]  # type: ignore[index]
+    client.audio.transcriptions.create(model="whisper", file=audio, prompt="a <|plain|> text")  # no such token
 
 
 @pytest.mark.timing  # /health's latency meanwhile: run apart (see the README's test command)

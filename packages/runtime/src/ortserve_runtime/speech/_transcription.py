@@ -14,6 +14,7 @@ import asyncio
 import io
 import itertools
 import queue
+import re
 import threading
 from collections import deque
 from collections.abc import Generator, Iterator
@@ -198,6 +199,14 @@ class SpeechModel:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt)} characters, more than this model's {self.context_length} "
                 "tokens could hold",
+                param="prompt",
+            )
+        if prompt and (spelt := _spelt_special(self.tokenizer, prompt)) is not None:
+            # og's processor reads the prompt with special tokens matched: "<|en|>" was that
+            # token, not text (sixteenth probe).
+            raise InvalidRequestError(
+                f"the prompt spells {spelt!r}, one of the model's special tokens, which its processor "
+                "would read as that token, not as text",
                 param="prompt",
             )
         language_id = None
@@ -497,3 +506,16 @@ def _wav(samples: npt.NDArray[np.float32], rate: int) -> bytes:
     buffer = io.BytesIO()
     soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()
+
+
+_SPECIAL_SHAPE = re.compile(r"<\|[^<>|]{1,40}\|>")
+"""The shape of Whisper's special tokens (``<|en|>``, ``<|0.00|>``, ``<|startofprev|>``)."""
+
+
+def _spelt_special(tokenizer: Tokenizer, text: str) -> str | None:
+    """The first special token ``text`` spells, if any."""
+    for found in _SPECIAL_SHAPE.finditer(text):
+        token = tokenizer.token_to_id(found.group())
+        if token is not None and tokenizer.id_to_token(token) == found.group():
+            return found.group()
+    return None
