@@ -211,6 +211,9 @@ def test_health_and_metrics(base_url: str, client: openai.OpenAI) -> None:
     }
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'ortserve_requests_total{endpoint="/v1/chat/completions",model="tiny",status="2xx"}' in metrics
+    for path in ("/health", "/metrics"):  # load balancers probe with HEAD (a 405 before; sixteenth probe)
+        head = httpx.head(f"{base_url}{path}")
+        assert head.status_code == 200 and head.content == b"", path
     assert "ortserve_time_to_first_token_seconds_count" in metrics
     assert 'ortserve_queue_depth{model="tiny"} 0.0' in metrics
     httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "temperature": 7})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from litestar import Request, Response, get
+from litestar import HttpMethod, Request, Response, route
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from ortserve_client import protocol as p
@@ -18,8 +18,10 @@ from .._usage import usage_per_key_shown
 __all__ = ["health_handler", "metrics_handler"]
 
 
-@get(
+# HEAD too: load balancers probe with it (it was a 405; sixteenth probe).
+@route(
     "/",
+    http_method=[HttpMethod.GET, HttpMethod.HEAD],
     summary="Liveness and readiness",
     include_in_schema=True,
     responses={503: ResponseSpec(p.Health, description="Models loading or failed", generate_examples=False)}
@@ -57,8 +59,9 @@ def _key_proof(ortserve: OrtServe, request: Request[Any, Any, Any]) -> dict[str,
     return {PROOF: ",".join(hmac.new(k.encode(), challenge.encode(), "sha256").hexdigest() for k in keys)}
 
 
-@get(
+@route(
     "/",
+    http_method=[HttpMethod.GET, HttpMethod.HEAD],
     summary="Prometheus metrics",
     media_type="text/plain; version=0.0.4",
     responses=error_responses(*GET_ERRORS),
