@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,27 @@ def test_a_sentence_too_long_for_one_call_is_cut_between_words(joe: VoiceModel) 
     pieces = joe.phonemize("x" * 300, max_ids=64)
     assert [len(piece) for piece in pieces] == [63] * 5 + [15]  # markers and 30 phonemes a piece
     assert [i for piece in pieces for i in piece[2:-1]] == whole[2:-1]
+
+
+async def test_espeak_crashes_in_a_child_that_the_voice_outlives() -> None:
+    """Sixteenth probe, issue 45: espeak-ng segfaults on ``"a." * 100`` (most runs). It runs
+    in the voice's child process: the input is refused naming ``input`` (or spoken, when
+    espeak got through), the next call gets a fresh child, and close() ends it."""
+    model = VoiceModel("joe", JOE, ModelConfig())
+    try:
+        expected = model.phonemize(TEXT)
+        for text in ("a." * 100, "a.b." * 50):
+            try:
+                model.phonemize(text)
+            except InvalidRequestError as exc:
+                assert exc.param == "input" and "espeak-ng crashed on it (SIGSEGV)" in str(exc)
+        with pytest.raises(InvalidRequestError) as caught:  # what espeak itself refuses
+            model.phonemize("Hi \ud800 there.")
+        assert caught.value.param == "input" and "UnicodeEncodeError" in str(caught.value)
+        assert model.phonemize(TEXT) == expected
+        pid = model._phonemizer.pid
+        assert pid is not None and pid != os.getpid()
+    finally:
+        await model.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import signal
 import time
 import tracemalloc
 import wave
@@ -125,6 +126,56 @@ def test_bad_input_is_a_4xx_naming_the_field(url: str, body: dict[str, object], 
     assert 400 <= response.status_code < 500
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def _espeak_children() -> list[int]:
+    """The espeak-ng processes of this process's voices (the server runs in a thread here)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text(encoding="utf-8")
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):  # not a process, or gone
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])
+        if parent == os.getpid() and b"speech._espeak" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def _speaks(url: str) -> None:
+    response = httpx.post(
+        f"{url}/v1/audio/speech", json={"model": "joe", "input": "Still here.", "response_format": "wav"}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    samples, _ = soundfile.read(io.BytesIO(response.content))
+    assert len(samples) > 10_000 and float(np.abs(samples).max()) > 0.1
+
+
+@pytest.mark.parametrize("text", ["a." * 100, "a." * 1000, "a.b." * 50])
+def test_text_espeak_crashes_on_is_refused_and_the_server_speaks_on(url: str, text: str) -> None:
+    """Sixteenth probe, issue 45: espeak-ng segfaults on these (most runs), which ended the
+    server. Now it crashes its child process: the request is a 400 naming ``input`` (or,
+    when espeak got through, audio), and the next request is spoken."""
+    _speaks(url)
+    response = httpx.post(f"{url}/v1/audio/speech", json={"model": "joe", "input": text}, timeout=60)
+    if response.status_code == 200:
+        assert len(response.content) > 1000
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "input" and "espeak-ng crashed on it" in error["message"], error
+    _speaks(url)
+
+
+def test_a_killed_phonemizer_is_started_again(url: str) -> None:
+    _speaks(url)
+    children = _espeak_children()
+    assert children  # espeak-ng runs outside the server's process
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    _speaks(url)
+    assert _espeak_children() and not set(_espeak_children()) & set(children)
 
 
 def test_models_list_the_voices_and_chat_routes_send_voices_here(client: openai.OpenAI) -> None:

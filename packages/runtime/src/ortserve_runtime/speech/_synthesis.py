@@ -21,8 +21,9 @@ One worker thread runs the voice's session. The graph returns one waveform per b
 no per-row lengths, so sentences run one at a time; concurrent requests take turns a
 sentence each, so that a short request is not stuck behind a long one. A caller that
 stops listening (a client gone) has its remaining sentences dropped; one that reads slowly
-holds its request back, two pieces ahead of what it has taken. espeak-ng keeps
-global state, so phonemizing is serialized across voices by one lock.
+holds its request back, two pieces ahead of what it has taken. espeak-ng runs in a child
+process of each voice (:mod:`._espeak`): it crashes on some text, and a crash there fails
+that request, not the server.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .._config import ModelConfig
 from .._errors import EngineClosedError, InvalidRequestError, ModelLoadError
 from ..embeddings._encoder import create_session, read_json
 from ..engines._host_memory import release_freed_memory
+from ._espeak import Phonemizer
 
 __all__ = ["SpeechChunk", "VoiceModel", "find_voice_files"]
 
@@ -67,7 +69,6 @@ _AHEAD = 2
 _WAKE: Literal["wake"] = "wake"
 """Put in the worker's queue when a request it may have skipped can go on."""
 _BOS, _EOS, _PAD = "^", "$", "_"  # the markers of Piper's phoneme id maps
-_ESPEAK_LOCK = threading.Lock()
 
 
 def find_voice_files(folder: Path) -> tuple[Path, Path] | None:
@@ -144,8 +145,12 @@ class VoiceModel:
         self.default_voice = str(settings.get("dataset") or name)
         self.voices = sorted(self.speakers) if int(settings.get("num_speakers", 1)) > 1 else [self.default_voice]
         self.max_input_chars = MAX_INPUT_CHARS
-        self._bridge = _espeak_bridge(folder)
-        self.session = create_session(self.model_path, folder, config)
+        self._phonemizer = Phonemizer(folder)
+        try:
+            self.session = create_session(self.model_path, folder, config)
+        except BaseException:
+            self._phonemizer.close()
+            raise
         self._has_sid = any(i.name == "sid" for i in self.session.get_inputs())
         # The arena keeps what the largest call needed (200 emoji left +1.5 GiB behind): a
         # long piece's call hands it back. Not every call's: that made short sentences 15%
@@ -180,10 +185,10 @@ class VoiceModel:
 
     def phonemize(self, text: str, max_ids: int = MAX_CALL_IDS) -> list[list[int]]:
         """The phoneme ids of each sentence of ``text`` (empty sentences left out), a
-        sentence longer than ``max_ids`` ids cut into pieces that are not."""
-        with _ESPEAK_LOCK:
-            self._bridge.set_voice(self.espeak_voice)
-            clauses = self._bridge.get_phonemes(text)
+        sentence longer than ``max_ids`` ids cut into pieces that are not.
+        ``InvalidRequestError`` naming ``input`` when espeak-ng crashes on ``text`` (in its
+        child process: the voice goes on)."""
+        clauses = self._phonemizer.clauses(self.espeak_voice, text)
         sentences: list[list[int]] = []
         current: list[str] = []
         for phonemes, terminator, end_of_sentence in clauses:
@@ -299,6 +304,7 @@ class VoiceModel:
         self._closed = True
         self._queue.put(None)
         await asyncio.to_thread(self._worker.join)
+        await asyncio.to_thread(self._phonemizer.close)
 
     # -- worker ----------------------------------------------------------------------------
 
@@ -392,20 +398,3 @@ def _strip_language_flags(phonemes: str) -> str:
         elif not depth:
             out.append(char)
     return "".join(out)
-
-
-def _espeak_bridge(folder: Path) -> Any:
-    """piper-tts's espeak-ng bridge, started on its bundled data (``ModelLoadError`` when
-    the ``voice`` extra is not installed)."""
-    try:
-        from piper import espeakbridge  # type: ignore[import-not-found, unused-ignore]
-        from piper.phonemize_espeak import ESPEAK_DATA_DIR  # type: ignore[import-not-found, unused-ignore]
-    except ImportError as exc:
-        raise ModelLoadError(
-            f"{folder} is a Piper voice; speaking needs the espeak-ng phonemizer of piper-tts "
-            f"(GPL-3.0-or-later): pip install 'ortserve-runtime[voice]' ({exc})",
-            path=folder,
-        ) from exc
-    with _ESPEAK_LOCK:
-        espeakbridge.initialize(str(ESPEAK_DATA_DIR))
-    return espeakbridge
