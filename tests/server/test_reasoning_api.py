@@ -173,6 +173,8 @@ def test_a_reasoning_budget_closes_the_think_block(client: openai.OpenAI) -> Non
     for extra, param in (
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"extra_body": {"reasoning_budget": -1}}, "reasoning_budget"),
+        # Checked beside a budget too (sixteenth probe: "bogus" went to the template).
+        ({"reasoning_effort": "bogus", "extra_body": {"reasoning_budget": 5}}, "reasoning_effort"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             chat(**extra)
@@ -276,6 +278,14 @@ def test_responses_summary_and_effort(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:  # a model that does not reason
         client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2, reasoning={"effort": "low"})
     assert refused.value.body["param"] == "reasoning.effort"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bogus:  # named as this API's field (sixteenth probe)
+        client.responses.create(
+            model="think",
+            input=PROMPT,
+            max_output_tokens=2,
+            reasoning={"effort": "bogus"},  # type: ignore[typeddict-item]
+        )
+    assert bogus.value.body["param"] == "reasoning.effort"  # type: ignore[index]
 
 
 def test_responses_reasoning_items_go_back_as_input(client: openai.OpenAI) -> None:
