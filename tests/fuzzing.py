@@ -236,7 +236,9 @@ OPERATIONS = [
     ("POST", "/v1/batches/{batch_id}/cancel"),
     ("GET", "/v1/usage"),
     ("GET", "/health"),
+    ("HEAD", "/health"),
     ("GET", "/metrics"),
+    ("HEAD", "/metrics"),
 ]
 
 
@@ -245,6 +247,7 @@ def cases() -> list[tuple[str, str, GenerationMode]]:
     bodies) with invalid ones too, which must be refused with a 4xx. The GETs' only input is
     a path's model name, which no string can make invalid."""
     modes = {"POST": list(GenerationMode), "GET": [GenerationMode.POSITIVE], "DELETE": [GenerationMode.POSITIVE]}
+    modes["HEAD"] = []  # the GET's answer without its body: test_api checks it
     bodiless = {("POST", "/v1/batches/{batch_id}/cancel")}  # nothing there can be made invalid
     return [
         (method, path, mode)

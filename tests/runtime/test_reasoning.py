@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ortserve_runtime import ChatTemplate, Grammar, ReasoningMarkers, ReasoningParser
+from ortserve_runtime import ChatTemplate, Grammar, InvalidRequestError, ReasoningMarkers, ReasoningParser
 from ortserve_runtime.chat._constraints import GrammarCompiler
 from ortserve_runtime.chat._reasoning import detect_reasoning, reasoning_start
 
@@ -71,11 +71,14 @@ def test_template_detection_and_where_the_output_starts() -> None:
 
 
 def test_extra_template_variables_never_replace_the_messages() -> None:
+    """Nor are they dropped without a word (sixteenth probe): a 400 naming the variable."""
     template = ChatTemplate.from_folder(FIXTURE)
     assert template is not None
-    text = template.render(
-        [{"role": "user", "content": "hi"}], extra={"messages": [], "add_generation_prompt": False, "tools": "x"}
-    )
+    for name, value in (("messages", []), ("add_generation_prompt", False), ("tools", "x")):
+        with pytest.raises(InvalidRequestError, match=f"may not set {name!r}") as refused:
+            template.render([{"role": "user", "content": "hi"}], extra={name: value})
+        assert refused.value.param == "chat_template_kwargs"
+    text = template.render([{"role": "user", "content": "hi"}], extra={"enable_thinking": True})
     assert "hi" in text and text.endswith("<think>\n")
 
 
