@@ -254,25 +254,31 @@ def _completed(client: openai.OpenAI) -> str:
     return str(_wait(client, batch.id).id)
 
 
+def _stopped_part_way(state_dir: Path, count: int, answered: int, stop: signal.Signals) -> tuple[str, str]:
+    """A batch of ``count`` short lines on a server keeping its state in ``state_dir``,
+    stopped with ``stop`` once ``answered`` lines are: the batch's id and the server's log."""
+    lines = [_short_line(i) for i in range(count)]
+    with serving("--state-dir", str(state_dir)) as (process, url), _client(url) as client:
+        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        while client.batches.retrieve(batch.id).request_counts.completed < answered:  # type: ignore[union-attr]
+            time.sleep(0.02)
+        process.send_signal(stop)
+        process.wait(timeout=30)
+        return batch.id, stopped_log(process)
+
+
 @pytest.mark.parametrize(("stop", "count"), [(signal.SIGKILL, 2000), (signal.SIGTERM, 500)], ids=["sigkill", "sigterm"])
 def test_a_batch_survives_a_restart_with_every_line_answered_once(
     tmp_path: Path, stop: signal.Signals, count: int
 ) -> None:
-    lines = [_short_line(i) for i in range(count)]
-    with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
-        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
-        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-        while client.batches.retrieve(batch.id).request_counts.completed < count // 2:  # type: ignore[union-attr]
-            time.sleep(0.02)
-        process.send_signal(stop)
-        process.wait(timeout=30)
-        log = stopped_log(process)
+    batch_id, log = _stopped_part_way(tmp_path, count, count // 2, stop)
     assert " 500 " not in log  # the lines the stop cut short were cancelled (499), not failed
     with sqlite3.connect(tmp_path / "ortserve.db") as db:
         answered_before = db.execute("SELECT COUNT(*) FROM batch_lines WHERE status IS NOT NULL").fetchone()[0]
     assert count // 2 <= answered_before < count  # stopped halfway
     with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
-        done = _wait(client, batch.id, within=600)
+        done = _wait(client, batch_id, within=600)
         assert done.status == "completed"
         assert done.request_counts is not None and done.request_counts.completed == count
         answered = _lines(client, done.output_file_id)
@@ -287,20 +293,12 @@ def test_a_line_the_server_ended_running_again_and_again_is_not_resumed(tmp_path
     was resumed at every restart and killed it again. A line started three times (each
     start after the first: the server ended while it ran) is answered with an error."""
     count = 400
-    lines = [_short_line(i) for i in range(count)]
-    with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
-        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
-        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-        while client.batches.retrieve(batch.id).request_counts.completed < count // 4:  # type: ignore[union-attr]
-            time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-        stopped_log(process)
+    batch_id, _ = _stopped_part_way(tmp_path, count, count // 4, signal.SIGKILL)
     with sqlite3.connect(tmp_path / "ortserve.db") as db:
         (poison,) = db.execute("SELECT MAX(line) FROM batch_lines WHERE status IS NULL").fetchone()
-        db.execute("UPDATE batch_lines SET started = 3 WHERE batch_id = ? AND line = ?", (batch.id, poison))
+        db.execute("UPDATE batch_lines SET started = 3 WHERE batch_id = ? AND line = ?", (batch_id, poison))
     with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
-        done = _wait(client, batch.id, within=600)
+        done = _wait(client, batch_id, within=600)
         assert done.request_counts is not None and done.request_counts.completed == count - 1
         (refused,) = _lines(client, done.error_file_id)
         assert refused["custom_id"] == f"line-{poison - 1}" and refused["error"]["code"] == "line_not_resumed"
