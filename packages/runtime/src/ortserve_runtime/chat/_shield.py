@@ -26,7 +26,7 @@ special (Qwen's ``<think>``, ``<tool_call>``) are matched as before, as the mode
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import ahocorasick_rs
@@ -42,15 +42,21 @@ _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
 which text meant for interchange does not hold (any a request carries are dropped, so none
 can forge a mark)."""
 
-_ESCAPED = re.compile(r"\\+[uU]0*[fF][dD][dD]([0-2])")
+_ESCAPED = re.compile(r"(?<!\\)\\+[uU]0*[fF][dD][dD]([0-3])")
 """The server's characters as Python's repr and JSON write them (``\\ufdd0``), however many
-times escaped; also dropped from requests."""
+times escaped. A run of backslashes is tried from its start only: tried from each of its
+backslashes, ``"\\" * 40_000 + "fdd"`` took 12 s of the GIL (seventeenth probe)."""
+
+_SEPARATOR = "\ufdd3"
+"""Put between the backslash and the ``u`` of text in a request that reads as one of
+:data:`_ESCAPED` (code about ``"\\ufdd0"``), so that it is not read as a mark; dropped after
+reading, the text is the caller's again (it was deleted: seventeenth probe)."""
 
 _ANCHOR = "\ufdd2"
 """The text of the added token that stands for what comes before a piece (:meth:`_plain_ids`);
 dropped from requests too: tokenized, it would be an id past the model's vocabulary."""
 
-_DROP_OWN = dict.fromkeys(map(ord, (_OPEN, _CLOSE, _ANCHOR)))
+_DROP_OWN = dict.fromkeys(map(ord, (_OPEN, _CLOSE, _ANCHOR, _SEPARATOR)))
 """The server's own characters, dropped from requests (``str.translate``)."""
 
 _MAX_SPECIAL_CHARS = 4096
@@ -78,6 +84,8 @@ class MarkedText:
     def __init__(self, rendered: str) -> None:
         if _has_escaped_marks(rendered):
             rendered = _ESCAPED.sub(_unescaped, rendered)
+        if _SEPARATOR in rendered:
+            rendered = rendered.replace(_SEPARATOR, "")
         if _OPEN not in rendered and _CLOSE not in rendered:  # most prompts: no regex pass over them
             self.text, self.spans = rendered, []
             return
@@ -97,11 +105,21 @@ class MarkedText:
 def _has_escaped_marks(text: str) -> bool:
     # str's search first: a regular expression over a prompt of code, where backslashes are
     # many, took 12 ms a MB.
-    return ("fdd" in text or "FDD" in text or "Fdd" in text) and _ESCAPED.search(text) is not None
+    return ("\\u" in text or "\\U" in text) and _ESCAPED.search(text) is not None
 
 
 def _unescaped(escape: re.Match[str]) -> str:
-    return {"0": _OPEN, "1": _CLOSE}.get(escape.group(1), "")
+    # Escaped n times, the mark takes 2**(n-1) backslashes and each backslash before it
+    # 2**n: those (the caller's, escaped) are kept.
+    backslashes = len(escape.group(0)) - len(escape.group(0).lstrip("\\"))
+    kept = backslashes - (backslashes & -backslashes)
+    return "\\" * kept + {"0": _OPEN, "1": _CLOSE}.get(escape.group(1), "")
+
+
+def _separated(escape: re.Match[str]) -> str:
+    text = escape.group(0)
+    at = len(text) - len(text.lstrip("\\"))  # after the backslashes
+    return text[:at] + _SEPARATOR + text[at:]
 
 
 def _spelt(text: str) -> str:
@@ -144,6 +162,7 @@ class SpecialTextShield:
         normalized = {t.content for t in added.values() if t.special and t.normalized and t.content}
         self._normalize = normalizer.normalize_str if normalizer is not None and normalized else None
         self._normalized_matcher = _matcher({self._normalize(t) for t in normalized}) if self._normalize else None
+        self._normalized_reach = _reach(self._normalize, normalized) if self._normalize else None
         self._plain: tuple[Tokenizer, int] | None = None
         if self._matcher is not None or placeholders is not None:
             # At load: made at a request's first spelt token, it held the GIL 0.8-1 s for a
@@ -157,7 +176,8 @@ class SpecialTextShield:
 
     def mark(self, value: Any, param: str, limit: int) -> tuple[Any, bool]:
         """``value`` (strings, mappings, lists; anything else as it is) with the server's own
-        characters dropped (:data:`_DROP_OWN`, :data:`_ESCAPED`) and then each special
+        characters dropped (:data:`_DROP_OWN`), text that reads as their escapes separated
+        (:data:`_SEPARATOR`), and then each special
         token's text (and media placeholder's) spelt between marks, and whether any was
         found; ``value`` itself when nothing changed. More than ``limit`` special tokens (each
         is a token at least once tokenized: the model's context) are a
@@ -177,12 +197,12 @@ class SpecialTextShield:
                 )
 
         def marked(text: str) -> str:
-            if _OPEN in text or _CLOSE in text or _ANCHOR in text:  # str's search: a regex took 10 ms a MiB
+            if _OPEN in text or _CLOSE in text or _ANCHOR in text or _SEPARATOR in text:  # a regex: 10 ms a MiB
                 # Before the search: "<|im_\ufdd0end|>" was no special token until its mark
                 # was dropped (fifteenth probe, issue 45).
                 text = text.translate(_DROP_OWN)
             if _has_escaped_marks(text):
-                text = _ESCAPED.sub("", text)
+                text = _ESCAPED.sub(_separated, text)
             pieces: list[str] = []
             at = 0
             for start, end in self._spelt_in(text):
@@ -225,13 +245,26 @@ class SpecialTextShield:
     def _spelt_in(self, text: str) -> list[tuple[int, int]]:
         """Where ``text`` spells a special token or a media placeholder; all of it where its
         normalized form spells one of the special tokens matched after normalizing."""
-        normalized = self._normalized_matcher
-        if normalized is not None and self._normalize and normalized.find_matches_as_indexes(self._normalize(text)):
+        if self._normalized_matcher is not None and self._spells_normalized(text):
             return [(0, len(text))]
         spans = [*self._matches(text)] if self._matcher is not None else []
         if self._placeholders is not None:
             spans = _merged([*spans, *(found.span() for found in self._placeholders.finditer(text))])
         return spans
+
+    def _spells_normalized(self, text: str) -> bool:
+        """Whether ``text`` normalized spells a special token matched after normalizing, read
+        a window at a time where :func:`_reach` bounds the characters one is spelt in: the
+        normalizer holds the GIL, and 4 M characters at once held /health 0.6 s (seventeenth
+        probe). Each window overlaps the next by that bound, so each spelling lies whole in one."""
+        assert self._normalize is not None and self._normalized_matcher is not None
+        normalize, matcher, reach = self._normalize, self._normalized_matcher, self._normalized_reach
+        if reach is None or len(text) <= _SEARCHED + reach:
+            return bool(matcher.find_matches_as_indexes(normalize(text)))
+        return any(
+            matcher.find_matches_as_indexes(normalize(text[at : at + _SEARCHED + reach]))
+            for at in range(0, len(text), _SEARCHED)
+        )
 
     def _matches(self, text: str) -> Iterator[tuple[int, int]]:
         """Where special tokens are spelt in ``text``, a stretch of :data:`_SEARCHED`
@@ -301,6 +334,21 @@ class SpecialTextShield:
         if not ids or ids[0] != anchor:
             raise AssertionError("the anchor token was not matched")
         return list(ids[1:])
+
+
+_DELETABLE = "\u0301\x00\x7f\u200b\u00ad\ufe0f\u2060"
+"""Characters some normalizers delete (accents, controls, zero-width, format characters)."""
+
+
+def _reach(normalize: Callable[[str], str], normalized: set[str]) -> int | None:
+    """The most characters a text normalizing to one of ``normalized`` (special tokens) can
+    hold, where ``normalize`` keeps every character in some form: Unicode's normal forms
+    compose at most three into one (Hangul jamo), with some to spare for canonical
+    reordering. None for a normalizer that deletes characters: a token's text could be
+    spread over any number of them."""
+    if any(normalize(f"a{char}a") == normalize("aa") for char in _DELETABLE):
+        return None
+    return 4 * max((len(normalize(token)) for token in normalized), default=0) + 16
 
 
 def _chars(encoding: Encoding, index: int) -> tuple[int, int]:
