@@ -135,6 +135,10 @@ def test_a_model_file_converted_onto_a_full_disk_is_a_507_tried_again(
             error = answer.json()["error"]
             assert error["code"] == "insufficient_storage" and error["param"] == "model", error
             assert "tiny.gguf" in error["message"], error
+            # Seventeenth probe: the model was left "error" and /health a 503 for every model.
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 200, health.text
+            assert {m["id"]: m["status"] for m in health.json()["models"]}["g"] == "unloaded"
         assert httpx.post(f"{base}/v1/chat/completions", json={**body, "model": "tiny"}, timeout=60).status_code == 200
         log = stopped_log(process)
     assert log.count("no room to store") == 2 and "Traceback" not in log, log[-2000:]

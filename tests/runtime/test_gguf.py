@@ -168,6 +168,19 @@ def test_a_converted_folder_cut_short_is_converted_again(tmp_path: Path, cache: 
     assert data.read_bytes() == whole
     stamp = data.stat().st_mtime_ns
     assert converted_folder(source) == folder and data.stat().st_mtime_ns == stamp  # whole: kept as it is
+    # Seventeenth probe: a record with no sizes (a folder converted before they were kept)
+    # was taken as it was, and one made a link to /dev/zero read until memory ran out.
+    record = folder / "ortserve_source.json"
+    written = record.read_text()
+    for damaged in ("no-sizes", "dev-zero"):
+        if damaged == "no-sizes":
+            record.write_text(json.dumps({k: v for k, v in json.loads(written).items() if k != "sizes"}))
+        else:
+            record.unlink()
+            record.symlink_to("/dev/zero")
+        assert converted_folder(source) == folder
+        assert data.stat().st_mtime_ns != stamp and json.loads(record.read_text()) == json.loads(written), damaged
+        stamp = data.stat().st_mtime_ns
 
 
 def test_split_files_are_one_model(tmp_path: Path) -> None:

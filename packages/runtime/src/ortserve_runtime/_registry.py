@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
 import os
@@ -260,7 +261,7 @@ class ModelRegistry:
             state = "ready"
         elif entry.loading is not None and not entry.loading.done():
             state = "converting" if entry.converting is not None else "loading"
-        elif entry.error is not None:
+        elif entry.error is not None and not entry.error_passes:
             state = "error"
         else:
             state = "unloaded"
@@ -440,14 +441,14 @@ class ModelRegistry:
                 else:
                     model, grew = await asyncio.to_thread(self._converted_and_loaded, entry)
             except ModelLoadError as exc:
-                entry.error = str(exc)
+                entry.error, entry.error_passes = str(exc), _passes(exc)
                 raise
             except Exception as exc:  # anything else a broken folder provokes, still named by path
-                entry.error = f"{entry.path} could not be loaded: {exc}"
+                entry.error, entry.error_passes = f"{entry.path} could not be loaded: {exc}", _passes(exc)
                 raise ModelLoadError(entry.error, path=entry.path) from exc
             entry.resident_bytes = grew
             entry.kv_cache_bytes = getattr(getattr(model, "engine", None), "kv_cache_bytes", None)
-            entry.error = None
+            entry.error, entry.error_passes = None, False
             await self.residency.fit(entry, model)
             entry.model = model
             entry.last_used = time.time()
@@ -500,6 +501,25 @@ class ModelRegistry:
             return self._entries[name]
         except KeyError:
             raise ModelNotFoundError(name) from None
+
+
+_DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _passes(exc: BaseException) -> bool:
+    """Whether a load failed for a reason of the moment, not of the model: a full disk (a
+    conversion's, or its lock file's) or a converter that was killed. Such a failure made
+    /health 503 for every model until the next request for that one (seventeenth probe)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain of causes, not a loop
+        if seen is None:
+            return False
+        if (isinstance(seen, SourceError) and seen.transient) or (
+            isinstance(seen, OSError) and seen.errno in _DISK_FULL
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _report_progress(entry: Entry, fraction: float) -> None:

@@ -36,6 +36,9 @@ class Entry:
         self.config = config
         self.model: Any = None
         self.error: str | None = None
+        self.error_passes = False
+        """``error`` is a full disk's (or a converter killed): the model is ``unloaded``, tried
+        again at its next request, not ``error`` (which fails /health)."""
         self.loading: asyncio.Task[Any] | None = None
         self.unloading: asyncio.Task[None] | None = None
         self.in_flight = 0

@@ -165,17 +165,23 @@ def converted_folder(
     return folder
 
 
+_MAX_SOURCE_JSON = 1 << 20
+"""``ortserve_source.json`` is some kilobytes; read no more than this of it (one made a link
+to /dev/zero was read until memory ran out: seventeenth probe)."""
+
+
 def _whole(folder: Path) -> bool:
-    """Whether the converted ``folder``'s files weigh what its conversion wrote (folders
-    converted before the sizes were kept are taken as they are)."""
+    """Whether the converted ``folder``'s files weigh what its conversion wrote (a folder
+    converted before the sizes were kept is converted again)."""
     try:
-        sizes = json.loads((folder / "ortserve_source.json").read_text(encoding="utf-8")).get("sizes")
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError, AttributeError):
+        with (folder / "ortserve_source.json").open("rb") as file:
+            text = file.read(_MAX_SOURCE_JSON + 1)
+        sizes = json.loads(text) if len(text) <= _MAX_SOURCE_JSON else None
+        sizes = sizes.get("sizes") if isinstance(sizes, dict) else None
+    except (OSError, ValueError):
         return False
-    if not isinstance(sizes, dict):
-        return True
+    if not isinstance(sizes, dict) or not all(isinstance(size, int) for size in sizes.values()):
+        return False
     try:
         return all((folder / str(name)).stat().st_size == size for name, size in sizes.items())
     except OSError:  # one is gone
