@@ -858,3 +858,28 @@ def test_an_answer_the_sdk_cannot_parse_is_one_warning_line(
     assert said, caplog.text
     assert all(r.levelno == logging.WARNING and r.exc_info is None and "\n" not in r.getMessage() for r in said)
     assert "ValidationError" in said[0].getMessage()
+
+
+def test_a_stdio_servers_stderr_is_logged_within_a_bound(caplog: pytest.LogCaptureFixture) -> None:
+    """Seventeenth probe: a stdio server's stderr was passed to ours unbounded (64 KiB lines
+    in a loop grew the log by 3.1 GB in 10 s). Lines are cut and a minute's are bounded;
+    what is left out is counted."""
+    import anyio
+    from ortserve_server._mcp_stdio import STDERR_LINE_CHARS, STDERR_LINES_PER_MINUTE, StdioLink
+
+    script = "import sys\nfor i in range(1000):\n    sys.stderr.write(f'line{i} ' + 'x' * 65536 + '\\n')\n"
+    link = StdioLink((sys.executable, "-c", script), 1 << 20)
+
+    async def run() -> None:
+        async with link.transport():
+            with anyio.fail_after(60):
+                while link.ended is None:
+                    await anyio.sleep(0.05)
+            await anyio.sleep(0.5)  # the last lines read
+
+    with caplog.at_level(logging.WARNING, "ortserve.mcp"):
+        anyio.run(run)
+    logged = [r.getMessage() for r in caplog.records if r.name == "ortserve.mcp"]
+    lines = [m for m in logged if " line" in m and "x" * 100 in m]
+    assert len(lines) == STDERR_LINES_PER_MINUTE and lines[0].endswith(f": line0 {'x' * (STDERR_LINE_CHARS - 6)}")
+    assert f"{1000 - STDERR_LINES_PER_MINUTE} lines of its stderr were not logged" in logged[-1], logged[-1]

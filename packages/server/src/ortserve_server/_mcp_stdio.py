@@ -41,6 +41,7 @@ __all__ = [
     "MAX_LISTED_TOOLS",
     "MAX_NOTIFICATIONS_PER_SECOND",
     "NESTED_TOO_DEEP",
+    "STDERR_LINES_PER_MINUTE",
     "PerSecond",
     "StdioLink",
     "is_notification",
@@ -70,6 +71,11 @@ each handed to the SDK, held the event loop up to 0.5 s at a time until the call
 (dropped here, a thousand still cost 30-115 ms of the loop's time before they stopped)."""
 NESTED_TOO_DEEP = "nested too deep to decode"
 """What a message nested past the depth Python's ``json`` decodes is said to be."""
+STDERR_LINES_PER_MINUTE = 120
+"""Lines of a server's stderr logged a minute (each cut at :data:`STDERR_LINE_CHARS`); the
+rest are counted, and the count logged. Passed through as they were, 64 KiB lines in a
+loop grew the log by 3.1 GB in 10 s (seventeenth probe)."""
+STDERR_LINE_CHARS = 1024
 _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
 _DRAIN = 1.0
@@ -123,7 +129,7 @@ class StdioLink:
             list(self.command),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=None,  # the server's log goes where ours goes
+            stderr=subprocess.PIPE,  # into our log, bounded (_relay_stderr)
             env=get_default_environment(),  # not ours: API keys and tokens stay here
             start_new_session=os.name == "posix",
         )
@@ -134,6 +140,7 @@ class StdioLink:
             tasks.start_soon(self._read, process, reading, read)
             tasks.start_soon(self._write, process, writing)
             tasks.start_soon(self._watch, process, reading, read)
+            tasks.start_soon(self._relay_stderr, process)
             try:
                 yield read_stream, write_stream
             finally:
@@ -168,6 +175,40 @@ class StdioLink:
                 if self.ended is None:
                     self.ended = "the MCP server's process ended; it starts again on next use"
                 read.set()
+
+    async def _relay_stderr(self, process: anyio.abc.Process) -> None:
+        """The process's stderr into the log, line by line within :data:`STDERR_LINES_PER_MINUTE`."""
+        assert process.stderr is not None
+        name = os.path.basename(self.command[0])
+        minute, logged, dropped = time.monotonic(), 0, 0
+        line = bytearray()  # the line being read, its first STDERR_LINE_CHARS bytes
+
+        def log(text: bytes) -> None:
+            nonlocal minute, logged, dropped
+            now = time.monotonic()
+            if now - minute >= 60:
+                if dropped:
+                    logger.warning("MCP server %s: %d lines of its stderr were not logged", name, dropped)
+                minute, logged, dropped = now, 0, 0
+            if logged < STDERR_LINES_PER_MINUTE:
+                logged += 1
+                logger.warning("MCP server %s: %s", name, text.decode(errors="replace").rstrip())
+            else:
+                dropped += 1
+
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError):
+            async for chunk in process.stderr:
+                start = 0
+                while (end := chunk.find(b"\n", start)) >= 0:
+                    line += chunk[start : start + max(0, min(end - start, STDERR_LINE_CHARS - len(line)))]
+                    log(bytes(line))
+                    line.clear()
+                    start = end + 1
+                line += chunk[start : start + max(0, STDERR_LINE_CHARS - len(line))]
+        if line:
+            log(bytes(line))
+        if dropped:
+            logger.warning("MCP server %s: %d lines of its stderr were not logged", name, dropped)
 
     async def _watch(self, process: anyio.abc.Process, reading: Any, read: anyio.Event) -> None:
         """Ends the connection once the process has exited, even while its stdout stays open
