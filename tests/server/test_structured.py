@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import jsonschema
@@ -215,8 +217,19 @@ def _chained_names(links: int, kind: str) -> dict[str, object]:
     return {"$ref": ref(0), "$defs": defs}
 
 
-def _chained_rules(rules: int) -> str:
-    return "start: r0\n" + "\n".join([f'r{i}: r{i + 1} | "a"' for i in range(rules)] + [f'r{rules}: "b"'])
+def _chained_rules(rules: int, attributes: str = "") -> str:
+    return "start: r0\n" + "\n".join([f'r{i}{attributes}: r{i + 1} | "a"' for i in range(rules)] + [f'r{rules}: "b"'])
+
+
+def _chained_spelt(links: int, spelling: str) -> dict[str, object]:
+    """A ``#/$defs`` chain, each ref spelt ``spelling`` + the pointer (relative to
+    llguidance's base URI ``json-schema:///``), and one unrelated nested ``$id``."""
+    defs: dict[str, object] = {
+        f"d{i}": {"anyOf": [{"$ref": f"{spelling}#/$defs/d{i + 1}"}, {"type": "null"}]} for i in range(links)
+    }
+    defs[f"d{links}"] = {"type": "null"}
+    defs["zz"] = {"$id": "urn:dummy", "type": "integer"}
+    return {"$ref": f"{spelling}#/$defs/d0", "$defs": defs}
 
 
 @pytest.mark.parametrize(
@@ -236,8 +249,31 @@ def _chained_rules(rules: int) -> str:
             for schema in (_chained_names(1500, "anchor"), _chained_names(1500, "id"))
         ),
         ({"guided_grammar": "start: %json " + json.dumps(_chained_defs(1500))}, "guided_grammar"),
+        # Seventeenth probe: a nested $id switched pointers off, refs relative to the default
+        # base were not resolved, rules with attributes were not rules (each killed the server).
+        *(
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                "response_format",
+            )
+            for schema in (_chained_spelt(1500, spelt) for spelt in ("", "/", "./", "json-schema:///"))
+        ),
+        ({"guided_grammar": _chained_rules(3000, "[capture]")}, "guided_grammar"),
+        ({"guided_grammar": _chained_rules(3000, ' [lazy, stop=""]')}, "guided_grammar"),
     ],
-    ids=["defs-chain-1500", "lark-rules-3000", "anchor-chain-1500", "id-chain-1500", "lark-json-chain-1500"],
+    ids=[
+        "defs-chain-1500",
+        "lark-rules-3000",
+        "anchor-chain-1500",
+        "id-chain-1500",
+        "lark-json-chain-1500",
+        "nested-id-chain-1500",
+        "slash-chain-1500",
+        "dot-slash-chain-1500",
+        "base-uri-chain-1500",
+        "lark-capture-rules-3000",
+        "lark-lazy-rules-3000",
+    ],
 )
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict[str, object], param: str) -> None:
@@ -249,7 +285,7 @@ def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict
     seen.assert_within()
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
-    assert error["param"] == param and "deep; at most 1000" in error["message"], error
+    assert error["param"] == param and "deep; at most" in error["message"], error
     tree = {
         "$defs": {
             "node": {
@@ -280,3 +316,48 @@ def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict
     )
     assert ok.status_code == 200, ok.text
     assert httpx.get(f"{tiny_url}/health").status_code == 200
+
+
+def test_a_recursive_union_of_many_types_compiles(tiny_url: str) -> None:
+    """A tree whose nodes are any of 200 types (a UI tree, an AST), each with children of
+    any type: one recursive component of 1,005 objects and arrays, but no chain; llguidance
+    compiles it in 16 ms, and it was refused as "1005 deep" (seventeenth probe, issue 45)."""
+    defs: dict[str, object] = {"Node": {"anyOf": [{"$ref": f"#/$defs/T{i}"} for i in range(200)]}}
+    for i in range(200):
+        defs[f"T{i}"] = {
+            "type": "object",
+            "properties": {
+                "kind": {"const": f"t{i}"},
+                "label": {"type": "string"},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
+            },
+            "required": ["kind"],
+        }
+    schema = {"$ref": "#/$defs/Node", "$defs": defs}
+    body = {
+        "model": "tiny",
+        "messages": ASK,
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "ui", "schema": schema}},
+    }
+    reply = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
+def test_grammars_compile_on_a_stack_deep_enough_for_any_within_the_size_bound() -> None:
+    """Should the depth check miss a shape, the compiler's recursion must not kill the
+    process: 2,100 chained Lark rules of 24 nested parentheses each (127 KiB, the size
+    bound; some 95 MiB of stack) compile on the compiler's thread. Run in a child process: on
+    a small stack it dies of SIGSEGV."""
+    script = """
+import llguidance
+from ortserve_runtime.chat._large_stack import on_large_stack
+names = [f"r{i}" for i in range(2101)]
+text = "start: r0\\n" + "".join(
+    f"{a}: " + "(" * 24 + b + ")" * 24 + "\\n" for a, b in zip(names, names[1:])
+) + names[-1] + ': "y"\\n'
+assert len(text) <= 131072, len(text)
+print(on_large_stack(lambda: llguidance.LLMatcher.validate_grammar(text, None)) or "OK")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", (done.returncode, done.stdout, done.stderr[-2000:])

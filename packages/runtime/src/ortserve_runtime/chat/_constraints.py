@@ -22,7 +22,8 @@ import numpy.typing as npt
 from .._errors import InvalidRequestError
 from .._fair_threads import FairThreads
 from .._memory import resident_memory
-from ._grammar_depth import MAX_GRAMMAR_DEPTH, json_schema_depth, lark_depth
+from ._grammar_depth import MAX_GRAMMAR_DEPTH, MAX_SCHEMA_DEPTH, json_schema_depth, lark_depth
+from ._large_stack import on_large_stack
 from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
 
 if TYPE_CHECKING:
@@ -179,7 +180,8 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar) -> Constraint:
         """A fresh matcher for ``grammar``; an invalid one raises :class:`InvalidRequestError`."""
-        text = _grammar_text(grammar)
+        # llguidance's calls run on a large stack (its compiler recurses): see _large_stack.
+        text = on_large_stack(lambda: _grammar_text(grammar))
         shared = _SHARED.get()
         if shared is not None and text in shared:
             return shared[text].copy()
@@ -198,11 +200,11 @@ class GrammarCompiler:
                 self.reused += 1
                 return kept.copy()
         tokenizer = self._llg_tokenizer()
-        error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+        error = on_large_stack(lambda: llguidance.LLMatcher.validate_grammar(text, tokenizer))
         if error:
             raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
         before = resident_memory()
-        constraint = Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size)
+        constraint = on_large_stack(lambda: Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size))
         # Other threads' growth counts too (kept less, never more); where there is no
         # resident size to read (not Linux) it reads 0 and every grammar is kept.
         if resident_memory() - before < _KEPT_GROWTH:
@@ -265,14 +267,14 @@ def _grammar_text(grammar: Grammar) -> str:
             schema = grammar.source if isinstance(grammar.source, dict) else json.loads(grammar.source)
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param="grammar")
-            _check_depth(json_schema_depth(schema), "JSON schema's objects, arrays and $refs")
+            _check_depth(json_schema_depth(schema), "JSON schema's objects, arrays and $refs", MAX_SCHEMA_DEPTH)
             schema = closed_schema(schema)
             # Without this the model may emit whitespace between tokens until max_tokens.
             schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
         if grammar.kind == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(str(grammar.source)))
-        _check_depth(lark_depth(str(grammar.source)), "Lark grammar's rule references")
+        _check_depth(lark_depth(str(grammar.source)), "Lark grammar's rule references", MAX_GRAMMAR_DEPTH)
         return str(llguidance.LLMatcher.grammar_from_lark(str(grammar.source)))
     except InvalidRequestError:
         raise
@@ -284,9 +286,7 @@ def _grammar_text(grammar: Grammar) -> str:
         raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {exc}", param="grammar") from exc
 
 
-def _check_depth(depth: int, what: str) -> None:
+def _check_depth(depth: int, what: str, limit: int) -> None:
     """Refuse a grammar whose references go deeper than the compiler's stack can follow."""
-    if depth > MAX_GRAMMAR_DEPTH:
-        raise InvalidRequestError(
-            f"the {what} go {depth} deep; at most {MAX_GRAMMAR_DEPTH} can be compiled", param="grammar"
-        )
+    if depth > limit:
+        raise InvalidRequestError(f"the {what} go {depth} deep; at most {limit} can be compiled", param="grammar")

@@ -3,8 +3,11 @@
 llguidance's compiler follows a JSON schema's ``$ref`` chain and a Lark grammar's rule
 references by recursion on the calling thread's stack: a schema whose ``$defs`` chain
 1,500 deep (each ``anyOf: [{$ref: next}, {type: null}]``), or 3,000 chained Lark rules,
-overflows it and the process dies (SIGSEGV), though both are small. Its own limits cover
-nesting in the text (128 levels of JSON, Lark parentheses), not chains of references.
+overflows an 8 MiB thread stack and the process dies (SIGSEGV), though both are small.
+Its own limits cover nesting in the text (128 levels of JSON, Lark parentheses), not
+chains of references. Compiling runs on a 256 MiB stack (:mod:`._large_stack`), where
+every grammar within the size bound fits; this check keeps what a request may ask for
+well inside it.
 
 The depth here is the longest path through the reference graph, where a strongly
 connected part (a type that refers to itself, rules that refer to each other) counts as
@@ -19,79 +22,127 @@ import json
 import re
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import unquote
+from urllib.parse import unquote, urljoin, urlsplit, uses_relative
 
-__all__ = ["MAX_GRAMMAR_DEPTH", "json_schema_depth", "lark_depth"]
+__all__ = ["MAX_GRAMMAR_DEPTH", "MAX_SCHEMA_DEPTH", "json_schema_depth", "lark_depth"]
 
 _N = TypeVar("_N", bound=Hashable)
 
 MAX_GRAMMAR_DEPTH = 1000
-"""The deepest reference graph compiled. Chains twice this long compiled on an 8 MiB
-worker-thread stack (1,000 ``$ref`` hops, each three JSON containers, measured 3,000 here;
-2,000 Lark rules); 1,500 hops and 3,000 rules crashed it."""
+"""The deepest chain of Lark rules compiled (a ``%json`` body's objects and arrays adding to
+it). Chains twice this long compiled on an 8 MiB thread stack (2,000 rules; 1,000 ``$ref``
+hops); 1,500 hops and 3,000 rules crashed it. Compiling now runs on a 256 MiB stack
+(:mod:`._large_stack`), where a rule with 24 nested parentheses takes 45 KiB: 1,000 such
+rules take 45 MiB of it."""
+
+MAX_SCHEMA_DEPTH = 4000
+"""The deepest graph of a JSON schema compiled, counted in objects and arrays: at most
+3.8 KiB of compiler stack each (an ``items`` ``$ref`` chain, measured; 2.7 KiB in an
+``anyOf`` chain), so 15 MiB of the 256 MiB it compiles on. A recursive union of 400 node
+types (85 KiB, a component of 2,005) passes; a 1,500-link chain (4,503) does not
+(seventeenth probe, issue 45)."""
+
+_DEFAULT_BASE = "json-schema:///"
+"""The base URI llguidance (its ``referencing`` crate) gives a schema without ``$id``."""
 
 
 def json_schema_depth(schema: Any) -> int:
-    """The depth of ``schema``'s graph: each object and array a node, its members and the
-    target of each ``$ref`` (``$dynamicRef``, ``$recursiveRef``) its successors.
+    """The depth of ``schema``'s graph: each object and array (each place it occurs) a
+    node, its members and the targets of each ``$ref`` (``$dynamicRef``,
+    ``$recursiveRef``) its successors.
 
-    A JSON pointer (``#``, ``#/$defs/x``) and an ``$anchor`` or ``$id`` named exactly are
-    followed; any other reference (relative to a nested ``$id``, or to nothing here) leads
-    to every node with an ``$id`` or anchor, through one node of its own, which makes the
-    chains it could close one strongly connected part, counted whole: llguidance resolves
-    anchors and ids too, and a 1,500-link chain of them crashed it (sixteenth probe)."""
-    edges: dict[int, list[int]] = {}
-    named: dict[str, int] = {}  # "#anchor" and "$id" -> the node they name
-    references: list[tuple[list[int], str]] = []
-    nested_ids = False
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        key = id(node)
-        if key in edges:
-            continue
+    References resolve as llguidance's do: against a base URI that each ``$id`` sets
+    (``json-schema:///`` at the root), then the fragment as a JSON pointer, or an anchor,
+    within the resource that URI names. A reference resolved to nothing here leads to
+    every node: llguidance may resolve what this does not (URI normalization, older
+    drafts' ``id``), and a chain must not vanish at the one link this misses (seventeenth
+    probe: a nested ``$id`` switched pointers off, and ``/#/$defs/x`` was not resolved:
+    1,500 links measured 7 deep and crashed the server). Refusing such a reference
+    instead would refuse schemas llguidance takes; the whole schema as one component is
+    an upper bound, and a small schema stays well under the limit."""
+    nodes: list[Any] = []  # node number -> its object or array
+    edges: list[list[int]] = []
+    numbers: dict[int, list[int]] = {}  # id() of an object or array -> the nodes it is
+    resources: dict[str, list[int]] = {}  # a base URI, without fragment -> its root nodes
+    anchors: dict[tuple[str, str], list[int]] = {}
+    references: list[tuple[int, str, str]] = []  # (node, base, ref)
+    root_id = schema.get("$id") if isinstance(schema, dict) else None
+    work: list[tuple[Any, str, int]] = [(schema, _DEFAULT_BASE, -1)]
+    while work:
+        node, base, parent = work.pop()
+        number = len(nodes)
+        nodes.append(node)
+        edges.append([])
+        numbers.setdefault(id(node), []).append(number)
+        if parent >= 0:
+            edges[parent].append(number)
+        if isinstance(node, dict):
+            if isinstance(node.get("$id"), str):
+                uri, _, fragment = _join(base, node["$id"]).partition("#")
+                if fragment:  # draft 6-7: "$id": "#name" names an anchor
+                    anchors.setdefault((uri, fragment), []).append(number)
+                else:
+                    base = uri
+                    resources.setdefault(uri, []).append(number)
+            for field in ("$anchor", "$dynamicAnchor"):
+                if isinstance(node.get(field), str):
+                    anchors.setdefault((base.partition("#")[0], node[field]), []).append(number)
+            for field in ("$ref", "$dynamicRef", "$recursiveRef"):
+                if isinstance(node.get(field), str):
+                    references.append((number, base, node[field]))
         members = node.values() if isinstance(node, dict) else node
-        successors = edges[key] = []
-        for member in members:
-            if isinstance(member, dict | list):
-                successors.append(id(member))
-                stack.append(member)
-        if not isinstance(node, dict):
-            continue
-        for field in ("$anchor", "$dynamicAnchor"):
-            if isinstance(node.get(field), str):
-                named["#" + node[field]] = key
-        if isinstance(node.get("$id"), str):
-            named[node["$id"].rstrip("#")] = key
-            nested_ids = nested_ids or node is not schema
-        for field in ("$ref", "$dynamicRef", "$recursiveRef"):
-            if isinstance(node.get(field), str):
-                references.append((successors, node[field]))
-    anywhere: list[int] = []  # the successors of the node standing for "any named node"
-    for successors, ref in references:
-        target = None if nested_ids else _pointer_target(schema, ref)
-        if target is not None:
-            successors.append(id(target))
-        elif ref in named or ref.rstrip("#") in named:
-            successors.append(named[ref] if ref in named else named[ref.rstrip("#")])
+        work += ((member, base, number) for member in members if isinstance(member, dict | list))
+    if not isinstance(root_id, str):
+        resources.setdefault(_DEFAULT_BASE, []).append(0)
+    everywhere = len(nodes)  # the node an unresolved reference leads to
+    edges.append([])
+    for number, base, ref in references:
+        uri, _, fragment = _join(base, ref).partition("#")
+        targets = _resolve(uri, unquote(fragment), resources, anchors, nodes, numbers)
+        if targets is None:
+            edges[number].append(everywhere)
+            edges[everywhere] = list(range(len(nodes)))
         else:
-            successors.append(_ANYWHERE)
-            anywhere = list(set(named.values()))
-    edges[_ANYWHERE] = anywhere
-    return _longest_path(edges)
+            edges[number] += targets
+    return _longest_path(dict(enumerate(edges)))
 
 
-_ANYWHERE = -1
-"""The node a reference this module cannot resolve leads to (``id()`` is never negative)."""
+def _join(base: str, ref: str) -> str:
+    """``ref`` resolved against ``base`` (RFC 3986, as the ``referencing`` crate does; Python's
+    ``urljoin`` leaves schemes it does not know, ``json-schema:`` among them, unresolved)."""
+    if ref.startswith("#"):
+        return base.partition("#")[0] + ref
+    scheme = urlsplit(base).scheme
+    if not scheme or scheme in uses_relative:
+        return urljoin(base, ref)
+    joined = urljoin("http" + base[len(scheme) :], ref)  # the same hierarchy under a known scheme
+    return scheme + joined[len("http") :] if joined.startswith("http:") else joined
 
 
-def _pointer_target(root: Any, ref: str) -> dict[str, Any] | list[Any] | None:
-    """What a local ``$ref`` points at, or ``None`` (another document, an anchor, a miss)."""
-    if not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
-        return None
+def _resolve(
+    uri: str,
+    fragment: str,
+    resources: Mapping[str, list[int]],
+    anchors: Mapping[tuple[str, str], list[int]],
+    nodes: Sequence[Any],
+    numbers: Mapping[int, list[int]],
+) -> list[int] | None:
+    """The nodes ``uri#fragment`` names, or ``None`` (not a resource or anchor here)."""
+    if not fragment.startswith("/") and fragment:
+        return anchors.get((uri, fragment))
+    targets: list[int] = []
+    for root in resources.get(uri, ()):
+        target = _pointer_target(nodes[root], fragment)
+        if target is not None:
+            targets += numbers[id(target)]
+    return targets or None
+
+
+def _pointer_target(root: Any, pointer: str) -> dict[str, Any] | list[Any] | None:
+    """What a JSON pointer (``""``, ``/$defs/x``) points at within ``root``, or ``None``."""
     node = root
-    for raw in ref[2:].split("/") if len(ref) > 1 else ():
-        part = unquote(raw).replace("~1", "/").replace("~0", "~")
+    for raw in pointer[1:].split("/") if pointer else ():
+        part = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -104,7 +155,10 @@ def _pointer_target(root: Any, ref: str) -> dict[str, Any] | list[Any] | None:
 # A Lark grammar's tokens: what can hide a name (strings, regular expressions, comments),
 # then names, optionally ``@name`` (llguidance's reference to a nested grammar).
 _LARK_TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|/(?!/)(?:\\.|[^/\\\n])+/|//[^\n]*|@?[A-Za-z_]\w*')
-_LARK_RULE = re.compile(r"\s*[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?\s*:")
+# A rule's head: ``name:``, ``?name.2 :``, and with llguidance's attributes, ``name[lazy]:``,
+# ``name [capture, stop=""]:`` (seventeenth probe: a chain of those was not seen).
+_ATTRIBUTES = r'(?:\[(?:"(?:\\.|[^"\\\n])*"|[^\]"\n])*\]\s*)?'
+_LARK_RULE = re.compile(rf"\s*[?!]?([A-Za-z_]\w*)\s*{_ATTRIBUTES}(?:\.-?\d+\s*)?{_ATTRIBUTES}:")
 
 
 def lark_depth(source: str) -> int:
