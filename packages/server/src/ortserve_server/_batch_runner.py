@@ -64,7 +64,9 @@ database run each batch in one of them, and take over one whose runner went quie
 
 MAX_LINE_STARTS = 3
 """Starts of one line (its first, and after the server ended while running it) before it is
-answered with an error instead: a shutdown or two mid-line is no reason to give it up."""
+answered with an error instead: a shutdown or two mid-line is no reason to give it up. A
+line started again runs alone (``BatchStore.pending_lines``), so a line refused is one the
+server ended running at least twice with no other batch line beside it."""
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -160,6 +162,7 @@ class BatchRunner:
         store = self._state.batches
         limit = self._state.config.batch_concurrency
         running: dict[int, asyncio.Task[None]] = {}
+        alone = False
         claimed = time.monotonic()
         try:
             while batch.id not in self._cancelled and (batch.expires_at is None or time.time() < batch.expires_at):
@@ -170,15 +173,19 @@ class BatchRunner:
                     current = await store.batch(None, batch.id)
                     if current is None or current.status != "in_progress":
                         return True  # cancelled through another replica
-                if len(running) < limit:
+                if len(running) < limit and not alone:
                     for line in await store.pending_lines(batch.id, limit - len(running), set(running)):
                         running[line.line] = asyncio.create_task(self._line(batch, line, caller, trace))
+                        # A suspect (see pending_lines): no other line runs beside it (nor one of another
+                        # batch: a process runs one batch at a time).
+                        alone = line.started > 1
                 if not running:
                     return True
                 done, _ = await asyncio.wait(running.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # a database failure: the batch waits for the next round
                 running = {number: task for number, task in running.items() if not task.done()}
+                alone = alone and bool(running)
             return True
         finally:
             for task in running.values():

@@ -15,8 +15,9 @@ import secrets
 import socket
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
@@ -288,15 +289,39 @@ class BatchStore:
 
     async def pending_lines(self, batch_id: str, limit: int, skip: set[int]) -> list[PendingLine]:
         """Lines without an answer, in order, but those in ``skip`` (running now), each
-        counted as started once more."""
+        counted as started once more.
+
+        A line started before but not answered (the server ended while it ran, or stopped
+        it) is a suspect: the process may have died of it or of a line beside it. Suspects
+        come first, each alone: one when nothing runs (``skip`` empty), none while something
+        does, so that a line that kills the server dies alone and only its own count grows;
+        the lines that ran beside it are answered when they run alone in turn (seventeenth
+        probe: three crashes of one line also ended the seven running beside it)."""
 
         def pending(db: Connection) -> list[PendingLine]:
             with write(db):
-                rows = db.execute(
-                    "SELECT line, custom_id, request, started FROM batch_lines WHERE batch_id = ? AND status IS NULL"
-                    " ORDER BY line",
-                    (batch_id,),
-                )
+                suspects = [
+                    line
+                    for (line,) in db.execute(
+                        "SELECT line FROM batch_lines WHERE batch_id = ? AND status IS NULL AND started > 0"
+                        " ORDER BY line",
+                        (batch_id,),
+                    ).fetchall()
+                    if line not in skip
+                ]
+                if suspects:
+                    if skip:
+                        return []  # it waits for the lines running now to end
+                    rows: Iterable[Any] = db.execute(
+                        "SELECT line, custom_id, request, started FROM batch_lines WHERE batch_id = ? AND line = ?",
+                        (batch_id, suspects[0]),
+                    )
+                else:
+                    rows = db.execute(
+                        "SELECT line, custom_id, request, started FROM batch_lines WHERE batch_id = ?"
+                        " AND status IS NULL AND started = 0 ORDER BY line",
+                        (batch_id,),
+                    )
                 found = []
                 for line, custom_id, request, started in rows:
                     if line not in skip:
