@@ -304,3 +304,59 @@ def test_a_line_the_server_ended_running_again_and_again_is_not_resumed(tmp_path
         assert refused["custom_id"] == f"line-{poison - 1}" and refused["error"]["code"] == "line_not_resumed"
         log = stopped_log(process)
     assert "not run again, the server ended 3 times" in log
+
+
+def _long_line(i: int, tokens: int) -> dict[str, Any]:
+    """A completion line of exactly ``tokens`` new tokens (it runs a while)."""
+    body = {"model": "tiny", "prompt": f"{i}", "max_tokens": tokens, "min_tokens": tokens, "temperature": 0}
+    return {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def _starts(state_dir: Path, batch_id: str) -> dict[int, int]:
+    with sqlite3.connect(state_dir / "ortserve.db") as db:
+        rows = db.execute("SELECT line, started FROM batch_lines WHERE batch_id = ?", (batch_id,)).fetchall()
+    return dict(rows)
+
+
+def _killed_as_it_starts(process: Any, state_dir: Path, batch_id: str, line: int, start: int) -> None:
+    """SIGKILL the server as line ``line`` is started for the ``start``-th time, as a line
+    that crashes the server would."""
+    end = time.monotonic() + 120
+    while _starts(state_dir, batch_id).get(line, 0) < start:
+        assert time.monotonic() < end, f"line {line} was not started a {start}th time"
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def test_only_the_line_the_server_ends_on_is_not_resumed(tmp_path: Path) -> None:
+    """Seventeenth probe: every line running when the server died was counted, so a line
+    that killed it three times took the lines running beside it down too (7 of 30). A line
+    started again runs alone: the server killed each time one line starts (three times),
+    the lines that ran beside it the first time are answered, and only it is refused."""
+    count, poison = 10, 3  # lines 1-8 start together (--batch-concurrency 8), 9 and 10 later
+    lines = [_long_line(i, 900 if i + 1 == poison else 60) for i in range(count)]
+    with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
+        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        batch_id = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+        ).id
+        _killed_as_it_starts(process, tmp_path, batch_id, poison, 1)
+    beside = {line for line, started in _starts(tmp_path, batch_id).items() if started == 1} - {poison}
+    assert len(beside) == 7  # in flight with it, unanswered
+    for start in (2, 3):
+        with serving("--state-dir", str(tmp_path)) as (process, _):
+            _killed_as_it_starts(process, tmp_path, batch_id, poison, start)
+    with serving("--state-dir", str(tmp_path)) as (process, url), _client(url) as client:
+        done = _wait(client, batch_id, within=300)
+        assert done.request_counts is not None and done.request_counts.completed == count - 1
+        answered = _lines(client, done.output_file_id)
+        (refused,) = _lines(client, done.error_file_id)
+    assert refused["custom_id"] == f"line-{poison - 1}" and refused["error"]["code"] == "line_not_resumed"
+    assert sorted(line["custom_id"] for line in answered) == sorted(
+        f"line-{i}" for i in range(count) if i != poison - 1
+    )
+    starts = _starts(tmp_path, batch_id)
+    assert starts[poison] == 4  # three deaths, the last two alone; the fourth start refuses it
+    assert all(starts[line] == 2 for line in beside)  # once beside it, then alone
+    assert starts[9] == starts[10] == 1
