@@ -4,6 +4,7 @@ without noise so that every request speaks the same samples)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -12,6 +13,7 @@ import time
 import tracemalloc
 import wave
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -143,10 +145,9 @@ def _espeak_children() -> list[int]:
     return found
 
 
-def _speaks(url: str) -> None:
-    response = httpx.post(
-        f"{url}/v1/audio/speech", json={"model": "joe", "input": "Still here.", "response_format": "wav"}, timeout=60
-    )
+def _speaks(url: str, headers: dict[str, str] | None = None) -> None:
+    body = {"model": "joe", "input": "Still here.", "response_format": "wav"}
+    response = httpx.post(f"{url}/v1/audio/speech", json=body, headers=headers, timeout=60)
     assert response.status_code == 200, response.text
     samples, _ = soundfile.read(io.BytesIO(response.content))
     assert len(samples) > 10_000 and float(np.abs(samples).max()) > 0.1
@@ -260,3 +261,112 @@ def test_a_long_text_streams_as_a_wav_that_is_never_held_whole(url: str, referen
     assert int(np.abs(samples.astype(np.int32) - whole.astype(np.int32)).max()) <= 1
     assert held < 2 * 2**20 < whole.nbytes and grown[0] < 128 * 2**20, (held >> 10, whole.nbytes >> 10, grown[0] >> 20)
     print(f"heap peak {held >> 10} KiB for {whole.nbytes >> 10} KiB of audio; RSS +{grown[0] >> 20} MiB")
+
+
+_ALICE, _BOB = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+_CRASH_TEXTS = ["a." * 100, "a." * 1000, "a.b." * 50, "x." * 2000]
+
+
+@pytest.fixture(scope="module")
+def keyed(voice_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server with the voice, a chat model and an embedding model, and two keys."""
+    from ortserve_server._demo import minilm_folder
+
+    minilm = minilm_folder(tmp_path_factory.mktemp("m") / "minilm")
+    assert minilm is not None
+    models = {"joe": voice_folder, "tiny": TINY_MODEL, "minilm": minilm}
+    with running(create_app(ServerConfig(models=models, api_key=("alice-key", "bob-key")))) as base:
+        for path, body in (
+            ("audio/speech", {"model": "joe", "input": "Warm up.", "response_format": "wav"}),
+            ("chat/completions", _CHAT),
+            ("embeddings", {"model": "minilm", "input": "warm up"}),
+        ):
+            httpx.post(f"{base}/v1/{path}", json=body, headers=_BOB, timeout=60).raise_for_status()
+        yield base
+
+
+_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+_POOL = min(32, (os.cpu_count() or 1) + 4)
+"""Threads of the event loop's default executor, which prepares chat prompts and loads."""
+
+
+def _bob(url: str) -> float:
+    """Seconds bob's chat and embeddings request take, both answered."""
+    start = time.perf_counter()
+    with httpx.Client(headers=_BOB, timeout=120) as client:
+        client.post(f"{url}/v1/chat/completions", json=_CHAT).raise_for_status()
+        client.post(f"{url}/v1/embeddings", json={"model": "minilm", "input": "hi"}).raise_for_status()
+    return time.perf_counter() - start
+
+
+def _alice_speaks(url: str, text: str) -> httpx.Response:
+    body = {"model": "joe", "input": text, "response_format": "wav"}
+    return httpx.post(f"{url}/v1/audio/speech", json=body, headers=_ALICE, timeout=180)
+
+
+@pytest.mark.timing
+def test_a_hung_espeak_holds_no_other_key_back_and_times_out(keyed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seventeenth probe, issue 45 (F1, M4): with the voice's espeak child stopped (a hang),
+    more speech requests than the shared thread pool has threads waited for it on that
+    pool, and bob's chat and embeddings waited 60 s. Now speech waits on the voice's own
+    thread: bob is answered while every speech request still waits; the request in the
+    stopped child ends after CALL_SECONDS as a 503 saying so (not a 400 blaming ``input``);
+    the others are spoken by a fresh child, and so is the next request."""
+    from ortserve_runtime.speech import _espeak
+
+    monkeypatch.setattr(_espeak, "CALL_SECONDS", 6.0)  # read at each call; the server runs in this process
+    _speaks(keyed, _ALICE)
+    children = _espeak_children()  # keyed's voice's, and the url fixture's if it runs
+    for child in children:
+        os.kill(child, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(_POOL + 2) as pool:
+            started = time.perf_counter()
+            speech = [pool.submit(_alice_speaks, keyed, "Hello there.") for _ in range(_POOL + 2)]
+            time.sleep(0.5)
+            took = _bob(keyed)
+            pending = sum(not future.done() for future in speech)
+            answers = [future.result() for future in speech]
+            waited = time.perf_counter() - started
+    finally:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGCONT)
+    print(
+        f"bob's chat + embeddings: {took:.2f} s with {pending} speech requests waiting; speech done in {waited:.1f} s"
+    )
+    assert pending == len(speech) and took < 5.0
+    hung = [answer for answer in answers if answer.status_code != 200]
+    assert len(hung) == 1, [(answer.status_code, answer.text[:200]) for answer in answers]
+    assert hung[0].status_code == 503 and hung[0].headers["Retry-After"] == "1"
+    error = hung[0].json()["error"]
+    assert error["code"] == "model_crashed" and "did not answer within 6 s" in error["message"], error
+    assert waited < 60
+    _speaks(keyed, _ALICE)
+    assert len(set(children) - set(_espeak_children())) == 1  # keyed's was killed and replaced
+
+
+@pytest.mark.timing
+def test_many_crash_texts_hold_no_other_key_back(keyed: str) -> None:
+    """Seventeenth probe, issue 45 (F1): 40 concurrent texts that crash espeak (each two
+    child deaths and starts, taking turns on the voice) held the shared pool's threads, and
+    bob's 2-token chat took 10.8 s. Now bob's chats are answered while alice's texts still
+    queue on the voice, each promptly; each crash text is a 400 naming ``input`` or audio."""
+    with ThreadPoolExecutor(41) as pool:
+        speech = [pool.submit(_alice_speaks, keyed, _CRASH_TEXTS[i % 4]) for i in range(40)]
+        time.sleep(0.5)
+        chats = []
+        while len(chats) < 5 or not all(future.done() for future in speech):
+            start = time.perf_counter()
+            httpx.post(f"{keyed}/v1/chat/completions", json=_CHAT, headers=_BOB, timeout=120).raise_for_status()
+            chats.append((time.perf_counter() - start, sum(not future.done() for future in speech)))
+            time.sleep(0.2)
+        answers = [future.result() for future in speech]
+    print("bob's chats (seconds, speech requests outstanding):", [(round(s, 2), n) for s, n in chats])
+    assert chats[0][1] > 0 and max(seconds for seconds, _ in chats) < 5.0
+    for answer in answers:
+        assert answer.status_code in (200, 400), answer.text
+        if answer.status_code == 400:
+            error = answer.json()["error"]
+            assert error["param"] == "input" and "espeak-ng crashed on it" in error["message"], error
+    _speaks(keyed, _ALICE)

@@ -16,9 +16,17 @@ A call is one pipe round trip (some 0.1 ms besides espeak's own time); calls tak
 
 A child that dies during a call is started again and the text is tried once more on the
 fresh one (the child may have died of something else, and espeak's crashes depend on
-memory layout); a second death refuses the input (``InvalidRequestError`` naming
-``input``). The child exits when its parent does: its standard input closes, and it
+memory layout). Only a crash (``SIGSEGV``, ``SIGABRT``...) that repeats on the fresh child
+is the text's fault: ``InvalidRequestError`` naming ``input``. A child that does not
+answer within :data:`CALL_SECONDS` (hung, or stopped from outside), or that was ended from
+outside (``SIGKILL``: the OOM killer, an operator) is the server's: it is killed, the next
+call starts a fresh one, and the request fails with :class:`ModelCrashedError` (a 503 worth
+retrying). The child exits when its parent does: its standard input closes, and it
 watches the parent's pid in case another process holds the pipe open.
+
+Calls take turns on a lock; a caller waits for it in its own thread, so the voice gives
+each Phonemizer a single thread of its own (``VoiceModel``) rather than the event loop's
+shared pool, which every other model's requests need (seventeenth probe, issue 45).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import threading
@@ -34,7 +43,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .._errors import EngineClosedError, EngineError, InvalidRequestError, ModelLoadError
+from .._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
 from ..sources._child import ended_by
 
 __all__ = ["Phonemizer", "main"]
@@ -56,14 +65,25 @@ main(*sys.argv[3:])
 """Starts the child without running the packages' ``__init__`` (0.5 s of imports, and the
 memory of onnxruntime, saved)."""
 
-CALL_SECONDS = 60.0
+CALL_SECONDS = 15.0
 """How long espeak may take on one text (4,096 characters take well under a second): a
-child that takes longer is taken for hung, killed, and the input refused."""
+child that takes longer is taken for hung (or stopped), killed and replaced, and the
+request fails with :class:`ModelCrashedError`. Read at each call."""
 _START_SECONDS = 60.0
+_CRASHES = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGTRAP, signal.SIGSYS}
+)
+"""Signals of a crash inside espeak: a text's fault when it repeats on a fresh child. Any
+other end (``SIGKILL``, ``SIGTERM``, an exit) came from outside the text."""
 
 
 class _Died(Exception):
-    """The child ended during a call; ``args[0]`` says how (``SIGSEGV``)."""
+    """The child ended during a call; ``args[0]`` says how (``SIGSEGV``), ``crashed``
+    whether by a crash signal (see :data:`_CRASHES`)."""
+
+    def __init__(self, how: str, *, crashed: bool) -> None:
+        super().__init__(how)
+        self.crashed = crashed
 
 
 class Phonemizer:
@@ -106,9 +126,11 @@ class Phonemizer:
     def clauses(self, voice: str, text: str) -> list[tuple[str, str, bool]]:
         """``get_phonemes(text)`` in espeak voice ``voice``: ``(phonemes, terminator,
         end_of_sentence)`` per clause. ``InvalidRequestError`` naming ``input`` when espeak
-        crashes on ``text`` (twice), fails on it, or hangs."""
+        crashes on ``text`` (twice) or fails on it; ``ModelCrashedError`` when its child
+        hangs (past :data:`CALL_SECONDS`) or is ended from outside (see the module
+        docstring)."""
         request = (json.dumps({"voice": voice, "text": text}) + "\n").encode("ascii")
-        ended = ""
+        deaths: list[_Died] = []
         with self._lock:
             for _ in range(2):
                 if self._closed:
@@ -119,13 +141,25 @@ class Phonemizer:
                 try:
                     reply = self._ask(request)
                 except _Died as died:
-                    ended = str(died)
+                    deaths.append(died)
                     self._stop()
                     continue
+                except ModelCrashedError:
+                    self._stop()
+                    raise
                 if "error" in reply:
                     raise InvalidRequestError(f"input could not be phonemized: {reply['error']}", param="input")
                 return [(str(p), str(t), bool(end)) for p, t, end in reply["clauses"]]
-        raise InvalidRequestError(f"input could not be phonemized: espeak-ng crashed on it ({ended})", param="input")
+        if self._closed:
+            raise EngineClosedError("the voice's phonemizer is closed")
+        if all(died.crashed for died in deaths):
+            raise InvalidRequestError(
+                f"input could not be phonemized: espeak-ng crashed on it ({deaths[-1]})", param="input"
+            )
+        raise ModelCrashedError(
+            f"espeak-ng's process ended during the call ({', then '.join(map(str, deaths))}), not by a crash on "
+            "the input; it is started again at the next request: try again"
+        )
 
     def close(self) -> None:
         """End the child; later calls raise ``EngineClosedError``."""
@@ -144,7 +178,7 @@ class Phonemizer:
         self._selector = selectors.DefaultSelector()  # not select(): a server's fds pass 1,024
         self._selector.register(child.stdout, selectors.EVENT_READ)
         try:
-            ready = self._line(time.monotonic() + _START_SECONDS)
+            ready = self._line(_START_SECONDS)
         except _Died as died:
             self._stop()
             raise EngineError(f"espeak-ng's process ended as it started ({died})") from None
@@ -158,12 +192,13 @@ class Phonemizer:
         try:
             child.stdin.write(request)
         except (BrokenPipeError, ConnectionResetError):
-            raise _Died(self._how(child)) from None
-        return self._line(time.monotonic() + CALL_SECONDS)
+            raise self._died(child) from None
+        return self._line(CALL_SECONDS)
 
-    def _line(self, deadline: float) -> dict[str, Any]:
-        """The child's next line, parsed; ``_Died`` when it ends first (or takes longer
-        than ``deadline``: then it is killed, and the input refused)."""
+    def _line(self, seconds: float) -> dict[str, Any]:
+        """The child's next line, parsed; ``_Died`` when it ends first, ``ModelCrashedError``
+        when it takes longer than ``seconds`` (then it is killed)."""
+        deadline = time.monotonic() + seconds
         child, selector = self._held[0], self._selector
         assert child.stdout is not None and selector is not None
         while (end := self._buffer.find(b"\n")) < 0:
@@ -171,14 +206,15 @@ class Phonemizer:
             if left <= 0:
                 child.kill()
                 child.wait()
-                raise InvalidRequestError(
-                    f"input could not be phonemized: espeak-ng took over {CALL_SECONDS:.0f} s on it", param="input"
+                raise ModelCrashedError(
+                    f"espeak-ng's process did not answer within {seconds:g} s (hung, or stopped from "
+                    "outside); it was killed and is started again at the next request: try again"
                 )
             if not selector.select(left):
                 continue
             data = os.read(child.stdout.fileno(), 1 << 16)
             if not data:
-                raise _Died(self._how(child))
+                raise self._died(child)
             self._buffer += data
         line = bytes(self._buffer[:end])
         del self._buffer[: end + 1]
@@ -186,9 +222,9 @@ class Phonemizer:
         return reply
 
     @staticmethod
-    def _how(child: subprocess.Popen[bytes]) -> str:
+    def _died(child: subprocess.Popen[bytes]) -> _Died:
         code = child.wait()
-        return ended_by(code) or f"exit status {code}"
+        return _Died(ended_by(code) or f"exit status {code}", crashed=code < 0 and -code in _CRASHES)
 
     def _stop(self) -> None:
         """Reap the child (killed if it still runs) and close its pipes."""

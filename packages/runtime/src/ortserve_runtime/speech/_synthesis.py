@@ -23,7 +23,11 @@ sentence each, so that a short request is not stuck behind a long one. A caller 
 stops listening (a client gone) has its remaining sentences dropped; one that reads slowly
 holds its request back, two pieces ahead of what it has taken. espeak-ng runs in a child
 process of each voice (:mod:`._espeak`): it crashes on some text, and a crash there fails
-that request, not the server.
+that request, not the server. A voice phonemizes on a thread of its own too, one text at
+a time: a request waiting for espeak (behind a crash text, or a hung child until its
+timeout) holds no thread of the event loop's shared pool, which prepares every other
+model's prompts and loads models (seventeenth probe, issue 45); it counts in
+:attr:`VoiceModel.queued` from its arrival, so the server's per-model queue bound covers it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import queue
 import threading
 import unicodedata
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -161,6 +166,11 @@ class VoiceModel:
             self._shrink = ort.RunOptions()
             self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._queue: queue.Queue[_Job | Literal["wake"] | None] = queue.Queue()
+        # espeak's calls take turns on the phonemizer's lock: waiting for it here, not on
+        # a thread of the loop's shared pool.
+        self._phonemizing = ThreadPoolExecutor(1, thread_name_prefix=f"ortserve-espeak-{name}")
+        self._arriving = 0
+        """Requests phonemizing or waiting to (changed on the event loop only)."""
         self._waiting = 0
         self._serving = 0
         self._closed = False
@@ -171,8 +181,8 @@ class VoiceModel:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for their first sentence."""
-        return self._waiting
+        """Requests waiting for their first sentence (for espeak, or for the voice's thread)."""
+        return self._arriving + self._waiting
 
     @property
     def active(self) -> int:
@@ -268,7 +278,12 @@ class VoiceModel:
         speaker = self.check(text, voice, speed)
         if self._closed:
             raise EngineClosedError(f"model {self.name!r} is closed")
-        pieces = await asyncio.to_thread(self.phonemize, text, self.call_ids(speed))
+        loop = asyncio.get_running_loop()
+        self._arriving += 1
+        try:
+            pieces = await loop.run_in_executor(self._phonemizing, self.phonemize, text, self.call_ids(speed))
+        finally:
+            self._arriving -= 1
         if not pieces:
             raise InvalidRequestError("input has nothing to speak", param="input")
         scales = np.array(
@@ -281,7 +296,6 @@ class VoiceModel:
         )
         if speaker is None and self.speakers:
             speaker = 0
-        loop = asyncio.get_running_loop()
         job = _Job(pieces, speaker, scales, loop, asyncio.Queue())
         self._waiting += 1
         self._queue.put(job)
@@ -304,7 +318,8 @@ class VoiceModel:
         self._closed = True
         self._queue.put(None)
         await asyncio.to_thread(self._worker.join)
-        await asyncio.to_thread(self._phonemizer.close)
+        await asyncio.to_thread(self._phonemizer.close)  # texts still queued for it: EngineClosedError
+        await asyncio.to_thread(self._phonemizing.shutdown)
 
     # -- worker ----------------------------------------------------------------------------
 
