@@ -162,12 +162,13 @@ class BatchRunner:
         store = self._state.batches
         limit = self._state.config.batch_concurrency
         running: dict[int, asyncio.Task[None]] = {}
-        alone = False
+        alone = taken_over = False
         claimed = time.monotonic()
         try:
             while batch.id not in self._cancelled and (batch.expires_at is None or time.time() < batch.expires_at):
                 if time.monotonic() - claimed > LEASE / 3:
                     if not await store.claim(batch.id, RUNNER, LEASE):
+                        taken_over = True
                         return False  # taken over (this process was too slow to renew): its runner goes on
                     claimed = time.monotonic()
                     current = await store.batch(None, batch.id)
@@ -191,6 +192,9 @@ class BatchRunner:
             for task in running.values():
                 task.cancel()
             await asyncio.gather(*running.values(), return_exceptions=True)
+            if running and not taken_over:  # stopped here, not ended with the process (taken over: theirs now)
+                with contextlib.suppress(Exception):
+                    await store.unstart(batch.id, list(running))
 
     async def _line(self, batch: bp.Batch, line: PendingLine, caller: Caller, trace: str | None) -> None:
         if line.started > MAX_LINE_STARTS:

@@ -336,6 +336,21 @@ class BatchStore:
 
         return await self._db.run(pending)
 
+    async def unstart(self, batch_id: str, lines: Sequence[int]) -> None:
+        """Take back a start of each of ``lines`` still unanswered: this process stopped them
+        itself (a shutdown, a cancel, an expiry), so they did not end it, and counted they
+        would run again one at a time as suspects (:meth:`pending_lines`)."""
+
+        def update(db: Connection) -> None:
+            with write(db):
+                db.executemany(
+                    "UPDATE batch_lines SET started = started - 1"
+                    " WHERE batch_id = ? AND line = ? AND status IS NULL AND started > 0",
+                    [(batch_id, line) for line in lines],
+                )
+
+        await self._db.run(update)
+
     async def answer(self, batch_id: str, line: int, status: int, answer: bp.BatchOutputLine) -> bool:
         """Record line ``line``'s answer (``status``: its HTTP status, 0 for a line never
         run); ``False`` when it already had one (it is never answered twice)."""
