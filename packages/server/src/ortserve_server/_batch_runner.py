@@ -64,8 +64,9 @@ database run each batch in one of them, and take over one whose runner went quie
 
 MAX_LINE_STARTS = 3
 """Starts of one line (its first, and after the server ended while running it) before it is
-answered with an error instead: a shutdown or two mid-line is no reason to give it up. A
-line started again runs alone (``BatchStore.pending_lines``), so a line refused is one the
+answered with an error instead: a crash or two mid-line (an OOM kill, a power cut) is no
+reason to give it up; a line this process stops itself gives its start back. A line
+started again runs alone (``BatchStore.pending_lines``), so a line refused is one the
 server ended running at least twice with no other batch line beside it."""
 
 
