@@ -1,11 +1,28 @@
 """How many characters a text may have before tokenizing it can tell anything: past that,
-it is over a token limit whatever its tokens, and is refused (or cut) untokenized."""
+it is over a token limit whatever its tokens, and is refused (or cut) untokenized; and
+(:meth:`TextLimit.past`) whether a text has more tokens than a limit, found without
+building all its tokens."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 
 from tokenizers import Tokenizer
+
+_WINDOW = 1 << 16
+"""The most characters :meth:`TextLimit.past` tokenizes at a time (fewer for a small
+limit: 8 characters a token of it, 4,096 at least); a text no longer is tokenized whole by
+its caller (at most a few hundred thousand tokens, some tens of MiB)."""
+
+_CUT = re.compile(r"(?<=\S) (?=\S)")
+"""A space between two other characters: every pre-tokenizer :meth:`TextLimit.past` cuts
+for (byte-level regexes, Metaspace, whitespace) starts a piece there, so the text before
+and the text from it tokenize as they do in the whole."""
+
+_PROBE = "a b 1 2 . , x \U000e0041 y 's t é z \u4e00 \u4e01 ! ? x\ty a\nb \u0301 c <a> b"
+"""Text whose cuts a tokenizer's pre-tokenizer must start pieces at for :meth:`TextLimit.past` to cut there."""
 
 __all__ = ["TextLimit"]
 
@@ -24,6 +41,8 @@ class TextLimit:
         self.tokens = tokens
         self._tokenizer = tokenizer
         self._longest: int | None = None
+        self._per_token: int | None = None
+        self._cuts = False
         self._lock = threading.Lock()
 
     def chars(self) -> int:
@@ -36,6 +55,86 @@ class TextLimit:
             if self._longest is None:
                 self._longest = _longest_token(self._tokenizer)
         return self.tokens * self._longest * 3
+
+    def past(self, text: str, most: int) -> int | None:
+        """More than ``most`` tokens in ``text`` (added tokens matched, none added): how many
+        were found (a lower bound), or ``None`` when it has ``most`` or fewer.
+
+        Seventeenth probe, issue 45: a byte-level BPE spells a rare character as up to 4
+        tokens, so the character bound let 990,000 x U+E0041 through to be tokenized whole
+        (3.96 M tokens, +600 MiB) before the context check refused it. Here the text is
+        tokenized a window of up to :data:`_WINDOW` characters at a time, each cut where the
+        tokenizer starts a piece (so the counts add up to the whole text's), with
+        ``encode_batch`` (other threads run meanwhile), and counting stops once past
+        ``most``. A stretch with no such cut (one long word, or a tokenizer this cannot cut
+        for) is tokenized whole only where its bytes do not already say it is past ``most``:
+        no token spans more bytes than the longest of the vocabulary (after a normaliser that
+        may compose 3 characters into one). Never refuses a text that fits; a text of one window
+        or less is left to its caller (``None``). Call it off the event loop.
+        """
+        window = min(_WINDOW, max(4096, 8 * most))
+        if len(text) <= window:
+            return None
+        per_token, cuts = self._scan()
+        counted, at = 0, 0
+        while at < len(text):
+            end = _next_cut(text, at, window) if cuts else len(text)
+            stretch = text[at:end]
+            if per_token:
+                least = -(-len(stretch.encode("utf-8", "surrogatepass")) // per_token)
+                if counted + least > most:
+                    return counted + least
+            counted += len(self._tokenizer.encode_batch([stretch], add_special_tokens=False)[0])
+            if counted > most:
+                return counted
+            at = end
+        return None
+
+    def _scan(self) -> tuple[int, bool]:
+        """The most bytes one token spans (0 where none is known: an unknown token may stand
+        for a whole word), and whether :data:`_CUT` cuts this tokenizer's texts exactly."""
+        self.chars()
+        with self._lock:
+            if self._per_token is None:
+                self._per_token = _bytes_per_token(self._tokenizer)
+                self._cuts = _cuts_exactly(self._tokenizer)
+        return self._per_token, self._cuts
+
+
+def _next_cut(text: str, at: int, window: int) -> int:
+    """The last cut in the second half of the window from ``at``, else the first after it."""
+    ends = at + window
+    if ends >= len(text):
+        return len(text)
+    last = None
+    for found in _CUT.finditer(text, ends - window // 2, ends):
+        last = found.start()
+    if last is None:
+        after = _CUT.search(text, ends)
+        return after.start() if after is not None else len(text)
+    return last
+
+
+def _bytes_per_token(tokenizer: Tokenizer) -> int:
+    model = json.loads(tokenizer.model.__getstate__())
+    if model.get("type") == "WordPiece" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+        return 0  # an unknown word (or run of unknown characters) is one token
+    ids = range(tokenizer.get_vocab_size(with_added_tokens=False))
+    longest = max((len((tokenizer.id_to_token(i) or "").encode()) for i in ids), default=1)
+    added = (len(token.content.encode()) for token in tokenizer.get_added_tokens_decoder().values())
+    # A byte-level token's text spells each byte as one character of at most 2 bytes: an
+    # overestimate, which makes the bound only looser.
+    return max(longest, *added, 1) * (1 if tokenizer.normalizer is None else 3)
+
+
+def _cuts_exactly(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer tokenizes the pieces of a text apart and starts one at every
+    :data:`_CUT` (no normaliser, which could join across it)."""
+    pre = tokenizer.pre_tokenizer
+    if pre is None or tokenizer.normalizer is not None:
+        return False
+    starts = {start for _, (start, _) in pre.pre_tokenize_str(_PROBE)}
+    return all(found.start() in starts for found in _CUT.finditer(_PROBE))
 
 
 def _longest_token(tokenizer: Tokenizer) -> int:

@@ -203,7 +203,9 @@ class ChatModel:
         self.engine.retire_adapter(key)  # type: ignore[attr-defined]  # engines that took it have it
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch lets other threads run meanwhile; encode held the GIL (a 4 MB prompt:
+        # /health 3.7 s; seventeenth probe, issue 45).
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -211,18 +213,28 @@ class ChatModel:
         see :class:`TextLimit`; its first use scans the vocabulary: call it off the event loop)."""
         return self._prompt_limit.chars()
 
-    def check_prompt_size(self, text: str, param: str = "prompt") -> None:
-        """Refuse ``text`` with :class:`ContextLengthError` when it has more characters than
-        :attr:`max_prompt_chars`: too long for the context whatever its tokens, so there is
-        no need to tokenize it to say so."""
+    def check_prompt_size(self, text: str, param: str = "prompt", *, spelt: int = 0) -> None:
+        """Refuse ``text`` with :class:`ContextLengthError` when it has more tokens than the
+        context holds, found without building them all (:meth:`TextLimit.past`): a text with
+        more characters than :attr:`max_prompt_chars` is refused untokenized. ``spelt``: how
+        many special tokens the caller spelt in it (each is tokenized again as text, which
+        can join the text beside it: two tokens fewer at most, allowed for)."""
+        what = {
+            "messages": "the prompt the chat template made of the messages and tools",
+            "prediction": "prediction (the predicted output)",
+        }.get(param, "the prompt")
         # Every token spans a character at least: a text this short needs no vocabulary scan.
         if len(text) > 3 * self.max_sequence_length and len(text) > self.max_prompt_chars:
-            what = (
-                "the prompt the chat template made of the messages and tools" if param == "messages" else "the prompt"
-            )
             raise ContextLengthError(
                 f"{what} has {len(text)} characters, more than this model's limit of "
                 f"{self.max_sequence_length} tokens could hold",
+                param=param,
+            )
+        found = self._prompt_limit.past(text, self.max_sequence_length + 2 * spelt)
+        if found is not None:
+            raise ContextLengthError(
+                f"{what} has at least {found} tokens, more than this model's limit of "
+                f"{self.max_sequence_length} tokens",
                 param=param,
             )
 
@@ -363,8 +375,15 @@ class ChatModel:
         if self.engine.capabilities.drafts and (options.prediction or self.config.speculative is not None):
             predicted = None
             if options.prediction:
+                # Drafts for the output, which the context bounds: a longer one has no use.
                 self.check_prompt_size(options.prediction, "prediction")
                 predicted = self.encode(options.prediction, add_special_tokens=False)
+                if len(predicted) > self.max_sequence_length:
+                    raise ContextLengthError(
+                        f"prediction (the predicted output) has {len(predicted)} tokens, more than this model's "
+                        f"limit of {self.max_sequence_length} tokens",
+                        param="prediction",
+                    )
             drafter = Drafter(prompt.ids, predicted, lookup=self.config.speculative == "ngram")
         request = Request(
             prompt=list(prompt.ids),
@@ -507,7 +526,7 @@ class ChatModel:
 
     def _prepare(self, marked: MarkedText, media: Media) -> Prompt:
         """The prompt of a rendered chat: its tokens, or the media processor's inputs."""
-        self.check_prompt_size(marked.text, "messages")
+        self.check_prompt_size(marked.text, "messages", spelt=len(marked.spans))
         if self._media is not None:
             return self._media.prepare(marked.text, media)
         return Prompt(self._shield.encode(marked))

@@ -10,7 +10,7 @@ from litestar import Request, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from ortserve_client import protocol as p
-from ortserve_runtime import ChatModel
+from ortserve_runtime import ChatModel, ContextLengthError
 
 from .._connection import fetching_while_connected
 from .._errors import (
@@ -61,6 +61,14 @@ async def tokenize(
     else:
         assert isinstance(data.prompt, str)
         tokens = await asyncio.to_thread(_checked_encode, model, data.prompt)
+    if len(tokens) > model.max_sequence_length:
+        # Bounded by what the model holds, as a chat is: past it, counting went on only as
+        # far as the context (seventeenth probe, issue 45: 3.96 M ids were built and sent).
+        what = "the prompt the chat template made of the messages and tools" if has_messages else "the prompt"
+        raise ContextLengthError(
+            f"{what} has {len(tokens)} tokens, more than this model's limit of {model.max_sequence_length} tokens",
+            param="messages" if has_messages else "prompt",
+        )
     return p.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_sequence_length)
 
 
@@ -82,7 +90,8 @@ async def detokenize(data: JSONBody[p.DetokenizeRequest], ortserve: NamedDepende
 
 
 def _checked_encode(model: ChatModel, prompt: str) -> list[int]:
-    """``prompt``'s tokens, unless it is too long to generate from: then refused untokenized
-    (a worker thread's work: the length bound's first use scans the vocabulary)."""
+    """``prompt``'s tokens, unless it is too long to generate from: then refused with no more
+    tokens built than the context holds (a worker thread's work: the length bound's first
+    use scans the vocabulary)."""
     model.check_prompt_size(prompt)
     return model.encode(prompt)
