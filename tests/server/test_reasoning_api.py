@@ -189,6 +189,29 @@ def test_a_reasoning_budget_closes_the_think_block(client: openai.OpenAI) -> Non
     assert other.value.body["param"] == "reasoning_budget"  # type: ignore[index]
 
 
+def test_reasoning_settings_that_disagree_or_do_nothing_are_a_400(client: openai.OpenAI) -> None:
+    """Seventeenth probe, issue 45: ``reasoning_effort`` lost without a word to
+    ``chat_template_kwargs`` (its value went in only where the kwargs had none), and a
+    ``reasoning_budget`` with thinking turned off was taken and ignored. Each is a 400
+    naming the field; settings that agree are taken."""
+    for extra, param in (
+        ({"reasoning_effort": "high", **OFF}, "reasoning_effort"),
+        ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "none"}}, "reasoning_effort"),
+        ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, "reasoning_effort"),
+        ({"reasoning_effort": "none", "reasoning_budget": 50}, "reasoning_budget"),
+        ({"reasoning_budget": 50, **OFF}, "reasoning_budget"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="think", messages=HELLO, max_tokens=2, extra_body=extra)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == param, extra  # type: ignore[index]
+    for extra in (
+        {"reasoning_effort": "none", **OFF},
+        {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "low"}},
+    ):
+        reply = client.chat.completions.create(model="think", messages=HELLO, max_tokens=2, extra_body=extra)  # type: ignore[arg-type]
+        assert reply.choices[0].finish_reason == "length"
+
+
 def test_reasoning_effort_for_a_model_that_does_not_reason_is_a_400(client: openai.OpenAI) -> None:
     """Seventh probe of issue 45: chat took ``reasoning_effort`` for a model without thinking
     markup (whose template does not read it) and ignored it; the Responses API refused the

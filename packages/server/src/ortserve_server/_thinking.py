@@ -40,6 +40,7 @@ def reasoning_budget(data: p.ChatCompletionRequest, model: ChatModel) -> int | N
             raise UnsupportedParameterError(
                 f"'{name}' is not supported with model {data.model!r}: it is not a reasoning model", param=name
             )
+    _check_agreement(data, effort, budget)
     if effort is not None and not reads_effort and effort not in EFFORT_BUDGETS:
         # Checked with a budget too: "bogus" beside one went to the template (sixteenth probe).
         raise BadRequestError(
@@ -49,6 +50,35 @@ def reasoning_budget(data: p.ChatCompletionRequest, model: ChatModel) -> int | N
     if budget is not None or effort is None or reads_effort:
         return budget
     return EFFORT_BUDGETS[effort]
+
+
+def _check_agreement(data: p.ChatCompletionRequest, effort: str | None, budget: int | None) -> None:
+    """A 400 where ``reasoning_effort`` and ``chat_template_kwargs`` say different things
+    (the kwargs won without a word), or a ``reasoning_budget`` comes with thinking turned
+    off (it did nothing); seventeenth probe, issue 45. Agreement is fine."""
+    kwargs = data.chat_template_kwargs if isinstance(data.chat_template_kwargs, dict) else {}
+    switch = kwargs.get("enable_thinking")
+    if effort is not None:
+        given = kwargs.get("reasoning_effort", effort)
+        if given != effort:
+            raise BadRequestError(
+                f"reasoning_effort {effort!r} disagrees with chat_template_kwargs.reasoning_effort {given!r}: "
+                "give one of them",
+                param="reasoning_effort",
+            )
+        if isinstance(switch, bool) and switch != (effort != "none"):
+            raise BadRequestError(
+                f"reasoning_effort {effort!r} disagrees with chat_template_kwargs.enable_thinking "
+                f"{str(switch).lower()}: give one of them",
+                param="reasoning_effort",
+            )
+    off = effort == "none" or switch is False or kwargs.get("reasoning_effort") == "none"
+    if budget is not None and off:
+        raise BadRequestError(
+            "reasoning_budget is for a chat that thinks, and this one's thinking is turned off "
+            "(reasoning_effort 'none' or chat_template_kwargs.enable_thinking false): it would do nothing",
+            param="reasoning_budget",
+        )
 
 
 def _template_reads(model: ChatModel, variable: str) -> bool:
