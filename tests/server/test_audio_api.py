@@ -226,6 +226,17 @@ def test_timestamp_granularities(client: openai.OpenAI) -> None:
             timestamp_granularities=["xxx"],  # type: ignore[list-item]
         )
     assert other.value.body["param"] == "timestamp_granularities"  # type: ignore[index]
+    for response_format in ("json", "text"):  # no timestamps in them: ignored before (seventeenth probe)
+        with pytest.raises(openai.BadRequestError) as untimed:
+            client.audio.transcriptions.create(
+                model="whisper", file=audio, response_format=response_format, timestamp_granularities=["segment"]
+            )
+        assert untimed.value.body["param"] == "timestamp_granularities"  # type: ignore[index]
+        assert "verbose_json" in untimed.value.body["message"]  # type: ignore[index]
+    subtitles = client.audio.transcriptions.create(
+        model="whisper", file=audio, response_format="srt", timestamp_granularities=["segment"]
+    )
+    assert "-->" in subtitles
 
 
 @pytest.mark.parametrize("field", ["stream", "chunking_strategy", "include[]"])

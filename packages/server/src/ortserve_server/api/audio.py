@@ -75,6 +75,12 @@ async def transcriptions(
             f"response_format {data.response_format!r} is not supported; use json, text, verbose_json, srt or vtt",
             param="response_format",
         )
+    if granularities and data.response_format in ("json", "text"):
+        # Their answer has no timestamps: taken and ignored (seventeenth probe, issue 45).
+        raise BadRequestError(
+            f"timestamp_granularities needs response_format verbose_json (or srt, vtt), not {data.response_format!r}",
+            param="timestamp_granularities",
+        )
     audio = await data.file.read()
     timed = data.response_format in ("verbose_json", "srt", "vtt")
     result = await while_connected(
