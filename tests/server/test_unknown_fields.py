@@ -66,3 +66,104 @@ def test_guided_json_constrains_the_output() -> None:
         assert (
             httpx.post(f"{base}/v1/chat/completions", json=both, timeout=60).json()["error"]["param"] == "guided_regex"
         )
+
+
+MESSAGES = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+RESPONSES = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+CLAUDE_TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {}}}
+NESTED: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/messages", {**MESSAGES, "thinking": {"type": "disabled", "display": "omitted"}}, "thinking.display"),
+    ("/v1/messages", {**MESSAGES, "thinking": {"type": "disabled", "bogus": 1}}, "thinking.bogus"),
+    ("/v1/messages", {**MESSAGES, "tools": [{**CLAUDE_TOOL, "bogus": 1}]}, "tools[0].bogus"),
+    ("/v1/messages", {**MESSAGES, "tool_choice": {"type": "auto", "bogus": 1}}, "tool_choice.bogus"),
+    ("/v1/messages", {**MESSAGES, "metadata": {"user_id": "u", "bogus": 1}}, "metadata.bogus"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object", "bogus": 1}}, "response_format.bogus"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "stream_options": {"include_usage": True, "bogus": 1}},
+        "stream_options.bogus",
+    ),
+    ("/v1/responses", {**RESPONSES, "text": {"bogus": 1}}, "text.bogus"),
+    ("/v1/responses", {**RESPONSES, "text": {"format": {"type": "text", "bogus": 1}}}, "text.format.bogus"),
+    ("/v1/responses", {**RESPONSES, "tools": [{**FUNCTION, "bogus": 1}]}, "tools[0].bogus"),
+    ("/v1/responses", {**RESPONSES, "reasoning": {"bogus": 1}}, "reasoning.bogus"),
+]
+
+
+@pytest.fixture(scope="module")
+def strict_and_lenient() -> Any:
+    with (
+        running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as strict,
+        running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, lenient=True))) as lenient,
+    ):
+        yield strict, lenient
+
+
+@pytest.mark.parametrize(("path", "body", "field"), NESTED, ids=[f"{c[0]}-{c[2]}" for c in NESTED])
+def test_an_unknown_key_of_a_settings_object_is_named_unless_lenient(
+    strict_and_lenient: tuple[str, str], path: str, body: dict[str, Any], field: str
+) -> None:
+    """Seventeenth probe, issue 45: only the body's own keys were checked, so these were
+    answered 200 with the setting ignored."""
+    strict, lenient = strict_and_lenient
+    refused = httpx.post(f"{strict}{path}", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert field in error["message"], error
+    assert error.get("param", field) == field  # Anthropic's error shape has no param
+    taken = httpx.post(f"{lenient}{path}", json=body, timeout=60)
+    assert taken.status_code == 200, taken.text
+
+
+def test_sdk_keys_of_settings_objects_are_taken_or_said_unsupported(strict_and_lenient: tuple[str, str]) -> None:
+    """What the official SDKs send: taken where it is honoured or changes nothing
+    (``cache_control``), a 400 saying it is not supported otherwise."""
+    import anthropic
+    import openai
+
+    strict, _ = strict_and_lenient
+    claude = anthropic.Anthropic(base_url=strict, api_key="x", max_retries=0)
+    tool = {**CLAUDE_TOOL, "cache_control": {"type": "ephemeral"}}
+    reply = claude.messages.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        metadata={"user_id": "u"},
+        thinking={"type": "disabled"},
+    )
+    assert reply.stop_reason == "max_tokens"
+    with pytest.raises(anthropic.BadRequestError) as deferred:
+        claude.messages.create(
+            model="tiny",
+            max_tokens=2,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{**CLAUDE_TOOL, "defer_loading": True}],  # type: ignore[list-item]
+        )
+    assert "tools[0].defer_loading is not supported" in str(deferred.value)
+    client = openai.OpenAI(base_url=f"{strict}/v1", api_key="x", max_retries=0)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert any(chunk.usage for chunk in chat)
+    response = client.responses.create(
+        model="tiny",
+        input="hi",
+        max_output_tokens=16,
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}, "verbosity": "medium"},
+        tools=[{"type": "function", "name": "f", "parameters": {}, "strict": False, "description": "d"}],
+    )
+    assert response.status == "incomplete" or response.output
+    with pytest.raises(openai.BadRequestError) as summary:
+        client.responses.create(
+            model="tiny", input="hi", max_output_tokens=4, reasoning={"generate_summary": "concise"}
+        )
+    assert summary.value.body["param"] == "reasoning.generate_summary"  # type: ignore[index]

@@ -35,6 +35,7 @@ from litestar.handlers import BaseRouteHandler
 from ._config import ServerConfig
 from ._errors import BadRequestError, ForbiddenError, ShuttingDownError, UnsupportedMediaTypeError
 from ._json_bounds import check_json_counts, deepest_field
+from ._settings_fields import check_settings_fields
 
 if TYPE_CHECKING:
     from ._state import OrtServe
@@ -168,7 +169,9 @@ def make_body_guard(
         if lenient or not isinstance(decoded, dict):
             return
         field = handler.parsed_fn_signature.parameters.get("data")
-        check_known_fields(decoded, getattr(field, "annotation", None))
+        body_type = getattr(field, "annotation", None)
+        check_known_fields(decoded, body_type)
+        check_settings_fields(decoded, body_type)
 
     return guard
 

@@ -27,6 +27,7 @@ from .._ids import new_id
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
 from .._record import traceparent
 from .._security import check_known_fields
+from .._settings_fields import check_settings_fields
 from .._state import OrtServe
 from .responses import check_metadata
 
@@ -110,6 +111,7 @@ def check_batch_file(content: bytes, max_line: int, *, lenient: bool) -> list[tu
             raise BadRequestError(f"{where}: body: the JSON is nested too deeply", param="file") from None
         if not lenient:
             check_known_fields(line.body, body_type, where=f"{where}: body: ", param="file")
+            check_settings_fields(line.body, body_type, where=f"{where}: body: ", param="file")
         seen.add(line.custom_id)
         lines.append((line.custom_id, msgspec.json.encode(line.body), line.url))
         if len(lines) > MAX_LINES:
