@@ -5,11 +5,11 @@ building all its tokens."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 
 from tokenizers import Tokenizer
+from tokenizers.models import Unigram, WordPiece
 
 _WINDOW = 1 << 16
 """The most characters :meth:`TextLimit.past` tokenizes at a time (fewer for a small
@@ -116,8 +116,12 @@ def _next_cut(text: str, at: int, window: int) -> int:
 
 
 def _bytes_per_token(tokenizer: Tokenizer) -> int:
-    model = json.loads(tokenizer.model.__getstate__())
-    if model.get("type") == "WordPiece" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+    # The model's own attributes, not its JSON: that is the whole vocabulary and merges (some
+    # 10 MB for 128K tokens), decoded holding the GIL.
+    model = tokenizer.model
+    if isinstance(model, WordPiece | Unigram) or (
+        getattr(model, "unk_token", None) and getattr(model, "fuse_unk", False)
+    ):
         return 0  # an unknown word (or run of unknown characters) is one token
     ids = range(tokenizer.get_vocab_size(with_added_tokens=False))
     longest = max((len((tokenizer.id_to_token(i) or "").encode()) for i in ids), default=1)
