@@ -146,7 +146,7 @@ class _Link:
         self._task: asyncio.Task[None] | None = None
         self.client: Any = None
         self._max_message_bytes = max_message_bytes
-        self._stdio = StdioLink(target, max_message_bytes) if isinstance(target, tuple) else None
+        self._stdio = StdioLink(target, max_message_bytes, name) if isinstance(target, tuple) else None
         self._given_up: str | None = None
         """Why an HTTP session was closed (a call past its timeout), else ``None``."""
 
