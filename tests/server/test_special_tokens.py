@@ -298,6 +298,7 @@ def test_special_tokens_matched_after_normalizing_are_shielded(tmp_path: Any) ->
     (NFKC here) took full-width "＜｜im_end｜＞" for <|im_end|>. Such text is plain text whole."""
     import json
 
+    from ortserve_runtime import ContextLengthError
     from ortserve_runtime.chat._shield import SpecialTextShield
 
     spec = json.loads((TINY_MODEL / "tokenizer.json").read_text())
@@ -320,6 +321,15 @@ def test_special_tokens_matched_after_normalizing_are_shielded(tmp_path: Any) ->
         long = "ａ" * at + "＜｜im_end｜＞" + "ａ" * (200_000 - at)
         assert shield.mark(long, "messages", 1000)[1], at
     assert not shield.mark("ａ" * 200_000, "messages", 1000)[1]
+    # Eighteenth probe: such text was spelt whole, each character between marks, and counted
+    # as one token (8 MB: +680 MiB, /health 0.45 s). The windows holding one are spelt, and
+    # each is counted.
+    long = "ａ" * 300_000 + "＜｜im_end｜＞" + "ａ" * 300_000
+    marked, found = shield.mark(long, "messages", 1000)
+    assert found and len(marked) < len(long) + 3 * 70_000
+    assert shield.read(marked).text == long
+    with pytest.raises(ContextLengthError):
+        shield.mark("＜｜im_end｜＞" * 800_000, "messages", 4096)
 
 
 def test_a_normalizer_that_deletes_characters_is_read_whole() -> None:

@@ -124,7 +124,13 @@ def _separated(escape: re.Match[str]) -> str:
 
 def _spelt(text: str) -> str:
     """``text`` with each character between an opening and a closing mark."""
-    return "".join(_OPEN + char + _CLOSE for char in text)
+    if len(text) < 4096:
+        return "".join(_OPEN + char + _CLOSE for char in text)
+    # In numpy: a string a character held the GIL 0.45 s and +680 MiB for 8 MB (eighteenth probe).
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    spelt = np.empty(3 * len(points), dtype=np.uint32)
+    spelt[0::3], spelt[1::3], spelt[2::3] = ord(_OPEN), points, ord(_CLOSE)
+    return spelt.tobytes().decode("utf-32-le", "surrogatepass")
 
 
 class SpecialTextShield:
@@ -186,9 +192,9 @@ class SpecialTextShield:
         found = 0
         spelt = self._spelt
 
-        def count() -> None:
+        def count(more: int) -> None:
             nonlocal found
-            found += 1
+            found += more
             if found > limit:
                 raise ContextLengthError(
                     f"{param} spell the model's special tokens more than {limit} times, each a token at least: "
@@ -205,8 +211,7 @@ class SpecialTextShield:
                 text = _ESCAPED.sub(_separated, text)
             pieces: list[str] = []
             at = 0
-            for start, end in self._spelt_in(text):
-                count()
+            for start, end in self._spelt_in(text, count):
                 piece = text[start:end]
                 pieces += (text[at:start], spelt.get(piece) or _spelt(piece))
                 at = end
@@ -242,29 +247,40 @@ class SpecialTextShield:
             raise InvalidRequestError(f"{param} nests too deep to render", param=param) from None
         return result, found > 0
 
-    def _spelt_in(self, text: str) -> list[tuple[int, int]]:
-        """Where ``text`` spells a special token or a media placeholder; all of it where its
-        normalized form spells one of the special tokens matched after normalizing."""
-        if self._normalized_matcher is not None and self._spells_normalized(text):
-            return [(0, len(text))]
+    def _spelt_in(self, text: str, count: Callable[[int], None]) -> list[tuple[int, int]]:
+        """Where ``text`` spells a special token or a media placeholder, each counted (``count``);
+        and where its normalized form spells one of the special tokens matched after
+        normalizing (:meth:`_normalized_spans`)."""
         spans = [*self._matches(text)] if self._matcher is not None else []
         if self._placeholders is not None:
-            spans = _merged([*spans, *(found.span() for found in self._placeholders.finditer(text))])
-        return spans
+            spans += [found.span() for found in self._placeholders.finditer(text)]
+        count(len(spans))
+        if self._normalized_matcher is not None:
+            spans += self._normalized_spans(text, len(spans), count)
+        return _merged(spans) if len(spans) > 1 else spans
 
-    def _spells_normalized(self, text: str) -> bool:
-        """Whether ``text`` normalized spells a special token matched after normalizing, read
-        a window at a time where :func:`_reach` bounds the characters one is spelt in: the
-        normalizer holds the GIL, and 4 M characters at once held /health 0.6 s (seventeenth
-        probe). Each window overlaps the next by that bound, so each spelling lies whole in one."""
+    def _normalized_spans(self, text: str, counted: int, count: Callable[[int], None]) -> list[tuple[int, int]]:
+        """The stretches of ``text`` whose normalized form spells a special token matched after
+        normalizing: all of it, or where :func:`_reach` bounds the characters one is spelt in,
+        the windows of :data:`_SEARCHED` characters (each overlapping the next by that bound,
+        so that each spelling lies whole in one) that hold one. The normalizer holds the GIL:
+        4 M characters at once held /health 0.6 s (seventeenth probe). The spellings are
+        counted as they are found, beyond the ``counted`` found as written (a spelling in two
+        windows' overlap counts twice): the whole 8 MB of such text, spelt, took +680 MiB
+        before its count refused it (eighteenth probe)."""
         assert self._normalize is not None and self._normalized_matcher is not None
         normalize, matcher, reach = self._normalize, self._normalized_matcher, self._normalized_reach
-        if reach is None or len(text) <= _SEARCHED + reach:
-            return bool(matcher.find_matches_as_indexes(normalize(text)))
-        return any(
-            matcher.find_matches_as_indexes(normalize(text[at : at + _SEARCHED + reach]))
-            for at in range(0, len(text), _SEARCHED)
-        )
+        step = len(text) if reach is None or len(text) <= _SEARCHED + reach else _SEARCHED
+        spans: list[tuple[int, int]] = []
+        total = 0
+        for at in range(0, len(text), step):
+            end = min(len(text), at + step + (reach or 0))
+            found = len(matcher.find_matches_as_indexes(normalize(text[at:end])))
+            if found:
+                spans.append((at, end))
+                count(max(0, total + found - max(total, counted)))
+                total += found
+        return spans
 
     def _matches(self, text: str) -> Iterator[tuple[int, int]]:
         """Where special tokens are spelt in ``text``, a stretch of :data:`_SEARCHED`
