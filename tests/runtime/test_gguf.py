@@ -172,9 +172,11 @@ def test_a_converted_folder_cut_short_is_converted_again(tmp_path: Path, cache: 
     # was taken as it was, and one made a link to /dev/zero read until memory ran out.
     record = folder / "ortserve_source.json"
     written = record.read_text()
-    for damaged in ("no-sizes", "dev-zero"):
+    for damaged in ("no-sizes", "nested", "dev-zero"):
         if damaged == "no-sizes":
             record.write_text(json.dumps({k: v for k, v in json.loads(written).items() if k != "sizes"}))
+        elif damaged == "nested":
+            record.write_text("[" * 500_000 + "]" * 500_000)
         else:
             record.unlink()
             record.symlink_to("/dev/zero")

@@ -178,7 +178,7 @@ def _whole(folder: Path) -> bool:
             text = file.read(_MAX_SOURCE_JSON + 1)
         sizes = json.loads(text) if len(text) <= _MAX_SOURCE_JSON else None
         sizes = sizes.get("sizes") if isinstance(sizes, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # nested past what json decodes (eighteenth probe)
         return False
     if not isinstance(sizes, dict) or not all(isinstance(size, int) for size in sizes.values()):
         return False
