@@ -4,6 +4,7 @@ the reasoning free (checked with the real llguidance matcher)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ortserve_runtime import ChatTemplate, Grammar, InvalidRequestError, ReasoningMarkers, ReasoningParser
@@ -155,3 +156,26 @@ def test_a_grammar_asked_for_again_is_copied_in_its_first_state() -> None:
     assert compiler.reused == 3
     compiler.constraint(Grammar("regex", "[0-9]+"))  # another grammar: compiled, not copied
     assert compiler.reused == 3
+
+
+def test_a_tokenizer_llguidance_refuses_is_tried_once_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose ONNX vocabulary is smaller than its tokenizer's cannot take grammars:
+    its requests with one are refused naming the grammar's field (a 400, not a 500), and the
+    refused build (0.3 s of the GIL for 49K tokens) is not tried again at each request
+    (eighteenth probe of the hardening issue, F4)."""
+    import llguidance
+
+    builds = []
+    real = llguidance.LLTokenizer
+
+    def counted(*args: Any, **kwargs: Any) -> llguidance.LLTokenizer:
+        builds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", counted)
+    compiler = GrammarCompiler(FIXTURE / "tokenizer.json", 10, frozenset({1}))
+    for _ in range(3):
+        with pytest.raises(InvalidRequestError, match=r"cannot take grammars.*vocab size too small") as refused:
+            compiler.constraint(Grammar("regex", "[0-9]+"))
+        assert refused.value.param == "grammar"
+    assert len(builds) == 1

@@ -146,6 +146,9 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._unusable: str | None = None
+        """Why llguidance refused this model's tokenizer, once it has: a failed build is not
+        tried again at every request (each try held the GIL 0.3 s for 49K tokens)."""
         self._lock = threading.Lock()
         self._kept: collections.OrderedDict[str, Constraint] = collections.OrderedDict()
         self.reused = 0
@@ -160,9 +163,19 @@ class GrammarCompiler:
         import llguidance
 
         with self._lock:  # built on first use: about a second for a large vocabulary
+            if self._tokenizer is None and self._unusable is None:
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(
+                        self._tokenizer_json.read_text(encoding="utf-8"), n_vocab=self._vocab_size, eos_token=self._eos
+                    )
+                except (OSError, UnicodeError, ValueError, TypeError) as error:
+                    # e.g. "vocab size too small; 1024 vs 49152": the model's ONNX vocabulary
+                    # is smaller than its tokenizer's (seventeenth and eighteenth probes).
+                    self._unusable = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json.read_text(encoding="utf-8"), n_vocab=self._vocab_size, eos_token=self._eos
+                raise InvalidRequestError(
+                    f"this model cannot take grammars: llguidance refused its tokenizer ({self._unusable})",
+                    param="grammar",
                 )
             return self._tokenizer
 
