@@ -344,6 +344,25 @@ def test_a_recursive_union_of_many_types_compiles(tiny_url: str) -> None:
     assert reply.status_code == 200, reply.text
 
 
+def test_names_many_nodes_share_are_measured_in_linear_time() -> None:
+    """4,300 nodes bearing one ``$anchor`` (or ``$id``) and 4,300 references to it (126
+    KiB) made 18.5 M edges: 6 s and +145 MiB to measure, in the request (eighteenth probe,
+    issue 45). Each shared name is now one weightless hub (0.1 s); a chain through shared
+    names is still followed, and a pointer into many resources sharing a ``$id`` resolves
+    to every node once that grows past the schema's size."""
+    from ortserve_runtime.chat._grammar_depth import MAX_SCHEMA_DEPTH, json_schema_depth
+
+    for bearer, ref in (({"$anchor": "a"}, {"$ref": "#a"}), ({"$id": "urn:a"}, {"$ref": "urn:a"})):
+        schema = {"anyOf": [dict(bearer) for _ in range(4300)] + [dict(ref) for _ in range(4300)]}
+        assert len(json.dumps(schema, separators=(",", ":"))) > 125 * 1024
+        assert json_schema_depth(json.loads(json.dumps(schema))) == 4  # object, list, ref, bearer
+    links = [{"$anchor": f"a{i}", "anyOf": [{"$ref": f"#a{i + 1}"}]} for i in range(1500)]
+    twice = {"$ref": "#a0", "anyOf": links + [dict(link) for link in links]}  # each name on two nodes
+    assert json_schema_depth(twice) > MAX_SCHEMA_DEPTH  # 1,500 links of 3 (bearer, list, ref)
+    many = {"anyOf": [{"$id": "urn:a", "x": {}} for _ in range(200)] + [{"$ref": f"urn:a#/x{i}"} for i in range(300)]}
+    assert json_schema_depth(many) > 300  # the references' pointers lead everywhere: root, list, refs, ...
+
+
 def test_grammars_compile_on_a_stack_deep_enough_for_any_within_the_size_bound() -> None:
     """Should the depth check miss a shape, the compiler's recursion must not kill the
     process: 2,100 chained Lark rules of 24 nested parentheses each (127 KiB, the size
