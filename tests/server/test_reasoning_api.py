@@ -207,6 +207,8 @@ def test_reasoning_settings_that_disagree_or_do_nothing_are_a_400(client: openai
     for extra in (
         {"reasoning_effort": "none", **OFF},
         {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "low"}},
+        {"reasoning_effort": "none", "reasoning_budget": 0},  # a budget of none agrees (nineteenth probe)
+        {"reasoning_budget": 0, **OFF},
     ):
         reply = client.chat.completions.create(model="think", messages=HELLO, max_tokens=2, extra_body=extra)  # type: ignore[arg-type]
         assert reply.choices[0].finish_reason == "length"

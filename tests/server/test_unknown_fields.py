@@ -124,7 +124,7 @@ def test_sdk_keys_of_settings_objects_are_taken_or_said_unsupported(strict_and_l
 
     strict, _ = strict_and_lenient
     claude = anthropic.Anthropic(base_url=strict, api_key="x", max_retries=0)
-    tool = {**CLAUDE_TOOL, "cache_control": {"type": "ephemeral"}}
+    tool = {**CLAUDE_TOOL, "cache_control": {"type": "ephemeral"}, "strict": False}  # strict: as OpenAI's
     reply = claude.messages.create(
         model="tiny",
         max_tokens=2,

@@ -6,7 +6,7 @@ would be settings that do nothing (seventeenth probe, issue 45: ``thinking.bogus
 
 Keys the official SDKs send that this server cannot honour are a 400 saying so; the few
 that change nothing here (``cache_control``, which marks a prefix this server caches
-anyway, and Anthropic's ``eager_input_streaming``) are taken. Messages, content blocks and
+anyway, Anthropic's ``eager_input_streaming`` and ``strict``) are taken. Messages, content blocks and
 schemas are not walked: they are data, not settings."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ __all__ = ["check_settings_fields"]
 
 _SETTINGS = ("response_format", "stream_options", "text", "reasoning", "tools", "tool_choice", "metadata")
 
-_TAKEN = frozenset({"cache_control", "eager_input_streaming"})
-"""Keys the SDKs send that change nothing here: taken wherever they appear in a walked object."""
+_TAKEN = frozenset({"cache_control", "eager_input_streaming", "strict"})
+"""Keys the SDKs send that change nothing here: taken wherever they appear in a walked object
+(``strict`` as OpenAI's tools take it: a forced call is held to its schema whatever it says;
+nineteenth probe: Anthropic's was refused, even ``strict: false``)."""
 
 _UNSUPPORTED = frozenset(
     {
@@ -36,7 +38,6 @@ _UNSUPPORTED = frozenset(
         "input_examples",
         "mode",
         "output_schema",
-        "strict",
     }
 )
 """Keys of the SDKs' settings objects this server does not implement."""

@@ -73,7 +73,7 @@ def _check_agreement(data: p.ChatCompletionRequest, effort: str | None, budget: 
                 param="reasoning_effort",
             )
     off = effort == "none" or switch is False or kwargs.get("reasoning_effort") == "none"
-    if budget is not None and off:
+    if budget and off:  # 0 agrees with no thinking (nineteenth probe)
         raise BadRequestError(
             "reasoning_budget is for a chat that thinks, and this one's thinking is turned off "
             "(reasoning_effort 'none' or chat_template_kwargs.enable_thinking false): it would do nothing",
