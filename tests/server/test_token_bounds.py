@@ -61,6 +61,10 @@ def test_the_bound_refuses_nothing_that_fits(url: str) -> None:
     fits = "\U000e0041" * 1000  # 4,000 tokens
     counted = httpx.post(f"{url}/v1/tokenize", json={"model": "gemma", "prompt": fits}, timeout=60).json()
     assert 4000 <= counted["count"] <= 4096, counted.get("count")
+    document = httpx.post(f"{url}/v1/tokenize", json={"model": "gemma", "prompt": "word " * 6000}, timeout=60).json()
+    assert document["count"] >= 12_000  # past the context: a document to count or cut into windows
+    rare = httpx.post(f"{url}/v1/tokenize", json={"model": "gemma", "prompt": "\U000e0041" * 50_000}, timeout=60)
+    assert rare.status_code == 400 and "more than the limit of 131072 tokens" in rare.text, rare.text[:300]
     words = "word " * 1500  # 3,000 tokens
     completion = client.completions.create(model="gemma", prompt=words, max_tokens=1)
     assert completion.usage is not None and completion.usage.prompt_tokens >= 3000

@@ -213,29 +213,29 @@ class ChatModel:
         see :class:`TextLimit`; its first use scans the vocabulary: call it off the event loop)."""
         return self._prompt_limit.chars()
 
-    def check_prompt_size(self, text: str, param: str = "prompt", *, spelt: int = 0) -> None:
+    def check_prompt_size(self, text: str, param: str = "prompt", *, spelt: int = 0, limit: int | None = None) -> None:
         """Refuse ``text`` with :class:`ContextLengthError` when it has more tokens than the
-        context holds, found without building them all (:meth:`TextLimit.past`): a text with
-        more characters than :attr:`max_prompt_chars` is refused untokenized. ``spelt``: how
+        context holds (or ``limit``, where a text is not generated from: ``/v1/tokenize``),
+        found without building them all (:meth:`TextLimit.past`): a text with more
+        characters than that many tokens can spell is refused untokenized. ``spelt``: how
         many special tokens the caller spelt in it (each is tokenized again as text, which
         can join the text beside it: two tokens fewer at most, allowed for)."""
         what = {
             "messages": "the prompt the chat template made of the messages and tools",
             "prediction": "prediction (the predicted output)",
         }.get(param, "the prompt")
+        tokens = limit or self.max_sequence_length
+        whose = "this model's limit" if tokens == self.max_sequence_length else "the limit"
         # Every token spans a character at least: a text this short needs no vocabulary scan.
-        if len(text) > 3 * self.max_sequence_length and len(text) > self.max_prompt_chars:
+        if len(text) > 3 * tokens and len(text) > self.max_prompt_chars * tokens // self.max_sequence_length:
             raise ContextLengthError(
-                f"{what} has {len(text)} characters, more than this model's limit of "
-                f"{self.max_sequence_length} tokens could hold",
+                f"{what} has {len(text)} characters, more than {whose} of {tokens} tokens could hold",
                 param=param,
             )
-        found = self._prompt_limit.past(text, self.max_sequence_length + 2 * spelt)
+        found = self._prompt_limit.past(text, tokens + 2 * spelt)
         if found is not None:
             raise ContextLengthError(
-                f"{what} has at least {found} tokens, more than this model's limit of "
-                f"{self.max_sequence_length} tokens",
-                param=param,
+                f"{what} has at least {found} tokens, more than {whose} of {tokens} tokens", param=param
             )
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
