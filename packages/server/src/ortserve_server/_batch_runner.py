@@ -164,6 +164,7 @@ class BatchRunner:
         limit = self._state.config.batch_concurrency
         running: dict[int, asyncio.Task[None]] = {}
         alone = taken_over = False
+        claim: asyncio.Future[list[PendingLine]] | None = None
         claimed = time.monotonic()
         try:
             while batch.id not in self._cancelled and (batch.expires_at is None or time.time() < batch.expires_at):
@@ -176,11 +177,14 @@ class BatchRunner:
                     if current is None or current.status != "in_progress":
                         return True  # cancelled through another replica
                 if len(running) < limit and not alone:
-                    for line in await store.pending_lines(batch.id, limit - len(running), set(running)):
+                    # Shielded: stopped while claiming, the lines it counted started are known (below).
+                    claim = asyncio.ensure_future(store.pending_lines(batch.id, limit - len(running), set(running)))
+                    for line in await asyncio.shield(claim):
                         running[line.line] = asyncio.create_task(self._line(batch, line, caller, trace))
                         # A suspect (see pending_lines): no other line runs beside it (nor one of another
                         # batch: a process runs one batch at a time).
                         alone = line.started > 1
+                    claim = None
                 if not running:
                     return True
                 done, _ = await asyncio.wait(running.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -190,12 +194,16 @@ class BatchRunner:
                 alone = alone and bool(running)
             return True
         finally:
+            stopped = list(running)
+            if claim is not None:  # stopped while claiming lines: their starts were counted
+                with contextlib.suppress(Exception):
+                    stopped += [line.line for line in await claim]
             for task in running.values():
                 task.cancel()
             await asyncio.gather(*running.values(), return_exceptions=True)
-            if running and not taken_over:  # stopped here, not ended with the process (taken over: theirs now)
+            if stopped and not taken_over:  # stopped here, not ended with the process (taken over: theirs now)
                 with contextlib.suppress(Exception):
-                    await store.unstart(batch.id, list(running))
+                    await store.unstart(batch.id, stopped)
 
     async def _line(self, batch: bp.Batch, line: PendingLine, caller: Caller, trace: str | None) -> None:
         if line.started > MAX_LINE_STARTS:
