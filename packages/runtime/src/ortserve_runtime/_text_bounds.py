@@ -5,6 +5,7 @@ building all its tokens."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 
@@ -40,9 +41,8 @@ class TextLimit:
     def __init__(self, tokenizer: Tokenizer, tokens: int) -> None:
         self.tokens = tokens
         self._tokenizer = tokenizer
-        self._longest: int | None = None
-        self._per_token: int | None = None
-        self._cuts = False
+        self._longest: tuple[int, int] | None = None  # (characters, bytes) of the longest token
+        self._cuts: bool | None = None
         self._lock = threading.Lock()
 
     def chars(self) -> int:
@@ -51,10 +51,13 @@ class TextLimit:
         GIL meanwhile: listing the vocabulary whole (``get_vocab``) held the GIL 30 ms in one
         call (/health 106 ms in a CI run). Not at load: a scan beside the imports of
         ``ortserve serve`` made its start-up 75 ms slower."""
+        return self.tokens * self._longest_token()[0] * 3
+
+    def _longest_token(self) -> tuple[int, int]:
         with self._lock:
             if self._longest is None:
                 self._longest = _longest_token(self._tokenizer)
-        return self.tokens * self._longest * 3
+            return self._longest
 
     def past(self, text: str, most: int) -> int | None:
         """More than ``most`` tokens in ``text`` (added tokens matched, none added): how many
@@ -93,12 +96,11 @@ class TextLimit:
     def _scan(self) -> tuple[int, bool]:
         """The most bytes one token spans (0 where none is known: an unknown token may stand
         for a whole word), and whether :data:`_CUT` cuts this tokenizer's texts exactly."""
-        self.chars()
+        longest_bytes = self._longest_token()[1]
         with self._lock:
-            if self._per_token is None:
-                self._per_token = _bytes_per_token(self._tokenizer)
+            if self._cuts is None:
                 self._cuts = _cuts_exactly(self._tokenizer)
-        return self._per_token, self._cuts
+        return _bytes_per_token(self._tokenizer, longest_bytes), self._cuts
 
 
 def _next_cut(text: str, at: int, window: int) -> int:
@@ -115,7 +117,7 @@ def _next_cut(text: str, at: int, window: int) -> int:
     return last
 
 
-def _bytes_per_token(tokenizer: Tokenizer) -> int:
+def _bytes_per_token(tokenizer: Tokenizer, longest_bytes: int) -> int:
     # The model's own attributes, not its JSON: that is the whole vocabulary and merges (some
     # 10 MB for 128K tokens), decoded holding the GIL.
     model = tokenizer.model
@@ -123,12 +125,9 @@ def _bytes_per_token(tokenizer: Tokenizer) -> int:
         getattr(model, "unk_token", None) and getattr(model, "fuse_unk", False)
     ):
         return 0  # an unknown word (or run of unknown characters) is one token
-    ids = range(tokenizer.get_vocab_size(with_added_tokens=False))
-    longest = max((len((tokenizer.id_to_token(i) or "").encode()) for i in ids), default=1)
-    added = (len(token.content.encode()) for token in tokenizer.get_added_tokens_decoder().values())
     # A byte-level token's text spells each byte as one character of at most 2 bytes: an
     # overestimate, which makes the bound only looser.
-    return max(longest, *added, 1) * (1 if tokenizer.normalizer is None else 3)
+    return longest_bytes * (1 if tokenizer.normalizer is None else 3)
 
 
 def _cuts_exactly(tokenizer: Tokenizer) -> bool:
@@ -141,8 +140,12 @@ def _cuts_exactly(tokenizer: Tokenizer) -> bool:
     return all(found.start() in starts for found in _CUT.finditer(_PROBE))
 
 
-def _longest_token(tokenizer: Tokenizer) -> int:
-    ids = range(tokenizer.get_vocab_size(with_added_tokens=False))
-    longest = max((len(tokenizer.id_to_token(i) or "") for i in ids), default=1)
-    added = (len(token.content) for token in tokenizer.get_added_tokens_decoder().values())
-    return max(longest, *added, 1)
+def _longest_token(tokenizer: Tokenizer) -> tuple[int, int]:
+    """The characters and the UTF-8 bytes of the vocabulary's longest token (added ones
+    too), in one pass over it (token by token: see :meth:`TextLimit.chars`)."""
+    chars, size = 1, 1
+    texts = (tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size(with_added_tokens=False)))
+    added = (token.content for token in tokenizer.get_added_tokens_decoder().values())
+    for text in itertools.chain(texts, added):
+        chars, size = max(chars, len(text)), max(size, len(text.encode()))
+    return chars, size
