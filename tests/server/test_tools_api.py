@@ -258,6 +258,48 @@ def test_bad_tool_requests(tiny_url: str, extra: dict[str, Any], param: str) -> 
     assert param in (response.json()["error"]["param"] or response.json()["error"]["message"])
 
 
+def _nested_object(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tools[0].function.parameters"),
+        (
+            "/v1/chat/completions",
+            {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tools[0].function.parameters",
+        ),
+        ("/v1/messages", {"tool_choice": {"type": "tool", "name": "f"}}, "tools"),
+        ("/v1/responses", {"tool_choice": "required"}, "tools"),
+    ],
+    ids=["chat-required", "chat-named", "anthropic-tool", "responses-required"],
+)
+def test_forced_calls_with_parameters_nested_too_deep_are_400(
+    tiny_url: str, path: str, body: dict[str, Any], param: str
+) -> None:
+    """Twentieth probe, issue 45: a forced call's grammar walked the parameters by recursion
+    (a 500 at 240 levels), where a response format that deep was a 400."""
+    deep = _nested_object(240)
+    if path == "/v1/messages":
+        request = {"max_tokens": 4, "tools": [{"name": "f", "input_schema": deep}], "messages": ASK}
+    elif path == "/v1/responses":
+        request = {"max_output_tokens": 4, "tools": [{"type": "function", "name": "f", "parameters": deep}]}
+        request["input"] = "Weather?"
+    else:
+        request = {"max_tokens": 4, "tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]}
+        request["messages"] = ASK
+    response = httpx.post(f"{tiny_url}{path}", json={"model": "tiny", **request, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert param in (error.get("param") or "") + error["message"] and "nested too deeply" in error["message"], error
+    assert httpx.get(f"{tiny_url}/health").status_code == 200
+
+
 def test_parallel_tool_calls_false_keeps_the_first(tiny_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two calls in the output; with parallel_tool_calls=false only the first comes back."""
     from ortserve_runtime import ToolCallParser

@@ -15,12 +15,14 @@ cut short by the length limit is a call, with its arguments as far as they were 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .._errors import InvalidRequestError
 from ._constraints import Grammar, closed_schema
 from ._reasoning import _held
 
@@ -309,13 +311,14 @@ def forced_tool_grammar(
         function = tool.get("function", {})
         if name is not None and function.get("name") != name:
             continue
-        parameters = closed_schema(function.get("parameters") or {"type": "object"})
-        if _has_local_ref(parameters):
-            # Its "#/$defs/..." (pydantic's nested models, a recursive schema) point into
-            # the parameters, which are not the root here: they move to the root's $defs
-            # and their references with them.
-            moved[f"tool{number}"] = _rebased(parameters, f"#/$defs/tool{number}")
-            parameters = {"$ref": f"#/$defs/tool{number}"}
+        with _nested_too_deep(f"tools[{number}].function.parameters"):
+            parameters = closed_schema(function.get("parameters") or {"type": "object"})
+            if _has_local_ref(parameters):
+                # Its "#/$defs/..." (pydantic's nested models, a recursive schema) point into
+                # the parameters, which are not the root here: they move to the root's $defs
+                # and their references with them.
+                moved[f"tool{number}"] = _rebased(parameters, f"#/$defs/tool{number}")
+                parameters = {"$ref": f"#/$defs/tool{number}"}
         key = markers.arguments_key
         options.append(
             {
@@ -346,8 +349,21 @@ def forced_tool_grammar(
         "mistral": f"{literal(markers.start)} call",
         "llama3": "call",
     }[format]
-    rules = f"tool: {layout}\ncall: %json {json.dumps(schema)}"
+    with _nested_too_deep("tools"):
+        rules = f"tool: {layout}\ncall: %json {json.dumps(schema)}"
     if or_answer is None:
         return Grammar("lark", f"start: tool\n{rules}")
-    answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
-    return Grammar("lark", f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}")
+    with _nested_too_deep("response_format"):
+        answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
+        return Grammar("lark", f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}")
+
+
+@contextlib.contextmanager
+def _nested_too_deep(param: str) -> Iterator[None]:
+    """A schema nested past Python's recursion limit (the walks above, ``json.dumps``): a
+    400 naming ``param``, as a response format's is (twentieth probe, issue 45: a tool's
+    parameters 240 deep with a forced call were a 500)."""
+    try:
+        yield
+    except RecursionError:
+        raise InvalidRequestError(f"{param} is nested too deeply", param=param) from None
