@@ -217,8 +217,11 @@ def _chained_names(links: int, kind: str) -> dict[str, object]:
     return {"$ref": ref(0), "$defs": defs}
 
 
-def _chained_rules(rules: int, attributes: str = "") -> str:
-    return "start: r0\n" + "\n".join([f'r{i}{attributes}: r{i + 1} | "a"' for i in range(rules)] + [f'r{rules}: "b"'])
+def _chained_rules(rules: int, attributes: str = "", around: str = "") -> str:
+    """``around``: a string literal before and after each reference."""
+    return "start: r0\n" + "\n".join(
+        [f'r{i}{attributes}: {around} r{i + 1} {around} | "a"' for i in range(rules)] + [f'r{rules}: "b"']
+    )
 
 
 def _chained_spelt(links: int, spelling: str) -> dict[str, object]:
@@ -260,6 +263,9 @@ def _chained_spelt(links: int, spelling: str) -> dict[str, object]:
         ),
         ({"guided_grammar": _chained_rules(3000, "[capture]")}, "guided_grammar"),
         ({"guided_grammar": _chained_rules(3000, ' [lazy, stop=""]')}, "guided_grammar"),
+        # Twentieth probe: a line separator inside a string ended the check's line there.
+        ({"guided_grammar": _chained_rules(3000, around='"\u2028"')}, "guided_grammar"),
+        ({"guided_grammar": _chained_rules(3000, around='"\x85"')}, "guided_grammar"),
     ],
     ids=[
         "defs-chain-1500",
@@ -273,6 +279,8 @@ def _chained_spelt(links: int, spelling: str) -> dict[str, object]:
         "base-uri-chain-1500",
         "lark-capture-rules-3000",
         "lark-lazy-rules-3000",
+        "lark-u2028-rules-3000",
+        "lark-nel-rules-3000",
     ],
 )
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
