@@ -88,6 +88,22 @@ NESTED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/responses", {**RESPONSES, "text": {"format": {"type": "text", "bogus": 1}}}, "text.format.bogus"),
     ("/v1/responses", {**RESPONSES, "tools": [{**FUNCTION, "bogus": 1}]}, "tools[0].bogus"),
     ("/v1/responses", {**RESPONSES, "reasoning": {"bogus": 1}}, "reasoning.bogus"),
+    # Twentieth probe: prediction was not walked.
+    (
+        "/v1/chat/completions",
+        {**CHAT, "prediction": {"type": "content", "content": "x", "bogus": 1}},
+        "prediction.bogus",
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "hi",
+            "max_tokens": 4,
+            "prediction": {"type": "content", "content": "x", "bogus": 1},
+        },
+        "prediction.bogus",
+    ),
 ]
 
 
@@ -113,6 +129,25 @@ def test_an_unknown_key_of_a_settings_object_is_named_unless_lenient(
     assert field in error["message"], error
     assert error.get("param", field) == field  # Anthropic's error shape has no param
     taken = httpx.post(f"{lenient}{path}", json=body, timeout=60)
+    assert taken.status_code == 200, taken.text
+
+
+def test_unknown_mcp_server_keys_and_verbosity_are_named(strict_and_lenient: tuple[str, str]) -> None:
+    """Twentieth probe, issue 45: keys inside Anthropic's ``mcp_servers`` entries were not
+    walked (the URL check answered, or the key was ignored), and Responses'
+    ``text.verbosity`` was echoed and ignored (OpenAI's default, ``medium``, is taken)."""
+    strict, _ = strict_and_lenient
+    server = {"type": "url", "url": "https://mcp.example/mcp", "name": "m"}
+    for extra, field in (
+        ({**server, "bogus": 1}, "mcp_servers[0].bogus"),
+        ({**server, "tool_configuration": {"enabled": True, "bogus": 1}}, "mcp_servers[0].tool_configuration.bogus"),
+    ):
+        refused = httpx.post(f"{strict}/v1/messages", json={**MESSAGES, "mcp_servers": [extra]}, timeout=60)
+        assert refused.status_code == 400 and field in refused.json()["error"]["message"], refused.text
+    for verbosity in ("low", "high"):
+        refused = httpx.post(f"{strict}/v1/responses", json={**RESPONSES, "text": {"verbosity": verbosity}}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "text.verbosity", refused.text
+    taken = httpx.post(f"{strict}/v1/responses", json={**RESPONSES, "text": {"verbosity": "medium"}}, timeout=60)
     assert taken.status_code == 200, taken.text
 
 

@@ -1,13 +1,15 @@
 """Unknown keys inside a request's settings objects (``thinking``, ``reasoning``,
 ``response_format``, ``stream_options``, ``text``, ``tools``, ``tool_choice``,
-``metadata``): a 400 naming the key by its path, as for the body's own keys; ignored, they
-would be settings that do nothing (seventeenth probe, issue 45: ``thinking.bogus``,
-``reasoning.generate_summary``, ``tools[0].bogus``... were answered 200).
+``metadata``, ``prediction``, Anthropic's ``mcp_servers``): a 400 naming the key by its
+path, as for the body's own keys; ignored, they would be settings that do nothing
+(seventeenth probe, issue 45: ``thinking.bogus``, ``reasoning.generate_summary``,
+``tools[0].bogus``... were answered 200; twentieth: ``prediction.bogus``, keys inside
+``mcp_servers[0]``).
 
 Keys the official SDKs send that this server cannot honour are a 400 saying so; the few
 that change nothing here (``cache_control``, which marks a prefix this server caches
-anyway, Anthropic's ``eager_input_streaming`` and ``strict``) are taken. Messages, content blocks and
-schemas are not walked: they are data, not settings."""
+anyway, Anthropic's ``eager_input_streaming`` and ``strict``) are taken. Messages, content
+blocks and schemas are not walked: they are data, not settings."""
 
 from __future__ import annotations
 
@@ -20,7 +22,17 @@ from ._errors import BadRequestError, UnsupportedParameterError
 
 __all__ = ["check_settings_fields"]
 
-_SETTINGS = ("response_format", "stream_options", "text", "reasoning", "tools", "tool_choice", "metadata")
+_SETTINGS = (
+    "response_format",
+    "stream_options",
+    "text",
+    "reasoning",
+    "tools",
+    "tool_choice",
+    "metadata",
+    "prediction",
+    "mcp_servers",
+)
 
 _TAKEN = frozenset({"cache_control", "eager_input_streaming", "strict"})
 """Keys the SDKs send that change nothing here: taken wherever they appear in a walked object

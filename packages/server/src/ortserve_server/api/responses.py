@@ -99,6 +99,10 @@ def _check(data: rp.ResponseCreateRequest, state: OrtServe, model: ChatModel) ->
         "top_logprobs": data.top_logprobs not in (msgspec.UNSET, None, 0),
         "conversation": data.conversation not in (msgspec.UNSET, None),
         "prompt": data.prompt not in (msgspec.UNSET, None),
+        # "medium", OpenAI's default, asks for nothing different (twentieth probe: any value was
+        # echoed and ignored).
+        "text.verbosity": isinstance(data.text, rp.TextConfig)
+        and data.text.verbosity not in (msgspec.UNSET, None, "medium"),
     }
     for name, asked in refused.items():
         if asked:
