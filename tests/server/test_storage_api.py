@@ -101,6 +101,21 @@ def test_a_batch_line_with_a_field_its_route_does_not_take_is_refused(client: op
         assert ("'guided_jsonn'" in message) != ("'dimension'" in message), message
 
 
+def test_a_batch_line_nested_past_the_bound_or_with_an_unknown_key_is_refused(client: openai.OpenAI) -> None:
+    """Twenty-first probe, issue 45: a line nested 971 deep (which JSON still decodes) failed
+    as a 500 when it ran, and a key beside custom_id, method, url and body was ignored."""
+    deep = CHAT.replace('"max_tokens"', '"guided_json": ' + '{"a": ' * 200 + "1" + "}" * 200 + ', "max_tokens"')
+    bogus = json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "bogus": 1})[:-1].encode()
+    for line, said in (
+        (_line(deep, "b"), "nested too deeply (201 levels; at most 128)"),
+        (bogus + b', "body": ' + CHAT.encode() + b"}\n", "unknown field `bogus`"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.files.create(file=("in.jsonl", _line(CHAT) + line), purpose="batch")
+        assert caught.value.body["param"] == "file"  # type: ignore[index]
+        assert "line 2: " in caught.value.message and said in caught.value.message, caught.value.message
+
+
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_batch_line_nested_too_deeply_is_refused_by_number(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
     deep = '{"model": "tiny", "messages": [], "x": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"

@@ -326,6 +326,39 @@ def test_reference_chains_too_deep_to_compile_are_400(tiny_url: str, extra: dict
     assert httpx.get(f"{tiny_url}/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("/v1/chat/completions", {"messages": ASK, "max_tokens": 2}, "guided_json"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 2}, "guided_json"),
+        ("/v1/responses", {"input": "a", "max_output_tokens": 2}, "text"),
+    ],
+)
+def test_a_body_nested_past_the_bound_is_400_naming_the_field(
+    tiny_url: str, path: str, extra: dict[str, object], field: str
+) -> None:
+    """Twenty-first probe, issue 45: a schema nested 970 deep, which JSON still decodes,
+    failed in a Python walk as a 500 (the grammar's size check, the tools made plain)."""
+    deep = '{"a": [' * 485 + "1" + "]}" * 485  # written out: Python's json cannot encode it
+    schema = '{"type": "object", "properties": {"x": ' + deep + "}}"
+    text = '{"format": {"type": "json_schema", "name": "n", "schema": ' + schema + "}}"
+    value = text if field == "text" else schema
+    body = json.dumps({"model": "tiny", **extra})[:-1] + f', "{field}": {value}}}'
+    headers = {"content-type": "application/json"}
+    refused = httpx.post(f"{tiny_url}{path}", content=body, headers=headers, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == field and f"nested too deeply in '{field}'" in error["message"], error
+    assert "at most 128" in error["message"], error
+    shallow = {"type": "object", "properties": {"x": {"type": "object", "properties": {"y": {"type": "integer"}}}}}
+    if field == "text":
+        extra = {**extra, "text": {"format": {"type": "json_schema", "name": "n", "schema": shallow}}}
+    else:
+        extra = {**extra, "guided_json": shallow}
+    taken = httpx.post(f"{tiny_url}{path}", json={"model": "tiny", **extra}, timeout=60)
+    assert taken.status_code == 200, taken.text
+
+
 def test_a_recursive_union_of_many_types_compiles(tiny_url: str) -> None:
     """A tree whose nodes are any of 200 types (a UI tree, an AST), each with children of
     any type: one recursive component of 1,005 objects and arrays, but no chain; llguidance

@@ -28,7 +28,15 @@ import numpy as np
 
 from ._errors import BadRequestError
 
-__all__ = ["MAX_JSON_ITEMS", "MAX_JSON_KEYS", "check_json_counts", "deepest_field", "json_past_bounds"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_ITEMS",
+    "MAX_JSON_KEYS",
+    "check_json_counts",
+    "deepest_field",
+    "json_depth",
+    "json_past_bounds",
+]
 
 MAX_JSON_KEYS = 50_000
 """Object keys a JSON body may have in all: some 60 ms of decoding at most. Requests hold a
@@ -36,6 +44,12 @@ few hundred (2,048 ``logit_bias`` entries, 128 tools with their schemas, long hi
 MAX_JSON_ITEMS = 500_000
 """Array items a JSON body may have in all: some 60 ms of decoding for short strings (900,000
 held the event loop 114 ms); above OpenAI's 300,000 tokens of embedding input a request."""
+MAX_JSON_DEPTH = 128
+"""Objects and arrays a JSON body may nest (the body itself is the first). What Python walks
+by recursion (schemas made closed, a forced call's grammar, templates, ``json.dumps``) takes
+up to 4 frames a level against the interpreter's 1,000: a body decoded 970 deep then failed
+in one of them as a 500 (twenty-first probe, issue 45). Requests nest a few levels, JSON
+schemas a few tens."""
 _LOOK_ABOVE = 256 * 1024
 """Bodies this size or smaller are not counted."""
 
@@ -59,6 +73,8 @@ class _Shape:
     """The top-level field whose value holds the most keys, separators and containers."""
     deepest: str | None
     """The top-level field whose value nests deepest (first of equals), if any nests."""
+    depth: int
+    """How deep objects and arrays nest (the outermost is 1)."""
 
 
 def _shape(body: bytes) -> _Shape:
@@ -116,44 +132,65 @@ def _shape(body: bytes) -> _Shape:
         return body[begin + 1 : end].decode("utf-8", "replace") if begin >= 0 else None  # malformed: no key
 
     heaviest = name(int(weights.argmax()) if weights.any() else 0)
-    return _Shape(keys, containers, separators, heaviest, name(deepest_field))
+    return _Shape(keys, containers, separators, heaviest, name(deepest_field), deepest)
 
 
 async def check_json_counts(body: bytes) -> None:
     """A 400 if ``body`` (JSON, not decoded yet) has more keys or items than allowed, naming
-    the top-level field that holds the most."""
-    past = await json_past_bounds(body)
+    the top-level field that holds the most, or nests deeper than :data:`MAX_JSON_DEPTH`,
+    naming the deepest."""
+    past = await json_past_bounds(body, max_depth=MAX_JSON_DEPTH)
     if past is not None:
         what, field = past
+        if what.startswith("nested"):  # "nested too deeply (N levels; ...)"
+            nested, _, levels = what.partition(" (")
+            raise BadRequestError(
+                f"the JSON body is {nested}" + (f" in {field!r}" if field else "") + f" ({levels}", param=field
+            )
         raise BadRequestError(
             f"the JSON body has {what}" + (f", most of them in {field!r}" if field else ""), param=field
         )
 
 
+def json_depth(text: bytes) -> int:
+    """How deep ``text``'s objects and arrays nest (JSON, perhaps malformed), counted outside
+    its strings; a text with no more brackets than :data:`MAX_JSON_DEPTH` is not scanned (its
+    bracket count, an upper bound, is returned). Call it off the event loop for large texts."""
+    containers = text.count(b"{") + text.count(b"[")
+    return containers if containers <= MAX_JSON_DEPTH else _shape(text).depth
+
+
 async def json_past_bounds(
-    body: bytes, max_keys: int = MAX_JSON_KEYS, max_items: int = MAX_JSON_ITEMS
+    body: bytes, max_keys: int = MAX_JSON_KEYS, max_items: int = MAX_JSON_ITEMS, max_depth: int | None = None
 ) -> tuple[str, str | None] | None:
     """What ``body`` (JSON, or JSON an SSE event carries) has more of than the bounds allow
     (``max_keys`` object keys, or objects and arrays; ``max_items`` array items: lower where
-    what it becomes costs more an item), and the top-level field holding the most; ``None``
-    within them. Counted on a worker thread, for any text that is to be decoded on the event
-    loop (request bodies, MCP messages); one too small to hold that many (5 bytes a key, 2 an
-    item at the least) is not counted."""
-    if len(body) <= min(_LOOK_ABOVE, 5 * max_keys, 2 * max_items):
+    what it becomes costs more an item; ``max_depth`` levels, if given, said as ``"nested
+    ..."``), and the top-level field holding the most (or nesting deepest); ``None`` within
+    them. Counted on a worker thread, for any text that is to be decoded on the event loop
+    (request bodies, MCP messages); one too small to hold that many (5 bytes a key, 2 an item
+    at the least) and with too few brackets to nest past ``max_depth`` is not counted."""
+    deep = max_depth is not None and body.count(b"{") + body.count(b"[") > max_depth
+    if len(body) <= min(_LOOK_ABOVE, 5 * max_keys, 2 * max_items) and not deep:
         return None
-    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys, max_items)
+    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys, max_items, max_depth)
 
 
-def _past_bounds(body: bytes, max_keys: int, max_items: int) -> tuple[str, str | None] | None:
+def _past_bounds(
+    body: bytes, max_keys: int, max_items: int, max_depth: int | None = None
+) -> tuple[str, str | None] | None:
     """What ``body`` has too many of, and the top-level field that holds the most; ``None``
     when within the bounds."""
     containers = body.count(b"{") + body.count(b"[")
-    if max(body.count(b":"), containers) <= max_keys and body.count(b",") + containers <= max_items:
+    if (
+        (max_depth is None or containers <= max_depth)
+        and max(body.count(b":"), containers) <= max_keys
+        and body.count(b",") + containers <= max_items
+    ):
         return None  # upper bounds, within: nothing to scan
     shape = _shape(body)
-    # The commas not between keys are one fewer than each array's items, and those between
-    # keys one fewer than each object's keys: each container that holds anything adds one
-    # (an upper bound: empty ones are counted too; 500,001 items passed as 500,000).
+    if max_depth is not None and shape.depth > max_depth:
+        return f"nested too deeply ({shape.depth} levels; at most {max_depth})", shape.deepest
     items = max(shape.separators - shape.keys + shape.containers, 0)
     if shape.keys > max_keys:
         what = f"{shape.keys} object keys (at most {max_keys})"

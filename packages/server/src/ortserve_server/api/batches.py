@@ -24,6 +24,7 @@ from .._auth import caller_of
 from .._batch_store import NoRoomError
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from .._ids import new_id
+from .._json_bounds import MAX_JSON_DEPTH, json_depth
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
 from .._record import traceparent
 from .._security import check_known_fields
@@ -45,6 +46,14 @@ _BODY_TYPES: dict[str, type[Any]] = {
 
 
 _decode_line = msgspec.json.Decoder(bp.BatchInputLine).decode
+
+
+class _KnownKeysLine(bp.BatchInputLine, forbid_unknown_fields=True):
+    """A line whose own keys are only those of :class:`~ortserve_client.batch_protocol.BatchInputLine`
+    (twenty-first probe, issue 45: others were taken and ignored)."""
+
+
+_decode_known_line = msgspec.json.Decoder(_KnownKeysLine).decode
 _MAX_LISTED_FILES = 10_000
 _MAX_LISTED_BATCHES = 100
 
@@ -88,10 +97,15 @@ def check_batch_file(content: bytes, max_line: int, *, lenient: bool) -> list[tu
             raise BadRequestError(
                 f"{where} has {len(raw)} bytes; a request has at most {max_line} (max_body_size)", param="file"
             )
+        if (depth := json_depth(raw) - 1) > MAX_JSON_DEPTH:  # the body, within the line's object
+            raise BadRequestError(
+                f"{where}: the JSON is nested too deeply ({depth} levels; at most {MAX_JSON_DEPTH})", param="file"
+            )
         try:
-            line = _decode_line(raw)
+            line = (_decode_line if lenient else _decode_known_line)(raw)
         except msgspec.DecodeError as exc:
-            raise BadRequestError(f"{where}: {exc}", param="file") from exc
+            unknown = "unknown field" in str(exc) and " (start it with --lenient to ignore fields it does not know)"
+            raise BadRequestError(f"{where}: {exc}{unknown or ''}", param="file") from exc
         except RecursionError:
             raise BadRequestError(f"{where}: the JSON is nested too deeply", param="file") from None
         body_type = _BODY_TYPES.get(line.url)
