@@ -139,6 +139,7 @@ def test_export_and_import_round_trip(http: httpx.Client) -> None:
         ({"model": "m" * 1001}, "model"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
         ({"settings": {"temperature": "hot"}}, "temperature"),
+        ({"settings": {"temprature": 0.2}}, "settings.temprature"),  # twenty-first probe: dropped
         ({"colour": "blue"}, "colour"),
     ],
 )

@@ -1,10 +1,10 @@
 """Unknown keys inside a request's settings objects (``thinking``, ``reasoning``,
 ``response_format``, ``stream_options``, ``text``, ``tools``, ``tool_choice``,
-``metadata``, ``prediction``, Anthropic's ``mcp_servers``): a 400 naming the key by its
-path, as for the body's own keys; ignored, they would be settings that do nothing
-(seventeenth probe, issue 45: ``thinking.bogus``, ``reasoning.generate_summary``,
+``metadata``, ``prediction``, Anthropic's ``mcp_servers``, a web page conversation's
+``settings``): a 400 naming the key by its path, as for the body's own keys; ignored, they
+would be settings that do nothing (seventeenth probe, issue 45: ``thinking.bogus``, ``reasoning.generate_summary``,
 ``tools[0].bogus``... were answered 200; twentieth: ``prediction.bogus``, keys inside
-``mcp_servers[0]``).
+``mcp_servers[0]``; twenty-first: a conversation's ``settings.temprature``).
 
 Keys the official SDKs send that this server cannot honour are a 400 saying so; the few
 that change nothing here (``cache_control``, which marks a prefix this server caches
@@ -32,6 +32,7 @@ _SETTINGS = (
     "metadata",
     "prediction",
     "mcp_servers",
+    "settings",
 )
 
 _TAKEN = frozenset({"cache_control", "eager_input_streaming", "strict"})
