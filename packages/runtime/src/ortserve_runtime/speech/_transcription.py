@@ -218,7 +218,7 @@ class SpeechModel:
             raise EngineClosedError(f"model {self.name!r} is closed")
         # The header is read off the event loop (libsndfile may scan an MP3 to count its
         # frames) and before the job queues, so bad audio is refused at once.
-        duration = await asyncio.to_thread(_probe, audio, self.max_audio_seconds)
+        duration: float | None = await asyncio.to_thread(_probe, audio, self.max_audio_seconds)
         loop = asyncio.get_running_loop()
         job = _Job(
             audio, prompt, language_id, max_tokens, temperature, timestamps, duration, loop, loop.create_future()
@@ -413,18 +413,21 @@ class SpeechModel:
         return segments
 
 
-def _probe(audio: bytes, max_seconds: float) -> float | None:
-    """The audio's duration in seconds from its header, or ``None`` when libsndfile cannot
-    read it (onnxruntime-genai's decoder then has the last word on whether it is audio).
-    A sample rate outside what speech is recorded at, or audio longer than ``max_seconds``,
-    is refused before anything is decoded."""
+def _probe(audio: bytes, max_seconds: float) -> float:
+    """The audio's duration in seconds from its header. Audio libsndfile cannot read (WAV,
+    FLAC, MP3, OGG and some twenty more it reads), a sample rate outside what speech is
+    recorded at, or audio longer than ``max_seconds`` is refused before anything is decoded:
+    given whole to onnxruntime-genai's decoder, a WAV of a subformat libsndfile does not know
+    lasting 1,000 s was transcribed for its first 30 s only, answered 200 (twenty-first
+    probe, issue 45), its length unchecked."""
     import soundfile  # on first use: a server without speech models starts without it
 
     try:
         with soundfile.SoundFile(io.BytesIO(audio)) as file:
             rate, frames = int(file.samplerate), int(file.frames)
-    except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError):
-        return None
+    except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError) as exc:
+        reason = getattr(exc, "error_string", None) or str(exc)
+        raise InvalidRequestError(f"the audio could not be decoded: {reason}", param="file") from None
     if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
         raise InvalidRequestError(
             f"the audio's sample rate is {rate} Hz; this server takes {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz",
