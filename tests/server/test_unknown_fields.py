@@ -151,6 +151,25 @@ def test_unknown_mcp_server_keys_and_verbosity_are_named(strict_and_lenient: tup
     assert taken.status_code == 200, taken.text
 
 
+def test_an_unknown_query_parameter_is_named_unless_lenient(strict_and_lenient: tuple[str, str]) -> None:
+    """Twenty-first probe, issue 45: ``GET /v1/responses/{id}?stream=true`` answered plain JSON,
+    and any made-up query key on any route was ignored."""
+    strict, lenient = strict_and_lenient
+    stored = httpx.post(f"{strict}/v1/responses", json=RESPONSES, timeout=60).json()["id"]
+    for path, key in (
+        (f"/v1/responses/{stored}?stream=true", "stream"),
+        (f"/v1/responses/{stored}/input_items?include[]=x&limit=2", "include[]"),
+        ("/v1/files?limit=5&bogus=1", "bogus"),
+        ("/v1/models?x=1", "x"),
+    ):
+        refused = httpx.get(f"{strict}{path}", timeout=60)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == key and repr(key) in error["message"] and "--lenient" in error["message"], error
+    assert httpx.get(f"{strict}/v1/files?limit=5&order=asc", timeout=60).status_code == 200
+    assert httpx.get(f"{lenient}/v1/files?limit=5&bogus=1", timeout=60).status_code == 200
+
+
 def test_sdk_keys_of_settings_objects_are_taken_or_said_unsupported(strict_and_lenient: tuple[str, str]) -> None:
     """What the official SDKs send: taken where it is honoured or changes nothing
     (``cache_control``), a 400 saying it is not supported otherwise."""

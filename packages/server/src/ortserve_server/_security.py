@@ -31,6 +31,7 @@ from litestar.connection import ASGIConnection, Request
 from litestar.enums import RequestEncodingType
 from litestar.exceptions import SerializationException
 from litestar.handlers import BaseRouteHandler
+from litestar.params import CookieParameter, HeaderParameter, PathParameter
 
 from ._config import ServerConfig
 from ._errors import BadRequestError, ForbiddenError, ShuttingDownError, UnsupportedMediaTypeError
@@ -165,6 +166,8 @@ def make_body_guard(
     whose shutdown cut ends a body still coming in with a 503."""
 
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        if not lenient and connection.scope.get("query_string"):
+            check_known_query(connection, handler)
         decoded = await body_guard(connection, handler, state)
         if lenient or not isinstance(decoded, dict):
             return
@@ -174,6 +177,24 @@ def make_body_guard(
         check_settings_fields(decoded, body_type)
 
     return guard
+
+
+def check_known_query(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """A 400 naming the query parameters the handler does not take (twenty-first probe,
+    issue 45: ``GET /v1/responses/{id}?stream=true`` answered plain JSON, ``include[]``,
+    ``starting_after`` and made-up keys were ignored alike)."""
+    taken = {  # what may come as a query parameter: more names than that do no harm
+        getattr(parameter.kwarg_definition, "query", None) or name
+        for name, parameter in handler.parsed_fn_signature.parameters.items()
+        if not isinstance(parameter.kwarg_definition, PathParameter | HeaderParameter | CookieParameter)
+    }
+    unknown = sorted(key for key in connection.query_params if key not in taken)
+    if unknown:
+        raise BadRequestError(
+            f"unknown query parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: this "
+            "route does not take it (start the server with --lenient to ignore what it does not know)",
+            param=unknown[0],
+        )
 
 
 def check_known_fields(body: dict[str, Any], body_type: Any, *, where: str = "", param: str | None = None) -> None:
