@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from test_connections import serving, stopped_log
@@ -363,3 +364,39 @@ def test_only_the_line_the_server_ends_on_is_not_resumed(tmp_path: Path) -> None
     assert starts[poison] == 4  # three deaths, the last two alone; the fourth start refuses it
     assert all(starts[line] == 2 for line in beside)  # once beside it, then alone
     assert starts[9] == starts[10] == 1
+
+
+def test_lines_a_shutdown_cuts_off_run_again_at_the_next_start(tmp_path: Path) -> None:
+    """Twentieth probe, issue 45: a SIGTERM whose grace period ran out (a stream still going)
+    cut the running lines off with 503 server_shutting_down, which were kept as their
+    answers: the batch came back completed with those lines failed for good. Cut lines are
+    unanswered, their starts given back, and the next start answers every line."""
+    count = 8
+    lines = [_long_line(i, 300) for i in range(count)]
+    with serving("--state-dir", str(tmp_path), "--grace-period", "0.5") as (process, url), _client(url) as client:
+        uploaded = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        end = time.monotonic() + 60
+        while not any(_starts(tmp_path, batch.id).values()):
+            assert time.monotonic() < end, "no line started"
+            time.sleep(0.01)
+        # A stream past the grace period: its end is what cuts the work off.
+        body = {"model": "tiny", "prompt": ["x"] * 16, "max_tokens": 480, "min_tokens": 480, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            stopped = False
+            for line in response.iter_lines():
+                if line and not stopped:
+                    process.send_signal(signal.SIGTERM)
+                    stopped = True
+        assert process.wait(timeout=30) == 75
+        stopped_log(process)
+    with sqlite3.connect(tmp_path / "ortserve.db") as db:
+        answered = db.execute("SELECT line, status FROM batch_lines WHERE status IS NOT NULL").fetchall()
+        assert all(status == 200 for _, status in answered), answered  # none answered with the cut's 503
+        assert not db.execute("SELECT COUNT(*) FROM batch_lines WHERE status IS NULL AND started > 0").fetchone()[0]
+        (status,) = db.execute("SELECT status FROM batches WHERE id = ?", (batch.id,)).fetchone()
+    assert status == "in_progress"
+    with serving("--state-dir", str(tmp_path)) as (_, url), _client(url) as client:
+        done = _wait(client, batch.id, within=600)
+        assert done.status == "completed" and done.request_counts is not None
+        assert done.request_counts.completed == count and done.error_file_id is None

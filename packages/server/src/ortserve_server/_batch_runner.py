@@ -159,7 +159,7 @@ class BatchRunner:
     async def _lines(self, batch: bp.Batch, caller: Caller, trace: str | None) -> bool:
         """Run the batch's lines without an answer until none is left, or it is cancelled
         or expires (the lines running then stop, unanswered); ``False`` when another runner
-        took the batch over."""
+        took the batch over, or a shutdown cut the work off."""
         store = self._state.batches
         limit = self._state.config.batch_concurrency
         running: dict[int, asyncio.Task[None]] = {}
@@ -168,6 +168,11 @@ class BatchRunner:
         claimed = time.monotonic()
         try:
             while batch.id not in self._cancelled and (batch.expires_at is None or time.time() < batch.expires_at):
+                if self._state.cut_off:
+                    # A shutdown whose grace period ran out: the lines it cut run again at the
+                    # next start, and the batch is not finished here (twentieth probe, issue 45:
+                    # their 503s were kept as answers and the batch completed).
+                    return False
                 if time.monotonic() - claimed > LEASE / 3:
                     if not await store.claim(batch.id, RUNNER, LEASE):
                         taken_over = True
@@ -227,6 +232,9 @@ class BatchRunner:
         while True:
             status, body = await self._call(batch.endpoint, line.request, caller, request_id, trace)
             code = _retry_code(body) if status == 503 else None
+            if code == "server_shutting_down":  # cut by the shutdown: not its answer, it runs again
+                await self._state.batches.unstart(batch.id, [line.line])
+                return
             if code not in _RETRY_CODES or (code != "preempted" and attempt >= _RETRIES):
                 break
             attempt += code != "preempted"

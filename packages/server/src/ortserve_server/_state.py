@@ -126,6 +126,11 @@ class OrtServe:
         for waiter in list(self._cut_waiters):
             waiter.get_loop().call_soon_threadsafe(_settle, waiter)
 
+    @property
+    def cut_off(self) -> bool:
+        """Whether :meth:`cut_work` was called: work that starts now is cut at once."""
+        return self._cut_off
+
     @contextlib.contextmanager
     def cut_signal(self) -> Iterator[asyncio.Future[None]]:
         """A future of the running loop that :meth:`cut_work` resolves, while in the block."""
