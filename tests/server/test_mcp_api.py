@@ -911,3 +911,29 @@ def test_a_stdio_server_flooding_its_stderr_does_not_hold_the_event_loop(caplog:
     logged = [r.getMessage() for r in caplog.records if r.name == "ortserve.mcp"]
     (dropped,) = [m for m in logged if "not logged" in m]
     assert int(dropped.split(": ")[1].split()[0]) <= STDERR_BYTES_PER_MINUTE + 65536, dropped
+
+
+@pytest.mark.timing  # the event loop's latency meanwhile
+def test_a_stdio_server_flooding_its_stdout_with_blank_lines_is_stopped(caplog: pytest.LogCaptureFixture) -> None:
+    """Twentieth probe, issue 45: blank lines on stdout were handled one by one on the event
+    loop (/health 113-156 ms for as long as the server wrote them). They are dropped at C's
+    speed, and past a megabyte a minute the server is stopped, saying why."""
+    import anyio
+    from ortserve_server._mcp_stdio import BLANK_BYTES_PER_MINUTE, StdioLink
+
+    script = "import sys\nwhile True:\n    sys.stdout.buffer.write(b'\\n' * 32768); sys.stdout.flush()\n"
+    link = StdioLink((sys.executable, "-c", script), 1 << 20, "blank")
+    gaps: list[float] = []
+
+    async def run() -> None:
+        async with link.transport():
+            last = time.monotonic()
+            for _ in range(200):  # 2 s
+                await anyio.sleep(0.01)
+                gaps.append(time.monotonic() - last - 0.01)
+                last = time.monotonic()
+
+    with caplog.at_level(logging.WARNING, "ortserve.mcp"):
+        anyio.run(run)
+    assert max(gaps) < 0.1, max(gaps)
+    assert link.ended is not None and f"more than {BLANK_BYTES_PER_MINUTE} bytes of blank lines" in link.ended

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -38,6 +39,7 @@ import anyio.to_thread
 from ._json_bounds import json_past_bounds
 
 __all__ = [
+    "BLANK_BYTES_PER_MINUTE",
     "MAX_LISTED_TOOLS",
     "MAX_NOTIFICATIONS_PER_SECOND",
     "NESTED_TOO_DEEP",
@@ -78,6 +80,13 @@ loop grew the log by 3.1 GB in 10 s (seventeenth probe)."""
 STDERR_LINE_CHARS = 1024
 STDERR_BYTES_PER_MINUTE = 1 << 20
 """Bytes of a server's stderr read a minute: past them, none until the minute ends."""
+BLANK_BYTES_PER_MINUTE = 1 << 20
+"""Bytes of blank lines a server may write to its stdout a minute: past them it is stopped,
+as for an oversized message. They are dropped at C's speed (:data:`_BLANK_LINES`): handled
+one by one in Python, newlines written in a loop held the event loop (/health 113-156 ms;
+twentieth probe, issue 45)."""
+_BLANK_LINES = re.compile(rb"\n[ \t\r\n]*\n")
+"""A line end and the blank lines after it: one line end is kept."""
 _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
 _DRAIN = 1.0
@@ -159,9 +168,18 @@ class StdioLink:
     async def _read(self, process: anyio.abc.Process, reading: Any, read: anyio.Event) -> None:
         assert process.stdout is not None
         buffer = bytearray()
+        minute, blank = time.monotonic(), 0
         async with reading:
             try:
                 async for chunk in process.stdout:
+                    kept = _BLANK_LINES.sub(b"\n", chunk)
+                    if time.monotonic() - minute > 60:
+                        minute, blank = time.monotonic(), 0
+                    blank += len(chunk) - len(kept)
+                    if blank > BLANK_BYTES_PER_MINUTE:
+                        self._stop_for(process, f"more than {BLANK_BYTES_PER_MINUTE} bytes of blank lines in a minute")
+                        return
+                    chunk = kept
                     start = 0
                     while (end := chunk.find(b"\n", start)) >= 0:
                         buffer += chunk[start:end]
