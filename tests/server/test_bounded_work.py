@@ -302,6 +302,46 @@ def test_bodies_of_many_small_values_are_refused_before_decoding(
     seen.assert_within()
 
 
+_SIXTEEN_AT_ONCE = """
+import asyncio, json, sys
+import httpx
+branches = [
+    {"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"], "additionalProperties": False}
+    for i in range(4000)
+]
+schema = {"type": "object", "properties": {"x": {"anyOf": branches}}, "required": ["x"]}
+format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": format}
+content = json.dumps(body).encode()
+async def main():
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(3):
+            sent = [client.post(sys.argv[1], content=content, headers={"content-type": "application/json"}) for _ in range(16)]
+            print(sorted({answer.status_code for answer in await asyncio.gather(*sent)}))
+asyncio.run(main())
+"""
+
+
+def test_large_bodies_arriving_together_are_decoded_a_turn_apart(url: str) -> None:
+    """Twentieth probe, issue 45: sixteen 460 KB schemas sent at once (refused later by the
+    grammar bound) were decoded back to back on the event loop, 10-20 ms each: /health
+    107-304 ms. Bodies past 64 KiB are decoded one a turn of the loop. (The clients run in a
+    process of their own: threads here would take the GIL from the server's loop.)"""
+    import subprocess
+    import sys
+
+    with watched(url) as seen:
+        sent = subprocess.run(
+            [sys.executable, "-c", _SIXTEEN_AT_ONCE, f"{url}/v1/chat/completions"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+    assert sent.stdout.split("\n")[:3] == ["[400]"] * 3, sent.stdout  # past the grammar bound, once decoded
+    seen.assert_within()
+
+
 def test_a_string_of_millions_of_escapes_is_scanned_in_pieces(url: str) -> None:
     """Thirteenth probe of issue 45: the count of a large body's keys and items skipped each
     string with one regex call whose repeated group kept a record per escape: a 15 MB

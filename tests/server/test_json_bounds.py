@@ -58,8 +58,9 @@ def test_counts_match_the_decoded_body(chunk: int, bodies: int, monkeypatch: pyt
         ascii_only = rng.random() < 0.5
         text = json.dumps(body, ensure_ascii=ascii_only).encode()
         shape = _json_bounds._shape(text)
-        keys, containers, separators, _ = _counts(body)
+        keys, containers, separators, depth = _counts(body)
         assert (shape.keys, shape.containers, shape.separators) == (keys, containers, separators), text
+        assert shape.depth == depth == _json_bounds._nesting(text), text  # the depth alone, counted apart
         # Fields as the text spells them (the 400 quotes the name as sent), their weights and depths.
         fields = {json.dumps(name, ensure_ascii=ascii_only)[1:-1]: _counts(value) for name, value in body.items()}
         weights = {name: sum(c[:3]) for name, c in fields.items()}
