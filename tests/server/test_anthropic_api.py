@@ -372,3 +372,24 @@ def test_earlier_thinking_blocks_are_accepted_and_left_to_the_template(client: a
     without: Any = [*ASK, {"role": "assistant", "content": [said]}, {"role": "user", "content": "Ok"}]
     counted = client.messages.count_tokens(model="tiny", messages=with_thinking).input_tokens
     assert counted == client.messages.count_tokens(model="tiny", messages=without).input_tokens
+
+
+def test_models_list_pages_as_anthropic_pages(client: anthropic.Anthropic, url: str) -> None:
+    """Twenty-second probe, issue 45: the Anthropic SDK's ``models.list(limit=...)`` (and
+    ``after_id``/``before_id``) was refused once unknown query parameters were."""
+    every = [model.id for model in client.models.list()]
+    assert every == ["tiny", "vision"]
+    assert [model.id for model in client.models.list(limit=1)] == every  # the SDK pages on through has_more
+    first = client.models.list(limit=1)
+    assert [m.id for m in first.data] == ["tiny"] and first.has_more and first.last_id == "tiny"
+    after = client.models.list(limit=1, after_id="tiny")
+    assert [m.id for m in after.data] == ["vision"] and not after.has_more
+    before = client.models.list(limit=5, before_id="vision")
+    assert [m.id for m in before.data] == ["tiny"] and not before.has_more
+    for query, param in (
+        ("limit=0", "limit"),
+        ("after_id=nope", "after_id"),
+        ("after_id=tiny&before_id=vision", "before_id"),
+    ):
+        refused = httpx.get(f"{url}/v1/models?{query}", headers={"authorization": f"Bearer {KEY}"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

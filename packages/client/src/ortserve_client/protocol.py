@@ -819,10 +819,14 @@ class ModelDeleted(_Response):
 
 
 class ModelList(_Response):
-    """``GET /v1/models``."""
+    """``GET /v1/models``: every model, or (Anthropic's paging: ``limit``, ``after_id``,
+    ``before_id``) a page of them with ``has_more``, ``first_id`` and ``last_id``."""
 
     data: list[Model]
     object: Literal["list"] = "list"
+    has_more: bool | UnsetType = UNSET
+    first_id: str | None | UnsetType = UNSET
+    last_id: str | None | UnsetType = UNSET
 
 
 class KeyUsage(_Response):

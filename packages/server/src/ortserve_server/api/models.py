@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from litestar import get
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from ortserve_client import protocol as p
 from ortserve_runtime import (
     AdapterNotFoundError,
 )
 
+from .._errors import BadRequestError
 from .._leases import model_adapters, split_adapter
 from .._openapi import GET_ERRORS, error_responses
 from .._state import OrtServe
@@ -18,12 +19,43 @@ __all__ = ["list_models", "model_card", "retrieve_model"]
 
 
 @get("/models", summary="List models", responses=error_responses(*GET_ERRORS))
-async def list_models(ortserve: NamedDependency[OrtServe]) -> p.ModelList:
+async def list_models(
+    ortserve: NamedDependency[OrtServe],
+    limit: FromQuery[int | None] = None,
+    after_id: FromQuery[str | None] = None,
+    before_id: FromQuery[str | None] = None,
+) -> p.ModelList:
+    """Every model; with Anthropic's ``limit`` (1 to 1,000, default 20), ``after_id`` or
+    ``before_id`` (the Anthropic SDK's ``models.list``), a page of them in the same order."""
     cards = []
     for name in ortserve.registry.names():
         cards.append(model_card(ortserve, name))
         cards.extend(model_card(ortserve, name, adapter) for adapter in model_adapters(ortserve, name))
-    return p.ModelList(data=cards)
+    if limit is None and after_id is None and before_id is None:
+        return p.ModelList(data=cards)
+    if limit is not None and not 1 <= limit <= _MAX_PAGE:
+        raise BadRequestError(f"limit must be between 1 and {_MAX_PAGE}, not {limit}", param="limit")
+    if after_id is not None and before_id is not None:
+        raise BadRequestError("give after_id or before_id, not both", param="before_id")
+    ids = [card.id for card in cards]
+    size = limit or 20
+    start, end = 0, len(cards)
+    for cursor, name in ((after_id, "after_id"), (before_id, "before_id")):
+        if cursor is not None and cursor not in ids:
+            raise BadRequestError(f"{name} {cursor!r} is not a model's id", param=name)
+    if after_id is not None:
+        start = ids.index(after_id) + 1
+    if before_id is not None:
+        end = ids.index(before_id)
+        start = max(end - size, 0)
+    page = cards[start : min(end, start + size)]
+    more = start > 0 if before_id is not None else start + size < end
+    return p.ModelList(
+        data=page, has_more=more, first_id=page[0].id if page else None, last_id=page[-1].id if page else None
+    )
+
+
+_MAX_PAGE = 1000
 
 
 @get("/models/{model_id:path}", summary="Retrieve a model", responses=error_responses(404, *GET_ERRORS))
