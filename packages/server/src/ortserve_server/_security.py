@@ -190,13 +190,18 @@ def check_known_query(connection: ASGIConnection[Any, Any, Any, Any], handler: B
         for name, parameter in handler.parsed_fn_signature.parameters.items()
         if not isinstance(parameter.kwarg_definition, PathParameter | HeaderParameter | CookieParameter)
     }
-    unknown = sorted(key for key in connection.query_params if key not in taken)
+    query = connection.query_params
+    unknown = sorted(key for key in query if key not in taken)
     if unknown:
         raise BadRequestError(
             f"unknown query parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: this "
             "route does not take it (start the server with --lenient to ignore what it does not know)",
             param=unknown[0],
         )
+    # None of them takes a list: a second value was dropped without a word (twenty-second probe).
+    for key in query:
+        if len(given := query.getall(key)) > 1:
+            raise BadRequestError(f"query parameter {key!r} is given {len(given)} times; give it once", param=key)
 
 
 def check_known_fields(body: dict[str, Any], body_type: Any, *, where: str = "", param: str | None = None) -> None:
