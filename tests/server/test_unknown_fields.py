@@ -223,3 +223,45 @@ def test_sdk_keys_of_settings_objects_are_taken_or_said_unsupported(strict_and_l
             model="tiny", input="hi", max_output_tokens=4, reasoning={"generate_summary": "concise"}
         )
     assert summary.value.body["param"] == "reasoning.generate_summary"  # type: ignore[index]
+
+
+def test_openai_and_anthropic_fields_at_their_defaults_are_taken(strict_and_lenient: tuple[str, str]) -> None:
+    """Twenty-second probe, issue 45: the SDKs' fields at their defaults (``store=False``,
+    ``service_tier="auto"``, ``verbosity="medium"``, ``safety_identifier``,
+    ``prompt_cache_key``) were 400s as unknown fields; values a local server cannot honour
+    are still 400s naming them."""
+    import anthropic
+    import openai
+
+    strict, _ = strict_and_lenient
+    client = openai.OpenAI(base_url=f"{strict}/v1", api_key="x", max_retries=0)
+    hi: Any = [{"role": "user", "content": "hi"}]
+    taken = {"service_tier": "auto", "safety_identifier": "u1", "prompt_cache_key": "k", "verbosity": "medium"}
+    chat = client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, store=False, metadata={}, **taken)
+    assert chat.choices
+    for refused, param in (
+        ({"store": True}, "store"),
+        ({"metadata": {"a": "b"}}, "metadata"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"verbosity": "low"}, "verbosity"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **refused)
+        assert caught.value.body["param"] == param  # type: ignore[index]
+    answer = client.responses.create(
+        model="tiny",
+        input="hi",
+        max_output_tokens=4,
+        service_tier="default",
+        safety_identifier="u",
+        prompt_cache_key="k",
+    )
+    assert answer.output is not None
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="hi", max_output_tokens=4, service_tier="priority")
+    assert caught.value.body["param"] == "service_tier"  # type: ignore[index]
+    claude = anthropic.Anthropic(base_url=strict, api_key="x", max_retries=0)
+    for tier in ("auto", "standard_only"):
+        assert claude.messages.create(model="tiny", max_tokens=2, messages=hi, service_tier=tier).content is not None
+    with pytest.raises(anthropic.BadRequestError, match="service_tier"):
+        claude.messages.create(model="tiny", max_tokens=2, messages=hi, extra_body={"service_tier": "priority"})

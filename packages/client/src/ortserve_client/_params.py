@@ -72,6 +72,12 @@ class ChatCompletionParams(_SamplingParams, total=False):
     reasoning_effort: str | None
     reasoning_budget: int | None
     chat_template_kwargs: JSONObject | None
+    store: bool | None
+    metadata: Mapping[str, str] | None
+    service_tier: str | None
+    verbosity: str | None
+    safety_identifier: str | None
+    prompt_cache_key: str | None
 
 
 class CompletionParams(_SamplingParams, total=False):

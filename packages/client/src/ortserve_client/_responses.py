@@ -37,6 +37,9 @@ class ResponseCreateParams(TypedDict, total=False):
     previous_response_id: str | None
     metadata: Mapping[str, str] | None
     user: str | None
+    safety_identifier: str | None
+    prompt_cache_key: str | None
+    service_tier: str | None
     background: bool | None
     include: Sequence[str] | None
     truncation: str | None

@@ -272,6 +272,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stream: bool | UnsetType = UNSET
     metadata: Metadata | UnsetType = UNSET
     """Accepted (``user_id``) and not used."""
+    service_tier: str | UnsetType = UNSET
+    """``auto`` or ``standard_only``: this server has one tier."""
     mcp_servers: list[McpServerDefinition] | UnsetType = UNSET
     """MCP servers whose tools the server calls for the model (``mcp_tool_use`` and
     ``mcp_tool_result`` blocks in the answer), in a loop until the model answers."""

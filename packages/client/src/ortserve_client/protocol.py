@@ -377,6 +377,20 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | UnsetType | None = UNSET
     """Extension (vLLM, llama-server): more chat template variables, such as
     ``{"enable_thinking": false}``."""
+    # OpenAI's fields that a local server honours by their defaults (others are refused):
+    store: bool | UnsetType | None = UNSET
+    """``false`` (chat completions are not stored here: the Responses API stores)."""
+    metadata: dict[str, str] | UnsetType | None = UNSET
+    """Kept with a stored completion at OpenAI: only empty here."""
+    service_tier: str | UnsetType | None = UNSET
+    """``auto`` or ``default``: this server has one tier."""
+    verbosity: str | UnsetType | None = UNSET
+    """``medium``, OpenAI's default: the model's own length."""
+    safety_identifier: str | UnsetType | None = UNSET
+    """Who the end user is, as ``user``: taken, as this server monitors no one."""
+    prompt_cache_key: str | UnsetType | None = UNSET
+    """Taken: prompts are cached by their tokens here, whatever the key (see
+    ``--prefix-cache-scope`` for who shares them)."""
 
 
 class PromptTokensDetails(_Response):
@@ -825,8 +839,8 @@ class ModelList(_Response):
     data: list[Model]
     object: Literal["list"] = "list"
     has_more: bool | UnsetType = UNSET
-    first_id: str | None | UnsetType = UNSET
-    last_id: str | None | UnsetType = UNSET
+    first_id: str | UnsetType | None = UNSET
+    last_id: str | UnsetType | None = UNSET
 
 
 class KeyUsage(_Response):

@@ -422,6 +422,12 @@ class ResponseCreateRequest(_Request):
     previous_response_id: str | UnsetType | None = UNSET
     metadata: dict[str, str] | UnsetType | None = UNSET
     user: str | UnsetType | None = UNSET
+    safety_identifier: str | UnsetType | None = UNSET
+    """Who the end user is, as ``user``: taken, as this server monitors no one."""
+    prompt_cache_key: str | UnsetType | None = UNSET
+    """Taken: prompts are cached by their tokens here, whatever the key."""
+    service_tier: str | UnsetType | None = UNSET
+    """``auto`` or ``default``: this server has one tier."""
     max_tool_calls: int | UnsetType | None = UNSET
     """MCP calls this response may make (at most the server's ``mcp_max_tool_calls``,
     which also applies when this is absent); then the model answers without tools.

@@ -162,6 +162,15 @@ def check_chat_request(data: p.ChatCompletionRequest, config: ServerConfig) -> N
         raise _refuse("modalities", "asks for output this server does not make: it writes text only")
     if _given(data.audio):
         raise _refuse("audio", "(audio output) is not supported: models here write text only")
+    # Taken at their defaults (twenty-second probe: the SDKs' store=False or service_tier="auto" were 400s).
+    if data.store is True:
+        raise _refuse("store", "is not supported: chat completions are not stored here (the Responses API stores)")
+    if data.metadata:
+        raise _refuse("metadata", "is kept with a stored completion, and chat completions are not stored here")
+    if data.service_tier not in (msgspec.UNSET, None, "auto", "default"):
+        raise _refuse("service_tier", f"{data.service_tier!r} is not supported: this server has one tier ('default')")
+    if data.verbosity not in (msgspec.UNSET, None, "medium"):
+        raise _refuse("verbosity", "is not supported other than 'medium', the model's own length")
 
 
 def check_completion_request(data: p.CompletionRequest, config: ServerConfig) -> None:

@@ -233,6 +233,10 @@ def _map(data: a.MessagesRequest | a.CountTokensRequest, model: ChatModel, mcp: 
         chat_template_kwargs=template_variables or msgspec.UNSET,
     )
     if isinstance(data, a.MessagesRequest):
+        if data.service_tier not in (msgspec.UNSET, "auto", "standard_only"):
+            raise UnsupportedParameterError(
+                f"service_tier {data.service_tier!r} is not supported: this server has one tier", param="service_tier"
+            )
         if not isinstance(data.temperature, msgspec.UnsetType) and not 0 <= data.temperature <= 1:
             raise BadRequestError("temperature must be between 0 and 1", param="temperature")
         if data.max_tokens < 1:

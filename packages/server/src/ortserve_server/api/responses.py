@@ -101,6 +101,7 @@ def _check(data: rp.ResponseCreateRequest, state: OrtServe, model: ChatModel) ->
         "prompt": data.prompt not in (msgspec.UNSET, None),
         # "medium", OpenAI's default, asks for nothing different (twentieth probe: any value was
         # echoed and ignored).
+        "service_tier": data.service_tier not in (msgspec.UNSET, None, "auto", "default"),
         "text.verbosity": isinstance(data.text, rp.TextConfig)
         and data.text.verbosity not in (msgspec.UNSET, None, "medium"),
     }
