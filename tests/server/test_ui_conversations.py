@@ -140,6 +140,7 @@ def test_export_and_import_round_trip(http: httpx.Client) -> None:
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
         ({"settings": {"temperature": "hot"}}, "temperature"),
         ({"settings": {"temprature": 0.2}}, "settings.temprature"),  # twenty-first probe: dropped
+        ({"messages": [{"role": "user", "content": "a", "bogus": 1}]}, "bogus"),  # twenty-second: dropped
         ({"colour": "blue"}, "colour"),
     ],
 )
