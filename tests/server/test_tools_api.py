@@ -301,6 +301,17 @@ def test_forced_calls_with_parameters_nested_too_deep_are_400(
     assert httpx.get(f"{tiny_url}/health").status_code == 200
 
 
+def test_a_format_too_deep_beside_tools_is_named_not_tool_choice(tiny_url: str) -> None:
+    """Twenty-second probe, issue 45: a ``guided_json`` (a JSON string, so past the body's
+    nesting bound) too deep to compile beside tools was a 400 naming ``tool_choice``, which
+    the request did not send."""
+    deep = json.dumps({"type": "object", "properties": {"x": _nested_object(400)}})
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": TOOLS, "guided_json": deep}
+    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "guided_json", refused.text
+
+
 def test_parallel_tool_calls_false_keeps_the_first(tiny_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two calls in the output; with parallel_tool_calls=false only the first comes back."""
     from ortserve_runtime import ToolCallParser

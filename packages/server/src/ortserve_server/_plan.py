@@ -39,6 +39,7 @@ from ._auth import Caller, caller_of
 from ._config import ServerConfig
 from ._connection import fetching_while_connected
 from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
+from ._json_bounds import json_depth
 from ._messages import chat_messages
 from ._record import record_prompt, span
 from ._state import OrtServe
@@ -207,6 +208,11 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
     )
 
 
+_LARK_JSON_DEPTH = 120
+"""How deep a JSON schema may nest inside a Lark grammar's ``%json`` (serde_json's recursion
+limit, 128, less what the grammar wraps around it)."""
+
+
 def _check_grammar_size(grammar: Grammar, field: str, config: ServerConfig) -> None:
     """Compiling a grammar takes time in proportion to its size (50,000 guided_choice
     options took 6 s): larger ones are refused before they reach the compiler."""
@@ -307,8 +313,19 @@ def _tool_plan(
     if choice == "auto":
         if constraint is not None and constraint[0].kind == "json_schema" and isinstance(constraint[0].source, dict):
             # A call, or an answer in the response format: the format must not rule calls out.
+            # The format goes into a Lark grammar's %json, which llguidance reads with
+            # serde_json, 128 levels at most: past them its error could only name the tools.
+            if json_depth(msgspec.json.encode(constraint[0].source)) > _LARK_JSON_DEPTH:
+                raise BadRequestError(
+                    f"{constraint[1]} is nested too deeply to go beside tools (at most {_LARK_JSON_DEPTH} levels)",
+                    param=constraint[1],
+                )
             either = forced_tool_grammar(
-                model.tool_format, definitions, token_id=model.tokenizer.token_to_id, or_answer=constraint[0].source
+                model.tool_format,
+                definitions,
+                token_id=model.tokenizer.token_to_id,
+                or_answer=constraint[0].source,
+                answer_field=constraint[1],
             )
             if either is not None:
                 _check_grammar_size(either, "tools", config)
@@ -504,7 +521,9 @@ def plan_chat(data: p.ChatCompletionRequest, model: ChatModel, config: ServerCon
             f"{constraint[1]} cannot constrain a reply that tool_choice forces to be a tool call: ask for one",
             param=constraint[1],
         )
-    grammar, field = (tools.grammar, "tool_choice") if tools.grammar else constraint or (None, "grammar")
+    # A tools grammar is made of the tools' schemas (and a response format beside them): what
+    # its compiler refuses is theirs (twenty-second probe: it was named tool_choice, sent or not).
+    grammar, field = (tools.grammar, "tools") if tools.grammar else constraint or (None, "grammar")
     n = data.n if isinstance(data.n, int) else 1
     options = _generation_options(data, config, n, grammar, caller, budget)
     fields = {"prompt": "messages", "grammar": field}

@@ -296,6 +296,7 @@ def forced_tool_grammar(
     name: str | None = None,
     token_id: Callable[[str], int | None] = lambda _: None,
     or_answer: Mapping[str, Any] | None = None,
+    answer_field: str = "response_format",
 ) -> Grammar | None:
     """A grammar that admits exactly one well-formed call (to ``name``, or to any tool)
     whose arguments validate against the tool's parameters schema, laid out as ``format``
@@ -303,7 +304,8 @@ def forced_tool_grammar(
     single (added) tokens: the grammar must name those by id, as no string of bytes
     produces them. ``or_answer``:
     a JSON schema the output may match instead of calling (``tool_choice`` auto with a
-    response format: the model calls a tool or answers in the format). Objects admit only
+    response format, ``answer_field`` the request's field that asked for it: the model
+    calls a tool or answers in the format). Objects admit only
     their declared properties unless a schema says otherwise (:func:`closed_schema`)."""
     markers = _FORMATS[format]
     options, moved = [], {}
@@ -353,7 +355,7 @@ def forced_tool_grammar(
         rules = f"tool: {layout}\ncall: %json {json.dumps(schema)}"
     if or_answer is None:
         return Grammar("lark", f"start: tool\n{rules}")
-    with _nested_too_deep("response_format"):
+    with _nested_too_deep(answer_field):
         answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
         return Grammar("lark", f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}")
 
