@@ -85,8 +85,9 @@ BLANK_BYTES_PER_MINUTE = 1 << 20
 as for an oversized message. They are dropped at C's speed (:data:`_BLANK_LINES`): handled
 one by one in Python, newlines written in a loop held the event loop (/health 113-156 ms;
 twentieth probe, issue 45)."""
-_BLANK_LINES = re.compile(rb"\n[ \t\r\n]*\n")
-"""A line end and the blank lines after it: one line end is kept."""
+_BLANK_LINES = re.compile(rb"\n[ \t\r\n\x0b\x0c]*\n")
+"""A line end and the blank lines after it (blank as ``bytes.strip`` reads them: vertical tab
+and form feed too; twenty-second probe: lines of those went one by one): one line end is kept."""
 _GRACE = 2.0
 """Seconds the process has to exit once its stdin is closed, then after SIGTERM."""
 _DRAIN = 1.0
@@ -130,6 +131,7 @@ class StdioLink:
         self.max_bytes = max_bytes
         self.ended: str | None = None
         self._notifications = PerSecond()
+        self._others = PerSecond()
 
     @contextlib.asynccontextmanager
     async def transport(self) -> AsyncIterator[tuple[Any, Any]]:
@@ -295,6 +297,12 @@ class StdioLink:
                 self._stop_for(process, f"more than {MAX_NOTIFICATIONS_PER_SECOND} notifications in a second")
                 return False
             return True
+        # Answers to ids it was never asked, requests of its own (ping, roots/list) in a loop:
+        # each handed to the SDK, they held most of a core for as long as the link was open
+        # (twenty-second probe, issue 45).
+        if self._others.past_bound():
+            self._stop_for(process, f"more than {MAX_NOTIFICATIONS_PER_SECOND} other messages in a second")
+            return False
         try:
             await reading.send(message)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
