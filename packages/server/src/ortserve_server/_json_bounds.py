@@ -21,8 +21,11 @@ entries or 900,000 numbers, and the hostile request waited that long for its 400
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from dataclasses import dataclass
 
+import anyio
 import anyio.to_thread
 import numpy as np
 
@@ -197,7 +200,22 @@ async def json_past_bounds(
     deep = max_depth is not None and body.count(b"{") + body.count(b"[") > max_depth
     if len(body) <= min(_LOOK_ABOVE, 5 * max_keys, 2 * max_items) and not deep:
         return None
-    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys, max_items, max_depth)
+    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys, max_items, max_depth, limiter=_one_scan())
+
+
+_SCANS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
+
+
+def _one_scan() -> anyio.CapacityLimiter:
+    """The running loop's limiter that lets one scan run at a time: numpy gives the GIL up
+    and takes it back between its passes, and sixteen scans on threads at once kept the loop
+    waiting for it (twenty-second probe, issue 45: /health 112-169 ms for sixteen 1.4 MB
+    bodies of nested arrays)."""
+    loop = asyncio.get_running_loop()
+    limiter = _SCANS.get(loop)
+    if limiter is None:
+        limiter = _SCANS[loop] = anyio.CapacityLimiter(1)
+    return limiter
 
 
 def _past_bounds(
@@ -229,4 +247,4 @@ async def deepest_field(body: bytes) -> str | None:
     """The top-level field of ``body`` (a JSON object) whose value nests deepest, to name
     in the 400 for a body too deep to decode; ``None`` if no field's value nests. Scanned on
     a worker thread, as :func:`json_past_bounds` scans."""
-    return (await anyio.to_thread.run_sync(_shape, body)).deepest
+    return (await anyio.to_thread.run_sync(_shape, body, limiter=_one_scan())).deepest
