@@ -165,8 +165,12 @@ async def test_the_engine_prefills_through_int8_and_decodes_through_int4(tmp_pat
         session = model.engine.prefill_session  # type: ignore[attr-defined]
         assert (session is not None) == int8  # part of the load: its memory is the model's
         assert registry.status_of("tiny").prefill_int8 is int8  # what /v1/models and `ortserve ps` show
-        # one activation scale per call: what shares a call changes a row's rounding
-        assert registry.status_of("tiny").reproducible is not int8
+        # Off by default (the fast path), and never with int8: one activation scale per call,
+        # so what shares a call changes a row's rounding (reproducible with it is refused).
+        assert registry.status_of("tiny").reproducible is False
+        if int8:
+            with pytest.raises(ValueError, match="reproducible cannot be kept with prefill_int8"):
+                ModelConfig(prefill_int8=True, prefix_cache_tokens=0, reproducible=True)
         runs: list[object] = []
         if session is not None:
             session.run_with_iobinding = counted(session.run_with_iobinding, runs)

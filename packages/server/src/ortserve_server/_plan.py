@@ -39,7 +39,6 @@ from ._auth import Caller, caller_of
 from ._config import ServerConfig
 from ._connection import fetching_while_connected
 from ._errors import BadRequestError, OverloadedError, UnsupportedParameterError
-from ._json_bounds import json_depth
 from ._messages import chat_messages
 from ._record import record_prompt, span
 from ._state import OrtServe
@@ -208,11 +207,6 @@ def completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | 
     )
 
 
-_LARK_JSON_DEPTH = 120
-"""How deep a JSON schema may nest inside a Lark grammar's ``%json`` (serde_json's recursion
-limit, 128, less what the grammar wraps around it)."""
-
-
 def _check_grammar_size(grammar: Grammar, field: str, config: ServerConfig) -> None:
     """Compiling a grammar takes time in proportion to its size (50,000 guided_choice
     options took 6 s): larger ones are refused before they reach the compiler."""
@@ -313,13 +307,6 @@ def _tool_plan(
     if choice == "auto":
         if constraint is not None and constraint[0].kind == "json_schema" and isinstance(constraint[0].source, dict):
             # A call, or an answer in the response format: the format must not rule calls out.
-            # The format goes into a Lark grammar's %json, which llguidance reads with
-            # serde_json, 128 levels at most: past them its error could only name the tools.
-            if json_depth(msgspec.json.encode(constraint[0].source)) > _LARK_JSON_DEPTH:
-                raise BadRequestError(
-                    f"{constraint[1]} is nested too deeply to go beside tools (at most {_LARK_JSON_DEPTH} levels)",
-                    param=constraint[1],
-                )
             either = forced_tool_grammar(
                 model.tool_format,
                 definitions,

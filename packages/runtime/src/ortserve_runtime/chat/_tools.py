@@ -356,8 +356,30 @@ def forced_tool_grammar(
     if or_answer is None:
         return Grammar("lark", f"start: tool\n{rules}")
     with _nested_too_deep(answer_field):
+        if _nesting(or_answer) > LARK_JSON_DEPTH:  # past it llguidance's error could only name the tools
+            raise InvalidRequestError(
+                f"{answer_field} is nested too deeply to go beside tools (at most {LARK_JSON_DEPTH} levels)",
+                param=answer_field,
+            )
         answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
         return Grammar("lark", f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}")
+
+
+LARK_JSON_DEPTH = 120
+"""How deep a JSON schema may nest inside a Lark grammar's ``%json``: llguidance reads it with
+serde_json, 128 levels at most, less what the grammar wraps around it (twenty-second probe,
+issue 45: a guided_json past it beside tools was refused naming tool_choice)."""
+
+
+def _nesting(value: Any) -> int:
+    """How deep ``value``'s dicts and lists nest, walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from .._state import OrtServe
 __all__ = ["list_models", "model_card", "retrieve_model"]
 
 
-@get("/models", summary="List models", responses=error_responses(*GET_ERRORS))
+@get("/models", summary="List models", responses=error_responses(400, *GET_ERRORS))
 async def list_models(
     ortserve: NamedDependency[OrtServe],
     limit: FromQuery[int | None] = None,
