@@ -39,6 +39,7 @@ __all__ = [
     "deepest_field",
     "json_depth",
     "json_past_bounds",
+    "one_at_a_time",
 ]
 
 MAX_JSON_KEYS = 50_000
@@ -200,22 +201,23 @@ async def json_past_bounds(
     deep = max_depth is not None and body.count(b"{") + body.count(b"[") > max_depth
     if len(body) <= min(_LOOK_ABOVE, 5 * max_keys, 2 * max_items) and not deep:
         return None
-    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys, max_items, max_depth, limiter=_one_scan())
+    return await anyio.to_thread.run_sync(_past_bounds, body, max_keys, max_items, max_depth, limiter=one_at_a_time())
 
 
-_SCANS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
 
 
-def _one_scan() -> anyio.CapacityLimiter:
-    """The running loop's limiter that lets one scan run at a time: numpy gives the GIL up
-    and takes it back between its passes, and sixteen scans on threads at once kept the loop
-    waiting for it (twenty-second probe, issue 45: /health 112-169 ms for sixteen 1.4 MB
-    bodies of nested arrays)."""
+def one_at_a_time() -> anyio.CapacityLimiter:
+    """The running loop's turn for work on a large body: one scan (on a worker thread) or
+    one decode (on the loop) at a time. numpy gives the GIL up and takes it back between its
+    passes, and sixteen scans on threads at once kept the loop waiting for it (twenty-second
+    probe, issue 45: /health 112-169 ms for sixteen 1.4 MB bodies of nested arrays); decodes
+    hold the loop, and sixteen back to back held /health 107-304 ms (twentieth probe)."""
     loop = asyncio.get_running_loop()
-    limiter = _SCANS.get(loop)
-    if limiter is None:
-        limiter = _SCANS[loop] = anyio.CapacityLimiter(1)
-    return limiter
+    turn = _TURNS.get(loop)
+    if turn is None:
+        turn = _TURNS[loop] = anyio.CapacityLimiter(1)
+    return turn
 
 
 def _past_bounds(
@@ -247,4 +249,4 @@ async def deepest_field(body: bytes) -> str | None:
     """The top-level field of ``body`` (a JSON object) whose value nests deepest, to name
     in the 400 for a body too deep to decode; ``None`` if no field's value nests. Scanned on
     a worker thread, as :func:`json_past_bounds` scans."""
-    return (await anyio.to_thread.run_sync(_shape, body, limiter=_one_scan())).deepest
+    return (await anyio.to_thread.run_sync(_shape, body, limiter=one_at_a_time())).deepest

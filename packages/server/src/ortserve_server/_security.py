@@ -23,12 +23,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import re
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-import anyio
 from litestar.connection import ASGIConnection, Request
 from litestar.enums import RequestEncodingType
 from litestar.exceptions import SerializationException
@@ -37,7 +35,7 @@ from litestar.params import CookieParameter, HeaderParameter, PathParameter
 
 from ._config import ServerConfig
 from ._errors import BadRequestError, ForbiddenError, ShuttingDownError, UnsupportedMediaTypeError
-from ._json_bounds import check_json_counts, deepest_field
+from ._json_bounds import check_json_counts, deepest_field, one_at_a_time
 from ._settings_fields import check_settings_fields
 
 if TYPE_CHECKING:
@@ -219,19 +217,8 @@ def check_known_fields(body: dict[str, Any], body_type: Any, *, where: str = "",
 
 
 _PACED_DECODE = 64 * 1024
-"""Bodies past this size are decoded one per turn of the event loop: decoding holds the loop
-(msgspec keeps the GIL; some 10-20 ms for a 460 KB schema), and sixteen such bodies arriving
-together were decoded back to back, /health 107-304 ms (twentieth probe, issue 45)."""
-_DECODE_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.Lock] = weakref.WeakKeyDictionary()
-
-
-def _paced_decodes() -> anyio.Lock:
-    """The running loop's lock that large bodies are decoded under, one at a time."""
-    loop = asyncio.get_running_loop()
-    lock = _DECODE_TURNS.get(loop)
-    if lock is None:
-        lock = _DECODE_TURNS[loop] = anyio.Lock()
-    return lock
+"""Bodies past this size are decoded one per turn of the event loop (:func:`one_at_a_time`):
+decoding holds the loop (msgspec keeps the GIL; some 10-20 ms for a 460 KB schema)."""
 
 
 async def body_guard(
@@ -256,7 +243,7 @@ async def body_guard(
         if len(body) <= _PACED_DECODE:
             decoded = await connection.json()
         else:
-            async with _paced_decodes():
+            async with one_at_a_time():
                 decoded = await connection.json()
                 await asyncio.sleep(0)  # the loop's other work runs before the next one
     except UnicodeDecodeError:
