@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from PIL import Image
+from serving import watched
 from test_connections import serving
 
 pytestmark = pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
@@ -132,6 +133,34 @@ def test_images_that_cannot_fit_are_refused_before_decoding(url: str, kind: str)
         assert "images alone make" in error["message"]
     print(f"longest /health: {gap * 1000:.0f} ms")
     assert gap < GAP, gap
+
+
+def _resident(pid: int, field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak so far) of a process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def test_large_images_at_once_are_decoded_outside_the_server_process() -> None:
+    """Four 25-megapixel WebP images at once (twenty-third probe, issue 45): decoded by
+    Pillow in the server's process, /health waited up to 156 ms for the GIL (Pillow holds
+    it some 100 ms a decode) and the server grew +731-758 MiB; the model's og process
+    decodes them now."""
+    smooth = Image.effect_noise((250, 250), 60).convert("RGB").resize((5000, 5000))  # under the body limit
+    out = io.BytesIO()
+    smooth.save(out, "WEBP", quality=80)
+    image = "data:image/webp;base64," + base64.b64encode(out.getvalue()).decode()
+    content = [{"type": "text", "text": "what"}, {"type": "image_url", "image_url": {"url": image}}]
+    with serving("--model", f"v={PHI3V}") as (process, url):
+        assert _chat(url, content).status_code == 200  # the first image's one-time costs, apart
+        before = _resident(process.pid, "VmRSS")
+        with watched(url) as seen, ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: _chat(url, content), range(4)))
+        seen.grown = _resident(process.pid, "VmHWM") - before  # the server's peak, not this process's
+    assert [reply.status_code for reply in replies] == [200] * 4, [reply.text for reply in replies]
+    seen.assert_within()
 
 
 def _og_processes(server_pid: int) -> list[int]:

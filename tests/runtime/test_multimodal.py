@@ -178,15 +178,15 @@ async def test_an_onnxruntime_failure_fails_that_request_only(
 def test_what_reaches_onnxruntime_genai() -> None:
     """PNGs Pillow reads whole pass as they are; everything else becomes a PNG (never JPEG:
     onnxruntime-genai's JPEG decoder exits the process on errors)."""
-    from ortserve_runtime.chat._media import normalise_image
+    from ortserve_runtime._images import png_for_og
 
     png = image_bytes()
-    assert normalise_image(ImageInput(png), max_pixels=10_000, param="p") == png
+    assert png_for_og(png, max_pixels=10_000, param="p") == png
     for fmt in ("JPEG", "BMP", "WEBP"):
-        converted = normalise_image(ImageInput(image_bytes(fmt=fmt)), max_pixels=10_000, param="p")
+        converted = png_for_og(image_bytes(fmt=fmt), max_pixels=10_000, param="p")
         assert converted.startswith(b"\x89PNG\r\n\x1a\n"), fmt
     with pytest.raises(InvalidRequestError, match="could not be decoded"):
-        normalise_image(ImageInput(png[: len(png) // 2]), max_pixels=10_000, param="p")
+        png_for_og(png[: len(png) // 2], max_pixels=10_000, param="p")
 
 
 def _hold_prefills(vision: ChatModel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:

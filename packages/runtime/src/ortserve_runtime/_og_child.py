@@ -71,12 +71,25 @@ class _Child:
         ]
 
     def process(
-        self, text: str, pngs: Sequence[bytes], audios: Sequence[bytes], model_type: str, param: str
+        self,
+        text: str,
+        images: Sequence[bytes],
+        audios: Sequence[bytes],
+        image_fields: Sequence[str],
+        max_image_pixels: int,
+        model_type: str,
+        param: str,
     ) -> tuple[list[int], int]:
-        """The processor's inputs for a rendered chat and its media (decoded and checked by
-        the parent), kept under a new key; the prompt's ids go back."""
+        """The processor's inputs for a rendered chat and its media, kept under a new key;
+        the prompt's ids go back. Images are decoded here, each refused naming its field."""
         import onnxruntime_genai as og
 
+        from ._images import png_for_og
+
+        pngs = [
+            png_for_og(data, max_pixels=max_image_pixels, param=field)
+            for data, field in zip(images, image_fields, strict=True)
+        ]
         try:
             inputs = self.processor(
                 text,

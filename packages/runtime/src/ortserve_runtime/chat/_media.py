@@ -8,8 +8,6 @@ order the user sent the parts; the media go to onnxruntime-genai's processor bes
 
 from __future__ import annotations
 
-import io
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 from .._errors import InvalidRequestError
 from ._template import Message
 
-__all__ = ["AudioInput", "ImageInput", "Media", "Placeholders", "flatten_messages", "normalise_image"]
+__all__ = ["AudioInput", "ImageInput", "Media", "Placeholders", "flatten_messages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,51 +71,3 @@ def flatten_messages(
             text.append(placeholder(counts[type(part)]))
         flat.append({**message, "content": "".join(text)})
     return flat, media
-
-
-def normalise_image(image: ImageInput, *, max_pixels: int, param: str) -> bytes:
-    """PNG bytes onnxruntime-genai can read safely, or :class:`InvalidRequestError`.
-
-    onnxruntime-genai decodes PNG with libpng (errors come back as exceptions) and anything
-    else with libjpeg, whose error handler exits the whole process (measured: a BMP or a
-    few garbage bytes end the server). So Pillow decodes every image first: a PNG it reads
-    whole goes on as it is; anything else (JPEG included: the exit lives in its decoder)
-    goes on re-encoded as an uncompressed PNG (the fastest to write and to read back:
-    0.5 s for a 12-megapixel photo here, against 1.3 s at compression level 1).
-    """
-    if not image.data:
-        raise InvalidRequestError("the image is empty", param=param)
-    import PIL.Image  # here, not at import: a text model's server starts without Pillow's 20 ms
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", PIL.Image.DecompressionBombWarning)
-            with PIL.Image.open(io.BytesIO(image.data)) as opened:
-                if opened.width * opened.height > max_pixels:
-                    raise InvalidRequestError(
-                        f"the image is {opened.width}x{opened.height} pixels, more than the "
-                        f"{max_pixels} this server accepts",
-                        param=param,
-                    )
-                opened.load()  # truncated or corrupt data fails here, not in onnxruntime-genai
-                if opened.format == "PNG":
-                    return image.data
-                # convert() copies even an RGB image: one decoded copy less held at the peak
-                rgb = opened if opened.mode == "RGB" else opened.convert("RGB")
-                out = io.BytesIO()
-                rgb.save(out, format="PNG", compress_level=0)
-    except InvalidRequestError:
-        raise
-    except PIL.UnidentifiedImageError:
-        raise InvalidRequestError(
-            "the image could not be decoded: not an image format Pillow reads", param=param
-        ) from None
-    except (
-        OSError,
-        ValueError,
-        SyntaxError,
-        PIL.Image.DecompressionBombError,
-        PIL.Image.DecompressionBombWarning,
-    ) as exc:
-        raise InvalidRequestError(f"the image could not be decoded: {exc}", param=param) from exc
-    return out.getvalue()

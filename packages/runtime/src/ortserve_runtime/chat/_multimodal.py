@@ -1,10 +1,9 @@
 """Prompts with images and audio (Phi-3-vision, Phi-4-multimodal, Qwen2.5-VL, Qwen3-VL, Gemma 3 and 4):
 each family's placeholders in the chat text, and onnxruntime-genai's multimodal processor.
 
-The processor turns the rendered text and the media (decoded safely first, see
-:func:`normalise_image`) into the inputs an ``og.Generator`` takes; both run in the
-model's og process (see ``engines._og_process``), which keeps the inputs until the
-``og-generator`` engine runs them.
+The processor turns the rendered text and the media (images decoded safely first, see
+``_images``) into the inputs an ``og.Generator`` takes; both run in the model's og process
+(see ``_og_process``), which keeps the inputs until the ``og-generator`` engine runs them.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from .._config import ModelConfig
 from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
 from ._image_tokens import ImageTokenRule, calibrate, image_size, probe_images
-from ._media import AudioInput, ImageInput, Media, Placeholders, normalise_image
+from ._media import AudioInput, ImageInput, Media, Placeholders
 from ._stream import Prompt
 
 if TYPE_CHECKING:
@@ -46,12 +45,10 @@ _FAMILIES: dict[str, Placeholders] = {
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
 """``model.type`` values of genai_config.json served with images/audio."""
 _DECODING_AT_ONCE = 2
-"""Requests of a model whose images are decoded and handed to og's processor at once: the
-processor takes one request at a time (its lane in the og process), so a second one
-decoding meanwhile keeps it busy, and a third would only wait holding its decoded images
-(a 25-megapixel JPEG or TIFF becomes a 75 MB uncompressed PNG, with Pillow's copies on the
-way). Without the bound every worker thread did so: twelve such requests at once took the
-server +1.6 GB."""
+"""Requests of a model whose media are handed to its og process at once: the process decodes
+and processes one request's at a time (its media lane), so a second one waits ready, and a
+third would only wait too, holding a worker thread. Decoded in the server's process before,
+twelve 25-megapixel images at once took it +1.6 GB without this bound."""
 
 
 class MediaProcessor:
@@ -124,11 +121,14 @@ class MediaProcessor:
             room.acquire()  # given back with the processed inputs, when the prompt is gone
         try:
             with self._decoding:  # a worker thread waits here holding only the encoded images
-                pngs = [
-                    normalise_image(image, max_pixels=self.config.max_image_pixels, param=where)
-                    for where, image in images
-                ]
-                ids, inputs = self._og.process(text, pngs, audios, self.model_type, room=room)
+                ids, inputs = self._og.process(
+                    text,
+                    [(where, image.data) for where, image in images],
+                    audios,
+                    self.model_type,
+                    max_image_pixels=self.config.max_image_pixels,
+                    room=room,
+                )
         except BaseException:
             if room is not None:
                 room.release()
