@@ -128,6 +128,29 @@ def test_image_formats_pillow_reads_are_accepted(client: openai.OpenAI) -> None:
         assert reply.usage is not None and reply.usage.prompt_tokens > 300, fmt
 
 
+def _with_chunk_fault(png: bytes, fault: str) -> bytes:
+    """``png`` as libpng refuses it and Pillow reads it whole: its first IDAT's checksum
+    wrong, or an unknown critical chunk (an upper-case first letter) before it."""
+    at = png.index(b"IDAT") - 4
+    if fault == "checksum":
+        length = int.from_bytes(png[at : at + 4], "big")
+        end = at + 8 + length
+        return png[:end] + bytes(b ^ 0xFF for b in png[end : end + 4]) + png[end + 4 :]
+    chunk = b"ABCD" + b"x"
+    return png[:at] + (1).to_bytes(4, "big") + chunk + zlib.crc32(chunk).to_bytes(4, "big") + png[at:]
+
+
+@pytest.mark.parametrize("fault", ["checksum", "unknown critical chunk"])
+def test_a_png_libpng_refuses_and_pillow_reads_is_seen_as_pillow_reads_it(client: openai.OpenAI, fault: str) -> None:
+    """Twenty-third probe, issue 45: passed on as sent, such a PNG was a vague 400 naming
+    ``messages`` ("Error during png creation"); it goes to the model as Pillow writes it."""
+    png = image_bytes(colour=(20, 160, 40))
+    clean = chat(client, ask(image_part(png)), logprobs=True)
+    faulty = chat(client, ask(image_part(_with_chunk_fault(png, fault))), logprobs=True)
+    assert faulty.usage == clean.usage
+    assert faulty.choices[0].logprobs == clean.choices[0].logprobs  # the same pixels
+
+
 def test_streaming_matches_the_whole_answer(client: openai.OpenAI) -> None:
     messages = ask(image_part())
     whole = chat(client, messages).choices[0].message.content

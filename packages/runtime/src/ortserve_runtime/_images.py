@@ -16,13 +16,14 @@ from ._errors import InvalidRequestError
 __all__ = ["png_for_og"]
 
 
-def png_for_og(data: bytes, *, max_pixels: int, param: str) -> bytes:
+def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = False) -> bytes:
     """PNG bytes onnxruntime-genai can read safely, or :class:`InvalidRequestError`.
 
     onnxruntime-genai decodes PNG with libpng (errors come back as exceptions) and anything
     else with libjpeg, whose error handler exits the whole process (measured: a BMP or a
     few garbage bytes end the process). So Pillow decodes every image first: a PNG it reads
-    whole goes on as it is; anything else (JPEG included: the exit lives in its decoder)
+    whole goes on as it is (unless ``rewrite_png``: libpng is stricter than Pillow, which
+    takes a bad chunk checksum or an unknown critical chunk); anything else (JPEG included: the exit lives in its decoder)
     goes on re-encoded as an uncompressed PNG (the fastest to write and to read back:
     0.5 s for a 12-megapixel photo here, against 1.3 s at compression level 1).
     """
@@ -41,7 +42,7 @@ def png_for_og(data: bytes, *, max_pixels: int, param: str) -> bytes:
                         param=param,
                     )
                 opened.load()  # truncated or corrupt data fails here, not in onnxruntime-genai
-                if opened.format == "PNG":
+                if opened.format == "PNG" and not rewrite_png:
                     return data
                 # convert() copies even an RGB image: one decoded copy less held at the peak
                 rgb = opened if opened.mode == "RGB" else opened.convert("RGB")

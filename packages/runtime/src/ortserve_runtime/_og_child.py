@@ -86,16 +86,26 @@ class _Child:
 
         from ._images import png_for_og
 
-        pngs = [
-            png_for_og(data, max_pixels=max_image_pixels, param=field)
-            for data, field in zip(images, image_fields, strict=True)
-        ]
-        try:
-            inputs = self.processor(
+        def processed(rewrite_png: bool) -> tuple[list[bytes], Any]:
+            pngs = [
+                png_for_og(data, max_pixels=max_image_pixels, param=field, rewrite_png=rewrite_png)
+                for data, field in zip(images, image_fields, strict=True)
+            ]
+            return pngs, self.processor(
                 text,
                 images=og.Images.open_bytes(*pngs) if pngs else None,
                 audios=og.Audios.open_bytes(*audios) if audios else None,
             )
+
+        try:
+            try:
+                pngs, inputs = processed(rewrite_png=False)
+            except RuntimeError:
+                # A PNG Pillow read whole may still be one libpng refuses (a chunk's checksum,
+                # a chunk it does not know): once more with every image as Pillow writes it.
+                if not any(data.startswith(b"\x89PNG") for data in images):
+                    raise
+                pngs, inputs = processed(rewrite_png=True)
             ids = [int(t) for t in inputs["input_ids"].as_numpy().reshape(-1)] if model_type != "whisper" else []
         except RuntimeError as exc:  # og reports undecodable audio and placeholder mismatches so
             what = "the audio could not be decoded" if model_type == "whisper" else "the media could not be processed"
