@@ -101,10 +101,25 @@ def _wav_of_unknown_subformat(seconds: float) -> bytes:
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
+def _flac_without_its_frames(frames: int) -> bytes:
+    """A FLAC header (STREAMINFO: 16 kHz mono 16-bit, ``frames`` frames) and no frames: its
+    read was libsndfile's "psf_fseek() failed", a 500 (twenty-third probe, issue 45)."""
+    packed = (16_000 << 44) | (0 << 41) | (15 << 36) | frames
+    info = struct.pack(">HH", 4096, 4096) + b"\0" * 6 + packed.to_bytes(8, "big") + b"\0" * 16
+    return b"fLaC\x80" + len(info).to_bytes(3, "big") + info
+
+
 @pytest.mark.parametrize(
     ("files", "data", "status", "param"),
     [
         ({"file": ("x.wav", b"not audio at all")}, {"model": "whisper"}, 400, "file"),
+        ({"file": ("x.flac", _flac_without_its_frames(100))}, {"model": "whisper"}, 400, "file"),
+        (
+            {"file": ("x.flac", _flac_without_its_frames(16_000) + bytes(range(256)) * 4)},
+            {"model": "whisper"},
+            400,
+            "file",
+        ),
         ({"file": ("x.wav", _wav_of_unknown_subformat(5))}, {"model": "whisper"}, 400, "file"),
         ({"file": ("x.wav", tone_wav(0.3))}, {"model": "whisper", "language": "xx"}, 400, "language"),
         ({"file": ("x.wav", tone_wav(0.3))}, {"model": "whisper", "response_format": "xml"}, 400, "response_format"),

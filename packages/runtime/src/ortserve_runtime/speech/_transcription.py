@@ -413,6 +413,12 @@ class SpeechModel:
         return segments
 
 
+def _unreadable(exc: Exception) -> InvalidRequestError:
+    """The 400 for audio libsndfile fails on, with its reason."""
+    reason = getattr(exc, "error_string", None) or str(exc)
+    return InvalidRequestError(f"the audio could not be decoded: {reason}", param="file")
+
+
 def _probe(audio: bytes, max_seconds: float) -> float:
     """The audio's duration in seconds from its header. Audio libsndfile cannot read (WAV,
     FLAC, MP3, OGG and some twenty more it reads), a sample rate outside what speech is
@@ -426,8 +432,7 @@ def _probe(audio: bytes, max_seconds: float) -> float:
         with soundfile.SoundFile(io.BytesIO(audio)) as file:
             rate, frames = int(file.samplerate), int(file.frames)
     except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError) as exc:
-        reason = getattr(exc, "error_string", None) or str(exc)
-        raise InvalidRequestError(f"the audio could not be decoded: {reason}", param="file") from None
+        raise _unreadable(exc) from None
     if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
         raise InvalidRequestError(
             f"the audio's sample rate is {rate} Hz; this server takes {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz",
@@ -478,11 +483,18 @@ def _windows(audio: bytes) -> Iterator[bytes]:
 
 
 def _read_mono(file: soundfile.SoundFile, frames: int) -> npt.NDArray[np.float32]:
-    """Up to ``frames`` frames from ``file``, mixed down to mono block by block."""
+    """Up to ``frames`` frames from ``file``, mixed down to mono block by block; frames the
+    header promised and the file does not hold are a 400 (twenty-third probe, issue 45: a
+    FLAC header claiming frames it lacks was a 500, libsndfile's "psf_fseek() failed")."""
+    import soundfile  # imported already by the caller: the name, for its error
+
     mono = np.empty(frames, dtype=np.float32)
     filled = 0
     while filled < frames:
-        block = file.read(min(BLOCK_FRAMES, frames - filled), dtype="float32", always_2d=True)
+        try:
+            block = file.read(min(BLOCK_FRAMES, frames - filled), dtype="float32", always_2d=True)
+        except (soundfile.SoundFileError, RuntimeError) as exc:
+            raise _unreadable(exc) from None
         if not len(block):
             break
         mono[filled : filled + len(block)] = block[:, 0] if block.shape[1] == 1 else block.mean(axis=1)
