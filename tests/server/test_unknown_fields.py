@@ -162,12 +162,18 @@ def test_an_unknown_query_parameter_is_named_unless_lenient(strict_and_lenient: 
         ("/v1/files?limit=5&bogus=1", "bogus"),
         ("/v1/models?x=1", "x"),
         ("/v1/files?limit=1&limit=2", "limit"),  # twenty-second probe: the first was dropped
+        # Twenty-third probe: names of the handler's other arguments were taken and ignored.
+        ("/v1/models?ortserve=1", "ortserve"),
+        (f"/v1/responses/{stored}?request=1", "request"),
+        (f"/v1/responses/{stored}?response_id=other", "response_id"),
     ):
         refused = httpx.get(f"{strict}{path}", timeout=60)
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
         assert error["param"] == key and repr(key) in error["message"], error
         assert "--lenient" in error["message"] or "given 2 times" in error["message"], error
+    with_data = httpx.post(f"{strict}/v1/responses?data=x", json=RESPONSES, timeout=60)
+    assert with_data.status_code == 400 and with_data.json()["error"]["param"] == "data", with_data.text
     assert httpx.get(f"{strict}/v1/files?limit=5&order=asc", timeout=60).status_code == 200
     assert httpx.get(f"{lenient}/v1/files?limit=5&bogus=1", timeout=60).status_code == 200
 

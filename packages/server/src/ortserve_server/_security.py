@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from litestar.connection import ASGIConnection, Request
+from litestar.constants import RESERVED_KWARGS
 from litestar.enums import RequestEncodingType
 from litestar.exceptions import SerializationException
 from litestar.handlers import BaseRouteHandler
@@ -183,10 +184,15 @@ def check_known_query(connection: ASGIConnection[Any, Any, Any, Any], handler: B
     """A 400 naming the query parameters the handler does not take (twenty-first probe,
     issue 45: ``GET /v1/responses/{id}?stream=true`` answered plain JSON, ``include[]``,
     ``starting_after`` and made-up keys were ignored alike)."""
-    taken = {  # what may come as a query parameter: more names than that do no harm
+    # What Litestar reads from the query: the handler's parameters but the body, the request
+    # and the like, its dependencies and its path's (twenty-third probe: ?ortserve=, ?data= and
+    # ?request= were taken and ignored).
+    not_query = RESERVED_KWARGS | handler.resolve_dependencies().keys() | connection.scope.get("path_params", {}).keys()
+    taken = {
         getattr(parameter.kwarg_definition, "query", None) or name
         for name, parameter in handler.parsed_fn_signature.parameters.items()
-        if not isinstance(parameter.kwarg_definition, PathParameter | HeaderParameter | CookieParameter)
+        if name not in not_query
+        and not isinstance(parameter.kwarg_definition, PathParameter | HeaderParameter | CookieParameter)
     }
     query = connection.query_params
     unknown = sorted(key for key in query if key not in taken)
