@@ -104,14 +104,27 @@ NESTED: list[tuple[str, dict[str, Any], str]] = [
         },
         "prediction.bogus",
     ),
+    # Twenty-third probe: an import dropped these; a lenient server refused a message's.
+    ("/v1/ui/conversations", {"messages": [{"role": "user", "content": "a", "bogus": 1}]}, "messages[0].bogus"),
+    ("/v1/ui/conversations/import", {"data": [{"title": "t", "bogus": 2}]}, "data[0].bogus"),
+    (
+        "/v1/ui/conversations/import",
+        {"data": [{"title": "t", "settings": {"temprature": 1}}]},
+        "data[0].settings.temprature",
+    ),
+    (
+        "/v1/ui/conversations/import",
+        {"data": [{"messages": [{"role": "user", "content": "a", "bogus": 1}]}]},
+        "data[0].messages[0].bogus",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def strict_and_lenient() -> Any:
     with (
-        running(create_app(ServerConfig(models={"tiny": TINY_MODEL}))) as strict,
-        running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, lenient=True))) as lenient,
+        running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, ui=True))) as strict,
+        running(create_app(ServerConfig(models={"tiny": TINY_MODEL}, ui=True, lenient=True))) as lenient,
     ):
         yield strict, lenient
 

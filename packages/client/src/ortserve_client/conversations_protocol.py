@@ -51,9 +51,9 @@ class ConversationSettings(_Request):
     """Labels of the server's MCP servers the model may call (the page then uses the Responses API)."""
 
 
-class ConversationMessage(_Request, forbid_unknown_fields=True):
-    """One turn, as the chat API takes it, plus what the page shows beside it. A key it does
-    not have is a 400 naming it (twenty-second probe, issue 45: it was dropped with a 200)."""
+class ConversationMessage(_Request):
+    """One turn, as the chat API takes it, plus what the page shows beside it (a key it does
+    not have is a 400 naming it, unless the server is lenient)."""
 
     role: Literal["user", "assistant", "tool"]
     content: str | list[dict[str, Any]]

@@ -4,12 +4,14 @@
 ``settings``): a 400 naming the key by its path, as for the body's own keys; ignored, they
 would be settings that do nothing (seventeenth probe, issue 45: ``thinking.bogus``, ``reasoning.generate_summary``,
 ``tools[0].bogus``... were answered 200; twentieth: ``prediction.bogus``, keys inside
-``mcp_servers[0]``; twenty-first: a conversation's ``settings.temprature``).
+``mcp_servers[0]``; twenty-first: a conversation's ``settings.temprature``). A web page
+conversation is walked whole, its messages too: the page wrote every key of it (twenty-third
+probe: an import dropped unknown keys of its conversations and their settings).
 
 Keys the official SDKs send that this server cannot honour are a 400 saying so; the few
 that change nothing here (``cache_control``, which marks a prefix this server caches
 anyway, Anthropic's ``eager_input_streaming`` and ``strict``) are taken. Messages, content
-blocks and schemas are not walked: they are data, not settings."""
+blocks and schemas of the APIs are not walked: they are data, not settings."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import functools
 from typing import Any
 
 from msgspec import inspect
+from ortserve_client import conversations_protocol as cp
 
 from ._errors import BadRequestError, UnsupportedParameterError
 
@@ -34,6 +37,9 @@ _SETTINGS = (
     "mcp_servers",
     "settings",
 )
+
+_WALKED_WHOLE = frozenset({cp.ConversationWrite, cp.ConversationImport})
+"""Bodies whose every field is walked: the web page's conversations, as it wrote them."""
 
 _TAKEN = frozenset({"cache_control", "eager_input_streaming", "strict"})
 """Keys the SDKs send that change nothing here: taken wherever they appear in a walked object
@@ -65,7 +71,7 @@ def check_settings_fields(body: dict[str, Any], body_type: Any, *, where: str = 
     fields = _struct_fields(body_type) if isinstance(body_type, type) else None
     if fields is None:
         return
-    for name in _SETTINGS:
+    for name in fields if body_type in _WALKED_WHOLE else _SETTINGS:
         field = fields.get(name)
         if field is not None and name in body:
             _walk(body[name], field, name, where, param)
