@@ -312,6 +312,32 @@ def test_a_format_too_deep_beside_tools_is_named_not_tool_choice(tiny_url: str) 
     assert refused.json()["error"]["param"] == "guided_json", refused.text
 
 
+def _chain(length: int) -> dict[str, Any]:
+    """A schema whose ``$defs`` chain ``length`` references deep."""
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "null"}]} for i in range(length)}
+    defs[f"d{length}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [({"$ref": "#/$defs/nope"}, "does not exist"), (_chain(1000), "deep")],
+    ids=["missing $ref", "1,000-reference chain"],
+)
+def test_a_format_beside_tools_that_cannot_compile_is_named(tiny_url: str, schema: dict[str, Any], words: str) -> None:
+    """Twenty-third probe, issue 45: what the compiler refused of a response format beside
+    tools (the tools compile alone) was a 400 naming ``tools``."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": TOOLS, "response_format": response_format}
+    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "response_format" and words in error["message"], error
+    bad_tools = [{"type": "function", "function": {"name": "g", "parameters": {"$ref": "#/$defs/nope"}}}]
+    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "tools": bad_tools}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
+
+
 def test_parallel_tool_calls_false_keeps_the_first(tiny_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two calls in the output; with parallel_tool_calls=false only the first comes back."""
     from ortserve_runtime import ToolCallParser

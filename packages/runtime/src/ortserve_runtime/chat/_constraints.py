@@ -45,6 +45,10 @@ class Grammar:
     after_reasoning: tuple[ReasoningMarkers, ReasoningStart] | None = None
     """Set for a reasoning model: the grammar holds for the answer only, after a free
     think block (opened by the model, or already open in the prompt)."""
+    blame_unless: tuple[str, Grammar] | None = None
+    """``(field, part)``: when this grammar is refused and ``part`` alone is not, the fault is
+    the request field ``field``'s (a response format beside tools: the tools alone compile;
+    twenty-third probe, issue 45: its errors were named ``tools``)."""
 
     def og_guidance(self) -> tuple[str, str]:
         """This grammar as onnxruntime-genai's guidance (``TurnOptions.set_guidance``) takes
@@ -193,6 +197,25 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar) -> Constraint:
         """A fresh matcher for ``grammar``; an invalid one raises :class:`InvalidRequestError`."""
+        try:
+            return self._constraint(grammar)
+        except InvalidRequestError as exc:
+            if grammar.blame_unless is None or exc.param != "grammar":
+                raise
+            field, part = grammar.blame_unless
+            self._check(on_large_stack(lambda: _grammar_text(part)), part)  # its own error, if it has one
+            raise InvalidRequestError(str(exc), param=field) from None
+
+    def _check(self, text: str, grammar: Grammar) -> None:
+        """A 400 with llguidance's reason if it refuses ``grammar`` (its ``text``)."""
+        import llguidance
+
+        tokenizer = self._llg_tokenizer()
+        error = on_large_stack(lambda: llguidance.LLMatcher.validate_grammar(text, tokenizer))
+        if error:
+            raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
+
+    def _constraint(self, grammar: Grammar) -> Constraint:
         # llguidance's calls run on a large stack (its compiler recurses): see _large_stack.
         text = on_large_stack(lambda: _grammar_text(grammar))
         shared = _SHARED.get()
@@ -212,10 +235,8 @@ class GrammarCompiler:
                 self._kept.move_to_end(text)
                 self.reused += 1
                 return kept.copy()
+        self._check(text, grammar)
         tokenizer = self._llg_tokenizer()
-        error = on_large_stack(lambda: llguidance.LLMatcher.validate_grammar(text, tokenizer))
-        if error:
-            raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
         before = resident_memory()
         constraint = on_large_stack(lambda: Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size))
         # Other threads' growth counts too (kept less, never more); where there is no

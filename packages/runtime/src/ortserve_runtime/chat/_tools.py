@@ -353,8 +353,9 @@ def forced_tool_grammar(
     }[format]
     with _nested_too_deep("tools"):
         rules = f"tool: {layout}\ncall: %json {json.dumps(schema)}"
+    tools_alone = Grammar("lark", f"start: tool\n{rules}")
     if or_answer is None:
-        return Grammar("lark", f"start: tool\n{rules}")
+        return tools_alone
     with _nested_too_deep(answer_field):
         if _nesting(or_answer) > LARK_JSON_DEPTH:  # past it llguidance's error could only name the tools
             raise InvalidRequestError(
@@ -362,7 +363,8 @@ def forced_tool_grammar(
                 param=answer_field,
             )
         answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
-        return Grammar("lark", f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}")
+        either = f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}"
+        return Grammar("lark", either, blame_unless=(answer_field, tools_alone))
 
 
 LARK_JSON_DEPTH = 120
