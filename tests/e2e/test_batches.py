@@ -215,18 +215,25 @@ def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
             bob.batches.retrieve(batch.id)
         assert _wait(alice, batch.id).status == "completed"
         # Tenth probe: as a list's cursor, Alice's id gave Bob his own files and batches
-        # older than hers (so it told him hers existed, and when); now it finds what an
-        # unknown id finds.
+        # older than hers (so it told him hers existed, and when); now it is answered as an
+        # unknown id is: a 400 naming after (twenty-third probe: both listed nothing, 200).
         mine = bob.files.create(file=("mine.jsonl", _jsonl([_chat_line(1)])), purpose="batch")
         bob.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions", completion_window="24h")
         later = alice.files.create(file=("later.jsonl", _jsonl([_chat_line(1)])), purpose="batch")
-        for cursor in (later.id, "file-unknown"):
-            assert bob.files.list(after=cursor).data == [], cursor
         later_batch = alice.batches.create(
             input_file_id=later.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        for cursor in (later_batch.id, "batch_unknown"):
-            assert bob.batches.list(after=cursor).data == [], cursor
+        for listing, cursor in (
+            (bob.files.list, later.id),
+            (bob.files.list, "file-unknown"),
+            (bob.batches.list, later_batch.id),
+            (bob.batches.list, "batch_unknown"),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                listing(after=cursor)
+            assert refused.value.body["param"] == "after", cursor  # type: ignore[index]
+            assert refused.value.body["message"].startswith(f"'after' is {cursor!r}, which is none of")  # type: ignore[index]
+        assert [f.id for f in bob.files.list(after=mine.id)] == []  # his own: the page after it
         assert mine.id in [f.id for f in bob.files.list()]
 
 

@@ -17,7 +17,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -152,12 +152,14 @@ class BatchStore:
 
     async def files(
         self, owner: str, purpose: str | None, limit: int, after: str | None, *, newest_first: bool = True
-    ) -> list[bp.FileObject]:
+    ) -> list[bp.FileObject] | None:
         """The owner's files, newest first (or oldest first); ``after``: those that come
-        after that file in that order."""
+        after that file in that order (``None`` when it is none of the owner's files)."""
         beyond, direction = ("<", "DESC") if newest_first else (">", "ASC")
 
-        def listed(db: Connection) -> list[bp.FileObject]:
+        def listed(db: Connection) -> list[bp.FileObject] | None:
+            if after is not None and not _owned(db, "files", after, owner):
+                return None
             query = f"SELECT {_FILE_COLUMNS} FROM files WHERE owner = ? AND expires > ?"
             args: list[object] = [owner, time.time()]
             if purpose is not None:
@@ -226,8 +228,12 @@ class BatchStore:
 
         return await self._db.run(get)
 
-    async def batches(self, owner: str, limit: int, after: str | None) -> list[bp.Batch]:
-        def listed(db: Connection) -> list[bp.Batch]:
+    async def batches(self, owner: str, limit: int, after: str | None) -> list[bp.Batch] | None:
+        """The owner's batches, newest first; ``after`` as for :meth:`files`."""
+
+        def listed(db: Connection) -> list[bp.Batch] | None:
+            if after is not None and not _owned(db, "batches", after, owner):
+                return None
             query = "SELECT batch FROM batches WHERE owner = ?"
             args: list[object] = [owner]
             if after is not None:
@@ -554,3 +560,9 @@ def _read_content(db: Connection, owner: str, file_id: str, start: int, size: in
         )
     row = found.fetchone()
     return None if row is None or row[0] is None else bytes(row[0])
+
+
+def _owned(db: Connection, table: Literal["files", "batches"], object_id: str, owner: str) -> bool:
+    """Whether ``object_id`` is one of ``owner``'s rows of ``table``: a paging cursor that is
+    not is a 400 (twenty-third probe, issue 45: it listed nothing, answered 200)."""
+    return db.execute(f"SELECT 1 FROM {table} WHERE id = ? AND owner = ?", (object_id, owner)).fetchone() is not None

@@ -164,6 +164,10 @@ async def create_file(
         raise PayloadTooLargeError(str(exc)) from None
 
 
+def _unknown_cursor(kind: str, after: str | None) -> BadRequestError:
+    return BadRequestError(f"'after' is {after!r}, which is none of this API key's {kind} ids", param="after")
+
+
 @get("/files", summary="List files", responses=error_responses(400, *GET_ERRORS))
 async def list_files(
     ortserve: NamedDependency[OrtServe],
@@ -178,6 +182,8 @@ async def list_files(
     found = await ortserve.batches.files(
         caller_of(request).owner, purpose, limit + 1, after, newest_first=order == "desc"
     )
+    if found is None:
+        raise _unknown_cursor("file", after)
     return bp.FileList(
         data=found[:limit],
         has_more=len(found) > limit,
@@ -281,6 +287,8 @@ async def list_batches(
     if not 1 <= limit <= _MAX_LISTED_BATCHES:  # OpenAI's range; was clamped, so -1 or 0 listed one
         raise BadRequestError(f"'limit' must be between 1 and {_MAX_LISTED_BATCHES}, not {limit}", param="limit")
     found = await ortserve.batches.batches(caller_of(request).owner, limit + 1, after)
+    if found is None:
+        raise _unknown_cursor("batch", after)
     shown = found[:limit]
     return bp.BatchList(
         data=shown,
