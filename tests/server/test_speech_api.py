@@ -370,3 +370,63 @@ def test_many_crash_texts_hold_no_other_key_back(keyed: str) -> None:
             error = answer.json()["error"]
             assert error["param"] == "input" and "espeak-ng crashed on it" in error["message"], error
     _speaks(keyed, _ALICE)
+
+
+_LONG = " ".join(f"This is sentence number {n}, spoken on its own." for n in range(40))
+
+
+def test_a_client_leaving_while_queued_gives_its_place_back(voice_folder: Path) -> None:
+    """Twenty-third probe, issue 45: a speech request whose client left while it waited for
+    espeak kept its place until its first sentence was spoken, and with the queue's bound
+    reached the next client was refused (503) meanwhile."""
+    with running(create_app(ServerConfig(models={"joe": voice_folder}, max_queued=1))) as base:
+        _speaks(base)
+        children = _espeak_children()
+        for child in children:
+            os.kill(child, signal.SIGSTOP)  # every request now waits for espeak
+        try:
+            body = {"model": "joe", "input": "Gone before a word.", "response_format": "wav"}
+            with pytest.raises(httpx.ReadTimeout):  # the client hangs up while its request waits
+                httpx.post(f"{base}/v1/audio/speech", json=body, timeout=httpx.Timeout(10, read=0.5))
+            time.sleep(0.3)
+            with ThreadPoolExecutor(1) as pool:
+                later = pool.submit(
+                    httpx.post, f"{base}/v1/audio/speech", json={**body, "input": "Still here."}, timeout=60
+                )
+                time.sleep(0.5)
+                assert not later.done(), later.result().text  # waiting, not refused as over the bound
+                for child in children:
+                    os.kill(child, signal.SIGCONT)
+                assert later.result().status_code == 200, later.result().text
+        finally:
+            for child in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("stream_format", ["sse", "audio"])
+def test_unloading_a_voice_mid_speech_ends_its_streams_cleanly(voice_folder: Path, stream_format: str) -> None:
+    """Twenty-third probe, issue 45: a voice unloaded while it spoke cut its streams with an
+    unhandled error (the connection closed mid-body, a traceback logged per stream, no SSE
+    error event). An SSE stream now ends with the error event chat streams send; audio
+    ends early, said in the log."""
+    config = ServerConfig(models={"joe": voice_folder}, unload_grace=0.1)
+    body = {"model": "joe", "input": _LONG, "response_format": "pcm", "stream_format": stream_format}
+    with (
+        running(create_app(config)) as base,
+        httpx.stream("POST", f"{base}/v1/audio/speech", json=body, timeout=120) as response,
+    ):
+        assert response.status_code == 200
+        pieces = response.iter_bytes()
+        received = next(pieces)
+        unloaded = httpx.post(f"{base}/v1/models/unload", json={"model": "joe"}, timeout=60)
+        assert unloaded.status_code == 200 and unloaded.json()["status"] == "unloaded", unloaded.text
+        received += b"".join(pieces)  # the body ends: no "incomplete chunked read"
+        _speaks(base)  # loaded again on demand
+    if stream_format == "sse":
+        events = [json.loads(line[6:]) for line in received.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1]["error"]["code"] == "model_unloaded", events[-1]
+        assert all(event.get("type") != "speech.audio.done" for event in events)
+    else:
+        spoken = len(received) / 2 / 24_000
+        assert 0 < spoken < len(_LONG) / 15, spoken  # some of it, far from all (~15 characters a second)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import logging
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -33,14 +34,16 @@ from litestar.response import Stream
 from ortserve_client import protocol as p
 from ortserve_runtime import InvalidRequestError, VoiceModel
 
-from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError
-from .._generation import sse_event, stream_response
+from .._connection import while_connected
+from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError, unavailable_detail
+from .._generation import error_detail, sse_event, stream_response
 from .._leases import require_voice_model
 from .._openapi import POST_ERRORS, sends_files, with_error_responses
 from .._record import current, note
 from .._state import OrtServe
 
 __all__ = ["speech_route_handlers"]
+logger = logging.getLogger("ortserve.server")
 
 _MEDIA_TYPES = {
     "mp3": "audio/mpeg",
@@ -271,15 +274,22 @@ async def create_speech(
         voice = _check(data, model)
         chunks = model.synthesize(data.input, voice=voice, speed=data.speed)
         since = time.perf_counter()
-        first = await anext(chunks)  # the phonemizer's refusals are HTTP errors
+        # The phonemizer's refusals are HTTP errors. A client that leaves meanwhile gives its
+        # place in the queue back at once (twenty-third probe, issue 45: it held it until its
+        # first sentence was spoken, and others were refused as over the queue's bound).
+        first = await while_connected(request, ortserve, anext(chunks))
         synthesized(first, since)
     except InvalidRequestError as exc:
         raise BadRequestError(str(exc), param=exc.param) from exc
     encoder = _Encoder(data.response_format, model.sample_rate)
     endpoint = f"{ortserve.config.path}/audio/speech"
     usage = [first.phonemes, len(first.samples) // _HOP]
+    failed: list[Exception] = []
 
     async def encoded() -> AsyncIterator[bytes]:
+        """The audio as it is made; a failure once it has begun (the voice unloaded or its
+        process gone: twenty-third probe, an unhandled error that cut the connection) ends
+        it early, in ``failed``, logged and counted."""
         try:
             yield await asyncio.to_thread(encoder.feed, first.samples)
             while True:
@@ -295,6 +305,17 @@ async def create_speech(
             yield await asyncio.to_thread(encoder.close)
             ortserve.metrics.count_request(endpoint, data.model, 200)
             note(model=data.model)
+        except Exception as exc:  # after the status was sent: ended here, said below
+            failed.append(exc)
+            unavailable = unavailable_detail(exc)
+            logger.log(
+                logging.WARNING if unavailable else logging.ERROR,
+                "speech from model %r ended early: %s",
+                data.model,
+                exc,
+                exc_info=unavailable is None,
+            )
+            ortserve.metrics.count_request(endpoint, data.model, 503 if unavailable else 500)
         finally:
             await chunks.aclose()
 
@@ -305,6 +326,9 @@ async def create_speech(
                 if piece:
                     delta = p.SpeechAudioDeltaEvent(audio=base64.b64encode(piece).decode())
                     yield sse_event(delta)
+            if failed:  # in band, as a chat stream's error
+                yield sse_event(p.ErrorResponse(error=error_detail(failed[0])))
+                return
             done = p.SpeechAudioDoneEvent(usage=p.SpeechUsage(usage[0], usage[1], usage[0] + usage[1]))
             yield sse_event(done)
 
