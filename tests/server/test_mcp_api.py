@@ -916,6 +916,10 @@ def test_a_stdio_server_flooding_its_stderr_does_not_hold_the_event_loop(caplog:
 _PING = b'{"jsonrpc": "2.0", "id": 7, "method": "ping"}\n'
 
 
+_LARGE = "b'x' * 900_000"
+"""A Python expression for 900 KB of text, built in the flooding server (too long for its argv)."""
+
+
 @pytest.mark.timing  # the event loop's latency meanwhile
 @pytest.mark.parametrize(
     ("line", "said"),
@@ -925,11 +929,17 @@ _PING = b'{"jsonrpc": "2.0", "id": 7, "method": "ping"}\n'
         (b" \x0b\n", "bytes of blank lines"),
         (b'{"jsonrpc": "2.0", "id": 99999, "result": {}}\n', "other messages in a second"),  # answers never asked
         (_PING, "other messages in a second"),
+        # Twenty-third probe: lines just under the message bound, a few a second.
+        (
+            f"""b'{{"jsonrpc": "2.0", "method": "notifications/message", "params": {{"data": "' + {_LARGE} + b'"}}}}\\n'""",
+            "bytes in a minute of messages no call asked for",
+        ),
+        (f"""b'{{"jsonrpc": "2.0", "id": 99999, "result": {{"x": "' + {_LARGE} + b'"}}}}\\n'""", "no call asked for"),
     ],
-    ids=["newlines", "form-feeds", "vertical-tabs", "unasked-answers", "pings"],
+    ids=["newlines", "form-feeds", "vertical-tabs", "unasked-answers", "pings", "large-notices", "large-answers"],
 )
 def test_a_stdio_server_flooding_its_stdout_is_stopped(
-    caplog: pytest.LogCaptureFixture, line: bytes, said: str
+    caplog: pytest.LogCaptureFixture, line: bytes | str, said: str
 ) -> None:
     """Twentieth probe, issue 45: blank lines on stdout were handled one by one on the event
     loop (/health 113-156 ms for as long as the server wrote them); twenty-second: lines of
@@ -939,7 +949,10 @@ def test_a_stdio_server_flooding_its_stdout_is_stopped(
     import anyio
     from ortserve_server._mcp_stdio import StdioLink
 
-    script = f"import sys\nwhile True:\n    sys.stdout.buffer.write({line!r} * 4096); sys.stdout.flush()\n"
+    written, repeat = (repr(line), 4096) if isinstance(line, bytes) else (line, 1)  # str: the line's expression
+    script = (
+        f"import sys\nline = {written}\nwhile True:\n    sys.stdout.buffer.write(line * {repeat}); sys.stdout.flush()\n"
+    )
     link = StdioLink((sys.executable, "-c", script), 1 << 20, "flood")
     gaps: list[float] = []
 
@@ -962,3 +975,34 @@ def test_a_stdio_server_flooding_its_stdout_is_stopped(
         anyio.run(run)
     assert max(gaps) < 0.1, max(gaps)
     assert link.ended is not None and said in link.ended, link.ended
+
+
+def test_what_a_stdio_server_leaves_in_its_group_is_stopped_with_it(tmp_path: Path) -> None:
+    """Twenty-third probe, issue 45: children a stdio server started in its process group
+    outlived it (it exited), and this server's exit; they are stopped with the link."""
+    import anyio
+    from ortserve_server._mcp_stdio import StdioLink
+
+    pidfile = tmp_path / "child"
+    script = f"import subprocess\nchild = subprocess.Popen(['sleep', '60'])\nopen({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+    link = StdioLink((sys.executable, "-c", script), 1 << 20, "forks")
+
+    async def run() -> None:
+        async with link.transport():
+            while not pidfile.exists() or not pidfile.read_text():
+                await anyio.sleep(0.05)
+            await anyio.sleep(0.5)  # the server has exited; its child runs on
+
+    anyio.run(run)
+    stat = Path(f"/proc/{pidfile.read_text()}/stat")
+
+    def running() -> bool:
+        try:
+            return stat.read_text().rpartition(")")[2].split()[0] != "Z"  # a zombie has ended
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running()

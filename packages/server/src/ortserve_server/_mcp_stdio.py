@@ -85,6 +85,12 @@ BLANK_BYTES_PER_MINUTE = 1 << 20
 as for an oversized message. They are dropped at C's speed (:data:`_BLANK_LINES`): handled
 one by one in Python, newlines written in a loop held the event loop (/health 113-156 ms;
 twentieth probe, issue 45)."""
+UNASKED_BYTES_PER_MINUTE = 16 << 20
+"""Bytes of messages no call of this client asked for (notifications, answers to ids it never
+sent, requests of the server's own) a server may send a minute: past them it is stopped. Each
+is parsed before it is dropped: lines just under the message bound in a loop held most of a
+core for as long as the link was open (twenty-third probe, issue 45; the per-second count of
+such messages bounds small ones)."""
 _BLANK_LINES = re.compile(rb"\n[ \t\r\n\x0b\x0c]*\n")
 """A line end and the blank lines after it (blank as ``bytes.strip`` reads them: vertical tab
 and form feed too; twenty-second probe: lines of those went one by one): one line end is kept."""
@@ -93,6 +99,21 @@ _GRACE = 2.0
 _DRAIN = 1.0
 """Seconds the output of a process that exited is read for before the connection ends
 anyway (something the server started keeps its stdout open)."""
+
+
+class PerMinute:
+    """Bytes counted in the current minute, against a bound."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._minute = (0.0, 0)
+
+    def past_bound(self, size: int) -> bool:
+        """Counts ``size`` bytes; True once the minute holds more than the bound."""
+        now = time.monotonic()
+        start, count = self._minute
+        self._minute = (start, count + size) if now - start < 60.0 else (now, size)
+        return self._minute[1] > self.bound
 
 
 class PerSecond:
@@ -132,6 +153,10 @@ class StdioLink:
         self.ended: str | None = None
         self._notifications = PerSecond()
         self._others = PerSecond()
+        self._blank = PerMinute(BLANK_BYTES_PER_MINUTE)
+        self._unasked = PerMinute(UNASKED_BYTES_PER_MINUTE)
+        self._asked: set[str | int] = set()
+        """Ids of this client's requests not yet answered."""
 
     @contextlib.asynccontextmanager
     async def transport(self) -> AsyncIterator[tuple[Any, Any]]:
@@ -148,6 +173,7 @@ class StdioLink:
             env=get_default_environment(),  # not ours: API keys and tokens stay here
             start_new_session=os.name == "posix",
         )
+        self._asked = set()  # a new session's ids
         reading, read_stream = anyio.create_memory_object_stream[Any](0)
         write_stream, writing = anyio.create_memory_object_stream[SessionMessage](0)
         read = anyio.Event()
@@ -170,15 +196,11 @@ class StdioLink:
     async def _read(self, process: anyio.abc.Process, reading: Any, read: anyio.Event) -> None:
         assert process.stdout is not None
         buffer = bytearray()
-        minute, blank = time.monotonic(), 0
         async with reading:
             try:
                 async for chunk in process.stdout:
                     kept = _BLANK_LINES.sub(b"\n", chunk)
-                    if time.monotonic() - minute > 60:
-                        minute, blank = time.monotonic(), 0
-                    blank += len(chunk) - len(kept)
-                    if blank > BLANK_BYTES_PER_MINUTE:
+                    if self._blank.past_bound(len(chunk) - len(kept)):
                         self._stop_for(process, f"more than {BLANK_BYTES_PER_MINUTE} bytes of blank lines in a minute")
                         return
                     chunk = kept
@@ -292,6 +314,16 @@ class StdioLink:
         if isinstance(message, ValueError):
             self._stop_for(process, f"a message that is not JSON-RPC it can read ({_first_line(message)})")
             return False
+        from mcp_types import JSONRPCError, JSONRPCResponse
+
+        answer = getattr(message, "message", None)
+        if isinstance(answer, JSONRPCResponse | JSONRPCError) and answer.id in self._asked:
+            self._asked.discard(answer.id)
+        elif self._unasked.past_bound(len(line)):
+            self._stop_for(
+                process, f"more than {UNASKED_BYTES_PER_MINUTE} bytes in a minute of messages no call asked for"
+            )
+            return False
         if message is None:  # a notification
             if self._notifications.past_bound():
                 self._stop_for(process, f"more than {MAX_NOTIFICATIONS_PER_SECOND} notifications in a second")
@@ -310,10 +342,14 @@ class StdioLink:
         return True
 
     async def _write(self, process: anyio.abc.Process, writing: Any) -> None:
+        from mcp_types import JSONRPCRequest
+
         assert process.stdin is not None
         try:
             async with writing:
                 async for outgoing in writing:
+                    if isinstance(outgoing.message, JSONRPCRequest):
+                        self._asked.add(outgoing.message.id)
                     text = outgoing.message.model_dump_json(by_alias=True, exclude_unset=True)
                     await process.stdin.send(text.encode() + b"\n")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
@@ -365,9 +401,13 @@ async def _stop(process: anyio.abc.Process) -> None:
     for then in (signal.SIGTERM, None):
         with anyio.move_on_after(_GRACE):
             await process.wait()
-            return
+            break
         if then is not None:
             _kill(process, then)
+    else:
+        _kill(process)
+        with anyio.move_on_after(_GRACE):
+            await process.wait()
+    # What it started in its group and left running when it exited goes with it (twenty-third
+    # probe, issue 45: children it forked outlived it, and this server's exit).
     _kill(process)
-    with anyio.move_on_after(_GRACE):
-        await process.wait()
