@@ -64,6 +64,11 @@ def test_files_list_in_either_order_a_page_at_a_time(client: openai.OpenAI, app_
     assert [f.id for f in page.data] == [made[1]]
     refused = httpx.get(f"{app_url[1]}/v1/files", params={"order": "up"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "order"
+    # Twenty-third probe: a purpose no file can have listed nothing, 200; one OpenAI's can is taken.
+    refused = httpx.get(f"{app_url[1]}/v1/files", params={"purpose": "bogus"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "purpose", refused.text
+    assert client.files.list(purpose="fine-tune").data == []
+    assert made[0] in [f.id for f in client.files.list(purpose="batch")]
 
 
 def test_a_form_past_the_multipart_bounds_says_which(app_url: tuple[Any, str]) -> None:

@@ -164,6 +164,23 @@ async def create_file(
         raise PayloadTooLargeError(str(exc)) from None
 
 
+_OPENAI_PURPOSES = frozenset(
+    {
+        "assistants",
+        "assistants_output",
+        "batch",
+        "batch_output",
+        "evals",
+        "fine-tune",
+        "fine-tune-results",
+        "user_data",
+        "vision",
+    }
+)
+"""The purposes OpenAI's files have: a list of any other is a 400 (of these, this server keeps
+``batch`` and ``batch_output`` files; the others list none)."""
+
+
 def _unknown_cursor(kind: str, after: str | None) -> BadRequestError:
     return BadRequestError(f"'after' is {after!r}, which is none of this API key's {kind} ids", param="after")
 
@@ -179,6 +196,10 @@ async def list_files(
 ) -> bp.FileList:
     if not 1 <= limit <= _MAX_LISTED_FILES:  # OpenAI's range
         raise BadRequestError(f"'limit' must be between 1 and {_MAX_LISTED_FILES}, not {limit}", param="limit")
+    if purpose is not None and purpose not in _OPENAI_PURPOSES:  # twenty-third probe: listed nothing, 200
+        raise BadRequestError(
+            f"purpose {purpose!r} is none of OpenAI's: {', '.join(sorted(_OPENAI_PURPOSES))}", param="purpose"
+        )
     found = await ortserve.batches.files(
         caller_of(request).owner, purpose, limit + 1, after, newest_first=order == "desc"
     )
