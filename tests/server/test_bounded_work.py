@@ -314,6 +314,9 @@ format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
 body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": format}
 if sys.argv[2] == "nests":  # 1.4 MB of small nested arrays: refused by their count, off the loop
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata_x": [[[[[[[1]]]]]]] * 100_000}
+if sys.argv[2] == "strings":  # 1.5 MB: 499,000 names (the check of unknown keys walked each on the loop)
+    tool = {"type": "mcp", "server_label": "x", "server_url": "https://mcp.example/mcp", "allowed_tools": [""] * 499_000}
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "tools": [tool]}
 content = json.dumps(body).encode()
 async def main():
     async with httpx.AsyncClient(timeout=60) as client:
@@ -324,20 +327,23 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("kind", ["schema", "nests"])
+@pytest.mark.parametrize("kind", ["schema", "nests", "strings"])
 def test_large_bodies_arriving_together_are_decoded_a_turn_apart(url: str, kind: str) -> None:
     """Twentieth probe, issue 45: sixteen 460 KB schemas sent at once (refused later by the
     grammar bound) were decoded back to back on the event loop, 10-20 ms each: /health
     107-304 ms; twenty-second: sixteen 1.4 MB bodies of nested arrays were counted on sixteen
-    threads at once, which kept the loop waiting for the GIL (/health 112-169 ms). Bodies past
-    64 KiB are decoded one a turn of the loop, and counted one at a time. (The clients run in
-    a process of their own: threads here would take the GIL from the server's loop.)"""
+    threads at once, which kept the loop waiting for the GIL (/health 112-169 ms);
+    twenty-fourth: a list of 499,000 names was walked name by name for unknown keys on the
+    loop (213-294 ms one at a time). Bodies past 64 KiB are decoded one a turn of the loop,
+    and counted and walked one at a time off it. (The clients run in a process of their own:
+    threads here would take the GIL from the server's loop.)"""
     import subprocess
     import sys
 
+    route = "responses" if kind == "strings" else "chat/completions"
     with watched(url) as seen:
         sent = subprocess.run(
-            [sys.executable, "-c", _SIXTEEN_AT_ONCE, f"{url}/v1/chat/completions", kind],
+            [sys.executable, "-c", _SIXTEEN_AT_ONCE, f"{url}/v1/{route}", kind],
             capture_output=True,
             text=True,
             timeout=120,

@@ -338,6 +338,22 @@ def test_a_format_beside_tools_that_cannot_compile_is_named(tiny_url: str, schem
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_format_beside_a_forced_call_must_compile(tiny_url: str, choice: Any) -> None:
+    """Twenty-fourth probe, issue 45: a response format that cannot compile, beside a forced
+    call (the format shapes the turns after the call), was taken, 200."""
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "r", "schema": {"type": "string", "pattern": "(["}},
+    }
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": TOOLS, "tool_choice": choice}
+    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "response_format": response_format})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "response_format" and "regex parse error" in refused.text, refused.text
+    taken = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "response_format": FORMAT}, timeout=60)
+    assert taken.status_code == 200 and taken.json()["choices"][0]["message"]["tool_calls"], taken.text
+
+
 def test_parallel_tool_calls_false_keeps_the_first(tiny_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two calls in the output; with parallel_tool_calls=false only the first comes back."""
     from ortserve_runtime import ToolCallParser

@@ -117,6 +117,13 @@ NESTED: list[tuple[str, dict[str, Any], str]] = [
         {"data": [{"messages": [{"role": "user", "content": "a", "bogus": 1}]}]},
         "data[0].messages[0].bogus",
     ),
+    # Twenty-fourth probe: keys the SDKs send and change nothing elsewhere were dropped here.
+    (
+        "/v1/ui/conversations/import",
+        {"data": [{"messages": [{"role": "user", "content": "a", "cache_control": {"type": "ephemeral"}}]}]},
+        "data[0].messages[0].cache_control",
+    ),
+    ("/v1/ui/conversations/import", {"data": [{"title": "k", "strict": True}]}, "data[0].strict"),
 ]
 
 

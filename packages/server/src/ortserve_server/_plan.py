@@ -322,9 +322,11 @@ def _tool_plan(
     if name is not None and name not in {t.function.name for t in tools}:
         raise BadRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
     # A response format given with a forced call shapes later text turns; this turn is the
-    # call (as OpenAI does). The format was checked above all the same.
+    # call (as OpenAI does). The format must compile all the same.
     grammar = forced_tool_grammar(model.tool_format, definitions, name, model.tokenizer.token_to_id)
     assert grammar is not None  # the named tool is among them (checked above)
+    if constraint is not None:
+        grammar = dataclasses.replace(grammar, beside=(constraint[1], constraint[0]))
     _check_grammar_size(grammar, "tools", config)
     # "required" with one tool forces that one: a call cut before its name still names it.
     only = tools[0].function.name if len(tools) == 1 else ""

@@ -175,7 +175,11 @@ def make_body_guard(
         field = handler.parsed_fn_signature.parameters.get("data")
         body_type = getattr(field, "annotation", None)
         check_known_fields(decoded, body_type)
-        check_settings_fields(decoded, body_type)
+        if not isinstance(connection, Request) or len(await connection.body()) <= _PACED_DECODE:
+            check_settings_fields(decoded, body_type)
+        else:  # a walk of as many objects as the body holds: off the loop, as its decoding
+            async with one_at_a_time():
+                await asyncio.to_thread(check_settings_fields, decoded, body_type)
 
     return guard
 

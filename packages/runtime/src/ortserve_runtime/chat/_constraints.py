@@ -45,6 +45,10 @@ class Grammar:
     after_reasoning: tuple[ReasoningMarkers, ReasoningStart] | None = None
     """Set for a reasoning model: the grammar holds for the answer only, after a free
     think block (opened by the model, or already open in the prompt)."""
+    beside: tuple[str, Grammar] | None = None
+    """``(field, grammar)``: a request field's grammar that does not hold for this output but
+    must compile all the same (a response format beside a forced call shapes the text turns
+    after it; twenty-fourth probe, issue 45: one that could not compile was taken, 200)."""
     blame_unless: tuple[str, Grammar] | None = None
     """``(field, part)``: when this grammar is refused and ``part`` alone is not, the fault is
     the request field ``field``'s (a response format beside tools: the tools alone compile;
@@ -197,6 +201,12 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar) -> Constraint:
         """A fresh matcher for ``grammar``; an invalid one raises :class:`InvalidRequestError`."""
+        if grammar.beside is not None:
+            field, other = grammar.beside
+            try:
+                self._constraint(other)  # kept as any compiled grammar is: the next turn's
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(str(exc), param=field) from None
         try:
             return self._constraint(grammar)
         except InvalidRequestError as exc:
@@ -213,7 +223,7 @@ class GrammarCompiler:
         tokenizer = self._llg_tokenizer()
         error = on_large_stack(lambda: llguidance.LLMatcher.validate_grammar(text, tokenizer))
         if error:
-            raise InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
+            raise _refused(grammar, error)
 
     def _constraint(self, grammar: Grammar) -> Constraint:
         # llguidance's calls run on a large stack (its compiler recurses): see _large_stack.
@@ -235,10 +245,14 @@ class GrammarCompiler:
                 self._kept.move_to_end(text)
                 self.reused += 1
                 return kept.copy()
-        self._check(text, grammar)
         tokenizer = self._llg_tokenizer()
         before = resident_memory()
-        constraint = on_large_stack(lambda: Constraint(llguidance.LLMatcher(tokenizer, text), self._vocab_size))
+        # Built once: a matcher of a grammar it refuses says why (what validate_grammar says,
+        # which is a whole compile again: 34 ms more for a 9,000-value enum).
+        matcher = on_large_stack(lambda: llguidance.LLMatcher(tokenizer, text))
+        if matcher.is_error():
+            raise _refused(grammar, matcher.get_error())
+        constraint = on_large_stack(lambda: Constraint(matcher, self._vocab_size))
         # Other threads' growth counts too (kept less, never more); where there is no
         # resident size to read (not Linux) it reads 0 and every grammar is kept.
         if resident_memory() - before < _KEPT_GROWTH:
@@ -247,6 +261,10 @@ class GrammarCompiler:
                 while len(self._kept) > _KEPT_GRAMMARS:
                     self._kept.popitem(last=False)
         return constraint
+
+
+def _refused(grammar: Grammar, error: str) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid {grammar.kind.replace('_', ' ')}: {error.strip()}", param="grammar")
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
