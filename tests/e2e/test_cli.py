@@ -563,6 +563,38 @@ def test_sigterm_past_the_grace_period_ends_streams_in_band_and_exits_75() -> No
     assert 2 < len(lines) < 16 * 480, "the stream was not cut"
 
 
+@pytest.mark.parametrize("stream_format", ["sse", "audio"])
+def test_sigterm_past_the_grace_period_ends_speech_streams_cleanly(tmp_path: Path, stream_format: str) -> None:
+    """Twenty-fourth probe, issue 45: speech streams were not cut with the others: the
+    shutdown cancelled them (a traceback logged each, the connection closed mid-body, no
+    error event). They end as chat streams do: SSE with the error event, audio where it stands."""
+    from voices import quiet_voice
+
+    voice = quiet_voice(tmp_path / "joe")
+    process, ready = start_server("--model", f"joe={voice}", "--grace-period", "0.5")
+    url = f"http://127.0.0.1:{ready['port']}"
+    text = " ".join(f"This is sentence number {n}, spoken on its own." for n in range(60))
+    body = {"model": "joe", "input": text, "response_format": "pcm", "stream_format": stream_format}
+    received = b""
+    try:
+        with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=120) as response:
+            for piece in response.iter_bytes():  # no "incomplete chunked read"
+                if piece and not received:
+                    process.send_signal(signal.SIGTERM)  # the stream has started: stop the server
+                received += piece
+        assert process.wait(timeout=60) == 75
+        assert process.stderr is not None
+        log = process.stderr.read()
+    finally:
+        stop(process)
+    assert "Traceback" not in log and "ended early" in log, log[-2000:]
+    if stream_format == "sse":
+        last = json.loads(received.decode().strip().splitlines()[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "server_shutting_down", last
+    else:
+        assert 0 < len(received) / 2 / 24_000 < len(text) / 15  # some of it, far from all
+
+
 def test_prefill_int8_reaches_each_model_config() -> None:
     from ortserve_runtime import ModelConfig
     from ortserve_server._cli import _model_configs, _prefill_int8

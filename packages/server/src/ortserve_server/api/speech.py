@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import logging
 import struct
@@ -35,7 +36,14 @@ from ortserve_client import protocol as p
 from ortserve_runtime import InvalidRequestError, VoiceModel
 
 from .._connection import while_connected
-from .._errors import BadRequestError, OverloadedError, UnsupportedParameterError, unavailable_detail
+from .._errors import (
+    BadRequestError,
+    OverloadedError,
+    ServerError,
+    ShuttingDownError,
+    UnsupportedParameterError,
+    unavailable_detail,
+)
 from .._generation import error_detail, sse_event, stream_response
 from .._leases import require_voice_model
 from .._openapi import POST_ERRORS, sends_files, with_error_responses
@@ -288,34 +296,39 @@ async def create_speech(
 
     async def encoded() -> AsyncIterator[bytes]:
         """The audio as it is made; a failure once it has begun (the voice unloaded or its
-        process gone: twenty-third probe, an unhandled error that cut the connection) ends
-        it early, in ``failed``, logged and counted."""
+        process gone, a shutdown's grace period over: twenty-third and twenty-fourth probes,
+        an unhandled error that cut the connection) ends it early, in ``failed``, logged and
+        counted."""
         try:
             yield await asyncio.to_thread(encoder.feed, first.samples)
-            while True:
-                since = time.perf_counter()
-                try:
-                    chunk = await anext(chunks)
-                except StopAsyncIteration:
-                    break
-                synthesized(chunk, since)
-                usage[0] += chunk.phonemes
-                usage[1] += len(chunk.samples) // _HOP
-                yield await asyncio.to_thread(encoder.feed, chunk.samples)
+            with ortserve.cut_signal() as cut:
+                while True:
+                    since = time.perf_counter()
+                    try:
+                        chunk = await _next_unless_cut(chunks, cut)
+                    except StopAsyncIteration:
+                        break
+                    synthesized(chunk, since)
+                    usage[0] += chunk.phonemes
+                    usage[1] += len(chunk.samples) // _HOP
+                    yield await asyncio.to_thread(encoder.feed, chunk.samples)
             yield await asyncio.to_thread(encoder.close)
             ortserve.metrics.count_request(endpoint, data.model, 200)
             note(model=data.model)
         except Exception as exc:  # after the status was sent: ended here, said below
             failed.append(exc)
-            unavailable = unavailable_detail(exc)
+            known = isinstance(exc, ServerError) or unavailable_detail(exc) is not None
             logger.log(
-                logging.WARNING if unavailable else logging.ERROR,
+                logging.WARNING if known else logging.ERROR,
                 "speech from model %r ended early: %s",
                 data.model,
                 exc,
-                exc_info=unavailable is None,
+                exc_info=not known,
             )
-            ortserve.metrics.count_request(endpoint, data.model, 503 if unavailable else 500)
+            if isinstance(exc, ShuttingDownError):
+                ortserve.cut_requests += 1
+            status = exc.status_code if isinstance(exc, ServerError) else 503 if known else 500
+            ortserve.metrics.count_request(endpoint, data.model, status)
         finally:
             await chunks.aclose()
 
@@ -335,6 +348,18 @@ async def create_speech(
         return stream_response(events())
     # As OpenAI, the audio goes out as it is made (chunked), whatever the format.
     return Stream(encoded(), media_type=_MEDIA_TYPES[data.response_format])
+
+
+async def _next_unless_cut(chunks: AsyncIterator[Any], cut: asyncio.Future[None]) -> Any:
+    """The next piece of ``chunks``, or :class:`ShuttingDownError` once ``cut`` resolves."""
+    piece = asyncio.ensure_future(anext(chunks))
+    await asyncio.wait((piece, cut), return_when=asyncio.FIRST_COMPLETED)
+    if not piece.done():
+        piece.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await piece
+        raise ShuttingDownError("the server is shutting down; the speech was cut off")
+    return piece.result()
 
 
 speech_route_handlers = [create_speech]
