@@ -27,6 +27,7 @@ from PIL import Image
 from serving import TINY_MODEL, running, watched
 
 MAX_IMAGES = 3
+REQUEST_PIXELS = 1_500_000
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,12 @@ def url() -> Iterator[str]:
         models={"vision": TINY_PHI3V, "tiny": TINY_MODEL},
         max_body_size=2_000_000,
         image_url_hosts=("127.0.0.1",),
-        model_config=ModelConfig(max_images=MAX_IMAGES, max_image_pixels=1_000_000, multimodal_concurrency=2),
+        model_config=ModelConfig(
+            max_images=MAX_IMAGES,
+            max_image_pixels=1_000_000,
+            max_request_image_pixels=REQUEST_PIXELS,
+            multimodal_concurrency=2,
+        ),
     )
     with running(create_app(config)) as base:
         yield base
@@ -249,6 +255,12 @@ def test_more_bad_input(url: str, client: openai.OpenAI) -> None:
     # that matches an image for that image: fifteenth probe).
     error = _bad(url, [{"role": "user", "content": "<|image_3|> what is this?"}])
     assert error["param"] == "messages[0].content" and "'<|image_3|>'" in error["message"], error
+    # Twenty-fourth probe: eight 25-megapixel images grew the og process +1.35 GiB. The
+    # pixels of a request's images together are bounded, from their headers.
+    wide = image_part(image_bytes(1000, 800, fmt="WEBP"), "image/webp")  # small encoded, 0.8 megapixels decoded
+    error = _bad(url, ask(wide, wide))
+    assert error["param"] == "messages" and f"1600000 pixels in all, more than the {REQUEST_PIXELS}" in error["message"]
+    assert chat(client, ask(wide), max_tokens=2).choices[0].message.content is not None
     big = image_bytes(900, 900, fmt="BMP")  # ~2.4 MB: over the body limit
     assert len(big) > 2_000_000
     _bad(url, ask(image_part(big, "image/bmp")), status=413)

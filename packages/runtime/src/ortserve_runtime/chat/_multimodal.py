@@ -112,7 +112,9 @@ class MediaProcessor:
                 f"the messages hold {len(images)} images; this server takes at most {self.config.max_images}",
                 param="messages",
             )
-        self._check_image_tokens(images)
+        sizes = [image_size(image.data) for _, image in images]  # from their headers
+        self._check_image_pixels(sizes)
+        self._check_image_tokens(sizes)
         for where, part in media:
             if isinstance(part, AudioInput) and not part.data:
                 raise InvalidRequestError("the audio is empty", param=where)
@@ -135,15 +137,26 @@ class MediaProcessor:
             raise
         return Prompt(ids, inputs)
 
-    def _check_image_tokens(self, images: list[tuple[str, ImageInput]]) -> None:
+    def _check_image_pixels(self, sizes: list[tuple[int, int] | None]) -> None:
+        """Refuse, before any pixel is decoded, images whose pixels together pass the bound
+        (one whose header cannot be read counts as the largest taken: decoding says why)."""
+        cap = self.config.max_image_pixels
+        pixels = sum(min(cap, size[0] * size[1]) if size is not None else cap for size in sizes)
+        if pixels > self.config.max_request_image_pixels:
+            raise InvalidRequestError(
+                f"the {len(sizes)} images hold {pixels} pixels in all, more than the "
+                f"{self.config.max_request_image_pixels} this server decodes for one request: send them smaller",
+                param="messages",
+            )
+
+    def _check_image_tokens(self, sizes: list[tuple[int, int] | None]) -> None:
         """Refuse, before any pixel is decoded, images whose tokens alone pass the context."""
-        if self.image_tokens is None or not images:
+        if self.image_tokens is None or not sizes:
             return
-        sizes = [image_size(image.data) for _, image in images]
         tokens = sum(self.image_tokens(*size) for size in sizes if size is not None)
         if tokens >= self.max_sequence_length:
             raise ContextLengthError(
-                f"the {len(images)} image{'s' if len(images) > 1 else ''} alone make {tokens} tokens, more than "
+                f"the {len(sizes)} image{'s' if len(sizes) > 1 else ''} alone make {tokens} tokens, more than "
                 f"this model's limit of {self.max_sequence_length} tokens",
                 param="messages",
             )
