@@ -1,10 +1,20 @@
-"""This process's resident memory, for what a load or a grammar build costs."""
+"""This process's resident memory, for what a load or a grammar build costs, and the C
+heap's free memory handed back."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 
-__all__ = ["resident_memory"]
+__all__ = ["release_freed_memory", "resident_memory"]
+
+
+def release_freed_memory() -> None:
+    """Hand memory the C allocator holds free back to the system (glibc's ``malloc_trim``;
+    elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def resident_memory() -> int:

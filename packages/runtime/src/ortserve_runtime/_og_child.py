@@ -15,6 +15,7 @@ from typing import Any
 
 from ._config import ModelConfig
 from ._errors import InvalidRequestError, ModelLoadError
+from ._memory import release_freed_memory
 from ._og_process import LANES, TOKEN_VARIABLE
 
 __all__: list[str] = []
@@ -114,6 +115,11 @@ class _Child:
             _check_padding(inputs, model_type)
         self.next_media += 1
         self.media[self.next_media] = inputs
+        if images:
+            # The decoded images' memory, freed, stays in this thread's C heap otherwise:
+            # thirty 1-25 megapixel images grew the process 216 -> 608 MiB (twenty-fourth probe).
+            del pngs
+            release_freed_memory()
         return ids, self.next_media
 
     def start(

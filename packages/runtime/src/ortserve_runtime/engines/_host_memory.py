@@ -3,24 +3,15 @@ back when rows are freed, and the C heap trimmed after large calls."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import mmap
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PAGE", "give_back", "release_freed_memory", "unhuged_zeros"]
+__all__ = ["PAGE", "give_back", "unhuged_zeros"]
 
 PAGE = mmap.PAGESIZE
-
-
-def release_freed_memory() -> None:
-    """Hand memory the C allocator holds free back to the system (glibc's ``malloc_trim``;
-    elsewhere nothing)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def unhuged_zeros(shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:

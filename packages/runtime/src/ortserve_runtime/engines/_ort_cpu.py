@@ -63,9 +63,10 @@ from .._contract import EngineCapabilities, FinishReason, OwnerThread, Request, 
 from .._drafts import MAX_DRAFT_TOKENS
 from .._errors import EngineError, ModelLoadError, PreemptedError
 from .._folder import GenaiFolder
+from .._memory import release_freed_memory
 from ._decoder_graph import LAST_POSITION, LOGIT_POSITIONS, DecoderGraph, NotDrivableError
 from ._draft_model import DraftModel, draft_length
-from ._host_memory import give_back, release_freed_memory, unhuged_zeros
+from ._host_memory import give_back, unhuged_zeros
 from ._int8_prefill import cpu_has_vnni, has_int4_matrices
 from ._prefix_cache import PrefixCache, Rows
 

@@ -48,8 +48,8 @@ import onnxruntime as ort
 
 from .._config import ModelConfig
 from .._errors import EngineClosedError, InvalidRequestError, ModelLoadError
+from .._memory import release_freed_memory
 from ..embeddings._encoder import create_session, read_json
-from ..engines._host_memory import release_freed_memory
 from ._espeak import Phonemizer
 
 __all__ = ["SpeechChunk", "VoiceModel", "find_voice_files"]
