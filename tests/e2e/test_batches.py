@@ -196,6 +196,25 @@ def test_a_list_limit_out_of_range_is_refused(shared: openai.OpenAI, limit: int)
     assert "between 1 and 100" in caught.value.body["message"]  # type: ignore[index]
 
 
+def test_a_line_past_ten_megabytes_runs_as_the_same_request_alone(shared: openai.OpenAI) -> None:
+    """Twenty-fifth probe, issue 45: a line of 10-16 MB passed the upload's bound (the
+    server's max_body_size, 16 MiB) and then failed every time with a 413 from the runner's
+    own, Litestar's 10 MB. It is answered as the same request sent alone is."""
+    client = shared
+    line = _chat_line(0, messages=[{"role": "user", "content": "x" * 12_000_000}])
+    uploaded = client.files.create(file=("big.jsonl", _jsonl([line, _chat_line(1)])), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = _wait(client, batch.id)
+    assert done.status == "completed" and done.error_file_id is not None
+    (error,) = _lines(client, done.error_file_id)
+    alone = httpx.post(f"{client.base_url}chat/completions", json=line["body"], timeout=60)
+    assert (error["response"]["status_code"], error["response"]["body"]["error"]["message"]) == (
+        alone.status_code,
+        alone.json()["error"]["message"],
+    ), error
+    assert alone.status_code != 413
+
+
 def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
     with (
         serving("--state-dir", str(tmp_path), "--api-key", "alice", "--api-key", "bob") as (_, url),

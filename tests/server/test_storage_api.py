@@ -133,6 +133,23 @@ def test_a_batch_line_nested_too_deeply_is_refused_by_number(client: openai.Open
 
 
 @pytest.mark.timing  # /health's latency meanwhile (issue 45)
+def test_a_batch_line_past_a_bodys_key_bounds_is_refused_before_decoding(
+    client: openai.OpenAI, app_url: tuple[Any, str]
+) -> None:
+    """Twenty-fifth probe, issue 45: a batch file's lines were held to a body's size and
+    nesting only: lines of 620,000 tools were decoded at upload and again at the run (+572-629
+    MiB, /health 668-926 ms), where the same body sent alone is refused before decoding."""
+    tools = '[{"type": "function", "function": {"name": ""}}]'[1:-1]
+    many = CHAT.replace('"max_tokens"', '"tools": [' + ", ".join([tools] * 30_000) + '], "max_tokens"')
+    with pytest.raises(openai.BadRequestError) as caught, watched(app_url[1]) as seen:
+        client.files.create(file=("in.jsonl", _line(CHAT) + _line(many, "b")), purpose="batch")
+    seen.assert_within()
+    assert caught.value.body["param"] == "file"  # type: ignore[index]
+    assert "line 2: the JSON has 90010 object keys (at most 50000)" in caught.value.message
+    assert "most of them in 'body'" in caught.value.message, caught.value.message
+
+
+@pytest.mark.timing  # /health's latency meanwhile (issue 45)
 def test_a_full_state_database_is_a_507_and_nothing_is_lost(client: openai.OpenAI, app_url: tuple[Any, str]) -> None:
     """SQLite's own SQLITE_FULL ("database or disk is full"), made real by capping the file's
     pages at what it holds (PRAGMA max_page_count): what a full disk gives."""

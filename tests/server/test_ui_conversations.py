@@ -131,6 +131,24 @@ def test_export_and_import_round_trip(http: httpx.Client) -> None:
     assert again["messages"] == original["messages"] and again["created_at"] == original["created_at"]
 
 
+def test_a_conversation_near_the_nesting_bound_imports_from_its_export(http: httpx.Client) -> None:
+    """Twenty-fifth probe, issue 45: an export holds a conversation two levels deeper than it
+    was sent, so one sent at the body's nesting bound (128) could not be imported back."""
+    nested: Any = "x"
+    for _ in range(123):  # the create body: itself, messages, the message, content, the part: 128
+        nested = {"a": nested}
+    part = {"type": "text", "text": "deep", "extra": nested}
+    made = http.post("/v1/ui/conversations", json={"messages": [{"role": "user", "content": [part]}]}, headers=BOB)
+    assert made.status_code == 200, made.text
+    exported = http.get("/v1/ui/conversations/export", headers=BOB).json()
+    mine = [c for c in exported["data"] if c["id"] == made.json()["id"]]
+    imported = http.post("/v1/ui/conversations/import", json={"data": mine}, headers=BOB)
+    assert imported.status_code == 200, imported.text
+    mine[0]["messages"][0]["content"][0]["extra"] = {"a": nested}  # one level past what a create takes
+    refused = http.post("/v1/ui/conversations/import", json={"data": mine}, headers=BOB)
+    assert refused.status_code == 400 and "nested too deeply" in refused.text, refused.text
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

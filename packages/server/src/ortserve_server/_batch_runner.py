@@ -344,5 +344,8 @@ def _line_app(state: OrtServe) -> Litestar:
         dependencies={"ortserve": Provide(lambda: state, sync_to_thread=False, use_cache=True)},
         exception_handlers=exception_handlers,
         middleware=[observe_requests(state.observer), release_leases],
+        # A line is refused past max_body_size when it is uploaded: run, it was refused past
+        # Litestar's own 10 MB (twenty-fifth probe, issue 45: a 12 MB line failed every time).
+        request_max_body_size=state.config.max_body_size,
     )
     return Litestar(route_handlers=[router], openapi_config=None, exception_handlers=exception_handlers)

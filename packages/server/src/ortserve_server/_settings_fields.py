@@ -124,13 +124,26 @@ def _walk(value: Any, kind: inspect.Type, path: str, where: str, param: str | No
             for index, item in enumerate(value):
                 _walk(item, kind.item_type, f"{path}[{index}]", where, param, taken)
     elif isinstance(kind, inspect.StructType) and isinstance(value, dict):
-        known = {field.encode_name: field.type for field in kind.fields}
-        if kind.tag_field is not None:
-            known.setdefault(kind.tag_field, inspect.AnyType())
+        known = _known(kind)
         _refuse([key for key in value if key not in known and key not in taken], path, where, param)
         for key, item in value.items():
             if key in known:
                 _walk(item, known[key], f"{path}.{key}", where, param, taken)
+
+
+_KNOWN: dict[int, tuple[inspect.StructType, dict[str, inspect.Type]]] = {}
+"""Each Struct type's fields by their JSON names (and its tag's), by the type's id: made once,
+not once an object walked (the types are not hashable; :func:`_struct_fields` keeps them)."""
+
+
+def _known(kind: inspect.StructType) -> dict[str, inspect.Type]:
+    kept = _KNOWN.get(id(kind))
+    if kept is None or kept[0] is not kind:
+        known = {field.encode_name: field.type for field in kind.fields}
+        if kind.tag_field is not None:
+            known.setdefault(kind.tag_field, inspect.AnyType())
+        kept = _KNOWN[id(kind)] = (kind, known)
+    return kept[1]
 
 
 def _refuse(unknown: list[str], path: str, where: str, param: str | None) -> None:

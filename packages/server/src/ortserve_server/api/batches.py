@@ -24,7 +24,7 @@ from .._auth import caller_of
 from .._batch_store import NoRoomError
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from .._ids import new_id
-from .._json_bounds import MAX_JSON_DEPTH, json_depth
+from .._json_bounds import MAX_JSON_DEPTH, counts_past_bounds, json_depth
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses
 from .._record import traceparent
 from .._security import check_known_fields
@@ -81,6 +81,23 @@ def _lines(content: bytes) -> Iterator[bytes]:
         start = end + 1
 
 
+def _check_line_bounds(raw: bytes, where: str, max_line: int) -> None:
+    """A request body's bounds, for a line before it is decoded: its size, nesting, keys and items."""
+    if len(raw) > max_line:
+        raise BadRequestError(
+            f"{where} has {len(raw)} bytes; a request has at most {max_line} (max_body_size)", param="file"
+        )
+    if (depth := json_depth(raw) - 1) > MAX_JSON_DEPTH:  # the body, within the line's object
+        raise BadRequestError(
+            f"{where}: the JSON is nested too deeply ({depth} levels; at most {MAX_JSON_DEPTH})", param="file"
+        )
+    if (past := counts_past_bounds(raw)) is not None:
+        what, field = past
+        raise BadRequestError(
+            f"{where}: the JSON has {what}" + (f", most of them in {field!r}" if field else ""), param="file"
+        )
+
+
 def check_batch_file(content: bytes, max_line: int, *, lenient: bool) -> list[tuple[str, bytes, str]]:
     """The lines of a batch input file as (custom id, body, url); a 400 naming the first
     line that is not a request a batch can run: a body with a field its route does not
@@ -93,14 +110,7 @@ def check_batch_file(content: bytes, max_line: int, *, lenient: bool) -> list[tu
         if not raw.strip():
             continue
         where = f"line {number}"
-        if len(raw) > max_line:
-            raise BadRequestError(
-                f"{where} has {len(raw)} bytes; a request has at most {max_line} (max_body_size)", param="file"
-            )
-        if (depth := json_depth(raw) - 1) > MAX_JSON_DEPTH:  # the body, within the line's object
-            raise BadRequestError(
-                f"{where}: the JSON is nested too deeply ({depth} levels; at most {MAX_JSON_DEPTH})", param="file"
-            )
+        _check_line_bounds(raw, where, max_line)
         try:
             line = (_decode_line if lenient else _decode_known_line)(raw)
         except msgspec.DecodeError as exc:

@@ -27,6 +27,7 @@ from ortserve_client import conversations_protocol as cp
 from .._auth import caller_of
 from .._conversation_store import ConversationsFull, ConversationTooLarge, summary
 from .._errors import BadRequestError, NotFoundError, PayloadTooLargeError
+from .._json_bounds import DEEPER_BY
 from .._openapi import GET_ERRORS, POST_ERRORS, error_responses, with_error_responses
 from .._state import OrtServe
 
@@ -199,6 +200,9 @@ async def export_conversations(ortserve: NamedDependency[OrtServe], request: Req
     summary="Import conversations (extension)",
     description="Takes an export's JSON; each conversation gets a new id, keeps its timestamps. All or none.",
     responses=error_responses(*POST_ERRORS),
+    # An export holds each conversation two levels deeper than it was sent (twenty-fifth
+    # probe, issue 45: one sent near the nesting bound could not be imported back).
+    opt={DEEPER_BY: 2},
 )
 async def import_conversations(
     data: JSONBody[cp.ConversationImport], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
