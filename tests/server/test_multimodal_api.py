@@ -204,10 +204,30 @@ def _bad(url: str, messages: list[dict[str, Any]], model: str = "vision", status
     return error
 
 
+def _ico_holding(png: bytes) -> bytes:
+    """An icon whose directory says 16x16 and whose one image is ``png``."""
+    entry = bytes([16, 16, 0, 0]) + (1).to_bytes(2, "little") + (32).to_bytes(2, "little")
+    entry += len(png).to_bytes(4, "little") + (22).to_bytes(4, "little")
+    return b"\x00\x00\x01\x00\x01\x00" + entry + png
+
+
+def _gif_commented(size: int) -> bytes:
+    """An 8x8 GIF with a comment of ``size`` bytes in two-byte sub-blocks."""
+    gif = image_bytes(8, 8, fmt="GIF")
+    at = gif.index(b"\x2c")  # the image descriptor, after the header and colour table
+    return gif[:at] + b"\x21\xfe" + b"\x02ab" * (size // 3) + b"\x00" + gif[at:]
+
+
+def _jpeg_of_markers(count: int) -> bytes:
+    """A JPEG with ``count`` empty APP1 segments before its frame."""
+    jpeg = image_bytes(fmt="JPEG")
+    return jpeg[:2] + b"\xff\xe1\x00\x02" * count + jpeg[2:]
+
+
 @pytest.mark.parametrize(
     ("part", "param", "words"),
     [
-        (image_part(b"these bytes are no image"), "messages[0].content[0]", "not an image format Pillow reads"),
+        (image_part(b"these bytes are no image"), "messages[0].content[0]", "not one this server takes"),
         (image_part(image_bytes()[:60]), "messages[0].content[0]", "could not be decoded"),
         (image_part(b""), "messages[0].content[0]", "empty"),
         (image_part(b"plain text", "text/plain"), "messages[0].content[0].image_url.url", "not an image"),
@@ -233,6 +253,11 @@ def _bad(url: str, messages: list[dict[str, Any]], model: str = "vision", status
             "malformed",
         ),
         (image_part(image_bytes(1200, 1000)), "messages[0].content[0]", "1200x1000 pixels"),
+        # Twenty-fifth probe: headers that cost Pillow far more than they show, read in the
+        # server's process (+495-646 MiB a request), are refused from the header itself.
+        (image_part(_ico_holding(image_bytes(3000, 3000)), "image/x-icon"), "messages[0].content[0]", "not one"),
+        (image_part(_gif_commented(1_200_000), "image/gif"), "messages[0].content[0]", "more than its pixels"),
+        (image_part(_jpeg_of_markers(10_001)), "messages[0].content[0]", "header cannot be read"),
         (
             {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone_wav(0.2)).decode(), "format": "wav"}},
             "messages[0].content[0]",
@@ -484,7 +509,7 @@ def test_audio_output_is_refused_text_modality_is_fine(url: str, client: openai.
 @pytest.mark.timing  # wall-clock bounds: run apart (see the README's test command)
 def test_large_images_sent_at_once_are_decoded_a_few_at_a_time() -> None:
     # Issue 45, sixth probe: og's processor takes one request at a time, and each request
-    # waiting for it held its images decoded (a TIFF or JPEG is re-encoded as an
+    # waiting for it held its images decoded (a WebP or JPEG is re-encoded as an
     # uncompressed PNG: 37 MB for 12 megapixels, and Pillow's copies while it decodes): six
     # of these at once took the server's process +822 MiB (+406 MiB now; the og process, which
     # keeps each queued request's processed inputs, is not counted), twelve of 25 MP +1.5 GB.
@@ -492,10 +517,10 @@ def test_large_images_sent_at_once_are_decoded_a_few_at_a_time() -> None:
     # cores), so a text model's chat waited behind them (7.5 s behind twelve of 25 MP); they
     # wait for the vision model's own two threads now.
     buffer = io.BytesIO()
-    Image.new("RGB", (3500, 3500), (10, 200, 30)).save(buffer, format="TIFF", compression="tiff_deflate")
+    Image.new("RGB", (3500, 3500), (10, 200, 30)).save(buffer, format="WEBP", lossless=True)
     body = json.dumps(
-        {"model": "vision", "max_tokens": 1, "messages": ask(image_part(buffer.getvalue(), "image/tiff"))}
-    ).encode()  # 170 KB: encoded once, before the memory is watched
+        {"model": "vision", "max_tokens": 1, "messages": ask(image_part(buffer.getvalue(), "image/webp"))}
+    ).encode()  # encoded once, before the memory is watched
     text = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     config = ServerConfig(
         models={"vision": TINY_PHI3V, "tiny": TINY_MODEL}, model_config=ModelConfig(multimodal_concurrency=4)

@@ -13,7 +13,105 @@ import warnings
 
 from ._errors import InvalidRequestError
 
-__all__ = ["png_for_og"]
+__all__ = ["FORMATS", "ImageHeader", "image_header", "png_for_og"]
+
+FORMATS = ("PNG", "JPEG", "WebP", "GIF", "BMP")
+"""The image formats taken (OpenAI's four, and BMP). Pillow reads more, but some at a cost
+its header does not show: an ICO whose directory says 16x16 holding a 13,000-pixel-square
+PNG is decoded whole when it is opened (+609-646 MiB a request: twenty-fifth probe, issue
+45)."""
+_PILLOW_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # a JPEG of several pictures (MPO) opens as JPEG
+_METADATA_BYTES = 1 << 20
+"""Bytes an image may hold beyond what its pixels could need uncompressed (4 a pixel):
+metadata, colour profiles, a few frames. An 8x8 GIF with a 12 MB comment of 4 million
+sub-blocks took the server +495-595 MiB as Pillow read its header (twenty-fifth probe)."""
+_JPEG_MARKERS = 10_000
+"""Markers a JPEG's header may hold before its frame's size (2.4 million empty APP markers
+took 7 s to read)."""
+
+ImageHeader = tuple[str, int, int]
+"""An image's format (one of :data:`FORMATS`), width and height, as its header says."""
+
+
+def image_header(data: bytes) -> ImageHeader | None:
+    """The format and size an image's first bytes declare, read without decoding anything;
+    ``None`` for any other format or a header that cannot be read."""
+    try:
+        if data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR":
+            return "PNG", int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        if data[:6] in (b"GIF87a", b"GIF89a"):
+            return "GIF", int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+        if data.startswith(b"BM") and len(data) >= 26:
+            if int.from_bytes(data[14:18], "little") == 12:  # OS/2's header
+                return "BMP", int.from_bytes(data[18:20], "little"), int.from_bytes(data[20:22], "little")
+            width = int.from_bytes(data[18:22], "little", signed=True)
+            return "BMP", abs(width), abs(int.from_bytes(data[22:26], "little", signed=True))
+        if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
+            return _webp_header(data)
+        if data.startswith(b"\xff\xd8"):
+            return _jpeg_header(data)
+    except IndexError:
+        return None
+    return None
+
+
+def _webp_header(data: bytes) -> ImageHeader | None:
+    chunk = data[12:16]
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        width, height = int.from_bytes(data[26:28], "little"), int.from_bytes(data[28:30], "little")
+        return "WebP", width & 0x3FFF, height & 0x3FFF
+    if chunk == b"VP8L" and data[20:21] == b"\x2f":
+        bits = int.from_bytes(data[21:25], "little")
+        return "WebP", (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X" and len(data) >= 30:
+        return "WebP", int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    return None
+
+
+def _jpeg_header(data: bytes) -> ImageHeader | None:
+    """The size of a JPEG's first frame, from its markers (each segment skipped by its length)."""
+    at = 2
+    for _ in range(_JPEG_MARKERS):
+        while data[at] == 0xFF and data[at + 1] == 0xFF:  # fill bytes
+            at += 1
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker in _JPEG_FRAMES:
+            height, width = int.from_bytes(data[at + 5 : at + 7], "big"), int.from_bytes(data[at + 7 : at + 9], "big")
+            return "JPEG", width, height
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length
+            at += 2
+            continue
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return None
+
+
+_JPEG_FRAMES = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def _checked_header(data: bytes, max_pixels: int, param: str) -> ImageHeader:
+    """The image's header, or a 400: a format not taken, more pixels than ``max_pixels``,
+    or more bytes than its pixels could need."""
+    header = image_header(data)
+    if header is None:
+        raise InvalidRequestError(
+            f"the image could not be decoded: its format is not one this server takes ({', '.join(FORMATS)}), "
+            "or its header cannot be read",
+            param=param,
+        )
+    kind, width, height = header
+    if width * height > max_pixels:
+        raise InvalidRequestError(
+            f"the image is {width}x{height} pixels, more than the {max_pixels} this server accepts", param=param
+        )
+    if len(data) > 4 * width * height + _METADATA_BYTES:
+        raise InvalidRequestError(
+            f"the image is {len(data)} bytes for {width}x{height} pixels: more than its pixels could need "
+            f"(a {kind} holds at most {_METADATA_BYTES} bytes of metadata here)",
+            param=param,
+        )
+    return header
 
 
 def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = False) -> bytes:
@@ -29,16 +127,17 @@ def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = 
     """
     if not data:
         raise InvalidRequestError("the image is empty", param=param)
+    _, width, height = _checked_header(data, max_pixels, param)
     import PIL.Image  # here, not at import: a text model's server starts without Pillow's 20 ms
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", PIL.Image.DecompressionBombWarning)
-            with PIL.Image.open(io.BytesIO(data)) as opened:
-                if opened.width * opened.height > max_pixels:
+            with PIL.Image.open(io.BytesIO(data), formats=_PILLOW_FORMATS) as opened:
+                if opened.size != (width, height):
                     raise InvalidRequestError(
-                        f"the image is {opened.width}x{opened.height} pixels, more than the "
-                        f"{max_pixels} this server accepts",
+                        f"the image could not be decoded: its header says {width}x{height} pixels, its "
+                        f"data {opened.width}x{opened.height}",
                         param=param,
                     )
                 opened.load()  # truncated or corrupt data fails here, not in onnxruntime-genai

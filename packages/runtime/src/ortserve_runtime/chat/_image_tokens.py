@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .._images import image_header
+
 __all__ = ["PROBE_SIZES", "ImageTokenRule", "calibrate", "image_size", "probe_images"]
 
 ImageTokenRule = Callable[[int, int], int]
@@ -40,14 +42,10 @@ def probe_images() -> list[bytes]:
 
 
 def image_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from an image's header, or ``None`` when Pillow cannot tell."""
-    import PIL.Image
-
-    try:
-        with PIL.Image.open(io.BytesIO(data)) as image:
-            return image.size
-    except Exception:  # noqa: BLE001  # undecodable: the decoder names the problem later
-        return None
+    """(width, height) from an image's header (read without Pillow: some formats' headers
+    cost it a decode, see ``_images``), or ``None`` when it cannot be told."""
+    header = image_header(data)
+    return None if header is None else header[1:]
 
 
 def calibrate(model_type: str, processor: Mapping[str, Any], counts: Sequence[int]) -> ImageTokenRule | None:
