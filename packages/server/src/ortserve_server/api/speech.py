@@ -317,6 +317,8 @@ async def create_speech(
             note(model=data.model)
         except Exception as exc:  # after the status was sent: ended here, said below
             failed.append(exc)
+            with contextlib.suppress(Exception):  # its file closed here, not by a finalizer (that logs)
+                await asyncio.to_thread(encoder.close)
             known = isinstance(exc, ServerError) or unavailable_detail(exc) is not None
             logger.log(
                 logging.WARNING if known else logging.ERROR,
