@@ -71,6 +71,22 @@ def test_files_list_in_either_order_a_page_at_a_time(client: openai.OpenAI, app_
     assert made[0] in [f.id for f in client.files.list(purpose="batch")]
 
 
+def test_files_deleted_while_they_are_paged_through_leave_the_paging_going(client: openai.OpenAI) -> None:
+    """Twenty-fifth probe, issue 45: the SDK's ``for f in client.files.list(limit=2):
+    client.files.delete(f.id)`` asks for the page after the file it just deleted, which was
+    a 400 once a cursor that is none of the key's files was (twenty-third probe)."""
+    made = {client.files.create(file=(f"{i}.jsonl", _line(CHAT)), purpose="batch").id for i in range(7)}
+    seen = []
+    for listed in client.files.list(limit=2):
+        seen.append(listed.id)
+        if listed.id in made:
+            client.files.delete(listed.id)
+    assert made <= set(seen) and len(seen) == len(set(seen))  # every one once
+    assert not made & {f.id for f in client.files.list()}
+    with pytest.raises(openai.BadRequestError):  # an id no file of the key ever had is still refused
+        client.files.list(after="file-never")
+
+
 def test_a_form_past_the_multipart_bounds_says_which(app_url: tuple[Any, str]) -> None:
     """Fifth probe of issue 45: 100,000 parts, or a 1 MB file name, were a 400 saying only
     "Request Entity Too Large" (Litestar's multipart parser)."""

@@ -8,6 +8,7 @@ answered once or not at all, and a restart runs exactly the lines without an ans
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -81,6 +82,10 @@ class BatchStore:
         that no key's uploads fill the room the others' need (fifth probe of issue 45)."""
         self.ttl = ttl
         """Seconds a file is kept after it was made, and a batch that is over."""
+        self._deleted: collections.OrderedDict[tuple[str, str], tuple[float, str]] = collections.OrderedDict()
+        """Where the last files deleted were, by (owner, id): a list's ``after`` may name one
+        (the SDK's ``for f in client.files.list(limit=2): client.files.delete(f.id)`` pages on
+        from the file it just deleted: twenty-fifth probe, issue 45). This process's deletions."""
         self.intake = anyio.Lock()
         """Held while a batch is made from its input file: the file, its checked lines and
         their bodies are in memory together (~2.5 times the file), so batches are made one
@@ -146,7 +151,13 @@ class BatchStore:
     async def delete_file(self, owner: str, file_id: str) -> bool:
         def delete(db: Connection) -> bool:
             with write(db):
-                return db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
+                found = db.execute("SELECT created FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
+                db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner))
+            if found is not None:
+                self._deleted[owner, file_id] = (found[0], file_id)
+                while len(self._deleted) > _DELETED_KEPT:
+                    self._deleted.popitem(last=False)
+            return found is not None
 
         return await self._db.run(delete)
 
@@ -158,18 +169,22 @@ class BatchStore:
         beyond, direction = ("<", "DESC") if newest_first else (">", "ASC")
 
         def listed(db: Connection) -> list[bp.FileObject] | None:
-            if after is not None and not _owned(db, "files", after, owner):
-                return None
+            cursor = None
+            if after is not None:
+                row = db.execute("SELECT created, id FROM files WHERE id = ? AND owner = ?", (after, owner)).fetchone()
+                cursor = tuple(row) if row is not None else self._deleted.get((owner, after))
+                if cursor is None:
+                    return None
             query = f"SELECT {_FILE_COLUMNS} FROM files WHERE owner = ? AND expires > ?"
             args: list[object] = [owner, time.time()]
             if purpose is not None:
                 query += " AND purpose = ?"
                 args.append(purpose)
-            if after is not None:
-                # The cursor is one of the owner's files: another key's id finds what an
-                # unknown one finds (nothing), not the owner's files older than it.
-                query += f" AND (created, id) {beyond} (SELECT created, id FROM files WHERE id = ? AND owner = ?)"
-                args += [after, owner]
+            if cursor is not None:
+                # The cursor is one of the owner's files (or was): another key's id is
+                # answered as an unknown one is, not with the owner's files older than it.
+                query += f" AND (created, id) {beyond} (?, ?)"
+                args += list(cursor)
             order = f" ORDER BY created {direction}, id {direction} LIMIT ?"
             rows = db.execute(query + order, (*args, limit)).fetchall()
             return [_file(row) for row in rows]
@@ -560,6 +575,10 @@ def _read_content(db: Connection, owner: str, file_id: str, start: int, size: in
         )
     row = found.fetchone()
     return None if row is None or row[0] is None else bytes(row[0])
+
+
+_DELETED_KEPT = 10_000
+"""Deleted files whose place a list's cursor may still name."""
 
 
 def _owned(db: Connection, table: Literal["files", "batches"], object_id: str, owner: str) -> bool:
