@@ -113,8 +113,8 @@ class MediaProcessor:
                 param="messages",
             )
         sizes = [image_size(image.data) for _, image in images]  # from their headers
+        self._check_image_tokens(sizes)  # the context's bound first: the more telling one
         self._check_image_pixels(sizes)
-        self._check_image_tokens(sizes)
         for where, part in media:
             if isinstance(part, AudioInput) and not part.data:
                 raise InvalidRequestError("the audio is empty", param=where)
