@@ -139,12 +139,14 @@ class MediaProcessor:
 
     def _check_image_pixels(self, sizes: list[tuple[int, int] | None]) -> None:
         """Refuse, before any pixel is decoded, images whose pixels together pass the bound
-        (one whose header cannot be read counts as the largest taken: decoding says why)."""
-        cap = self.config.max_image_pixels
-        pixels = sum(min(cap, size[0] * size[1]) if size is not None else cap for size in sizes)
+        (one whose header cannot be read, or past ``max_image_pixels``, is refused on its
+        own, naming it)."""
+        each = [size[0] * size[1] for size in sizes if size is not None]
+        pixels = sum(count for count in each if count <= self.config.max_image_pixels)
         if pixels > self.config.max_request_image_pixels:
             raise InvalidRequestError(
-                f"the {len(sizes)} images hold {pixels} pixels in all, more than the "
+                f"the image{'s' if len(sizes) > 1 else ''} hold{'' if len(sizes) > 1 else 's'} {pixels} pixels"
+                " in all, more than the "
                 f"{self.config.max_request_image_pixels} this server decodes for one request: send them smaller",
                 param="messages",
             )
