@@ -218,6 +218,16 @@ def _gif_commented(size: int) -> bytes:
     return gif[:at] + b"\x21\xfe" + b"\x02ab" * (size // 3) + b"\x00" + gif[at:]
 
 
+def _png_of_size(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (and holds no pixels)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
 def _jpeg_of_markers(count: int) -> bytes:
     """A JPEG with ``count`` empty APP1 segments before its frame."""
     jpeg = image_bytes(fmt="JPEG")
@@ -258,6 +268,9 @@ def _jpeg_of_markers(count: int) -> bytes:
         (image_part(_ico_holding(image_bytes(3000, 3000)), "image/x-icon"), "messages[0].content[0]", "not one"),
         (image_part(_gif_commented(1_200_000), "image/gif"), "messages[0].content[0]", "more than its pixels"),
         (image_part(_jpeg_of_markers(10_001)), "messages[0].content[0]", "header cannot be read"),
+        # Twenty-sixth probe: a side of 0 made the token count divide by zero, a 500.
+        (image_part(_png_of_size(0, 0)), "messages[0].content[0]", "header cannot be read"),
+        (image_part(_png_of_size(5, 0)), "messages[0].content[0]", "header cannot be read"),
         (
             {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone_wav(0.2)).decode(), "format": "wav"}},
             "messages[0].content[0]",

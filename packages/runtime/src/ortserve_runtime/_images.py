@@ -35,7 +35,15 @@ ImageHeader = tuple[str, int, int]
 
 def image_header(data: bytes) -> ImageHeader | None:
     """The format and size an image's first bytes declare, read without decoding anything;
-    ``None`` for any other format or a header that cannot be read."""
+    ``None`` for any other format, a header that cannot be read, or a side of 0 pixels
+    (twenty-sixth probe, issue 45: a 0x0 PNG made the token count divide by zero, a 500)."""
+    header = _declared(data)
+    return header if header is not None and header[1] > 0 and header[2] > 0 else None
+
+
+def _declared(data: bytes) -> ImageHeader | None:
+    if len(data) < 30:  # shorter than any header read here, with its size in it
+        return None
     try:
         if data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR":
             return "PNG", int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
@@ -78,6 +86,8 @@ def _jpeg_header(data: bytes) -> ImageHeader | None:
             return None
         marker = data[at + 1]
         if marker in _JPEG_FRAMES:
+            if at + 9 > len(data):
+                return None
             height, width = int.from_bytes(data[at + 5 : at + 7], "big"), int.from_bytes(data[at + 7 : at + 9], "big")
             return "JPEG", width, height
         if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length
