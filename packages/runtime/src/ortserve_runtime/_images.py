@@ -20,7 +20,7 @@ FORMATS = ("PNG", "JPEG", "WebP", "GIF", "BMP")
 its header does not show: an ICO whose directory says 16x16 holding a 13,000-pixel-square
 PNG is decoded whole when it is opened (+609-646 MiB a request: twenty-fifth probe, issue
 45)."""
-_PILLOW_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # a JPEG of several pictures (MPO) opens as JPEG
+_PILLOW_FORMATS = tuple(kind.upper() for kind in FORMATS)  # Pillow's names (a JPEG of several pictures too)
 _METADATA_BYTES = 1 << 20
 """Bytes an image may hold beyond what its pixels could need uncompressed (4 a pixel):
 metadata, colour profiles, a few frames. An 8x8 GIF with a 12 MB comment of 4 million

@@ -213,17 +213,8 @@ class GrammarCompiler:
             if grammar.blame_unless is None or exc.param != "grammar":
                 raise
             field, part = grammar.blame_unless
-            self._check(on_large_stack(lambda: _grammar_text(part)), part)  # its own error, if it has one
+            self._constraint(part)  # its own error, if it has one
             raise InvalidRequestError(str(exc), param=field) from None
-
-    def _check(self, text: str, grammar: Grammar) -> None:
-        """A 400 with llguidance's reason if it refuses ``grammar`` (its ``text``)."""
-        import llguidance
-
-        tokenizer = self._llg_tokenizer()
-        error = on_large_stack(lambda: llguidance.LLMatcher.validate_grammar(text, tokenizer))
-        if error:
-            raise _refused(grammar, error)
 
     def _constraint(self, grammar: Grammar) -> Constraint:
         # llguidance's calls run on a large stack (its compiler recurses): see _large_stack.

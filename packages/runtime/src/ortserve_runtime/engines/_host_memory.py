@@ -1,5 +1,5 @@
-"""Host memory for key/value caches: zeros that cost nothing until written, pages given
-back when rows are freed, and the C heap trimmed after large calls."""
+"""Host memory for key/value caches: zeros that cost nothing until written, and pages given
+back when rows are freed (the C heap's trim: ``_memory.release_freed_memory``)."""
 
 from __future__ import annotations
 
