@@ -16,12 +16,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from images import image_bytes, image_part
 from og_reference import og_greedy, ordinary_ids
 from ortserve_server._demo import smollm2_file
 from serving import LORA_ADAPTERS, LORA_MODEL
 from tokenizers import Tokenizer
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2"
+PHI3V, WHISPER = TINY_MODEL.parent / "tiny-phi3v", TINY_MODEL.parent / "tiny-whisper"
 TOKENIZER = Tokenizer.from_file(str(LORA_MODEL / "tokenizer.json"))
 
 
@@ -329,6 +331,13 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--mcp-header", "y=A:HOME"], "--mcp-header names 'y', which no --mcp-server has"),
         (["--allow-mcp-url", "not a url"], "mcp_allowed_urls: 'not a url' is not an http(s) URL"),
         (["--model-option", "tiny:kv-cache-dtype=fp8"], "unknown kv_cache_dtype 'fp8'; choose one of auto, fp16, int8"),
+        (["--model-option", "tiny:max-images=16"], "model 'tiny' takes no images or audio in its chats"),
+        (["--model-option", "tiny:max-request-audio-samples=9"], "model 'tiny' takes no images or audio"),
+        (["--model-option", "tiny:max-audio-seconds=60"], "model 'tiny' is a generative model; it transcribes nothing"),
+        (["--model", f"v={PHI3V}", "--model-option", "v:max-images=-1"], "max_images must not be negative"),
+        (["--model", f"v={PHI3V}", "--model-option", "v:max-image-pixels=0"], "max_image_pixels must be at least 1"),
+        (["--model", f"v={PHI3V}", "--model-option", "v:multimodal-concurrency=lots"], "must be an integer"),
+        (["--model", f"w={WHISPER}", "--model-option", "w:max-audio-seconds=long"], "must be a number of seconds"),
         (
             [
                 "--model",
@@ -355,6 +364,34 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
 )
 def test_bad_engine_and_provider_settings_are_named(args: list[str], words: str) -> None:
     assert words in serve_and_fail("--model", f"tiny={TINY_MODEL}", *args)
+
+
+def test_a_vision_model_s_image_bounds_are_set_per_model_on_the_command_line() -> None:
+    """``--model-option NAME:max-images=1`` holds that model to one image a request, and
+    ``max-request-image-pixels`` to a smaller budget (both were settable in Python only)."""
+    process, ready = start_server(
+        "--model",
+        f"v={PHI3V}",
+        "--model-option",
+        "v:max-images=1",
+        "--model-option",
+        "v:max-request-image-pixels=1000",
+    )
+    try:
+        url = f"http://127.0.0.1:{ready['port']}/v1/chat/completions"
+
+        def ask(*parts: dict[str, object]) -> httpx.Response:
+            content = [*parts, {"type": "text", "text": "what?"}]
+            return httpx.post(
+                url, json={"model": "v", "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
+            )
+
+        small, large = image_part(image_bytes(20, 20)), image_part(image_bytes(40, 40))
+        assert ask(small).status_code == 200
+        assert "this server takes at most 1" in ask(small, small).json()["error"]["message"]
+        assert "1600 pixels in all, more than the 1000" in ask(large).json()["error"]["message"]
+    finally:
+        stop(process)
 
 
 def test_a_smaller_key_value_cache_serves_and_reports_its_bytes(tmp_path: Path) -> None:

@@ -6,14 +6,17 @@ tests/fixtures/build_fixtures.py)."""
 from __future__ import annotations
 
 import base64
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import onnxruntime_genai as og
 import openai
 import pytest
+import soundfile
 from audio import tone_wav
 from images import image_bytes, image_part
 from ortserve_server import ServerConfig, create_app
@@ -196,6 +199,67 @@ def test_gemma4_hears_audio_in_chat_and_responses(client: openai.OpenAI) -> None
         temperature=0,
     )
     assert response.output_text == low.choices[0].message.content
+
+
+def clip(seconds: float, rate: int, channels: int = 1, fmt: str = "FLAC", hertz: float = 0.0) -> bytes:
+    """A 16-bit clip, a tone (or silence) in every channel, encoded as ``fmt``."""
+    t = np.arange(int(seconds * rate)) / rate
+    tone = (np.sin(2 * np.pi * hertz * t) * 0.3 * 32767).astype(np.int16)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.repeat(tone[:, None], channels, axis=1), rate, format=fmt, subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def test_gemma4_audio_is_bounded_from_its_header_and_heard_as_og_hears_the_clip(
+    url: str, client: openai.OpenAI
+) -> None:
+    """Issue 45: og decodes a clip whole into floats before its processor keeps 30 s of it;
+    an hour of silence, a 180 KB FLAC, took the og process +416 MiB (answered 200), half an
+    hour of 48 kHz stereo +1.6 GiB. Now a request's clips are bounded from their headers
+    and og is given the frames the header says, decoded here, as og hears the clip itself."""
+
+    def ask(data: bytes) -> httpx.Response:
+        messages = [{"role": "user", "content": [audio_part(data), {"type": "text", "text": "Hm?"}]}]
+        return httpx.post(f"{url}/v1/chat/completions", json={"model": "gemma4", "messages": messages, "max_tokens": 2})
+
+    hour = clip(3600, 16_000)
+    assert len(hour) < 400_000
+    error = ask(hour).json()["error"]
+    assert error["param"] == "messages[0].content[0]", error
+    assert "57600000 samples (frames x channels) in all, more than the 19200000" in error["message"]
+    # A FLAC whose header leaves its length open (as written to a pipe): libsndfile counts
+    # it as 2^63 - 1 frames; it is said so, not counted.
+    open_ended = bytearray(clip(1, 16_000))
+    open_ended[21] &= 0xF0
+    open_ended[22:26] = bytes(4)
+    error = ask(bytes(open_ended)).json()["error"]
+    assert error["param"] == "messages[0].content[0]" and "does not give its length" in error["message"], error
+    for broken, words in ((b"RIFF" + bytes(40), "could not be decoded"), (clip(0, 16_000, fmt="WAV"), "no samples")):
+        error = ask(broken).json()["error"]
+        assert error["param"] == "messages[0].content[0]" and words in error["message"], error
+    # 48 kHz stereo FLAC: the same reply as og's own decoder gives for the clip itself.
+    stereo = clip(1.5, 48_000, channels=2, hertz=440.0)
+    expected, prompt_tokens = og_reply(
+        FAMILIES["gemma4"],
+        f"{SYSTEM}<|im_start|>user\n<|audio>Hm?<|im_end|>\n<|im_start|>assistant\n",
+        [],
+        10,
+        [stereo],
+    )
+    heard = chat(client, "gemma4", [{"role": "user", "content": [audio_part(stereo), {"type": "text", "text": "Hm?"}]}])
+    assert heard.choices[0].message.content == expected and heard.usage.prompt_tokens == prompt_tokens
+    # 8 kHz telephone audio, which og alone refuses ("only down-sampling supported"), is
+    # brought up to 16 kHz and heard for its length, as a 16 kHz clip of it is.
+    phone = ask(clip(1.5, 8_000, fmt="WAV", hertz=440.0))
+    assert phone.status_code == 200, phone.text
+    _, same_length = og_reply(
+        FAMILIES["gemma4"],
+        f"{SYSTEM}<|im_start|>user\n<|audio>Hm?<|im_end|>\n<|im_start|>assistant\n",
+        [],
+        1,
+        [clip(1.5, 16_000)],
+    )
+    assert phone.json()["usage"]["prompt_tokens"] == same_length
 
 
 def test_what_a_family_cannot_take_is_a_400_naming_the_part(url: str) -> None:

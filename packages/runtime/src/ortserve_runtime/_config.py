@@ -156,7 +156,14 @@ class ModelConfig:
     ``max_image_pixels``, four 12-megapixel photos."""
     max_audio_seconds: float = 2 * 60 * 60
     """Longest audio a speech model transcribes per request (2 hours: 240 of Whisper's
-    windows); longer audio is refused before it is decoded."""
+    windows, read one at a time); longer audio is refused before it is decoded."""
+    max_request_audio_samples: int = 20 * 60 * 16_000
+    """Samples of one request's audio clips together (frames x channels, at the clip's own
+    rate; below 16 kHz, at 16 kHz) a multimodal model (Gemma 4, Phi-4-multimodal) takes:
+    20 minutes of 16 kHz mono, 3:20 of 48 kHz stereo; refused past it from their headers,
+    before any decode. Its og process holds each clip decoded whole (issue 45: an hour of
+    16 kHz silence, a 180 KB FLAC, took it +416 MiB; half an hour of 48 kHz stereo
+    +1.6 GiB). Gemma 4 hears a clip's first 30 seconds."""
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     rerank: RerankConfig = field(default_factory=RerankConfig)
     last_position_logits: bool = True
@@ -221,20 +228,26 @@ class ModelConfig:
             raise ValueError(
                 "reproducible cannot be kept with prefill_int8 (on or auto) or speculative decoding; turn those off"
             )
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be at least 1")
-        if self.multimodal_concurrency < 1:
-            raise ValueError("multimodal_concurrency must be at least 1")
+        for name in (
+            "max_batch_size",
+            "multimodal_concurrency",
+            "prefill_chunk_tokens",
+            "max_image_pixels",
+            "max_request_image_pixels",
+            "max_request_audio_samples",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
         if self.prefix_cache_mb is not None and not 0 <= self.prefix_cache_mb < float("inf"):
             raise ValueError(
                 f"prefix_cache_mb must be a size in MiB, 0 or more (0 turns the cache off), got {self.prefix_cache_mb}"
             )
         if self.prefix_cache_tokens < 0:
             raise ValueError("prefix_cache_tokens must not be negative (0 turns the cache off)")
-        if self.max_audio_seconds <= 0:
+        if self.max_images < 0:
+            raise ValueError("max_images must not be negative (0 takes no images)")
+        if not self.max_audio_seconds > 0:
             raise ValueError("max_audio_seconds must be positive")
-        if self.prefill_chunk_tokens < 1:
-            raise ValueError("prefill_chunk_tokens must be at least 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError("max_sequence_length must be at least 2")
         for name in self.adapters:

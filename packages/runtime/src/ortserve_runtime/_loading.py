@@ -34,6 +34,7 @@ __all__ = [
     "Model",
     "ModelKind",
     "detect_model_kind",
+    "is_multimodal",
     "load_chat_model",
     "load_model",
     "measured_load",
@@ -71,6 +72,17 @@ def detect_model_kind(folder: Path) -> ModelKind:
         "config.json makes it a rerank model) or a Piper voice (x.onnx with x.onnx.json)",
         path=folder,
     )
+
+
+def is_multimodal(folder: Path) -> bool:
+    """Whether a model folder is a genai folder of a multimodal type served here (images,
+    and audio for some, in its chats); ``False`` for one that cannot be read."""
+    config_path = folder / "genai_config.json"
+    try:
+        model_type = read_json_file(config_path).get("model", {}).get("type") if config_path.is_file() else None
+    except (ModelLoadError, AttributeError):
+        return False
+    return model_type in MULTIMODAL_TYPES
 
 
 def _is_sequence_classifier(folder: Path) -> bool:

@@ -77,15 +77,21 @@ class _Child:
         images: Sequence[bytes],
         audios: Sequence[bytes],
         image_fields: Sequence[str],
+        audio_fields: Sequence[str],
         max_image_pixels: int,
         model_type: str,
         param: str,
     ) -> tuple[list[int], int]:
         """The processor's inputs for a rendered chat and its media, kept under a new key;
-        the prompt's ids go back. Images are decoded here, each refused naming its field."""
+        the prompt's ids go back. Images and a chat's audio are decoded here, each refused
+        naming its field (Whisper's windows come as the WAVs og is given)."""
         import onnxruntime_genai as og
 
+        from ._audio import og_wav
         from ._images import png_for_og
+
+        if model_type != "whisper":
+            audios = [og_wav(data, field) for data, field in zip(audios, audio_fields, strict=True)]
 
         def processed(rewrite_png: bool) -> tuple[list[bytes], Any]:
             pngs = [
@@ -115,10 +121,10 @@ class _Child:
             _check_padding(inputs, model_type)
         self.next_media += 1
         self.media[self.next_media] = inputs
-        if images:
-            # The decoded images' memory, freed, stays in this thread's C heap otherwise:
+        if images or audios:
+            # The decoded media's memory, freed, stays in this thread's C heap otherwise:
             # thirty 1-25 megapixel images grew the process 216 -> 608 MiB (twenty-fourth probe).
-            del pngs
+            del pngs, audios
             release_freed_memory()
         return ids, self.next_media
 

@@ -226,7 +226,7 @@ class OgProcess:
         self,
         text: str,
         images: Sequence[tuple[str, bytes]],
-        audios: Sequence[bytes],
+        audios: Sequence[tuple[str, bytes]],
         model_type: str,
         *,
         max_image_pixels: int = 0,
@@ -235,16 +235,17 @@ class OgProcess:
         room: threading.Semaphore | None = None,
     ) -> tuple[list[int], RemoteMedia]:
         """og's multimodal processor on a rendered chat and its media: the prompt's ids
-        (none for Whisper), and its inputs as the child keeps them. ``images``: each one's
-        field and its bytes as the client sent them, decoded in the child (``_images``;
-        at most ``max_image_pixels``); what cannot be decoded or processed is an
-        :class:`InvalidRequestError` naming its field (``param`` for the audio and the
-        processor). ``room``, acquired by the caller, is given back with the inputs."""
+        (none for Whisper), and its inputs as the child keeps them. ``images`` and
+        ``audios``: each one's field and its bytes as the client sent them, decoded in the
+        child (``_images``, at most ``max_image_pixels``; a chat's audio as ``_audio``
+        reads it, a Whisper window as it is); what cannot be decoded or processed is an
+        :class:`InvalidRequestError` naming its field (``param`` for the processor).
+        ``room``, acquired by the caller, is given back with the inputs."""
         # Out of the pickle: pickling copied each file into the message holding the GIL (two
         # 12-megapixel images, 74 MB as the PNGs they become: 88 ms of the event loop's turns).
-        files = [[pickle.PickleBuffer(data) for _, data in images], [pickle.PickleBuffer(data) for data in audios]]
-        fields = [field for field, _ in images]
-        ids, key = self.call(lane, "process", text, *files, fields, max_image_pixels, model_type, param)
+        files = [[pickle.PickleBuffer(data) for _, data in media] for media in (images, audios)]
+        fields = [[field for field, _ in media] for media in (images, audios)]
+        ids, key = self.call(lane, "process", text, *files, *fields, max_image_pixels, model_type, param)
         return ids, RemoteMedia(self, key, room)
 
     def forget_media(self, key: int) -> None:

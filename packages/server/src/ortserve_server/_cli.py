@@ -97,6 +97,14 @@ def _with_adapters(
 # start without importing onnxruntime (a test keeps them equal).
 PROVIDERS = ("cpu", "cuda", "dml", "qnn", "openvino", "webgpu", "trt-rtx")
 ENGINES = ("auto", "ort-cpu", "og-engine", "og-generator")
+_MEDIA_KEYS = (
+    "multimodal-concurrency",
+    "max-images",
+    "max-image-pixels",
+    "max-request-image-pixels",
+    "max-request-audio-samples",
+)
+"""Settings only a multimodal model (images, and audio for some, in chats) reads."""
 _MODEL_KEYS = (
     "provider",
     "engine",
@@ -113,6 +121,17 @@ _MODEL_KEYS = (
     "chat-template",
     "tools-in-system-prompt",
     "speculative",
+    *_MEDIA_KEYS,
+    "max-audio-seconds",
+)
+
+
+_INTEGER_KEYS = (
+    "threads",
+    "max-batch-size",
+    "max-sequence-length",
+    "prefix-cache-tokens",
+    *_MEDIA_KEYS,
 )
 
 
@@ -149,9 +168,11 @@ def _model_configs(
             if value not in ("on", "off"):
                 raise ValueError(f"--model-option {name}:{key}: use on or off, not {value!r}")
             change[key.replace("-", "_")] = value == "on"
-        elif key in ("threads", "max-batch-size", "max-sequence-length", "prefix-cache-tokens"):
+        elif key in _INTEGER_KEYS:
             field = {"threads": "intra_op_threads"}.get(key, key.replace("-", "_"))
             change[field] = _integer(key, value)
+        elif key == "max-audio-seconds":
+            change["max_audio_seconds"] = _seconds(key, value)
         else:
             raise ValueError(
                 f"--model-option {name}:{key}: unknown key; use one of {', '.join(_MODEL_KEYS)} or provider-option.KEY"
@@ -209,6 +230,13 @@ def _mebibytes(key: str, value: str) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{key} must be a size in MiB, got {value!r}") from None
+
+
+def _seconds(key: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{key} must be a number of seconds, got {value!r}") from None
 
 
 def _integer(key: str, value: str) -> int:
@@ -632,19 +660,28 @@ _CHAT_KEYS = ("chat-template", "tools-in-system-prompt", "speculative", "prefix-
 
 
 def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[str, Path]) -> None:
-    """A chat setting given for one model that does not chat (an embedding, rerank or
-    speech model) is a ``ValueError`` naming it, not a setting nothing reads."""
-    from ortserve_runtime import ModelLoadError, detect_model_kind
+    """A setting given for one model that does not read it (a chat setting for an
+    embedding, rerank or speech model; an image or audio bound for a model without them;
+    an audio length for a model that does not transcribe) is a ``ValueError`` naming it,
+    not a setting nothing reads."""
+    from ortserve_runtime import ModelLoadError, detect_model_kind, is_multimodal
 
     for name, key, _ in options:
-        if key not in _CHAT_KEYS or name not in folders:
+        if key not in (*_CHAT_KEYS, *_MEDIA_KEYS, "max-audio-seconds") or name not in folders:
             continue
         try:
             kind = detect_model_kind(folders[name])
         except ModelLoadError:
             continue  # the model fails its own load, with the reason
-        if kind != "generative":
+        if key in _CHAT_KEYS and kind != "generative":
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it has no chat")
+        if key in _MEDIA_KEYS and not is_multimodal(folders[name]):
+            raise ValueError(
+                f"--model-option {name}:{key}: model {name!r} takes no images or audio in its chats (it is not "
+                "one of the multimodal types served)"
+            )
+        if key == "max-audio-seconds" and kind != "speech":
+            raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it transcribes nothing")
 
 
 def _mcp_servers(specs: list[str], header_specs: list[str]) -> tuple[McpServer, ...]:

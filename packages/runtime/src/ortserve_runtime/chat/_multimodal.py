@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from .._audio import audio_header, og_samples
 from .._config import ModelConfig
 from .._errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from .._folder import GenaiFolder
@@ -106,7 +107,7 @@ class MediaProcessor:
 
     def prepare(self, text: str, media: Media) -> Prompt:
         images = [(where, part) for where, part in media if isinstance(part, ImageInput)]
-        audios = [part.data for _, part in media if isinstance(part, AudioInput)]
+        audios = [(where, part.data) for where, part in media if isinstance(part, AudioInput)]
         if len(images) > self.config.max_images:
             raise InvalidRequestError(
                 f"the messages hold {len(images)} images; this server takes at most {self.config.max_images}",
@@ -115,9 +116,7 @@ class MediaProcessor:
         sizes = [image_size(image.data) for _, image in images]  # from their headers
         self._check_image_tokens(sizes)  # the context's bound first: the more telling one
         self._check_image_pixels(sizes)
-        for where, part in media:
-            if isinstance(part, AudioInput) and not part.data:
-                raise InvalidRequestError("the audio is empty", param=where)
+        self._check_audio_samples(audios)
         room = self.held if images or audios else None
         if room is not None:
             room.acquire()  # given back with the processed inputs, when the prompt is gone
@@ -149,6 +148,23 @@ class MediaProcessor:
                 " in all, more than the "
                 f"{self.config.max_request_image_pixels} this server decodes for one request: send them smaller",
                 param="messages",
+            )
+
+    def _check_audio_samples(self, audios: list[tuple[str, bytes]]) -> None:
+        """Refuse, before any sample is decoded, clips whose headers cannot be read (each
+        named) or whose samples together pass the bound (see ``_audio``)."""
+        samples = 0
+        for where, data in audios:
+            if not data:
+                raise InvalidRequestError("the audio is empty", param=where)
+            samples += og_samples(*audio_header(data, where))
+        bound = self.config.max_request_audio_samples
+        if samples > bound:
+            raise InvalidRequestError(
+                f"the audio clip{'s' if len(audios) > 1 else ''} hold{'' if len(audios) > 1 else 's'} {samples} "
+                f"samples (frames x channels) in all, more than the {bound} this server decodes for one request "
+                f"({bound / 16_000:.0f} s of 16 kHz mono): send them shorter",
+                param="messages" if len(audios) > 1 else audios[0][0],
             )
 
     def _check_image_tokens(self, sizes: list[tuple[int, int] | None]) -> None:

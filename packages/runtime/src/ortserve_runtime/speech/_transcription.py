@@ -20,15 +20,13 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
-if TYPE_CHECKING:
-    import soundfile
-
+from .._audio import audio_header, read_mono, wav
 from .._config import ModelConfig
 from .._contract import resolve_future
 from .._errors import EngineClosedError, EngineError, InvalidRequestError, ModelCrashedError, ModelLoadError
@@ -41,15 +39,7 @@ __all__ = ["Segment", "SpeechModel", "Transcription"]
 
 MAX_NEW_TOKENS = 440  # Whisper's decoder holds 448 positions, the prompt takes a few
 WINDOW_SECONDS = 30  # what Whisper hears at once
-WHISPER_RATE = 16_000  # samples per second Whisper's features are computed at
 PREVIOUS_TEXT_TOKENS = 200  # of one window's text, to condition the next on (as Whisper does)
-MIN_SAMPLE_RATE = 4_000
-"""Below this no speech survives (telephone audio is 8 kHz). A header claiming less is
-broken or hostile: brought up to 16 kHz, a 32 KB WAV "at 1 Hz" becomes 4.4 hours of audio."""
-MAX_SAMPLE_RATE = 384_000  # the highest rate audio interfaces record at
-BLOCK_FRAMES = 16_384
-"""Frames read at a time: with libsndfile's 1024 channels at most, a block stays ~64 MB
-in float32 even for a hostile header, and is mixed down to mono at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +312,7 @@ class SpeechModel:
     ) -> tuple[int, list[int]]:
         """One window: the language (detected if not given) and the tokens up to <|endoftext|>."""
         _, inputs = self._og.process(
-            prompt, [], [audio], "whisper", lane="step", param="file"
+            prompt, [], [("file", audio)], "whisper", lane="step", param="file"
         )  # undecodable or empty audio: a 400 naming the file
         task = [self._transcribe] if job.timestamps else [self._transcribe, self._no_timestamps]
         prompt_length = len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) + 1 + len(task)
@@ -413,31 +403,13 @@ class SpeechModel:
         return segments
 
 
-def _unreadable(exc: Exception) -> InvalidRequestError:
-    """The 400 for audio libsndfile fails on, with its reason."""
-    reason = getattr(exc, "error_string", None) or str(exc)
-    return InvalidRequestError(f"the audio could not be decoded: {reason}", param="file")
-
-
 def _probe(audio: bytes, max_seconds: float) -> float:
-    """The audio's duration in seconds from its header. Audio libsndfile cannot read (WAV,
-    FLAC, MP3, OGG and some twenty more it reads), a sample rate outside what speech is
-    recorded at, or audio longer than ``max_seconds`` is refused before anything is decoded:
-    given whole to onnxruntime-genai's decoder, a WAV of a subformat libsndfile does not know
-    lasting 1,000 s was transcribed for its first 30 s only, answered 200 (twenty-first
-    probe, issue 45), its length unchecked."""
-    import soundfile  # on first use: a server without speech models starts without it
-
-    try:
-        with soundfile.SoundFile(io.BytesIO(audio)) as file:
-            rate, frames = int(file.samplerate), int(file.frames)
-    except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError) as exc:
-        raise _unreadable(exc) from None
-    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
-        raise InvalidRequestError(
-            f"the audio's sample rate is {rate} Hz; this server takes {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz",
-            param="file",
-        )
+    """The audio's duration in seconds from its header (see ``_audio.audio_header``), audio
+    longer than ``max_seconds`` refused before anything is decoded: given whole to
+    onnxruntime-genai's decoder, a WAV of a subformat libsndfile does not know lasting
+    1,000 s was transcribed for its first 30 s only, answered 200 (twenty-first probe,
+    issue 45), its length unchecked."""
+    rate, frames, _ = audio_header(audio, "file")
     duration = frames / rate
     if duration > max_seconds:
         raise InvalidRequestError(
@@ -468,59 +440,15 @@ def _windows(audio: bytes) -> Iterator[bytes]:
         step = WINDOW_SECONDS * rate
         first = True
         while True:
-            samples = _read_mono(file, step)
+            samples = read_mono(file, step, "file")
             if not len(samples):
                 break
             first = False
-            if rate < WHISPER_RATE:
-                yield _wav(_upsample(samples, rate, WHISPER_RATE), WHISPER_RATE)
-            else:
-                yield _wav(samples, rate)
+            yield wav(samples, rate)
             if len(samples) < step:
                 break
         if first:
             yield audio
-
-
-def _read_mono(file: soundfile.SoundFile, frames: int) -> npt.NDArray[np.float32]:
-    """Up to ``frames`` frames from ``file``, mixed down to mono block by block; frames the
-    header promised and the file does not hold are a 400 (twenty-third probe, issue 45: a
-    FLAC header claiming frames it lacks was a 500, libsndfile's "psf_fseek() failed")."""
-    import soundfile  # imported already by the caller: the name, for its error
-
-    mono = np.empty(frames, dtype=np.float32)
-    filled = 0
-    while filled < frames:
-        try:
-            block = file.read(min(BLOCK_FRAMES, frames - filled), dtype="float32", always_2d=True)
-        except (soundfile.SoundFileError, RuntimeError) as exc:
-            raise _unreadable(exc) from None
-        if not len(block):
-            break
-        mono[filled : filled + len(block)] = block[:, 0] if block.shape[1] == 1 else block.mean(axis=1)
-        filled += len(block)
-    return mono[:filled]
-
-
-def _upsample(samples: npt.NDArray[np.float32], rate: int, to: int) -> npt.NDArray[np.float32]:
-    """Linear interpolation from ``rate`` up to ``to``, one window at a time. Each window
-    holds its own last sample past its end rather than reading ahead into the next: a step
-    of 1/16,000 s, inaudible, and every window is heard on its own anyway."""
-    count = round(len(samples) * to / rate)
-    positions = np.arange(count, dtype=np.float64) * (rate / to)  # float64: exact positions
-    left = np.minimum(positions.astype(np.int64), len(samples) - 1)
-    right = np.minimum(left + 1, len(samples) - 1)
-    fraction = (positions - left).astype(np.float32)
-    result: npt.NDArray[np.float32] = samples[left] + (samples[right] - samples[left]) * fraction
-    return result
-
-
-def _wav(samples: npt.NDArray[np.float32], rate: int) -> bytes:
-    import soundfile  # on first use: a server without speech models starts without it
-
-    buffer = io.BytesIO()
-    soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
-    return buffer.getvalue()
 
 
 _SPECIAL_SHAPE = re.compile(r"<\|[^<>|]{1,40}\|>")
