@@ -20,6 +20,7 @@ import soundfile
 from audio import tone_wav
 from images import image_bytes, image_part
 from ortserve_server import ServerConfig, create_app
+from PIL import Image, ImageOps
 from serving import running
 from tokenizers import Tokenizer
 
@@ -126,6 +127,34 @@ def test_images_anywhere_in_the_conversation_give_og_s_reply(client: openai.Open
     expected, prompt_tokens = og_reply(FAMILIES[family], text, [red, blue, red], 10)
     assert reply.choices[0].message.content == expected
     assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
+
+
+def test_a_photo_is_seen_upright_by_its_exif_orientation(client: openai.OpenAI) -> None:
+    """A phone's portrait photo is stored sideways with an EXIF orientation saying how to
+    turn it (6: 90 degrees clockwise); it was given to the model as its pixels lie."""
+    picture = Image.new("RGB", (84, 28), (220, 20, 20))
+    picture.paste((20, 20, 220), (42, 0, 84, 28))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    picture.save(buffer, format="JPEG", quality=95, exif=exif.tobytes())
+    photo = buffer.getvalue()
+
+    def png(image: Image.Image) -> bytes:
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        return out.getvalue()
+
+    def logprobs(image: bytes, media_type: str = "image/png") -> Any:
+        """The first tokens' logprobs of the reply to ``image`` (the same pixels, the same ones)."""
+        part = image_part(image, media_type)
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
+        return chat(client, "qwen2.5-vl", messages, max_tokens=3, logprobs=True, top_logprobs=5).choices[0].logprobs
+
+    stored = Image.open(io.BytesIO(photo))
+    upright, sideways = logprobs(png(ImageOps.exif_transpose(stored))), logprobs(png(stored.convert("RGB")))
+    assert upright != sideways  # the model tells them apart
+    assert logprobs(photo, "image/jpeg") == upright
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -29,6 +29,8 @@ _JPEG_MARKERS = 10_000
 """Markers a JPEG's header may hold before its frame's size (2.4 million empty APP markers
 took 7 s to read)."""
 
+_ORIENTATION = 0x0112  # the EXIF tag: 1 upright, 2-8 mirrored or turned by 90, 180 or 270 degrees
+
 ImageHeader = tuple[str, int, int]
 """An image's format (one of :data:`FORMATS`), width and height, as its header says."""
 
@@ -139,6 +141,7 @@ def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = 
         raise InvalidRequestError("the image is empty", param=param)
     _, width, height = _checked_header(data, max_pixels, param)
     import PIL.Image  # here, not at import: a text model's server starts without Pillow's 20 ms
+    import PIL.ImageOps
 
     try:
         with warnings.catch_warnings():
@@ -151,10 +154,15 @@ def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = 
                         param=param,
                     )
                 opened.load()  # truncated or corrupt data fails here, not in onnxruntime-genai
-                if opened.format == "PNG" and not rewrite_png:
+                turned = opened.getexif().get(_ORIENTATION, 1) in range(2, 9)
+                if opened.format == "PNG" and not rewrite_png and not turned:
                     return data
+                # A photo is seen as it is shown: upright by its EXIF orientation (a phone's
+                # portrait photo is stored sideways), as browsers and transformers' load_image
+                # show it, not as its pixels lie.
+                upright = PIL.ImageOps.exif_transpose(opened) if turned else opened
                 # convert() copies even an RGB image: one decoded copy less held at the peak
-                rgb = opened if opened.mode == "RGB" else opened.convert("RGB")
+                rgb = upright if upright.mode == "RGB" else upright.convert("RGB")
                 out = io.BytesIO()
                 rgb.save(out, format="PNG", compress_level=0)
     except InvalidRequestError:

@@ -168,10 +168,13 @@ class MediaProcessor:
             )
 
     def _check_image_tokens(self, sizes: list[tuple[int, int] | None]) -> None:
-        """Refuse, before any pixel is decoded, images whose tokens alone pass the context."""
-        if self.image_tokens is None or not sizes:
+        """Refuse, before any pixel is decoded, images whose tokens alone pass the context
+        (each counted the way up it makes fewer: a photo's EXIF orientation, which the
+        header read here does not say, may turn it; og's count of the prompt decides)."""
+        rule = self.image_tokens
+        if rule is None or not sizes:
             return
-        tokens = sum(self.image_tokens(*size) for size in sizes if size is not None)
+        tokens = sum(min(rule(w, h), rule(h, w)) for w, h in filter(None, sizes))
         if tokens >= self.max_sequence_length:
             raise ContextLengthError(
                 f"the {len(sizes)} image{'s' if len(sizes) > 1 else ''} alone make {tokens} tokens, more than "
