@@ -317,6 +317,8 @@ if sys.argv[2] == "nests":  # 1.4 MB of small nested arrays: refused by their co
 if sys.argv[2] == "strings":  # 1.5 MB: 499,000 names (the check of unknown keys walked each on the loop)
     tool = {"type": "mcp", "server_label": "x", "server_url": "https://mcp.example/mcp", "allowed_tools": [""] * 499_000}
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "tools": [tool]}
+if sys.argv[2] == "zeros":  # 1.5 MB: 499,000 zeros where tools belong (walked one by one on the loop)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [0] * 499_000}
 content = json.dumps(body).encode()
 async def main():
     async with httpx.AsyncClient(timeout=60) as client:
@@ -327,15 +329,16 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("kind", ["schema", "nests", "strings"])
+@pytest.mark.parametrize("kind", ["schema", "nests", "strings", "zeros"])
 def test_large_bodies_arriving_together_are_decoded_a_turn_apart(url: str, kind: str) -> None:
     """Twentieth probe, issue 45: sixteen 460 KB schemas sent at once (refused later by the
     grammar bound) were decoded back to back on the event loop, 10-20 ms each: /health
     107-304 ms; twenty-second: sixteen 1.4 MB bodies of nested arrays were counted on sixteen
     threads at once, which kept the loop waiting for the GIL (/health 112-169 ms);
     twenty-fourth: a list of 499,000 names was walked name by name for unknown keys on the
-    loop (213-294 ms one at a time). Bodies past 64 KiB are decoded one a turn of the loop,
-    and counted and walked one at a time off it (bodies of more than 1,000 objects walked). (The clients run in a process of their own:
+    loop (213-294 ms one at a time); twenty-seventh: as were 499,000 zeros in ``tools``
+    (215-560 ms). Bodies past 64 KiB are decoded one a turn of the loop, and counted and
+    walked one at a time off it (bodies of more than 1,000 objects or 20,000 values walked). (The clients run in a process of their own:
     threads here would take the GIL from the server's loop.)"""
     import subprocess
     import sys

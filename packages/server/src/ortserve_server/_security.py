@@ -176,9 +176,9 @@ def make_body_guard(
         body_type = getattr(field, "annotation", None)
         check_known_fields(decoded, body_type)
         body = await connection.body() if isinstance(connection, Request) else b""
-        if body.count(b"{") <= _WALKED_ON_THE_LOOP:
+        if body.count(b"{") <= _WALKED_ON_THE_LOOP and body.count(b",") <= _VALUES_WALKED_ON_THE_LOOP:
             check_settings_fields(decoded, body_type)
-        else:  # a walk of as many objects as the body holds: off the loop, one at a time
+        else:  # a walk of as many values as the body holds: off the loop, one at a time
             async with one_at_a_time():
                 await asyncio.to_thread(check_settings_fields, decoded, body_type)
 
@@ -231,6 +231,10 @@ _WALKED_ON_THE_LOOP = 1000
 """Objects a body may hold (counted as its ``{``, strings' too: an upper bound) for its
 settings to be walked on the event loop, a millisecond or two; past them on a worker thread
 (twenty-fifth probe, issue 45: 21,000 empty tools, a 64 KiB body, held the loop 25-40 ms)."""
+_VALUES_WALKED_ON_THE_LOOP = 20_000
+"""Values (counted as the body's ``,``, strings' too) past which the walk runs on a worker
+thread: a list where objects belong may hold plain values, each looked at (twenty-seventh
+probe, issue 45: ``tools`` of 499,000 zeros held the loop 215-560 ms)."""
 _PACED_DECODE = 64 * 1024
 """Bodies past this size are decoded one per turn of the event loop (:func:`one_at_a_time`):
 decoding holds the loop (msgspec keeps the GIL; some 10-20 ms for a 460 KB schema)."""

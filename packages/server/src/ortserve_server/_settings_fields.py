@@ -122,7 +122,8 @@ def _walk(value: Any, kind: inspect.Type, path: str, where: str, param: str | No
     if isinstance(kind, inspect.ListType) and isinstance(value, list):
         if _holds_structs(kind.item_type):
             for index, item in enumerate(value):
-                _walk(item, kind.item_type, f"{path}[{index}]", where, param, taken)
+                if isinstance(item, dict | list):  # a plain value holds no key (its type is checked later)
+                    _walk(item, kind.item_type, f"{path}[{index}]", where, param, taken)
     elif isinstance(kind, inspect.StructType) and isinstance(value, dict):
         known = _known(kind)
         _refuse([key for key in value if key not in known and key not in taken], path, where, param)
