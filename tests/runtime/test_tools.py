@@ -146,6 +146,19 @@ def test_forced_grammar_names_marker_tokens_by_id() -> None:
     assert forced_tool_grammar("hermes", tools, name="missing") is None
 
 
+def test_an_answer_beside_tools_keeps_its_own_whitespace_options() -> None:
+    """Twenty-seventh probe, issue 45: the format's own ``x-guidance`` was replaced by the
+    server's strict whitespace beside tools (so its unknown options were taken, 200)."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    answer = {"type": "object", "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": "[ ]{5}"}}
+    grammar = forced_tool_grammar("hermes", tools, or_answer=answer)
+    assert grammar is not None
+    written = json.loads(str(grammar.source).split("\nanswer: %json ", 1)[1])
+    assert written["x-guidance"] == {"whitespace_flexible": True, "whitespace_pattern": "[ ]{5}"}
+    strict = forced_tool_grammar("hermes", tools, or_answer={"type": "object"})
+    assert strict is not None and '"x-guidance": {"whitespace_flexible": false}' in str(strict.source)
+
+
 WEATHER = [
     {
         "type": "function",

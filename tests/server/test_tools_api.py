@@ -321,21 +321,44 @@ def _chain(length: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("schema", "words"),
-    [({"$ref": "#/$defs/nope"}, "does not exist"), (_chain(1000), "deep")],
-    ids=["missing $ref", "1,000-reference chain"],
+    [
+        ({"$ref": "#/$defs/nope"}, "does not exist"),
+        (_chain(1500), "$refs go 4503 deep; at most 4000"),
+        ({"type": "object", "x-guidance": {"bogus_option": 1}}, "bogus_option"),
+        ({"type": "object", "x-guidance": "strict"}, "x-guidance must be an object"),
+    ],
+    ids=["missing $ref", "1,500-reference chain", "unknown x-guidance option", "x-guidance not an object"],
 )
 def test_a_format_beside_tools_that_cannot_compile_is_named(tiny_url: str, schema: dict[str, Any], words: str) -> None:
     """Twenty-third probe, issue 45: what the compiler refused of a response format beside
-    tools (the tools compile alone) was a 400 naming ``tools``."""
+    tools (the tools compile alone) was a 400 naming ``tools``. Twenty-seventh: its message
+    quoted the lines of the grammar the server wrote around it (``tool: <[1022]> ...``), a
+    chain the format alone may have was refused beside tools as Lark rule references, and
+    the format's ``x-guidance`` was replaced there (unknown options taken, 200). It is told
+    as the format alone is refused."""
     response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
-    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": TOOLS, "response_format": response_format}
-    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
-    assert refused.status_code == 400, refused.text
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "response_format": response_format}
+    alone = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "tools": TOOLS}, timeout=60)
+    assert refused.status_code == alone.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["param"] == "response_format" and words in error["message"], error
+    assert error["message"] == alone.json()["error"]["message"] and "Lark" not in error["message"]
     bad_tools = [{"type": "function", "function": {"name": "g", "parameters": {"$ref": "#/$defs/nope"}}}]
     refused = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "tools": bad_tools}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
+
+
+def test_a_format_beside_tools_keeps_its_own_depth_bound(tiny_url: str) -> None:
+    """A chain of 1,500 plain references compiles alone and beside tools alike (its depth
+    was added to the rules' there and refused as Lark rule references: twenty-seventh probe)."""
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1500)}
+    defs["d1500"] = {"type": "integer"}
+    chain = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/d0", "$defs": defs}}}
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "response_format": chain}
+    for request in (body, {**body, "tools": TOOLS}):
+        taken = httpx.post(f"{tiny_url}/v1/chat/completions", json=request, timeout=60)
+        assert taken.status_code == 200, taken.text
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from .._errors import InvalidRequestError
 from .._fair_threads import FairThreads
 from .._memory import resident_memory
-from ._grammar_depth import MAX_GRAMMAR_DEPTH, MAX_SCHEMA_DEPTH, json_schema_depth, lark_depth
+from ._grammar_depth import MAX_GRAMMAR_DEPTH, MAX_SCHEMA_DEPTH, json_schema_depth, lark_depth, lark_json_depth
 from ._large_stack import on_large_stack
 from ._reasoning import ReasoningMarkers, ReasoningStart, reasoning_prefix_lark
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     # Imported where a grammar is first used: 25-60 ms of every server's start-up otherwise.
     import llguidance
 
-__all__ = ["Constraint", "Grammar", "GrammarCompiler", "closed_schema"]
+__all__ = ["Constraint", "Grammar", "GrammarCompiler", "closed_schema", "strict_whitespace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +49,12 @@ class Grammar:
     """``(field, grammar)``: a request field's grammar that does not hold for this output but
     must compile all the same (a response format beside a forced call shapes the text turns
     after it; twenty-fourth probe, issue 45: one that could not compile was taken, 200)."""
-    blame_unless: tuple[str, Grammar] | None = None
-    """``(field, part)``: when this grammar is refused and ``part`` alone is not, the fault is
-    the request field ``field``'s (a response format beside tools: the tools alone compile;
-    twenty-third probe, issue 45: its errors were named ``tools``)."""
+    blame_unless: tuple[str, Grammar, Grammar] | None = None
+    """``(field, part, own)``: when this grammar is refused and ``part`` alone is not, the
+    fault is the request field ``field``'s (a response format beside tools: the tools alone
+    compile; twenty-third probe, issue 45: its errors were named ``tools``), told as ``own``
+    (the field's grammar alone) is refused, not in this grammar's lines the server wrote
+    (twenty-seventh probe)."""
 
     def og_guidance(self) -> tuple[str, str]:
         """This grammar as onnxruntime-genai's guidance (``TurnOptions.set_guidance``) takes
@@ -60,9 +62,18 @@ class Grammar:
         A grammar after reasoning has no such form: the model refuses it on og engines."""
         if self.kind == "json_schema":
             schema = closed_schema(self.source if isinstance(self.source, dict) else json.loads(self.source))
-            schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
-            return "json_schema", json.dumps(schema)
+            return "json_schema", json.dumps(strict_whitespace(schema))
         return ("regex" if self.kind == "regex" else "lark_grammar"), str(self.source)
+
+
+def strict_whitespace(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with llguidance's whitespace made strict unless its own ``x-guidance``
+    says otherwise: without it the model may emit whitespace between tokens until
+    max_tokens. An ``x-guidance`` that is not an object is a ``TypeError``."""
+    given = schema.get("x-guidance", {})
+    if not isinstance(given, dict):
+        raise TypeError(f"x-guidance must be an object of llguidance's options, not {type(given).__name__}")
+    return {**schema, "x-guidance": {"whitespace_flexible": False, **given}}
 
 
 class Constraint:
@@ -212,8 +223,12 @@ class GrammarCompiler:
         except InvalidRequestError as exc:
             if grammar.blame_unless is None or exc.param != "grammar":
                 raise
-            field, part = grammar.blame_unless
+            field, part, own = grammar.blame_unless
             self._constraint(part)  # its own error, if it has one
+            try:
+                self._constraint(own)
+            except InvalidRequestError as alone:
+                raise InvalidRequestError(str(alone), param=field) from None
             raise InvalidRequestError(str(exc), param=field) from None
 
     def _constraint(self, grammar: Grammar) -> Constraint:
@@ -311,13 +326,12 @@ def _grammar_text(grammar: Grammar) -> str:
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be an object", param="grammar")
             _check_depth(json_schema_depth(schema), "JSON schema's objects, arrays and $refs", MAX_SCHEMA_DEPTH)
-            schema = closed_schema(schema)
-            # Without this the model may emit whitespace between tokens until max_tokens.
-            schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+            schema = strict_whitespace(closed_schema(schema))
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
         if grammar.kind == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(str(grammar.source)))
         _check_depth(lark_depth(str(grammar.source)), "Lark grammar's rule references", MAX_GRAMMAR_DEPTH)
+        _check_depth(lark_json_depth(str(grammar.source)), "JSON schema's objects, arrays and $refs", MAX_SCHEMA_DEPTH)
         return str(llguidance.LLMatcher.grammar_from_lark(str(grammar.source)))
     except InvalidRequestError:
         raise

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._errors import InvalidRequestError
-from ._constraints import Grammar, closed_schema
+from ._constraints import Grammar, closed_schema, strict_whitespace
 from ._reasoning import _held
 
 __all__ = [
@@ -362,9 +362,13 @@ def forced_tool_grammar(
                 f"{answer_field} is nested too deeply to go beside tools (at most {LARK_JSON_DEPTH} levels)",
                 param=answer_field,
             )
-        answer = {**closed_schema(or_answer), "x-guidance": {"whitespace_flexible": False}}
+        answer = closed_schema(or_answer)
+        with contextlib.suppress(TypeError):  # left as sent: refused as the format alone is, tools first
+            answer = strict_whitespace(answer)
         either = f"start: tool | answer\n{rules}\nanswer: %json {json.dumps(answer)}"
-        return Grammar("lark", either, blame_unless=(answer_field, tools_alone))
+        return Grammar(
+            "lark", either, blame_unless=(answer_field, tools_alone, Grammar("json_schema", dict(or_answer)))
+        )
 
 
 LARK_JSON_DEPTH = 120
