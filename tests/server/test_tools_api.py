@@ -582,3 +582,32 @@ def test_anthropic_forced_tool_use_in_llama3_mistral_and_phi4_formats(formats_ur
                 uses = [block for block in message.content if block.type == "tool_use"]
                 assert len(uses) == 1 and uses[0].name == "pick"
                 jsonschema.validate(uses[0].input, schema)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("guided_choice", ["a", "b"]), ("guided_regex", "[ab]"), ("guided_grammar", 'start: "a" | "b"')],
+)
+def test_a_guided_reply_beside_tools_the_model_may_call_is_refused(tiny_url: str, field: str, value: Any) -> None:
+    """Twenty-seventh probe, issue 45: a choice, regex or Lark grammar holds the whole reply,
+    so beside tools under tool_choice auto the tools could never be called (200). A JSON
+    schema goes beside them (a call or an answer in it); with tool_choice none it holds."""
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": TOOLS, field: value}
+    refused = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == field and "could not call the tools beside it" in error["message"], error
+    answered = httpx.post(f"{tiny_url}/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=60)
+    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] in ("a", "b")
+
+
+def test_a_responses_format_past_the_grammar_bound_is_named_as_responses_spell_it(tiny_url: str) -> None:
+    """Twenty-seventh probe: Responses' text.format past the grammar's size bound was named
+    text.format, its message saying 'the response_format grammar'."""
+    schema = {"type": "string", "enum": [f"value-{i:05d}-of-a-long-list" for i in range(20_000)]}
+    text = {"format": {"type": "json_schema", "name": "r", "schema": schema}}
+    refused = httpx.post(f"{tiny_url}/v1/responses", json={"model": "tiny", "input": "hi", "text": text}, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "text.format" and "response_format" not in error["message"], error
+    assert error["message"].startswith("the grammar is ")

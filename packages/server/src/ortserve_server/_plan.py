@@ -214,7 +214,8 @@ def _check_grammar_size(grammar: Grammar, field: str, config: ServerConfig) -> N
     size = len(source.encode()) if isinstance(source, str) else len(msgspec.json.encode(source))
     if size > config.max_grammar_bytes:
         raise BadRequestError(
-            f"the {field} grammar is {size} bytes; this server compiles at most {config.max_grammar_bytes}",
+            # Not naming the field: param does, as the route spells it (Responses: text.format).
+            f"the grammar is {size} bytes; this server compiles at most {config.max_grammar_bytes}",
             param=field,
         )
 
@@ -305,7 +306,15 @@ def _tool_plan(
     if model.tool_format is None:
         raise BadRequestError(f"model {model.name!r} has no known tool-call format in its chat template", param="tools")
     if choice == "auto":
-        if constraint is not None and constraint[0].kind == "json_schema" and isinstance(constraint[0].source, dict):
+        if constraint is not None and constraint[0].kind != "json_schema":
+            # It would hold the whole reply: the tools beside it could never be called (a
+            # 200 that took them: twenty-seventh probe, issue 45).
+            raise BadRequestError(
+                f"{constraint[1]} holds the whole reply, so the model could not call the tools beside it "
+                "(tool_choice auto): send tool_choice none to answer in it, or a JSON schema, which goes beside tools",
+                param=constraint[1],
+            )
+        if constraint is not None and isinstance(constraint[0].source, dict):
             # A call, or an answer in the response format: the format must not rule calls out.
             either = forced_tool_grammar(
                 model.tool_format,
