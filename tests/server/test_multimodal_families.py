@@ -312,3 +312,28 @@ def test_models_list_what_each_family_takes(client: openai.OpenAI) -> None:
     assert models["gemma4"]["input_modalities"] == ["text", "audio", "image"]
     for family in ("qwen2.5-vl", "qwen3-vl", "gemma3", "mistral3", "lfm2-vl"):
         assert models[family]["engine"] == "og-generator" and models[family]["input_modalities"] == ["text", "image"]
+
+
+def _webp_claiming(side: int) -> bytes:
+    """A 38-byte lossless WebP whose header says ``side`` x ``side`` with alpha (Pillow
+    decodes that many pixels from it)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, "WEBP", lossless=True)
+    webp = bytearray(buffer.getvalue())
+    bits = int.from_bytes(webp[21:25], "little") & ~((1 << 29) - 1) | (side - 1) | (side - 1) << 14 | 1 << 28
+    webp[21:25] = bits.to_bytes(4, "little")
+    return bytes(webp)
+
+
+def test_two_images_at_the_pixel_bound_are_refused_together(url: str) -> None:
+    """Twenty-seventh probe, issue 45: two 38-byte WebPs saying 5000x5000 with alpha (50
+    megapixels, the request's bound then) took Qwen2.5-VL's og process +555-567 MiB. A
+    request's images hold 40 megapixels together now (25 and 15: +406-454 MiB)."""
+    part = image_part(_webp_claiming(5000), "image/webp")
+    messages = [{"role": "user", "content": [part, part, {"type": "text", "text": "and?"}]}]
+    refused = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": "qwen2.5-vl", "messages": messages, "max_tokens": 1}
+    )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "messages" and "50000000 pixels in all, more than the 40000000" in error["message"], error

@@ -149,11 +149,12 @@ class ModelConfig:
     """Images one request may carry."""
     max_image_pixels: int = 25_000_000
     """Largest image (width x height) accepted; larger ones are refused before decoding."""
-    max_request_image_pixels: int = 50_000_000
+    max_request_image_pixels: int = 40_000_000
     """Pixels of one request's images together, refused past it before decoding: the model's
     og process holds them all decoded at once (a 25-megapixel image +358 MiB, each more
-    +120-160 MiB; eight took it +1.35 GiB: twenty-fourth probe, issue 45). Two images at
-    ``max_image_pixels``, four 12-megapixel photos."""
+    +120-160 MiB; eight took it +1.35 GiB: twenty-fourth probe, issue 45; two 25-megapixel
+    WebPs with alpha +525-548 MiB on Qwen2.5-VL: twenty-seventh, where 25 + 15 megapixels
+    take +406-454). A 25-megapixel image and a 15, three 12-megapixel photos."""
     max_audio_seconds: float = 2 * 60 * 60
     """Longest audio a speech model transcribes per request (2 hours: 240 of Whisper's
     windows, read one at a time); longer audio is refused before it is decoded."""

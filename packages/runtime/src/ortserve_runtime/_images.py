@@ -163,8 +163,16 @@ def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = 
                 upright = PIL.ImageOps.exif_transpose(opened) if turned else opened
                 # convert() copies even an RGB image: one decoded copy less held at the peak
                 rgb = upright if upright.mode == "RGB" else upright.convert("RGB")
+                if rgb is not opened:
+                    # Its pixels go before the PNG is written: an RGBA decode of 25 megapixels
+                    # is 100 MB beside the RGB copy's 75 (two such WebPs took a Qwen og process
+                    # +555-567 MiB: twenty-seventh probe, issue 45).
+                    opened.close()
+                if upright is not opened and upright is not rgb:
+                    upright.close()
                 out = io.BytesIO()
                 rgb.save(out, format="PNG", compress_level=0)
+                del rgb
     except InvalidRequestError:
         raise
     except PIL.UnidentifiedImageError:
