@@ -33,6 +33,8 @@ class _Child:
         self.generators: dict[int, Any] = {}
         self.media: dict[int, Any] = {}
         self.next_media = 0
+        self.fed_tokens: list[int] = []
+        """A multimodal model's media tokens (``MediaProcessor.fed_tokens``)."""
 
     # Each op runs on the lane it was sent on; ops of different lanes run side by side.
 
@@ -58,8 +60,9 @@ class _Child:
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
 
-    def load_processor(self) -> None:
+    def load_processor(self, fed_tokens: Sequence[int]) -> None:
         self.processor = self.model.create_multimodal_processor()
+        self.fed_tokens = list(fed_tokens)
 
     def image_tokens(self, with_image: str, without: str, pngs: Sequence[bytes]) -> list[int]:
         """The tokens each image adds to a prompt (for the rules in ``chat._image_tokens``)."""
@@ -159,7 +162,10 @@ class _Child:
         generator = self.generators[key]
         if tokens:
             generator.append_tokens(list(tokens))
-        return generator.get_logits().reshape(-1)
+        logits = generator.get_logits().reshape(-1)
+        if self.fed_tokens:  # never sampled: fed back without media, the model's graph fails
+            logits[self.fed_tokens] = float("-inf")
+        return logits
 
     def og_step(self, key: int, known: int) -> tuple[list[int], int, int, bool, int]:
         """og generates the next tokens itself: those past the first ``known``, its draft

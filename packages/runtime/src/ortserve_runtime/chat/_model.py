@@ -73,6 +73,7 @@ class ChatModel:
         self.config = config
         self.engine = engine
         self._media = media
+        self._fed_tokens = media.fed_tokens if media is not None else frozenset()
         self.modalities: frozenset[str] = media.modalities if media is not None else frozenset()
         """Inputs besides text: ``"image"``, ``"audio"``."""
         path = folder.path
@@ -342,6 +343,13 @@ class ChatModel:
                 raise InvalidRequestError(
                     f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
                 )
+            media = [t for t in ids if t in self._fed_tokens]
+            if media:
+                raise InvalidRequestError(
+                    f"token id {media[0]} is where model {self.name!r}'s processor puts an image or audio: "
+                    "a prompt of token ids carries no media (send them in messages)",
+                    param="prompt",
+                )
             prompt = Prompt(ids)
         field_name = "messages" if messages is not None else "prompt"
         if not prompt.ids:
@@ -441,6 +449,13 @@ class ChatModel:
         if bad:
             raise InvalidRequestError(
                 f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="logit_bias"
+            )
+        media = [t for t in options.logit_bias if t in self._fed_tokens]
+        if media:  # never sampled (see MediaProcessor.fed_tokens): a bias on it would do nothing
+            raise InvalidRequestError(
+                f"logit_bias: token id {media[0]} is model {self.name!r}'s image or audio token, which it never "
+                "generates",
+                param="logit_bias",
             )
         if not capabilities.host_sampling:
             # og samples inside onnxruntime-genai: its TurnOptions take temperature, top-k/p

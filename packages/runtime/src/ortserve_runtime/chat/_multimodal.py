@@ -73,6 +73,15 @@ class MediaProcessor:
         the processor would take typed ones for media of the request's."""
         self.config = config
         self.model_type = folder.model_type
+        self.fed_tokens = frozenset(
+            int(sections[key])
+            for key in ("image_token_id", "video_token_id", "audio_token_id")
+            if isinstance(sections.get(key), int)
+        )
+        """Tokens og's processor puts where media go, whose embeddings the model takes from
+        the media: fed to it without them (a prompt's ids, or sampled), its graph fails (a 500:
+        twenty-seventh probe, issue 45). They are never sampled (the og process masks them)
+        and a request may not give them."""
         self.max_sequence_length = folder.max_sequence_length(config)
         self._og = og
         self._decoding = threading.BoundedSemaphore(_DECODING_AT_ONCE)
@@ -87,7 +96,7 @@ class MediaProcessor:
         waiting in the shared pool, twelve requests' large images held its six threads and
         queued work of every other model behind them (a text chat waited 7.5 s)."""
         try:
-            og.call("media", "load_processor")
+            og.call("media", "load_processor", sorted(self.fed_tokens))
             self.image_tokens = self._image_token_rule(folder) if ImageInput in self.placeholders else None
         except RuntimeError as exc:  # onnxruntime-genai raises plain RuntimeError for broken folders
             raise ModelLoadError(

@@ -105,7 +105,7 @@ class SpeechModel:
         tokenizer_path = files.tokenizer_path
         self._og = OgProcess(folder, config, every_core=False)
         try:
-            self._og.call("step", "load_processor")
+            self._og.call("step", "load_processor", [])
             self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
             genai = files.genai
             self.context_length = int(genai["model"]["context_length"])
