@@ -135,6 +135,30 @@ def test_bad_requests(url: str, files: dict[str, object], data: dict[str, str], 
     assert error["param"] == param or param in error["message"]
 
 
+def test_a_flac_whose_header_leaves_its_length_open_is_told_so(url: str) -> None:
+    """Twenty-seventh probe, issue 45: a FLAC written to a pipe (STREAMINFO's total samples
+    0) was refused as lasting 576,460,752,303,424 s (libsndfile counts it 2^63 - 1 frames)."""
+    import numpy as np
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(16_000, np.int16), 16_000, format="FLAC")
+    flac = bytearray(buffer.getvalue())
+    flac[21] &= 0xF0  # the low 36 bits of STREAMINFO's bytes 10-17: the total samples
+    flac[22:26] = bytes(4)
+    response = httpx.post(
+        f"{url}/v1/audio/transcriptions", files={"file": ("x.flac", bytes(flac))}, data={"model": "whisper"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "file" and "header does not give its length" in error["message"], error
+    # An MP3 frame header before noise: libsndfile's own words were "File does not exist or
+    # is not a regular file (possibly a pipe?)".
+    noise = bytes.fromhex("fffb9064") + bytes((i * 7919) % 251 for i in range(100_000))
+    response = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("x.mp3", noise)}, data={"model": "whisper"})
+    assert response.status_code == 400 and "not audio libsndfile reads" in response.json()["error"]["message"]
+
+
 def test_oversize_file_is_413(url: str) -> None:
     response = httpx.post(
         f"{url}/v1/audio/transcriptions", files={"file": ("big.wav", tone_wav(8.0))}, data={"model": "whisper"}

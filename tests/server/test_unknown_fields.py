@@ -152,6 +152,16 @@ def test_an_unknown_key_of_a_settings_object_is_named_unless_lenient(
     assert taken.status_code == 200, taken.text
 
 
+def test_many_unknown_fields_are_named_ten_at_most(strict_and_lenient: tuple[str, str]) -> None:
+    """Twenty-seventh probe, issue 45: 49,990 unknown keys made a 640 KB error listing each."""
+    strict, _ = strict_and_lenient
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **{f"k{i:05d}": 1 for i in range(5000)}}
+    refused = httpx.post(f"{strict}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["param"] == "k00000" and "'k00009' and 4990 more" in error["message"] and len(error["message"]) < 400
+
+
 def test_unknown_mcp_server_keys_and_verbosity_are_named(strict_and_lenient: tuple[str, str]) -> None:
     """Twentieth probe, issue 45: keys inside Anthropic's ``mcp_servers`` entries were not
     walked (the URL check answered, or the key was ignored), and Responses'

@@ -53,6 +53,8 @@ _UNKNOWN_LENGTH = 2**63 - 1
 def unreadable(exc: Exception, param: str) -> InvalidRequestError:
     """The 400 for audio libsndfile fails on, with its reason."""
     reason = getattr(exc, "error_string", None) or str(exc)
+    if "not a regular file" in reason:  # libsndfile's words for bytes it found no format in
+        reason = "not audio libsndfile reads (WAV, FLAC, MP3, OGG and some twenty more), or cut short"
     return InvalidRequestError(f"the audio could not be decoded: {reason}", param=param)
 
 
@@ -68,6 +70,9 @@ def audio_header(audio: bytes, param: str) -> tuple[int, int, int]:
     except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError) as exc:
         raise unreadable(exc, param) from None
     if frames == _UNKNOWN_LENGTH:
+        # Not read through to count them: soundfile fails at the end of such a FLAC (its seek
+        # past the last frame, "Internal psf_fseek() failed"), losing the last block. It was
+        # refused as lasting 576,460,752,303,424 s (twenty-seventh probe, issue 45).
         raise InvalidRequestError(
             "the audio's header does not give its length (as in a FLAC written to a pipe); send it as a file "
             "whose header says how long it is",

@@ -220,8 +220,10 @@ def check_known_fields(body: dict[str, Any], body_type: Any, *, where: str = "",
     fields = getattr(body_type, "__struct_encode_fields__", None)
     unknown = sorted(key for key in body if key not in fields) if fields is not None else []
     if unknown:
+        # At most ten named: 49,990 of them made a 640 KB answer (twenty-seventh probe).
+        named = ", ".join(map(repr, unknown[:10])) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         raise BadRequestError(
-            f"{where}unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: this server "
+            f"{where}unknown field{'s' if len(unknown) > 1 else ''} {named}: this server "
             "does not take it (start it with --lenient to ignore fields it does not know)",
             param=param or unknown[0],
         )
