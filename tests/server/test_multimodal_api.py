@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import http.server
 import io
 import json
+import random
 import socket
 import threading
 import time
@@ -574,3 +576,46 @@ def test_large_images_sent_at_once_are_decoded_a_few_at_a_time() -> None:
     # /health: answered throughout; its latency is not what this checks (Pillow lets the GIL
     # go while it decodes, and a shared 2-core machine showed 0.6-1.3 s before and after)
     seen.assert_within(health=3.0)
+
+
+@pytest.mark.timing  # /health's latency meanwhile: run apart (see the README's test command)
+def test_large_data_urls_are_decoded_off_the_event_loop() -> None:
+    # Issue 45, twenty-seventh probe: a 16 MB data URL was split (a 16 MB copy) and decoded
+    # in one base64 call on the event loop: six such requests held /health 208-449 ms. Four
+    # at once now, each 16 MB of base64 (random bytes behind a PNG signature: refused once
+    # decoded, by Pillow, in the model's thread), keep it answered within the bound.
+    encoded = base64.b64encode(b"\x89PNG\r\n\x1a\n" + random.randbytes(12_000_000 - 8)).decode()
+    bodies = [
+        json.dumps(
+            {"model": "vision", "max_tokens": 1, "messages": ask(image_part_of(f"data:image/png;base64,{encoded}"))}
+        ).encode()  # encoded before the watch: the client shares this process with the server
+        for _ in range(4)
+    ]
+    # The same text, one digit wrong far in: still "not valid base64", naming the part.
+    bad = bytearray(bodies[0])
+    bad[bad.index(b"base64,") + 15_000_000] = ord("!")
+    # Padding that ends a decoded piece (a multiple of 1 MiB characters in) is no end.
+    padded = f"data:image/png;base64,{'A' * ((1 << 20) - 2)}=={'A' * 1024}"
+    config = ServerConfig(models={"vision": TINY_PHI3V}, max_body_size=16 << 20)
+    # One client made before the watch: each httpx.post loads the CA bundle (tens of ms of
+    # the GIL this process shares with the server).
+    with running(create_app(config)) as base, httpx.Client(base_url=base, timeout=120) as client:
+
+        def post(body: bytes) -> httpx.Response:
+            return client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+
+        assert post(bodies[0]).status_code == 400  # what the first such request imports, imported
+        with watched(base) as seen, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(post, bodies))
+        assert {a.status_code for a in answers} == {400}, answers[0].text
+        assert all("not valid base64" not in a.text for a in answers), answers[0].text
+        refused = post(bytes(bad))
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["message"] == "not valid base64"
+        assert refused.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+        assert _bad(base, ask(image_part_of(padded)))["message"] == "not valid base64"
+    seen.assert_within()
+
+
+def image_part_of(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}

@@ -5,7 +5,6 @@ limit once the request's other checks passed."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import functools
 import logging
@@ -14,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
 from ortserve_client import protocol as p
 from ortserve_runtime import AudioInput, ChatModel, ImageInput
@@ -21,6 +21,7 @@ from ortserve_runtime import AudioInput, ChatModel, ImageInput
 from ._config import ServerConfig
 from ._errors import BadRequestError
 from ._inflate import ACCEPT_ENCODING, CodingError, Inflater
+from ._json_bounds import one_at_a_time
 
 if TYPE_CHECKING:
     import ssl
@@ -29,12 +30,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ortserve.server")
 
-__all__ = ["IMAGE_FETCH_SECONDS", "chat_messages", "decode_base64"]
+__all__ = ["IMAGE_FETCH_SECONDS", "adecode_base64", "chat_messages", "decode_base64"]
 
 
 IMAGE_FETCH_SECONDS = 30.0
 """Every remote image of a request is fetched within this (a host dripping a byte every few
 seconds would otherwise hold the request open as long as it likes)."""
+
+_OFF_LOOP_CHARS = 1 << 20
+"""Characters of inline media (data URLs, audio's base64) past which a request's messages
+are converted in a worker thread, in :func:`one_at_a_time`'s turn: decoding 16 MB of base64 took 40-60 ms on the event loop
+(twenty-seventh probe, issue 45: six such requests held /health 208-449 ms)."""
+
+_PIECE = 1 << 20
+"""Base64 characters decoded in one call (a multiple of 4). binascii holds the GIL for the
+whole of a call, so a worker thread decoding 16 MB at once held the event loop out as long
+as decoding on it; a piece is 2-3 ms, and the loop has its turn between two."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +67,40 @@ async def chat_messages(
     (images at all, or more of them than it takes) is refused before any remote image is
     fetched; remote images are fetched together, within :data:`IMAGE_FETCH_SECONDS`, and
     through ``while_connected`` (the route's: fetches stop when the client leaves)."""
+    if _inline_chars(messages) > _OFF_LOOP_CHARS:
+        # In the large bodies' turn: four decoding threads at once kept the loop waiting
+        # for the GIL behind each other.
+        converting = functools.partial(_converted, messages, config)
+        result, remote, images = await anyio.to_thread.run_sync(converting, limiter=one_at_a_time())
+    else:  # the shared worker threads are not waited for when there is little to decode
+        result, remote, images = _converted(messages, config)
+    if model is not None and images:
+        _check_images(model, images)
+    if remote:
+        fetching = _fetch_remote(remote, config)
+        await (while_connected(fetching) if while_connected is not None else fetching)
+    return result
+
+
+def _inline_chars(messages: Sequence[p.ChatMessage]) -> int:
+    """Characters of the media ``messages`` hold inline (each a length read, nothing scanned)."""
+    total = 0
+    for message in messages:
+        if isinstance(message.content, list):
+            for part in message.content:
+                if isinstance(part, p.InputAudioContentPart):
+                    total += len(part.input_audio.data)
+                elif isinstance(part, p.ImageContentPart):
+                    total += len(part.image_url.url)
+    return total
+
+
+def _converted(
+    messages: Sequence[p.ChatMessage], config: ServerConfig
+) -> tuple[list[dict[str, Any]], list[tuple[list[Any], int, _RemoteImage]], list[str]]:
+    """The messages as templates take them (inline media decoded), the remote images to
+    fetch (each with the parts list and place it goes in) and where each image is. All of
+    one request's checks in one place, in order: the first fault found is the one told."""
     result: list[dict[str, Any]] = []
     remote: list[tuple[list[Any], int, _RemoteImage]] = []
     images: list[str] = []
@@ -87,12 +132,7 @@ async def chat_messages(
             if isinstance(value, str):
                 item[key] = value
         result.append(item)
-    if model is not None and images:
-        _check_images(model, images)
-    if remote:
-        fetching = _fetch_remote(remote, config)
-        await (while_connected(fetching) if while_connected is not None else fetching)
-    return result
+    return result, remote, images
 
 
 def _check_tool_results(messages: Sequence[p.ChatMessage]) -> None:
@@ -175,12 +215,13 @@ def _content_part(
     url = part.image_url.url
     where = f"{where}.image_url.url"
     if url.startswith("data:"):
-        media_type, _sep, rest = url[5:].partition(",")
-        if not _sep or not media_type.endswith(";base64"):
+        comma = url.find(",", 5)  # not partition: that copies the whole text after it
+        media_type = url[5:comma] if comma >= 0 else ""
+        if not media_type.endswith(";base64"):
             raise BadRequestError("an image data URL must look like data:image/png;base64,...", param=where)
         if media_type.split(";")[0] not in ("", "image") and not media_type.startswith("image/"):
             raise BadRequestError(f"the data URL holds {media_type.split(';')[0]!r}, not an image", param=where)
-        return ImageInput(decode_base64(rest, where))
+        return ImageInput(decode_base64(url, where, comma + 1))
     try:
         parsed = urllib.parse.urlsplit(url)
         hostname = parsed.hostname
@@ -208,11 +249,40 @@ def _allows(entry: str, hostname: str | None, port: int) -> bool:
     return allowed.hostname == (hostname or "").lower() and allowed.port in (None, port)
 
 
-def decode_base64(data: str, where: str) -> bytes:
+def decode_base64(data: str, where: str, start: int = 0) -> bytes:
+    """``data[start:]`` decoded as ``base64.b64decode(..., validate=True)`` would (only the
+    alphabet, padding only at the end), :data:`_PIECE` characters a call: in a worker
+    thread, the event loop has the GIL between two. A 400 naming ``where`` if it is not
+    base64."""
+    end = len(data)  # where the padding at the end starts, found a piece at a time
+    while end > start and data[end - 1] == "=":
+        low = max(start, end - _PIECE)
+        kept = data[low:end].rstrip("=")
+        end = low + len(kept)
+        if kept:
+            break
+    # Strict mode takes any padding after a whole group, so that is left out; otherwise the
+    # last piece holds it, for binascii to judge (past four, refused here without a copy).
+    stop = end if end > start and (end - start) % 4 == 0 else len(data)
+    pieces: list[bytes] = []
     try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
+        if stop - end > 4:
+            raise binascii.Error("too much padding")
+        for at in range(start, stop, _PIECE):
+            piece = data[at : min(at + _PIECE, stop)]
+            if piece.endswith("=") and at + _PIECE < stop:  # padding, then more of the text
+                raise binascii.Error("padding before the end")
+            pieces.append(binascii.a2b_base64(piece, strict_mode=True))
+    except (binascii.Error, ValueError):  # ValueError: a character outside ASCII
         raise BadRequestError("not valid base64", param=where) from None
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+async def adecode_base64(data: str, where: str) -> bytes:
+    """:func:`decode_base64`, in a worker thread when ``data`` is long."""
+    if len(data) > _OFF_LOOP_CHARS:
+        return await anyio.to_thread.run_sync(decode_base64, data, where, limiter=one_at_a_time())
+    return decode_base64(data, where)
 
 
 @functools.cache

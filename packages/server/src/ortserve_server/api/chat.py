@@ -25,7 +25,7 @@ from .._errors import (
 from .._generation import SPLICE, Generation, encode_json, include_usage, json_answer, sse_event, stream_response
 from .._ids import new_id
 from .._leases import require_model, require_speech_model
-from .._messages import decode_base64
+from .._messages import adecode_base64
 from .._openapi import generation_docs
 from .._plan import check_chat_request, start_chat
 from .._record import note
@@ -181,7 +181,7 @@ async def _transcribe_chat(
             request,
             ortserve,
             model.transcribe(
-                decode_base64(encoded, where),
+                await adecode_base64(encoded, where),
                 temperature=data.temperature if isinstance(data.temperature, float | int) else 0.0,
                 max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             ),
