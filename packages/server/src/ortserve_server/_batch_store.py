@@ -86,6 +86,9 @@ class BatchStore:
         """Where the last files deleted were, by (owner, id): a list's ``after`` may name one
         (the SDK's ``for f in client.files.list(limit=2): client.files.delete(f.id)`` pages on
         from the file it just deleted: twenty-fifth probe, issue 45). This process's deletions."""
+        self._reading: collections.Counter[str] = collections.Counter()
+        """Downloads under way in this process, by file id; changed on the database's thread
+        only (see :meth:`open_file`)."""
         self.intake = anyio.Lock()
         """Held while a batch is made from its input file: the file, its checked lines and
         their bodies are in memory together (~2.5 times the file), so batches are made one
@@ -101,7 +104,7 @@ class BatchStore:
 
         def add(db: Connection) -> bp.FileObject:
             with write(db):
-                db.execute("DELETE FROM files WHERE expires <= ?", (now,))
+                self._drop_expired_files(db, now)
                 _forget_old_batches(db, now - self.ttl)
                 self._check_room(db, owner, len(content))
                 if isinstance(db, sqlite3.Connection):
@@ -122,37 +125,68 @@ class BatchStore:
         return await self._db.run(add)
 
     async def file(self, owner: str, file_id: str) -> bp.FileObject | None:
-        def get(db: Connection) -> bp.FileObject | None:
-            found = db.execute(
-                f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND owner = ? AND expires > ?",
-                (file_id, owner, time.time()),
-            ).fetchone()
-            return None if found is None else _file(found)
+        return await self._db.run(functools.partial(_find_file, owner=owner, file_id=file_id))
 
-        return await self._db.run(get)
+    async def open_file(self, owner: str, file_id: str) -> tuple[bp.FileObject, AsyncIterator[bytes]] | None:
+        """The owner's file ``file_id`` and its content, read :data:`FILE_PIECE` bytes at a
+        time: a download holds a piece, not the file (four downloads of a 95 MiB file at once
+        grew the process 467 MiB and held ``/health`` 350 ms). ``None`` if there is none.
+
+        The content is read whole even when the file is deleted or expires meanwhile, as a
+        file unlinked while it is open lives on until it is closed: the delete hides it at
+        once, and its row goes when the last download ends (twenty-seventh probe, issue 45:
+        the answer ended short of its Content-Length, and the server logged a traceback for
+        each such download). A delete by another process sharing the database does not know
+        of this one's downloads: those still end short."""
+
+        def find(db: Connection) -> bp.FileObject | None:
+            found = _find_file(db, owner, file_id)
+            if found is not None:
+                self._reading[file_id] += 1  # with the look-up, so that no delete comes between
+            return found
+
+        found = await self._db.run(find)
+        return None if found is None else (found, self._pieces(found))
+
+    async def _pieces(self, file: bp.FileObject) -> AsyncIterator[bytes]:
+        try:
+            for start in range(0, file.bytes, FILE_PIECE):
+                piece = await self._db.run(
+                    functools.partial(_read_content, owner=None, file_id=file.id, start=start, size=FILE_PIECE)
+                )
+                if not piece:
+                    return  # deleted by another process
+                yield piece
+        finally:
+            # Queued, not awaited: a download cut off (its task cancelled) still lets go.
+            self._db.submit(functools.partial(self._done_reading, file_id=file.id))
+
+    def _done_reading(self, db: Connection, file_id: str) -> None:
+        self._reading[file_id] -= 1
+        if self._reading[file_id] <= 0:
+            del self._reading[file_id]
+            with write(db):
+                db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, _UNLINKED))
+
+    def _drop_expired_files(self, db: Connection, now: float) -> None:
+        """Drop the files expired by ``now``, but those being downloaded (and deleted ones
+        whose last download has not ended): :meth:`open_file`'s downloads end whole."""
+        reading = list(self._reading)
+        spare = f" AND id NOT IN ({', '.join('?' * len(reading))})" if reading else ""
+        db.execute(f"DELETE FROM files WHERE expires <= ?{spare}", (now, *reading))
 
     async def file_content(self, owner: str, file_id: str) -> bytes | None:
         """The whole content of the owner's file ``file_id``; ``None`` if there is none."""
         return await self._db.run(functools.partial(_read_content, owner=owner, file_id=file_id, start=0, size=None))
 
-    async def file_pieces(self, owner: str, file: bp.FileObject) -> AsyncIterator[bytes]:
-        """The content of ``file`` (found by :meth:`file`), read :data:`FILE_PIECE` bytes at a
-        time: a download holds a piece, not the file (four downloads of a 95 MiB file at once
-        grew the process 467 MiB and held ``/health`` 350 ms). It ends early when the file is
-        deleted or expires meanwhile, so the answer is shorter than its Content-Length."""
-        for start in range(0, file.bytes, FILE_PIECE):
-            piece = await self._db.run(
-                functools.partial(_read_content, owner=owner, file_id=file.id, start=start, size=FILE_PIECE)
-            )
-            if not piece:
-                return
-            yield piece
-
     async def delete_file(self, owner: str, file_id: str) -> bool:
         def delete(db: Connection) -> bool:
             with write(db):
                 found = db.execute("SELECT created FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
-                db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner))
+                if self._reading[file_id]:  # hidden from its owner; the last download removes it
+                    db.execute("UPDATE files SET owner = ? WHERE id = ? AND owner = ?", (_UNLINKED, file_id, owner))
+                else:
+                    db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner))
             if found is not None:
                 self._deleted[owner, file_id] = (found[0], file_id)
                 while len(self._deleted) > _DELETED_KEPT:
@@ -551,30 +585,44 @@ def _counted(db: Connection, batch: bp.Batch) -> bp.Batch:
     return batch
 
 
-def _read_content(db: Connection, owner: str, file_id: str, start: int, size: int | None) -> bytes | None:
+def _find_file(db: Connection, owner: str, file_id: str) -> bp.FileObject | None:
+    found = db.execute(
+        f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND owner = ? AND expires > ?", (file_id, owner, time.time())
+    ).fetchone()
+    return None if found is None else _file(found)
+
+
+def _read_content(db: Connection, owner: str | None, file_id: str, start: int, size: int | None) -> bytes | None:
     """``size`` bytes (``None``: all) of the owner's file ``file_id`` from ``start``;
-    ``None`` if there is no such file (or it expired). On SQLite through an incremental blob
-    handle, whose reads let go of the GIL: a ``SELECT`` of the content converts the value
-    holding it (a 60 MiB file: 60 ms of the event loop's turns), and ``substr`` reads the
-    whole value for each piece (a 95 MiB file's pieces took 10 s). PostgreSQL reads a
-    slice itself."""
-    mine = (file_id, owner, time.time())
+    ``None`` if there is no such file (or it expired). ``owner`` ``None``: the file by its
+    id alone, deleted or expired meanwhile (a download under way: :meth:`BatchStore.open_file`).
+    On SQLite through an incremental blob handle, whose reads let go of the GIL: a
+    ``SELECT`` of the content converts the value holding it (a 60 MiB file: 60 ms of the
+    event loop's turns), and ``substr`` reads the whole value for each piece (a 95 MiB
+    file's pieces took 10 s). PostgreSQL reads a slice itself."""
+    where, mine = (
+        ("id = ?", (file_id,))
+        if owner is None
+        else ("id = ? AND owner = ? AND expires > ?", (file_id, owner, time.time()))
+    )
     if isinstance(db, sqlite3.Connection):
-        rowid = db.execute("SELECT rowid FROM files WHERE id = ? AND owner = ? AND expires > ?", mine).fetchone()
+        rowid = db.execute(f"SELECT rowid FROM files WHERE {where}", mine).fetchone()
         if rowid is None:
             return None
         with db.blobopen("files", "content", rowid[0], readonly=True) as blob:
             blob.seek(start)
             return blob.read(-1 if size is None else size)
     if size is None:
-        found = db.execute("SELECT content FROM files WHERE id = ? AND owner = ? AND expires > ?", mine)
+        found = db.execute(f"SELECT content FROM files WHERE {where}", mine)
     else:
-        found = db.execute(  # substr counts from 1
-            "SELECT substr(content, ?, ?) FROM files WHERE id = ? AND owner = ? AND expires > ?",
-            (start + 1, size, *mine),
-        )
+        found = db.execute(f"SELECT substr(content, ?, ?) FROM files WHERE {where}", (start + 1, size, *mine))  # from 1
     row = found.fetchone()
     return None if row is None or row[0] is None else bytes(row[0])
+
+
+_UNLINKED = "(deleted)"
+"""The owner of a file deleted while it was being downloaded, until the last download ends:
+no caller's (owners are SHA-256 digests in hex, or empty)."""
 
 
 _DELETED_KEPT = 10_000

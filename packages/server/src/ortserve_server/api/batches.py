@@ -237,15 +237,11 @@ async def retrieve_file(
 async def file_content(
     file_id: FromPath[str], ortserve: NamedDependency[OrtServe], request: Request[Any, Any, Any]
 ) -> Stream:
-    owner = caller_of(request).owner
-    found = await ortserve.batches.file(owner, file_id)
-    if found is None:
+    opened = await ortserve.batches.open_file(caller_of(request).owner, file_id)
+    if opened is None:
         raise _no_file(file_id)
-    return Stream(
-        ortserve.batches.file_pieces(owner, found),
-        media_type="application/jsonl",
-        headers={"Content-Length": str(found.bytes)},
-    )
+    found, pieces = opened
+    return Stream(pieces, media_type="application/jsonl", headers={"Content-Length": str(found.bytes)})
 
 
 @delete("/files/{file_id:str}", status_code=200, summary="Delete a file", responses=error_responses(404, *GET_ERRORS))
