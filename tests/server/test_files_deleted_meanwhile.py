@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -36,9 +37,9 @@ def _batch_file(lines: int, size: int) -> bytes:
     )
 
 
-def _upload(url: str, content: bytes) -> str:
+def _upload(url: str, content: bytes, headers: dict[str, str] | None = None) -> str:
     uploaded = httpx.post(
-        f"{url}/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", content)}, timeout=60
+        f"{url}/v1/files", headers=headers, data={"purpose": "batch"}, files={"file": ("in.jsonl", content)}, timeout=60
     )
     assert uploaded.status_code == 200, uploaded.text
     file_id: str = uploaded.json()["id"]
@@ -95,3 +96,54 @@ def test_a_file_deleted_while_it_downloads_is_downloaded_whole(database: str, tm
         assert body == content
         # uvicorn logs an application's exception before it closes the connection
         assert not [r for r in logged if "Exception in ASGI application" in r.getMessage()], logged
+
+
+def _ended(url: str, headers: dict[str, str], batch_id: str) -> dict[str, object]:
+    """The batch once it is over (polled: how long its lines take is the runner's affair)."""
+    while True:
+        batch: dict[str, object] = httpx.get(f"{url}/v1/batches/{batch_id}", headers=headers).json()
+        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_a_keys_ended_batches_leave_its_share_of_the_room(database: str, tmp_path: Path) -> None:
+    """An ended batch's lines (requests and answers) held its key's share for 30 days, with no
+    route to delete a batch: a key with no file left was refused its next batch, and told to
+    delete its files."""
+    content = _batch_file(4, 2000).replace(b'"tiny"', b'"missing"')  # lines answered 404 at once
+    with contextlib.ExitStack() as stack:
+        where = (
+            {"state_dir": tmp_path} if database == "sqlite" else {"state_url": stack.enter_context(postgres_server())}
+        )
+        # Two keys: each holds half the room, about two and a half input files.
+        config = ServerConfig(
+            models={"tiny": TINY_MODEL}, api_key=("alice", "bob"), files_max_bytes=len(content) * 5, **where
+        )
+        url = stack.enter_context(running(create_app(config)))
+        alice = {"Authorization": "Bearer alice"}
+        for _ in range(3):  # a file and its batch's lines fit; with an ended batch's lines kept, the second did not
+            file_id = _upload(url, content, alice)
+            made = httpx.post(
+                f"{url}/v1/batches",
+                headers=alice,
+                json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+            )
+            assert made.status_code == 200, made.text
+            batch = _ended(url, alice, made.json()["id"])
+            assert batch["request_counts"] == {"total": 4, "completed": 0, "failed": 4}, batch
+            errors = httpx.get(f"{url}/v1/files/{batch['error_file_id']}/content", headers=alice)
+            assert [json.loads(line)["custom_id"] for line in errors.text.splitlines()] == ["0", "1", "2", "3"]
+            listed = httpx.get(f"{url}/v1/batches", headers=alice).json()["data"]
+            assert batch in listed, listed  # listed as retrieved
+            for each in httpx.get(f"{url}/v1/files", headers=alice).json()["data"]:
+                assert httpx.delete(f"{url}/v1/files/{each['id']}", headers=alice).status_code == 200
+        held = [_upload(url, content, alice) for _ in range(2)]
+        refused = httpx.post(
+            f"{url}/v1/files", headers=alice, data={"purpose": "batch"}, files={"file": ("in.jsonl", content)}
+        )
+        assert refused.status_code == 413, refused.text
+        message = refused.json()["error"]["message"]
+        assert f"{len(content) * 2} bytes in its files, 0 in its batches still running" in message, message
+        assert len(held) == 2

@@ -256,15 +256,20 @@ class BatchStore:
         await self._db.run(create)
 
     def _check_room(self, db: Connection, owner: str, size: int) -> None:
-        if _held_bytes(db) + size > self.max_bytes:
+        # Says what holds the room: a key whose ended batches held it was told to delete its
+        # files when it had none (twenty-seventh probe, issue 45).
+        files, lines = _held_bytes(db)
+        if files + lines + size > self.max_bytes:
             raise NoRoomError(
-                f"the server's room for files and batches ({self.max_bytes} bytes) is full: "
-                "delete files or wait for them to expire"
+                f"the server's room for files and batches ({self.max_bytes} bytes) is full: {files} bytes in "
+                f"files, {lines} in batches still running; delete files or wait for them to expire"
             )
-        if self.share < self.max_bytes and _held_bytes(db, owner) + size > self.share:
+        files, lines = _held_bytes(db, owner)
+        if self.share < self.max_bytes and files + lines + size > self.share:
             raise NoRoomError(
-                f"this API key's share of the server's room for files and batches ({self.share} bytes) "
-                "is full: delete its files or wait for them to expire"
+                f"this API key's share of the server's room for files and batches ({self.share} bytes) is full: "
+                f"{files} bytes in its files, {lines} in its batches still running; delete its files (a batch's "
+                "output and error files among them), wait for them to expire or for its batches to end"
             )
 
     async def batch(self, owner: str | None, batch_id: str) -> bp.Batch | None:
@@ -469,6 +474,7 @@ class BatchStore:
                 db.execute(
                     "UPDATE batches SET status = ?, batch = ? WHERE id = ?", (done.status, _encode(done), done.id)
                 )
+                _drop_spent_lines(db, "batch_id = ?", (done.id,))
                 return done
 
         return await self._db.run(finish)
@@ -541,27 +547,32 @@ def _alive(runner: str) -> bool:
     return True
 
 
-def _held_bytes(db: Connection, owner: str | None = None) -> int:
-    """Bytes of files and of batches' lines (their requests and answers) kept now, of
-    ``owner`` (``None``: of everyone)."""
+def _held_bytes(db: Connection, owner: str | None = None) -> tuple[int, int]:
+    """Bytes of files, and of batches' lines (their requests and answers: an ended batch's
+    lines hold none, :func:`_drop_spent_lines`), kept now, of ``owner`` (``None``: of everyone)."""
+    lines = "SELECT COALESCE(SUM(LENGTH(request)), 0) + COALESCE(SUM(LENGTH(answer)), 0) FROM batch_lines"
     if owner is None:
         files = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
-        lines = db.execute(
-            "SELECT COALESCE(SUM(LENGTH(request)), 0) + COALESCE(SUM(LENGTH(answer)), 0) FROM batch_lines"
-        ).fetchone()[0]
+        held = db.execute(lines).fetchone()[0]
     else:
         files = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner = ?", (owner,)).fetchone()[0]
-        lines = db.execute(
-            "SELECT COALESCE(SUM(LENGTH(request)), 0) + COALESCE(SUM(LENGTH(answer)), 0) FROM batch_lines "
-            "WHERE batch_id IN (SELECT id FROM batches WHERE owner = ?)",
-            (owner,),
-        ).fetchone()[0]
-    return int(files) + int(lines)
+        held = db.execute(lines + " WHERE batch_id IN (SELECT id FROM batches WHERE owner = ?)", (owner,)).fetchone()[0]
+    return int(files), int(held)
+
+
+def _drop_spent_lines(db: Connection, where: str, args: Sequence[object]) -> None:
+    """Empty the request bodies and answers of the lines ``where`` says, of batches that
+    ended: nothing reads them again (a line runs only while its batch is open, and its
+    answer is in the batch's output or error file; the counts are read from the lines'
+    statuses), and they held the owner's share of the room for ``files_ttl``, 30 days,
+    with no route to delete a batch (twenty-seventh probe, issue 45: a key with no file
+    left was refused its fifth batch of 96 MB)."""
+    db.execute(f"UPDATE batch_lines SET request = ?, answer = NULL WHERE {where}", (b"", *args))
 
 
 def _forget_old_batches(db: Connection, before: float) -> None:
     """Drop batches made before ``before`` that are over, with their lines (their output
-    and error files expire as files do)."""
+    and error files expire as files do), and empty the lines of any that are over."""
     marks = ", ".join("?" * len(OPEN))
     old = [
         row[0]
@@ -571,6 +582,12 @@ def _forget_old_batches(db: Connection, before: float) -> None:
     ]
     db.executemany("DELETE FROM batch_lines WHERE batch_id = ?", [(batch_id,) for batch_id in old])
     db.executemany("DELETE FROM batches WHERE id = ?", [(batch_id,) for batch_id in old])
+    # Those of batches that an earlier version ended (it kept them).
+    _drop_spent_lines(
+        db,
+        f"(LENGTH(request) > 0 OR answer IS NOT NULL) AND batch_id IN (SELECT id FROM batches WHERE status NOT IN ({marks}))",
+        OPEN,
+    )
 
 
 def _counted(db: Connection, batch: bp.Batch) -> bp.Batch:
