@@ -4,6 +4,9 @@ A batch's lines are rows of their own: a line is answered by one ``UPDATE ... WH
 IS NULL`` (its answer committed with it), and the output and error files are made from the
 answered rows in one transaction. So a process killed at any point leaves each line either
 answered once or not at all, and a restart runs exactly the lines without an answer.
+
+Long on purpose (over 600 lines): files and batches are one store, as a batch's lines are
+read from a file and its answers become files, each within one transaction of this module.
 """
 
 from __future__ import annotations

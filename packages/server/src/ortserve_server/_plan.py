@@ -5,6 +5,9 @@ A route hands its request here with the model it holds (``_leases``); this modul
 it (a parameter this server cannot honour is refused with a 400 naming it, never ignored),
 maps it to generation options, prepares the prompt and starts the runtime's streams, which
 the route delivers through ``_generation``.
+
+Long on purpose (over 600 lines): every parameter of a chat or completion request is
+checked here, in one walk before anything starts, so none is checked twice or not at all.
 """
 
 from __future__ import annotations
