@@ -28,7 +28,7 @@ from ._errors import (
     ModelNotFoundError,
     PreemptedError,
 )
-from ._loading import ModelKind, detect_model_kind, is_multimodal, load_chat_model, pick_engine
+from ._loading import ModelKind, detect_model_kind, load_chat_model, media_inputs, pick_engine
 from ._providers import PROVIDERS, Provider
 from ._registry import ModelLease, ModelRegistry, ModelState, ModelStatus
 from .chat import (
@@ -119,7 +119,7 @@ __all__ = [
     "detect_model_kind",
     "detect_tool_format",
     "forced_tool_grammar",
-    "is_multimodal",
     "load_chat_model",
+    "media_inputs",
     "pick_engine",
 ]

@@ -115,27 +115,33 @@ def read_mono(file: soundfile.SoundFile, frames: int, param: str) -> npt.NDArray
     return mono[:filled]
 
 
-def upsample(samples: npt.NDArray[np.float32], rate: int, to: int) -> npt.NDArray[np.float32]:
-    """Linear interpolation from ``rate`` up to ``to``. A piece (a Whisper window) holds its
-    own last sample past its end rather than reading ahead into the next: a step of
-    1/16,000 s, inaudible, and every window is heard on its own anyway."""
+def upsample(samples: npt.NDArray[np.float32], rate: int, to: int) -> Iterator[npt.NDArray[np.float32]]:
+    """Linear interpolation from ``rate`` up to ``to``, :data:`BLOCK_FRAMES` output samples
+    at a time: its index arrays take some 40 bytes an output sample, and twenty minutes of
+    4 kHz made whole took an og process +750-790 MiB (twenty-eighth probe, issue 45). A
+    piece (a Whisper window) holds its own last sample past its end rather than reading
+    ahead into the next: a step of 1/16,000 s, inaudible, and every window is heard on its
+    own anyway."""
     count = round(len(samples) * to / rate)
-    positions = np.arange(count, dtype=np.float64) * (rate / to)  # float64: exact positions
-    left = np.minimum(positions.astype(np.int64), len(samples) - 1)
-    right = np.minimum(left + 1, len(samples) - 1)
-    fraction = (positions - left).astype(np.float32)
-    result: npt.NDArray[np.float32] = samples[left] + (samples[right] - samples[left]) * fraction
-    return result
+    for start in range(0, count, BLOCK_FRAMES):
+        positions = np.arange(start, min(start + BLOCK_FRAMES, count), dtype=np.float64) * (rate / to)  # exact
+        left = np.minimum(positions.astype(np.int64), len(samples) - 1)
+        right = np.minimum(left + 1, len(samples) - 1)
+        fraction = (positions - left).astype(np.float32)
+        yield samples[left] + (samples[right] - samples[left]) * fraction
 
 
 def wav(samples: npt.NDArray[np.float32], rate: int) -> bytes:
     """``samples`` (mono) as a 16-bit WAV, at ``rate`` or brought up to :data:`MODEL_RATE`."""
     import soundfile  # on first use: a server without audio models starts without it
 
-    if rate < MODEL_RATE:
-        samples, rate = upsample(samples, rate, MODEL_RATE), MODEL_RATE
     buffer = io.BytesIO()
-    soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
+    if rate >= MODEL_RATE:
+        soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
+        return buffer.getvalue()
+    with soundfile.SoundFile(buffer, "w", MODEL_RATE, 1, "PCM_16", format="WAV") as target:
+        for piece in upsample(samples, rate, MODEL_RATE):
+            target.write(piece)
     return buffer.getvalue()
 
 
@@ -148,9 +154,9 @@ def og_samples(rate: int, frames: int, channels: int) -> int:
 def og_wav(audio: bytes, param: str) -> bytes:
     """A whole clip as og is given it: the frames its header says (read by
     :func:`audio_header`, already held to the request's bound) as a 32-bit float WAV of
-    its channels and rate, from which og's decoder computes what it would from the clip
-    itself (the same features, measured); a clip below 16 kHz mixed down to mono and
-    brought up to it. A clip of no frames is a 400 naming ``param``."""
+    its rate and one or two channels, from which og's decoder computes what it would from
+    the clip itself (the same features, measured); a clip of more channels mixed down to
+    mono, and one below 16 kHz mixed down and brought up to it. A clip of no frames is a 400 naming ``param``."""
     import soundfile  # on first use: a server without audio models starts without it
 
     try:
@@ -164,10 +170,13 @@ def og_wav(audio: bytes, param: str) -> bytes:
             if not len(samples):
                 raise InvalidRequestError("the audio holds no samples", param=param)
             return wav(samples, rate)
+        # One or two channels as they are (og's own mix, exactly); more mixed down to one
+        # here: og's processor dies of SIGFPE on 17 channels and more (twenty-eighth probe).
+        kept = file.channels if file.channels <= 2 else 1
         buffer, written = io.BytesIO(), 0
-        with soundfile.SoundFile(buffer, "w", rate, file.channels, "FLOAT", format="WAV") as target:
+        with soundfile.SoundFile(buffer, "w", rate, kept, "FLOAT", format="WAV") as target:
             for block in blocks(file, frames, param):
-                target.write(block)
+                target.write(block if kept == file.channels else block.mean(axis=1))
                 written += len(block)
     if not written:
         raise InvalidRequestError("the audio holds no samples", param=param)

@@ -30,6 +30,10 @@ _JPEG_MARKERS = 10_000
 took 7 s to read)."""
 
 _ORIENTATION = 0x0112  # the EXIF tag: 1 upright, 2-8 mirrored or turned by 90, 180 or 270 degrees
+_UPRIGHT = {2: 0, 3: 3, 4: 1, 5: 5, 6: 4, 7: 6, 8: 2}
+"""Each orientation's undoing as a Pillow ``Image.Transpose`` (FLIP_LEFT_RIGHT 0,
+FLIP_TOP_BOTTOM 1, ROTATE_90 2, ROTATE_180 3, ROTATE_270 4, TRANSPOSE 5, TRANSVERSE 6), as
+``ImageOps.exif_transpose`` does it."""
 
 ImageHeader = tuple[str, int, int]
 """An image's format (one of :data:`FORMATS`), width and height, as its header says."""
@@ -141,7 +145,6 @@ def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = 
         raise InvalidRequestError("the image is empty", param=param)
     _, width, height = _checked_header(data, max_pixels, param)
     import PIL.Image  # here, not at import: a text model's server starts without Pillow's 20 ms
-    import PIL.ImageOps
 
     try:
         with warnings.catch_warnings():
@@ -154,22 +157,26 @@ def png_for_og(data: bytes, *, max_pixels: int, param: str, rewrite_png: bool = 
                         param=param,
                     )
                 opened.load()  # truncated or corrupt data fails here, not in onnxruntime-genai
-                turned = opened.getexif().get(_ORIENTATION, 1) in range(2, 9)
-                if opened.format == "PNG" and not rewrite_png and not turned:
+                orientation = opened.getexif().get(_ORIENTATION)  # any value a hostile EXIF holds
+                turn = _UPRIGHT.get(orientation) if isinstance(orientation, int) else None
+                if opened.format == "PNG" and not rewrite_png and turn is None:
                     return data
-                # A photo is seen as it is shown: upright by its EXIF orientation (a phone's
-                # portrait photo is stored sideways), as browsers and transformers' load_image
-                # show it, not as its pixels lie.
-                upright = PIL.ImageOps.exif_transpose(opened) if turned else opened
                 # convert() copies even an RGB image: one decoded copy less held at the peak
-                rgb = upright if upright.mode == "RGB" else upright.convert("RGB")
+                rgb = opened if opened.mode == "RGB" else opened.convert("RGB")
                 if rgb is not opened:
                     # Its pixels go before the PNG is written: an RGBA decode of 25 megapixels
                     # is 100 MB beside the RGB copy's 75 (two such WebPs took a Qwen og process
                     # +555-567 MiB: twenty-seventh probe, issue 45).
                     opened.close()
-                if upright is not opened and upright is not rgb:
-                    upright.close()
+                if turn is not None:
+                    # A photo is seen as it is shown: upright by its EXIF orientation (a
+                    # phone's portrait photo is stored sideways), as browsers and transformers'
+                    # load_image show it. Turned once in RGB, each copy let go at once (turned
+                    # before the conversion, the RGBA copies took the og process past +512 MiB:
+                    # twenty-eighth probe).
+                    upright = rgb.transpose(PIL.Image.Transpose(turn))
+                    rgb.close()
+                    rgb = upright
                 out = io.BytesIO()
                 rgb.save(out, format="PNG", compress_level=0)
                 del rgb

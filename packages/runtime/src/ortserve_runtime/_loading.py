@@ -34,10 +34,10 @@ __all__ = [
     "Model",
     "ModelKind",
     "detect_model_kind",
-    "is_multimodal",
     "load_chat_model",
     "load_model",
     "measured_load",
+    "media_inputs",
     "pick_engine",
 ]
 
@@ -74,15 +74,18 @@ def detect_model_kind(folder: Path) -> ModelKind:
     )
 
 
-def is_multimodal(folder: Path) -> bool:
-    """Whether a model folder is a genai folder of a multimodal type served here (images,
-    and audio for some, in its chats); ``False`` for one that cannot be read."""
+def media_inputs(folder: Path) -> frozenset[str]:
+    """What a model folder takes in its chats besides text, as its genai_config says
+    (``image``, ``audio``; none for a text model, or a folder that cannot be read), as
+    :class:`~.chat.MediaProcessor` serves them."""
     config_path = folder / "genai_config.json"
     try:
-        model_type = read_json_file(config_path).get("model", {}).get("type") if config_path.is_file() else None
+        model = read_json_file(config_path).get("model", {}) if config_path.is_file() else {}
     except (ModelLoadError, AttributeError):
-        return False
-    return model_type in MULTIMODAL_TYPES
+        return frozenset()
+    if not isinstance(model, dict) or model.get("type") not in MULTIMODAL_TYPES:
+        return frozenset()
+    return frozenset(kind for kind, section in (("image", "vision"), ("audio", "speech")) if section in model)
 
 
 def _is_sequence_classifier(folder: Path) -> bool:

@@ -664,7 +664,7 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
     embedding, rerank or speech model; an image or audio bound for a model without them;
     an audio length for a model that does not transcribe) is a ``ValueError`` naming it,
     not a setting nothing reads."""
-    from ortserve_runtime import ModelLoadError, detect_model_kind, is_multimodal
+    from ortserve_runtime import ModelLoadError, detect_model_kind, media_inputs
 
     for name, key, _ in options:
         if key not in (*_CHAT_KEYS, *_MEDIA_KEYS, "max-audio-seconds") or name not in folders:
@@ -675,11 +675,12 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
             continue  # the model fails its own load, with the reason
         if key in _CHAT_KEYS and kind != "generative":
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it has no chat")
-        if key in _MEDIA_KEYS and not is_multimodal(folders[name]):
-            raise ValueError(
-                f"--model-option {name}:{key}: model {name!r} takes no images or audio in its chats (it is not "
-                "one of the multimodal types served)"
-            )
+        wanted = {"max-request-audio-samples": {"audio"}, "multimodal-concurrency": {"image", "audio"}}.get(
+            key, {"image"}
+        )
+        if key in _MEDIA_KEYS and not media_inputs(folders[name]) & wanted:
+            named = " or ".join(sorted("images" if what == "image" else what for what in wanted))
+            raise ValueError(f"--model-option {name}:{key}: model {name!r} takes no {named} in its chats")
         if key == "max-audio-seconds" and kind != "speech":
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it transcribes nothing")
 
