@@ -339,6 +339,7 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--model", f"v={PHI3V}", "--model-option", "v:max-image-pixels=0"], "max_image_pixels must be at least 1"),
         (["--model", f"v={PHI3V}", "--model-option", "v:multimodal-concurrency=lots"], "must be an integer"),
         (["--model", f"w={WHISPER}", "--model-option", "w:max-audio-seconds=long"], "must be a number of seconds"),
+        (["--model", f"w={WHISPER}", "--model-option", "w:max-audio-seconds=inf"], "a positive number of seconds"),
         (
             [
                 "--model",

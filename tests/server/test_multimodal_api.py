@@ -298,9 +298,10 @@ def test_more_bad_input(url: str, client: openai.OpenAI) -> None:
     # Twenty-fourth probe: eight 25-megapixel images grew the og process +1.35 GiB. The
     # pixels of a request's images together are bounded, from their headers.
     wide = image_part(image_bytes(800, 700, fmt="WEBP"), "image/webp")  # small encoded, 0.56 megapixels decoded
-    error = _bad(url, ask(wide))
-    assert error["param"] == "messages" and f"560000 pixels in all, more than the {REQUEST_PIXELS}" in error["message"]
     fits = image_part(image_bytes(600, 500, fmt="WEBP"), "image/webp")
+    error = _bad(url, ask(wide))
+    assert error["param"] == "messages[0].content[0]", error  # one image: named (twenty-eighth probe)
+    assert f"560000 pixels in all, more than the {REQUEST_PIXELS}" in error["message"]
     assert chat(client, ask(fits), max_tokens=2).choices[0].message.content is not None
     big = image_bytes(900, 900, fmt="BMP")  # ~2.4 MB: over the body limit
     assert len(big) > 2_000_000

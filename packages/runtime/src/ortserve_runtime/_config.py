@@ -247,8 +247,8 @@ class ModelConfig:
             raise ValueError("prefix_cache_tokens must not be negative (0 turns the cache off)")
         if self.max_images < 0:
             raise ValueError("max_images must not be negative (0 takes no images)")
-        if not self.max_audio_seconds > 0:
-            raise ValueError("max_audio_seconds must be positive")
+        if not 0 < self.max_audio_seconds < float("inf"):  # inf would bound nothing
+            raise ValueError("max_audio_seconds must be a positive number of seconds")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError("max_sequence_length must be at least 2")
         for name in self.adapters:

@@ -124,7 +124,7 @@ class MediaProcessor:
             )
         sizes = [image_size(image.data) for _, image in images]  # from their headers
         self._check_image_tokens(sizes)  # the context's bound first: the more telling one
-        self._check_image_pixels(sizes)
+        self._check_image_pixels(sizes, [where for where, _ in images])
         self._check_audio_samples(audios)
         room = self.held if images or audios else None
         if room is not None:
@@ -145,7 +145,7 @@ class MediaProcessor:
             raise
         return Prompt(ids, inputs)
 
-    def _check_image_pixels(self, sizes: list[tuple[int, int] | None]) -> None:
+    def _check_image_pixels(self, sizes: list[tuple[int, int] | None], places: list[str]) -> None:
         """Refuse, before any pixel is decoded, images whose pixels together pass the bound
         (one whose header cannot be read, or past ``max_image_pixels``, is refused on its
         own, naming it)."""
@@ -156,7 +156,7 @@ class MediaProcessor:
                 f"the image{'s' if len(sizes) > 1 else ''} hold{'' if len(sizes) > 1 else 's'} {pixels} pixels"
                 " in all, more than the "
                 f"{self.config.max_request_image_pixels} this server decodes for one request: send them smaller",
-                param="messages",
+                param="messages" if len(places) > 1 else places[0],  # one image: its part, as audio
             )
 
     def _check_audio_samples(self, audios: list[tuple[str, bytes]]) -> None:
