@@ -334,6 +334,7 @@ def test_a_provider_that_is_not_installed_fails_at_startup_naming_it_and_the_fix
         (["--model-option", "tiny:max-images=16"], "model 'tiny' takes no images in its chats"),
         (["--model-option", "tiny:multimodal-concurrency=2"], "model 'tiny' takes no audio or images in its chats"),
         (["--model", f"v={PHI3V}", "--model-option", "v:max-request-audio-samples=9"], "model 'v' takes no audio"),
+        (["--model", f"w={WHISPER}", "--model-option", "w:max-request-audio-samples=9"], "bound is max-audio-seconds"),
         (["--model-option", "tiny:max-audio-seconds=60"], "model 'tiny' is a generative model; it transcribes nothing"),
         (["--model", f"v={PHI3V}", "--model-option", "v:max-images=-1"], "max_images must not be negative"),
         (["--model", f"v={PHI3V}", "--model-option", "v:max-image-pixels=0"], "max_image_pixels must be at least 1"),

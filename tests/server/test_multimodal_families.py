@@ -255,7 +255,10 @@ def test_gemma4_audio_is_bounded_from_its_header_and_heard_as_og_hears_the_clip(
     assert len(hour) < 400_000
     error = ask(hour).json()["error"]
     assert error["param"] == "messages[0].content[0]", error
-    assert "57600000 samples (frames x channels) in all, more than the 19200000" in error["message"]
+    assert (
+        "57600000 samples (frames x channels; below 16 kHz, at 16 kHz) in all, more than the 19200000"
+        in error["message"]
+    )
     # A FLAC whose header leaves its length open (as written to a pipe): libsndfile counts
     # it as 2^63 - 1 frames; it is said so, not counted.
     open_ended = bytearray(clip(1, 16_000))

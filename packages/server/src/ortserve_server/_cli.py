@@ -680,7 +680,8 @@ def _check_chat_options(options: Sequence[tuple[str, str, str]], folders: dict[s
         )
         if key in _MEDIA_KEYS and not media_inputs(folders[name]) & wanted:
             named = " or ".join(sorted("images" if what == "image" else what for what in wanted))
-            raise ValueError(f"--model-option {name}:{key}: model {name!r} takes no {named} in its chats")
+            also = "; a speech model's bound is max-audio-seconds" if kind == "speech" and "audio" in wanted else ""
+            raise ValueError(f"--model-option {name}:{key}: model {name!r} takes no {named} in its chats{also}")
         if key == "max-audio-seconds" and kind != "speech":
             raise ValueError(f"--model-option {name}:{key}: model {name!r} is a {kind} model; it transcribes nothing")
 

@@ -171,7 +171,7 @@ class MediaProcessor:
         if samples > bound:
             raise InvalidRequestError(
                 f"the audio clip{'s' if len(audios) > 1 else ''} hold{'' if len(audios) > 1 else 's'} {samples} "
-                f"samples (frames x channels) in all, more than the {bound} this server decodes for one request "
+                f"samples (frames x channels; below 16 kHz, at 16 kHz) in all, more than the {bound} this server decodes for one request "
                 f"({bound / 16_000:.0f} s of 16 kHz mono): send them shorter",
                 param="messages" if len(audios) > 1 else audios[0][0],
             )
