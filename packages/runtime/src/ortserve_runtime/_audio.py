@@ -25,17 +25,7 @@ from ._errors import InvalidRequestError
 if TYPE_CHECKING:
     import soundfile
 
-__all__ = [
-    "MAX_SAMPLE_RATE",
-    "MIN_SAMPLE_RATE",
-    "MODEL_RATE",
-    "audio_header",
-    "og_samples",
-    "og_wav",
-    "read_mono",
-    "unreadable",
-    "wav",
-]
+__all__ = ["audio_header", "og_samples", "og_wav", "read_mono", "wav"]
 
 MODEL_RATE = 16_000
 """Samples per second Whisper's, Gemma's and Phi-4's audio features are computed at."""
@@ -156,7 +146,8 @@ def og_wav(audio: bytes, param: str) -> bytes:
     :func:`audio_header`, already held to the request's bound) as a 32-bit float WAV of
     its rate and one or two channels, from which og's decoder computes what it would from
     the clip itself (the same features, measured); a clip of more channels mixed down to
-    mono, and one below 16 kHz mixed down and brought up to it. A clip of no frames is a 400 naming ``param``."""
+    mono, and one below 16 kHz mixed down and brought up to it. A clip of no frames is a
+    400 naming ``param``."""
     import soundfile  # on first use: a server without audio models starts without it
 
     try:

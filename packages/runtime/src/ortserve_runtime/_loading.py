@@ -21,7 +21,7 @@ from ._folder import GenaiFolder, check_og_runs, load_og_model
 from ._memory import resident_memory
 from ._model_files import read_json_file
 from ._og_process import OgProcess
-from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor
+from .chat import MULTIMODAL_TYPES, ChatModel, MediaProcessor, media_of
 from .embeddings import EmbeddingModel, RerankModel
 from .engines import Engine, NotDrivableError, OgGeneratorEngine, OrtCpuEngine
 from .engines._adapters import check_adapters
@@ -75,17 +75,14 @@ def detect_model_kind(folder: Path) -> ModelKind:
 
 
 def media_inputs(folder: Path) -> frozenset[str]:
-    """What a model folder takes in its chats besides text, as its genai_config says
-    (``image``, ``audio``; none for a text model, or a folder that cannot be read), as
-    :class:`~.chat.MediaProcessor` serves them."""
+    """What a model folder takes in its chats besides text (``image``, ``audio``; nothing for
+    a text model, or a folder that cannot be read), as :class:`~.chat.MediaProcessor` serves it."""
     config_path = folder / "genai_config.json"
     try:
         model = read_json_file(config_path).get("model", {}) if config_path.is_file() else {}
     except (ModelLoadError, AttributeError):
         return frozenset()
-    if not isinstance(model, dict) or model.get("type") not in MULTIMODAL_TYPES:
-        return frozenset()
-    return frozenset(kind for kind, section in (("image", "vision"), ("audio", "speech")) if section in model)
+    return media_of(model) if isinstance(model, dict) else frozenset()
 
 
 def _is_sequence_classifier(folder: Path) -> bool:

@@ -5,7 +5,7 @@ from ._constraints import Grammar
 from ._logprobs import PromptLogprobs, TokenBytes, TokenLogprob, TopLogprob
 from ._media import AudioInput, ImageInput
 from ._model import ChatModel
-from ._multimodal import MULTIMODAL_TYPES, MediaProcessor
+from ._multimodal import MULTIMODAL_TYPES, MediaProcessor, media_of
 from ._reasoning import ReasoningMarkers, ReasoningParser, ReasoningStart, detect_reasoning
 from ._sampling import GenerationOptions
 from ._stream import GenerationStream, Prompt
@@ -41,4 +41,5 @@ __all__ = [
     "detect_reasoning",
     "detect_tool_format",
     "forced_tool_grammar",
+    "media_of",
 ]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._audio import audio_header, og_samples
 from .._config import ModelConfig
@@ -26,7 +26,7 @@ from ._stream import Prompt
 if TYPE_CHECKING:
     from .._og_process import OgProcess
 
-__all__ = ["MULTIMODAL_TYPES", "MediaProcessor"]
+__all__ = ["MULTIMODAL_TYPES", "MediaProcessor", "media_of"]
 
 _FAMILIES: dict[str, Placeholders] = {
     # What each family's prompt format (and so onnxruntime-genai's processor) expects where
@@ -45,6 +45,21 @@ _FAMILIES: dict[str, Placeholders] = {
 }
 MULTIMODAL_TYPES = frozenset(_FAMILIES)
 """``model.type`` values of genai_config.json served with images/audio."""
+
+
+def _served(model: Mapping[str, Any]) -> Placeholders:
+    """The placeholders of ``model``'s family (genai_config's ``model``) for the media its
+    folder has the graphs for (``vision``, ``speech``)."""
+    family = _FAMILIES.get(str(model.get("type")), {})
+    return {kind: place for kind, place in family.items() if ("vision" if kind is ImageInput else "speech") in model}
+
+
+def media_of(model: Mapping[str, Any]) -> frozenset[str]:
+    """What a model (genai_config's ``model``) takes in its chats besides text: ``image``,
+    ``audio``; nothing for a type not served here."""
+    return frozenset("image" if kind is ImageInput else "audio" for kind in _served(model))
+
+
 _DECODING_AT_ONCE = 2
 """Requests of a model whose media are handed to its og process at once: the process decodes
 and processes one request's at a time (its media lane), so a second one waits ready, and a
@@ -62,12 +77,8 @@ class MediaProcessor:
                 path=folder.path,
             )
         sections = folder.model
-        self.placeholders: Placeholders = {
-            kind: placeholder
-            for kind, placeholder in _FAMILIES[folder.model_type].items()
-            if ("vision" in sections if kind is ImageInput else "speech" in sections)
-        }
-        self.modalities = frozenset("image" if kind is ImageInput else "audio" for kind in self.placeholders)
+        self.placeholders = _served(sections)
+        self.modalities = media_of(sections)
         self.placeholder_text = _placeholder_pattern(_FAMILIES[folder.model_type].values())
         """The family's media placeholders as a caller might type them (``<|image_7|>``):
         the processor would take typed ones for media of the request's."""
