@@ -263,7 +263,9 @@ def main(host: str, port: int) -> None:
     token = os.environ.pop(TOKEN_VARIABLE).encode()
     lanes = []
     for _ in LANES:
-        lane = Connection(socket.create_connection((host, port)).detach())
+        sock = socket.create_connection((host, port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see OgProcess._accept
+        lane = Connection(sock.detach())
         lane.send_bytes(token)
         lanes.append(lane)
     threads = [threading.Thread(target=_serve, args=(child, lane), daemon=True) for lane in lanes[1:]]
